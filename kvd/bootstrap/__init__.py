@@ -1,0 +1,1 @@
+"""HTTP plane: SGLang-compatible bootstrap ``/route`` API, ``/health``, embedded uvicorn."""

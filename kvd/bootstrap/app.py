@@ -1,0 +1,76 @@
+"""The daemon's FastAPI app: ``/health`` always, SGLang's ``/route`` when serving bootstrap."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from kvd.bootstrap.table import (
+    BootstrapTable,
+    Conflict,
+    NotFound,
+    NotReady,
+    ParallelInfo,
+    PrefillRegistration,
+    RankInfo,
+)
+
+log = logging.getLogger(__name__)
+
+
+def create_app(health: Callable[[], dict[str, Any]], table: BootstrapTable | None) -> FastAPI:
+    """Build the app. ``health()`` returns the /health JSON; ``table`` enables /route.
+
+    Bad input answers 400 (never 422 or 500); an unknown rank 404; a rank not
+    yet registered 503; a contradicting registration 409.
+    """
+    app = FastAPI(title="kvd", version="1")
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        return JSONResponse({"error": "bad request", "detail": errors}, status_code=400)
+
+    @app.get("/health")
+    async def get_health() -> dict[str, Any]:
+        return health()
+
+    if table is not None:
+        _add_route_api(app, table)
+    return app
+
+
+def _add_route_api(app: FastAPI, table: BootstrapTable) -> None:
+    @app.put("/route", response_class=PlainTextResponse)
+    async def put_route(reg: PrefillRegistration) -> PlainTextResponse:
+        try:
+            outcome = table.register(reg)
+        except Conflict as exc:
+            return PlainTextResponse(str(exc), status_code=409)
+        if outcome == "replaced":
+            log.warning("bootstrap: rank tp=%d dp=%d pp=%d re-registered at %s:%d (replaced)",
+                        reg.attn_tp_rank, reg.attn_dp_rank, reg.pp_rank, reg.rank_ip,
+                        reg.rank_port)
+        return PlainTextResponse("OK")
+
+    @app.get("/route", response_model=None)
+    async def get_route(engine_rank: int = Query(ge=-1),
+                        target_dp_group: int = Query(ge=-1),
+                        target_pp_rank: int = Query(-1, ge=-1)) -> ParallelInfo | RankInfo | \
+            PlainTextResponse:
+        try:
+            if engine_rank == -1 and target_dp_group == -1 and target_pp_rank == -1:
+                return table.parallel_info()
+            if min(engine_rank, target_dp_group) < 0:
+                return PlainTextResponse("engine_rank and target_dp_group must be >= 0",
+                                         status_code=400)
+            return table.lookup(engine_rank, target_dp_group, max(target_pp_rank, 0))
+        except NotReady as exc:
+            return PlainTextResponse(str(exc), status_code=503)
+        except NotFound as exc:
+            return PlainTextResponse(str(exc), status_code=404)

@@ -1,0 +1,1 @@
+"""The ``kvd`` command line."""

@@ -1,0 +1,98 @@
+"""Sender / Receiver: the per-room objects an engine uses (SGLang's KVSender/KVReceiver shape)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvd.client.rpc import KvdClient
+from kvd.errors import KVTransferError
+from kvd.protocol import rpc
+from kvd.protocol.codec import pack_indices
+from kvd.rooms import UNKNOWN_ROOM, KVPoll
+
+
+def _status(value: int) -> KVPoll | int:
+    return KVPoll(value) if value != UNKNOWN_ROOM else UNKNOWN_ROOM
+
+
+def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
+    """KVPoll of many rooms in ONE RPC; a room kvd does not know gives ``UNKNOWN_ROOM`` (-1)."""
+    result = client.call(rpc.Poll(rooms=list(rooms)))
+    return [_status(s) for s in result["statuses"]]
+
+
+class _Room:
+    def __init__(self, client: KvdClient, room: int) -> None:
+        if not 0 <= room < 2**64:
+            raise ValueError(f"room must be a 64-bit unsigned id, got {room}")
+        self.client = client
+        self.room = room
+
+    def poll(self) -> KVPoll | int:
+        """Current KVPoll of this room (``UNKNOWN_ROOM`` once cleared)."""
+        result = self.client.call(rpc.Poll(rooms=[self.room]))
+        return _status(result["statuses"][0])
+
+    def failure_exception(self) -> KVTransferError:
+        """The room's failure as a :class:`KVTransferError` (call after poll() == Failed)."""
+        result: dict[str, Any] = self.client.call(rpc.Poll(rooms=[self.room]))
+        reasons = {int(k): v for k, v in result.get("reasons", {}).items()}
+        return KVTransferError(self.room, reasons.get(self.room, "room is not failed"))
+
+    def abort(self, reason: str = "aborted by engine") -> None:
+        """Fail the room on both sides with ``reason``."""
+        self.client.call(rpc.Abort(room=self.room, reason=reason))
+
+    def clear(self) -> None:
+        """Forget the room (after Success or Failed)."""
+        self.client.call(rpc.Clear(room=self.room))
+
+
+class Sender(_Room):
+    """Prefill side of room ``room``. Raises RoomError if the room is already active."""
+
+    def __init__(self, client: KvdClient, room: int) -> None:
+        super().__init__(client, room)
+        self.num_pages = 0
+        self.sent = 0
+        client.call(rpc.SenderCreate(room=room))
+
+    def init(self, num_pages: int, aux_index: int) -> None:
+        """Announce the room's total page count and its aux slot."""
+        self.num_pages = num_pages
+        self.client.call(rpc.SenderInit(room=self.room, num_pages=num_pages,
+                                        aux_index=aux_index))
+
+    def send(self, page_indices: npt.ArrayLike, is_last: bool | None = None) -> None:
+        """Send one chunk of source page indices (int, 1-D).
+
+        The chunk that reaches ``num_pages`` is the last one (it carries aux);
+        ``is_last`` overrides that.
+        """
+        pages = np.asarray(page_indices)
+        self.sent += int(pages.size)
+        last = self.sent >= self.num_pages if is_last is None else is_last
+        self.client.call(rpc.SenderSend(room=self.room, pages=pack_indices(pages),
+                                        is_last=last))
+
+
+class Receiver(_Room):
+    """Decode side of room ``room``, fed by the prefill instance at ``bootstrap_addr``.
+
+    ``dp_rank`` names the prefill DP group (default: ``room % prefill_dp_size``).
+    """
+
+    def __init__(self, client: KvdClient, room: int, bootstrap_addr: str,
+                 dp_rank: int | None = None) -> None:
+        super().__init__(client, room)
+        client.call(rpc.ReceiverCreate(room=room, bootstrap_addr=bootstrap_addr,
+                                       dp_rank=dp_rank))
+
+    def init(self, dst_page_indices: npt.ArrayLike, aux_index: int) -> None:
+        """Give the destination pages (int, 1-D) and the aux slot for this room."""
+        self.client.call(rpc.ReceiverInit(room=self.room,
+                                          dst_pages=pack_indices(dst_page_indices),
+                                          aux_index=aux_index))

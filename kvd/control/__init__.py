@@ -1,0 +1,1 @@
+"""kvd <-> kvd control plane: ZMQ sockets and the registry of remote ranks."""

@@ -1,0 +1,114 @@
+"""What both sides of a daemon share: settings, transfer engine, control plane, local KV args.
+
+Everything here is owned by the daemon's one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvd.config import Settings
+from kvd.control.peers import ControlPlane, PeerSendError
+from kvd.errors import ProtocolError, RegistrationError
+from kvd.memory import MemoryMap
+from kvd.protocol import control
+from kvd.protocol.control import ControlMessage, KVArgsWire
+from kvd.protocol.rpc import RegisterKV
+from kvd.transfer.engine import TransferEngine
+from kvd.transfer.executor import TransferExecutor
+from kvd.transfer.kvargs import RankArgs
+
+log = logging.getLogger("kvd")
+
+
+@dataclass
+class Counters:
+    """Daemon-wide totals (bytes, rooms)."""
+
+    bytes_sent: int = 0
+    rooms_succeeded: int = 0
+    rooms_failed: int = 0
+    protocol_errors: int = 0
+
+
+@dataclass
+class Core:
+    """Shared daemon state. ``local`` is set once the engine registered its KV args."""
+
+    settings: Settings
+    engine: TransferEngine
+    executor: TransferExecutor
+    control: ControlPlane
+    memory: MemoryMap
+    http: httpx.AsyncClient
+    local: RankArgs | None = None
+    counters: Counters = field(default_factory=Counters)
+    tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    registered_addrs: list[int] = field(default_factory=list)
+
+    @property
+    def instance_id(self) -> str:
+        return self.settings.instance_id
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """Run ``coro`` as a task the daemon keeps a reference to (and cancels on shutdown)."""
+        task = asyncio.create_task(coro, name=name)
+        self.tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s crashed", task.get_name(), exc_info=task.exception())
+
+    async def send(self, endpoint: str, msg: ControlMessage) -> bool:
+        """Send a control message; returns False (logged) if the peer is unreachable."""
+        try:
+            await self.control.send(endpoint, control.encode(msg))
+            return True
+        except PeerSendError as exc:
+            log.warning("%s", exc)
+            return False
+
+    def register_local(self, req: RegisterKV) -> RankArgs:
+        """Map the engine's buffers, register them with the transfer engine, build KV args.
+
+        Raises :class:`RegistrationError` on a bad handle or inconsistent args.
+        """
+        if self.local is not None:
+            raise RegistrationError("an engine is already registered with this kvd")
+        kv_ptrs = [self.memory.resolve(h) for h in req.kv_buffers]
+        aux_ptrs = [self.memory.resolve(h) for h in req.aux_buffers]
+        wire = KVArgsWire(
+            session_id=self.engine.session_id, kv_data_ptrs=kv_ptrs,
+            kv_data_lens=[h.length for h in req.kv_buffers], kv_item_lens=list(req.kv_item_lens),
+            aux_data_ptrs=aux_ptrs, aux_data_lens=[h.length for h in req.aux_buffers],
+            aux_item_lens=list(req.aux_item_lens), page_size=req.page_size,
+            num_kv_heads=req.num_kv_heads, head_dim=req.head_dim, dtype_size=req.dtype_size,
+            num_layers=req.num_layers, layer_start=req.layer_start, is_mla=req.is_mla,
+            layout=req.layout)
+        args = RankArgs.of(wire)
+        for m in self.memory.mappings.values():
+            if m.addr not in self.registered_addrs:
+                self.engine.register(m.addr, m.length)
+                self.registered_addrs.append(m.addr)
+        self.local = args
+        log.info("engine registered: %d KV buffers, %d pages of %d tokens, %d aux slots",
+                 len(kv_ptrs), args.num_pages, req.page_size, args.num_aux_slots)
+        return args
+
+    def decode_control(self, frame: bytes) -> ControlMessage | None:
+        """Parse an inbound control frame; None (logged, counted) if malformed."""
+        try:
+            return control.decode(frame, self.settings.max_frame_bytes)
+        except ProtocolError as exc:
+            self.counters.protocol_errors += 1
+            log.warning("dropped control frame: %s", exc)
+            return None

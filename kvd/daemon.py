@@ -1,0 +1,271 @@
+"""The kvd daemon lifecycle: startup -> serve -> drain -> shutdown, on one uvloop loop.
+
+Startup opens, in order: the transfer engine, the ZMQ control socket, the
+HTTP server (``/health``, and ``/route`` when serving bootstrap), and the
+engine RPC socket; then prints one JSON "ready" line on stdout. Signals only
+set a flag; shutdown closes the engine socket (unlinking it), stops HTTP,
+cancels tasks, waits for in-flight writes, and unregisters memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from kvd import __version__
+from kvd.addr import join_hostport
+from kvd.bootstrap.app import create_app
+from kvd.bootstrap.server import HttpServer, bind_socket
+from kvd.bootstrap.table import BootstrapTable
+from kvd.config import Settings
+from kvd.control.peers import ControlPlane
+from kvd.core import Core
+from kvd.decode import DecodeSide
+from kvd.engine_rpc.server import Connection, EngineRpcServer
+from kvd.errors import RoomError
+from kvd.memory import MemoryMap
+from kvd.prefill import PrefillSide
+from kvd.protocol import control, rpc
+from kvd.rooms import UNKNOWN_ROOM, KVPoll
+from kvd.transfer.engine import MooncakeEngine, TransferEngine
+from kvd.transfer.executor import TransferExecutor
+
+log = logging.getLogger("kvd")
+
+SWEEP_INTERVAL = 0.1
+
+
+class Daemon:
+    """One kvd: serves one engine rank in ``settings.role``."""
+
+    def __init__(self, settings: Settings, engine: TransferEngine | None = None) -> None:
+        self.settings = settings
+        self._engine = engine
+        self.stop_event = asyncio.Event()
+        self.started_at = time.time()
+        self.table = BootstrapTable() if settings.serve_bootstrap else None
+        self.core: Core | None = None
+        self.prefill: PrefillSide | None = None
+        self.decode: DecodeSide | None = None
+        self.http_server: HttpServer | None = None
+        self.rpc_server: EngineRpcServer | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Start, serve until a stop signal, shut down. Returns the exit code."""
+        await self.startup()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_event.set)
+        try:
+            await self.stop_event.wait()
+        finally:
+            await self.shutdown()
+        return 0
+
+    async def startup(self) -> None:
+        """Open every listener; raises ConfigError/TransportError if one cannot start."""
+        s = self.settings
+        engine = self._engine or MooncakeEngine(s.host, s.max_batch_entries)
+        ctl = ControlPlane(s.control_send_timeout)
+        ctl.bind(s.host, s.zmq_port)
+        http = httpx.AsyncClient(timeout=s.http_timeout,
+                                 limits=httpx.Limits(max_keepalive_connections=32))
+        self.core = Core(s, engine, TransferExecutor(engine, s.transfer_threads), ctl,
+                         MemoryMap(s.shm_dir), http)
+        sock = bind_socket(s.http_host, s.http_port)
+        self.http_server = HttpServer(create_app(self.health, self.table), sock)
+        await self.http_server.start()
+        if s.serve_bootstrap and s.bootstrap_addr is None:
+            s.bootstrap_addr = join_hostport(s.http_host, self.http_server.port)
+        if s.role == "prefill":
+            self.prefill = PrefillSide(self.core)
+        else:
+            self.decode = DecodeSide(self.core)
+        self.rpc_server = EngineRpcServer(s.engine_socket, self.dispatch, s.max_frame_bytes)
+        await self.rpc_server.start()
+        self.core.spawn(self._recv_loop(), "control-recv")
+        self.core.spawn(self._sweep_loop(), "sweeper")
+        self._announce()
+
+    def _announce(self) -> None:
+        assert self.core is not None and self.http_server is not None
+        ready = {"event": "ready", "role": self.settings.role, "version": __version__,
+                 "instance_id": self.settings.instance_id, "http_port": self.http_server.port,
+                 "control_endpoint": self.core.control.endpoint,
+                 "session_id": self.core.engine.session_id,
+                 "engine_socket": str(self.settings.engine_socket),
+                 "bootstrap_addr": self.settings.bootstrap_addr}
+        print(json.dumps(ready), flush=True)
+        log.info("kvd %s ready: %s", self.settings.role, ready)
+
+    async def shutdown(self) -> None:
+        """Close listeners, cancel tasks, wait for transfers, release memory."""
+        core = self.core
+        if self.rpc_server is not None:
+            await self.rpc_server.stop()
+        if self.http_server is not None:
+            await self.http_server.stop()
+        if core is None:
+            return
+        for task in list(core.tasks):
+            task.cancel()
+        await asyncio.gather(*core.tasks, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(None, core.executor.shutdown)
+        await core.http.aclose()
+        core.control.close()
+        for addr in core.registered_addrs:
+            try:
+                core.engine.unregister(addr)
+            except Exception as exc:
+                log.warning("unregister %#x: %s", addr, exc)
+        core.memory.close()
+        log.info("kvd stopped")
+
+    # ---- loops --------------------------------------------------------------------------
+
+    async def _recv_loop(self) -> None:
+        assert self.core is not None
+        while True:
+            frame = await self.core.control.recv()
+            msg = self.core.decode_control(frame)
+            if msg is not None:
+                self._on_control(msg)
+
+    def _on_control(self, msg: control.ControlMessage) -> None:
+        if self.prefill is not None:
+            if isinstance(msg, control.RegisterRank):
+                self.prefill.on_register_rank(msg)
+            elif isinstance(msg, control.RoomPages):
+                self.prefill.on_room_pages(msg)
+            elif isinstance(msg, control.RoomAbort):
+                self.prefill.on_room_abort(msg)
+            else:
+                log.warning("prefill kvd ignores %s", type(msg).__name__)
+        elif self.decode is not None:
+            if isinstance(msg, control.RoomStatus):
+                self.decode.on_room_status(msg)
+            elif isinstance(msg, control.RoomAbort):
+                self.decode.on_room_abort(msg)
+            else:
+                log.warning("decode kvd ignores %s", type(msg).__name__)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL)
+            now = time.monotonic()
+            if self.prefill is not None:
+                self.prefill.sweep(now)
+            if self.decode is not None:
+                self.decode.sweep(now)
+
+    # ---- engine RPC ---------------------------------------------------------------------
+
+    async def dispatch(self, call: rpc.Call, conn: Connection) -> Any:
+        """Run one engine call; kvd errors propagate to the RPC server as error replies."""
+        assert self.core is not None
+        match call:
+            case rpc.RegisterKV():
+                args = self.core.register_local(call)
+                if self.prefill is not None:
+                    self.core.spawn(self.prefill.register_with_bootstrap(), "bootstrap-put")
+                return {"num_pages": args.num_pages, "num_aux_slots": args.num_aux_slots,
+                        "session_id": self.core.engine.session_id}
+            case rpc.Poll():
+                return self._poll(call.rooms)
+            case rpc.Info():
+                return self.health()
+            case rpc.Abort():
+                self._side_abort(call.room, call.reason)
+                return None
+            case rpc.Clear():
+                self._side_clear(call.room)
+                return None
+        if self.prefill is not None:
+            return self._prefill_call(self.prefill, call)
+        assert self.decode is not None
+        return self._decode_call(self.decode, call)
+
+    def _prefill_call(self, side: PrefillSide, call: rpc.Call) -> Any:
+        match call:
+            case rpc.SenderCreate():
+                side.create(call.room)
+            case rpc.SenderInit():
+                side.init(call.room, call.num_pages, call.aux_index)
+            case rpc.SenderSend():
+                side.send(call.room, call.pages, call.is_last)
+            case _:
+                raise RoomError(f"{type(call).__name__} is not available on a prefill kvd")
+        return None
+
+    def _decode_call(self, side: DecodeSide, call: rpc.Call) -> Any:
+        match call:
+            case rpc.ReceiverCreate():
+                side.create(call.room, call.bootstrap_addr, call.dp_rank)
+            case rpc.ReceiverInit():
+                side.init(call.room, call.dst_pages, call.aux_index)
+            case _:
+                raise RoomError(f"{type(call).__name__} is not available on a decode kvd")
+        return None
+
+    def _poll(self, rooms: list[int]) -> dict[str, Any]:
+        table: dict[int, Any] = (self.prefill.rooms if self.prefill is not None
+                                 else self.decode.rooms if self.decode is not None else {})
+        statuses, reasons, stats = [], {}, {}
+        for room in rooms:
+            r = table.get(room)
+            if r is None:
+                statuses.append(UNKNOWN_ROOM)
+                continue
+            statuses.append(int(r.state.status))
+            if r.state.status == KVPoll.Failed:
+                reasons[room] = r.state.reason
+            if self.prefill is not None and (st := self.prefill.stats(room)) is not None:
+                stats[room] = st
+        return {"statuses": statuses, "reasons": reasons, "stats": stats}
+
+    def _side_abort(self, room: int, reason: str) -> None:
+        if self.prefill is not None:
+            self.prefill.abort(room, reason)
+        if self.decode is not None:
+            self.decode.abort(room, reason)
+
+    def _side_clear(self, room: int) -> None:
+        if self.prefill is not None:
+            self.prefill.clear(room)
+        if self.decode is not None:
+            self.decode.clear(room)
+
+    # ---- status -------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        """Liveness JSON: role, instance id, uptime (s), room counts, totals."""
+        core = self.core
+        rooms = (self.prefill.rooms if self.prefill else self.decode.rooms if self.decode
+                 else {})
+        by_state: dict[str, int] = {}
+        for r in rooms.values():
+            by_state[r.state.status.name] = by_state.get(r.state.status.name, 0) + 1
+        return {"status": "ok", "role": self.settings.role,
+                "instance_id": self.settings.instance_id,
+                "uptime_s": round(time.time() - self.started_at, 3),
+                "engine_registered": bool(core and core.local),
+                "rooms": by_state,
+                "counters": vars(core.counters) if core else {}}
+
+
+def serve(settings: Settings) -> int:
+    """Run a daemon on a fresh uvloop loop until SIGTERM/SIGINT; returns the exit code."""
+    import uvloop
+
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return uvloop.run(Daemon(settings).run())

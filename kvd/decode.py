@@ -1,0 +1,254 @@
+"""Decode side of a daemon: receivers, bootstrap lookups, prefill registration.
+
+Room R on a decode rank: ``Bootstrapping`` while kvd resolves the prefill
+ranks it needs (parallel info and rank endpoints from the bootstrap server,
+cached per address) and registers its KV args with each of them once;
+``WaitingForInput`` until the engine gives destination pages
+(``receiver.init``); ``Transferring`` once they were sent to every target;
+``Success`` when every target reported Success (their last chunk and the aux
+data have landed by then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvd.addr import http_url, join_hostport, parse_hostport
+from kvd.bootstrap.table import ParallelInfo, RankInfo
+from kvd.control.routing import Target, resolve_targets
+from kvd.core import Core
+from kvd.errors import BootstrapError, KvdError, LayoutError, RegistrationError, RoomError
+from kvd.protocol import control
+from kvd.protocol.codec import unpack_indices
+from kvd.rooms import KVPoll, RoomState
+from kvd.transfer.plan import check_page_range
+
+log = logging.getLogger("kvd.decode")
+
+
+@dataclass
+class ReceiverRoom:
+    """Decode-side state of one room."""
+
+    state: RoomState
+    bootstrap_addr: str
+    dp_rank: int | None
+    dst_pages: bytes | None = None
+    aux_index: int = 0
+    targets: list[tuple[Target, str]] | None = None
+    successes: set[str] = field(default_factory=set)
+    pages_sent: bool = False
+
+
+class BootstrapClient:
+    """Cached, bounded lookups on prefill bootstrap servers (one loop, async httpx).
+
+    503 (not every rank registered yet) and connection errors are retried with
+    backoff for up to ``budget`` seconds; other 4xx answers fail at once.
+    """
+
+    def __init__(self, http: httpx.AsyncClient, budget: float) -> None:
+        self.http = http
+        self.budget = budget
+        self.info: dict[str, ParallelInfo] = {}
+        self.ranks: dict[tuple[str, int, int, int], RankInfo] = {}
+
+    async def _get(self, addr: str, params: dict[str, int]) -> dict[str, object]:
+        url, deadline, delay = http_url(addr, "/route"), time.monotonic() + self.budget, 0.05
+        last = ""
+        while True:
+            try:
+                resp = await self.http.get(url, params=params)
+                if resp.status_code == 200:
+                    result: dict[str, object] = resp.json()
+                    return result
+                last = f"{resp.status_code} {resp.text.strip()}"
+                if resp.status_code != 503:
+                    raise BootstrapError(f"bootstrap {addr} answered {last}")
+            except httpx.HTTPError as exc:
+                last = f"bootstrap unreachable ({type(exc).__name__})"
+            if time.monotonic() + delay > deadline:
+                raise BootstrapError(f"bootstrap {addr}: {last} after {self.budget:.0f}s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def parallel_info(self, addr: str) -> ParallelInfo:
+        """The prefill instance's sizes (cached per bootstrap address)."""
+        if addr not in self.info:
+            data = await self._get(addr, {"engine_rank": -1, "target_dp_group": -1,
+                                          "target_pp_rank": -1})
+            self.info[addr] = ParallelInfo.model_validate(data)
+        return self.info[addr]
+
+    async def rank(self, addr: str, t: Target) -> RankInfo:
+        """Where prefill rank (tp, dp, pp) listens (cached)."""
+        key = (addr, t.tp_rank, t.dp_group, t.pp_rank)
+        if key not in self.ranks:
+            data = await self._get(addr, {"engine_rank": t.tp_rank, "target_dp_group":
+                                          t.dp_group, "target_pp_rank": t.pp_rank})
+            self.ranks[key] = RankInfo.model_validate(data)
+        return self.ranks[key]
+
+
+class DecodeSide:
+    """Receivers of one decode rank. Every method runs on the daemon's loop."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.rooms: dict[int, ReceiverRoom] = {}
+        self.bootstrap = BootstrapClient(core.http, core.settings.bootstrap_retry_budget)
+        self.registered: set[str] = set()
+
+    # ---- engine calls -------------------------------------------------------------------
+
+    def create(self, room: int, bootstrap_addr: str, dp_rank: int | None) -> None:
+        """``Receiver(room, bootstrap_addr)``; raises RoomError if the room is active."""
+        old = self.rooms.get(room)
+        if old is not None and not old.state.done:
+            raise RoomError(f"room {room} already active")
+        parse_hostport(bootstrap_addr)
+        if self.core.local is None:
+            raise RegistrationError("no engine has registered KV buffers with this kvd")
+        r = ReceiverRoom(RoomState(room), bootstrap_addr, dp_rank)
+        self.rooms[room] = r
+        self.core.spawn(self._bootstrap(room, r), f"bootstrap-{room}")
+
+    def init(self, room: int, dst_pages: bytes, aux_index: int) -> None:
+        """``receiver.init``: destination pages and aux slot; sent once targets are known."""
+        r = self._room(room)
+        local = self.core.local
+        assert local is not None
+        pages = unpack_indices(dst_pages)
+        try:
+            check_page_range(pages, local.num_pages, f"room {room} destination")
+            if local.num_aux_slots and not 0 <= aux_index < local.num_aux_slots:
+                raise LayoutError(f"aux_index {aux_index} outside [0, {local.num_aux_slots})")
+        except LayoutError as exc:
+            raise RoomError(f"room {room}: {exc}") from exc
+        if r.dst_pages is not None:
+            raise RoomError(f"room {room}: init called twice")
+        r.dst_pages, r.aux_index = dst_pages, aux_index
+        if r.targets is not None and not r.state.done:
+            self.core.spawn(self._send_pages(room, r), f"pages-{room}")
+
+    def abort(self, room: int, reason: str) -> None:
+        """Fail the room and tell its prefill ranks."""
+        r = self.rooms.get(room)
+        if r is None or r.state.done:
+            return
+        self._fail(room, r, f"room {room} aborted on decode: {reason}")
+        msg = control.RoomAbort(room, f"room {room} aborted on decode: {reason}",
+                                self.core.control.endpoint, self.core.instance_id)
+        for _, endpoint in r.targets or []:
+            self.core.spawn(self.core.send(endpoint, msg), f"abort-{room}")
+
+    def clear(self, room: int) -> None:
+        """Forget a room; an unfinished one is aborted first."""
+        if room in self.rooms:
+            self.abort(room, "cleared before it finished")
+            del self.rooms[room]
+
+    # ---- control messages ---------------------------------------------------------------
+
+    def on_room_status(self, msg: control.RoomStatus) -> None:
+        """A prefill rank's final word on a room; late or unknown reports are ignored."""
+        r = self.rooms.get(msg.room)
+        if r is None or r.state.done:
+            return
+        if r.targets is None or msg.endpoint not in {ep for _, ep in r.targets}:
+            log.warning("room %d: status from unexpected peer %s ignored", msg.room, msg.endpoint)
+            return
+        if msg.status == KVPoll.Failed:
+            self._fail(msg.room, r, msg.reason or f"room {msg.room}: failed on {msg.endpoint}")
+        elif msg.status == KVPoll.Success:
+            r.successes.add(msg.endpoint)
+            if len(r.successes) == len(r.targets) and r.state.advance(KVPoll.Success):
+                self.core.counters.rooms_succeeded += 1
+
+    def on_room_abort(self, msg: control.RoomAbort) -> None:
+        """The prefill side aborted the room."""
+        r = self.rooms.get(msg.room)
+        if r is not None:
+            self._fail(msg.room, r, msg.reason)
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _room(self, room: int) -> ReceiverRoom:
+        r = self.rooms.get(room)
+        if r is None:
+            raise RoomError(f"unknown room {room}")
+        return r
+
+    def _fail(self, room: int, r: ReceiverRoom, reason: str) -> None:
+        if r.state.fail(reason):
+            self.core.counters.rooms_failed += 1
+            log.warning("%s", reason)
+
+    async def _bootstrap(self, room: int, r: ReceiverRoom) -> None:
+        try:
+            targets = await self._resolve(room, r)
+        except KvdError as exc:
+            self._fail(room, r, f"room {room}: {exc}")
+            return
+        if r.state.done:
+            return
+        r.targets = targets
+        r.state.advance(KVPoll.WaitingForInput)
+        if r.dst_pages is not None:
+            await self._send_pages(room, r)
+
+    async def _resolve(self, room: int, r: ReceiverRoom) -> list[tuple[Target, str]]:
+        s, addr = self.core.settings, r.bootstrap_addr
+        info = await self.bootstrap.parallel_info(addr)
+        local = self.core.local
+        assert local is not None
+        targets = resolve_targets(room, s.attn_tp_rank, s.attn_tp_size, info.prefill_attn_tp_size,
+                                  info.prefill_dp_size, info.prefill_pp_size, local.wire.is_mla,
+                                  r.dp_rank)
+        out = []
+        for t in targets:
+            rank = await self.bootstrap.rank(addr, t)
+            endpoint = f"tcp://{join_hostport(rank.rank_ip.strip('[]'), rank.rank_port)}"
+            await self._ensure_registered(endpoint)
+            out.append((t, endpoint))
+        return out
+
+    async def _ensure_registered(self, endpoint: str) -> None:
+        if endpoint in self.registered:
+            return
+        local, s = self.core.local, self.core.settings
+        assert local is not None
+        self.registered.add(endpoint)  # before the await: concurrent rooms must not re-send
+        msg = control.RegisterRank(self.core.instance_id, self.core.control.endpoint,
+                                   s.attn_tp_rank, s.attn_tp_size, local.wire)
+        if not await self.core.send(endpoint, msg):
+            self.registered.discard(endpoint)
+            raise BootstrapError(f"cannot reach prefill rank {endpoint}")
+
+    async def _send_pages(self, room: int, r: ReceiverRoom) -> None:
+        if r.pages_sent or r.targets is None or r.dst_pages is None:
+            return
+        r.pages_sent = True
+        for t, endpoint in r.targets:
+            msg = control.RoomPages(room, self.core.control.endpoint, self.core.instance_id,
+                                    r.dst_pages, r.aux_index, t.required_dst_info_num, t.is_dummy)
+            if not await self.core.send(endpoint, msg):
+                self._fail(room, r, f"room {room}: cannot reach prefill rank {endpoint}")
+                return
+        r.state.advance(KVPoll.Transferring)
+
+    def sweep(self, now: float) -> None:
+        """Deadlines for Bootstrapping, WaitingForInput and Transferring."""
+        s = self.core.settings
+        limits = {KVPoll.Bootstrapping: s.bootstrap_timeout, KVPoll.WaitingForInput:
+                  s.waiting_timeout, KVPoll.Transferring: s.transfer_timeout}
+        for room, r in list(self.rooms.items()):
+            limit = limits.get(r.state.status)
+            if limit is not None and now - r.state.since > limit:
+                self._fail(room, r, f"room {room}: timed out in {r.state.status.name} after "
+                                    f"{limit:.1f}s (prefill {r.bootstrap_addr})")

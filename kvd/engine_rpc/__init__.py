@@ -1,0 +1,1 @@
+"""Engine <-> kvd RPC server on a Unix socket."""

@@ -1,0 +1,115 @@
+"""The engine RPC server: an asyncio Unix-socket server on the daemon's loop.
+
+Each connection carries length-prefixed frames (:mod:`kvd.protocol.rpc`).
+Requests on one connection are answered in order. A kvd error becomes a
+failed :class:`~kvd.protocol.rpc.Reply` naming its class; a malformed frame
+is answered with a ProtocolError reply and the connection keeps serving; a
+frame over the size limit closes the connection (the stream cannot be
+resynchronised).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from kvd.errors import KvdError, ProtocolError
+from kvd.protocol import rpc
+
+log = logging.getLogger(__name__)
+
+Dispatch = Callable[[rpc.Call, "Connection"], Awaitable[Any]]
+
+
+class Connection:
+    """One engine connection; ``closed`` callbacks run when it drops."""
+
+    def __init__(self, conn_id: int) -> None:
+        self.id = conn_id
+        self.on_close: list[Callable[[], None]] = []
+
+
+class EngineRpcServer:
+    """Serves ``dispatch(call, connection)`` on ``path`` (mode 0600)."""
+
+    def __init__(self, path: Path, dispatch: Dispatch, max_frame: int) -> None:
+        self.path = path
+        self.dispatch = dispatch
+        self.max_frame = max_frame
+        self._server: asyncio.AbstractServer | None = None
+        self._next_id = 0
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Bind the socket (replacing a stale file) and start accepting."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        old = os.umask(0o177)
+        try:
+            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+
+    async def stop(self) -> None:
+        """Stop accepting, close connections, unlink the socket."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        self._next_id += 1
+        conn = Connection(self._next_id)
+        try:
+            await self._loop_frames(reader, writer, conn)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self._handlers.discard(task)
+            for cb in conn.on_close:
+                try:
+                    cb()
+                except Exception:
+                    log.exception("engine connection close callback failed")
+            writer.close()
+
+    async def _loop_frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           conn: Connection) -> None:
+        while True:
+            header = await reader.readexactly(rpc.LENGTH.size)
+            (length,) = rpc.LENGTH.unpack(header)
+            if length > self.max_frame:
+                log.warning("engine frame of %d bytes over the limit; closing connection", length)
+                return
+            frame = await reader.readexactly(length)
+            writer.write(rpc.encode(await self._answer(frame, conn)))
+            await writer.drain()
+
+    async def _answer(self, frame: bytes, conn: Connection) -> rpc.Reply:
+        try:
+            req = rpc.decode_request(frame, self.max_frame)
+        except ProtocolError as exc:
+            log.warning("malformed engine frame: %s", exc)
+            return rpc.Reply(id=0, ok=False, error=str(exc), kind="ProtocolError")
+        try:
+            result = await self.dispatch(req.call, conn)
+        except KvdError as exc:
+            return rpc.Reply(id=req.id, ok=False, error=str(exc), kind=type(exc).__name__)
+        except Exception as exc:
+            log.exception("engine call %s failed", type(req.call).__name__)
+            return rpc.Reply(id=req.id, ok=False, error=f"internal error: {exc}",
+                             kind="InternalError")
+        return rpc.Reply(id=req.id, ok=True, result=result)

@@ -1,0 +1,108 @@
+"""Start kvd daemons as child processes (used by the demo, benchmarks and tests).
+
+A daemon writes one JSON "ready" line on stdout once every listener is open;
+:func:`start_daemon` waits for it (bounded) and returns its ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvd.errors import KvdError
+
+
+@dataclass
+class DaemonProcess:
+    """A running kvd child: its Popen, ready info (ports, endpoints) and config file."""
+
+    proc: subprocess.Popen[bytes]
+    ready: dict[str, Any]
+    config: Path
+    log: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def http_addr(self) -> str:
+        """``127.0.0.1:PORT`` of its HTTP server."""
+        return f"{self.extra['http_host']}:{self.ready['http_port']}"
+
+    @property
+    def socket(self) -> str:
+        """Path of its engine RPC socket."""
+        return str(self.ready["engine_socket"])
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, wait up to ``timeout`` s (then SIGKILL); returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (default SIGKILL)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    return json.dumps(str(v))
+
+
+def start_daemon(role: str, workdir: str | Path | None = None, timeout: float = 30.0,
+                 **settings: Any) -> DaemonProcess:
+    """Start ``kvd serve`` with ``settings`` written to a TOML file.
+
+    Raises :class:`KvdError` if the daemon exits or is not ready in ``timeout`` s
+    (the message carries the tail of its log).
+    """
+    work = Path(workdir or tempfile.mkdtemp(prefix="kvd-"))
+    work.mkdir(parents=True, exist_ok=True)
+    settings.setdefault("engine_socket", str(work / f"{role}-{os.getpid()}-{time.time_ns()}.sock"))
+    settings["role"] = role
+    cfg = work / f"kvd-{role}-{time.time_ns()}.toml"
+    cfg.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in settings.items()))
+    log = cfg.with_suffix(".log")
+    with log.open("wb") as errf:
+        proc = subprocess.Popen([sys.executable, "-m", "kvd.cli.main", "serve", "--config",
+                                 str(cfg)], stdout=subprocess.PIPE, stderr=errf)
+    ready = _wait_ready(proc, log, timeout)
+    return DaemonProcess(proc, ready, cfg, log,
+                         {"http_host": settings.get("http_host", "127.0.0.1")})
+
+
+def _wait_ready(proc: subprocess.Popen[bytes], log: Path, timeout: float) -> dict[str, Any]:
+    assert proc.stdout is not None
+    deadline, buf = time.monotonic() + timeout, b""
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            break
+        r, _, _ = select.select([proc.stdout], [], [], 0.05)
+        if r:
+            buf += os.read(proc.stdout.fileno(), 65536)
+            for line in buf.splitlines():
+                if line.startswith(b"{"):
+                    ready: dict[str, Any] = json.loads(line)
+                    if ready.get("event") == "ready":
+                        return ready
+    proc.kill()
+    proc.wait()
+    tail = log.read_text(errors="replace")[-2000:]
+    raise KvdError(f"kvd did not become ready (exit {proc.returncode}):\n{tail}")

@@ -1,0 +1,329 @@
+"""Prefill side of a daemon: senders, decode peers, the chunk pump.
+
+Room R on a prefill rank: ``Bootstrapping`` until every decode rank that
+targets this rank sent its destination pages (``RoomPages``), then
+``WaitingForInput``; ``Transferring`` while chunks are written; ``Success``
+after the last chunk and the aux data landed, reported to every decode
+destination with ``RoomStatus``. Any failure is reported the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvd.addr import http_url
+from kvd.core import Core
+from kvd.errors import KvdError, LayoutError, RegistrationError, RoomError
+from kvd.protocol import control
+from kvd.protocol.codec import unpack_indices
+from kvd.rooms import KVPoll, RoomState
+from kvd.transfer.kvargs import RankArgs, check_compatible
+from kvd.transfer.plan import (
+    Descriptors,
+    Pages,
+    check_bounds,
+    check_page_range,
+    plan_aux,
+    plan_pages,
+)
+
+log = logging.getLogger("kvd.prefill")
+
+
+@dataclass
+class DecodePeer:
+    """A decode rank that registered its KV args with this prefill rank."""
+
+    endpoint: str
+    instance_id: str
+    attn_tp_rank: int
+    attn_tp_size: int
+    args: RankArgs | None
+    rejected: str = ""
+
+
+@dataclass
+class Destination:
+    """Where room R goes on one decode rank."""
+
+    peer: DecodePeer
+    pages: Pages
+    aux_index: int
+    is_dummy: bool
+
+
+@dataclass
+class SenderRoom:
+    """Prefill-side state of one room."""
+
+    state: RoomState
+    num_pages: int | None = None
+    aux_index: int | None = None
+    required: int | None = None
+    dsts: dict[str, Destination] = field(default_factory=dict)
+    chunks: deque[tuple[Pages, bool]] = field(default_factory=deque)
+    offset: int = 0
+    pump: asyncio.Task[None] | None = None
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+class PrefillSide:
+    """Senders of one prefill rank. Every method runs on the daemon's loop."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        self.peers: dict[str, DecodePeer] = {}
+        self.rooms: dict[int, SenderRoom] = {}
+        self.pending: dict[int, list[tuple[control.RoomPages, float]]] = {}
+        self.bootstrap_registered = False
+
+    # ---- engine calls -------------------------------------------------------------------
+
+    def create(self, room: int) -> None:
+        """``Sender(room)``. Raises RoomError if the room is active."""
+        old = self.rooms.get(room)
+        if old is not None and not old.state.done:
+            raise RoomError(f"room {room} already active")
+        self.rooms[room] = SenderRoom(RoomState(room))
+        for msg, _ in self.pending.pop(room, []):
+            self._add_destination(self.rooms[room], msg)
+
+    def init(self, room: int, num_pages: int, aux_index: int) -> None:
+        """``sender.init``: total pages of the room and its aux slot."""
+        r = self._room(room)
+        local = self._local()
+        if num_pages < 0 or num_pages > local.num_pages:
+            raise RoomError(f"room {room}: num_pages {num_pages} outside [0, {local.num_pages}]")
+        if local.num_aux_slots and not 0 <= aux_index < local.num_aux_slots:
+            raise RoomError(f"room {room}: aux_index {aux_index} outside "
+                            f"[0, {local.num_aux_slots})")
+        r.num_pages, r.aux_index = num_pages, aux_index
+
+    def send(self, room: int, pages_bytes: bytes, is_last: bool) -> None:
+        """``sender.send``: queue one chunk. A page outside the pool fails the room."""
+        r = self._room(room)
+        if r.state.done:
+            raise RoomError(f"room {room} already ended ({r.state.status.name})")
+        pages = unpack_indices(pages_bytes)
+        try:
+            check_page_range(pages, self._local().num_pages, f"room {room} source")
+        except LayoutError as exc:
+            self._fail(room, r, str(exc))
+            raise RoomError(str(exc)) from exc
+        r.chunks.append((pages, is_last))
+        self._kick(room, r)
+
+    def abort(self, room: int, reason: str) -> None:
+        """Fail the room and tell its decode destinations."""
+        r = self.rooms.get(room)
+        if r is not None:
+            self._fail(room, r, f"room {room} aborted on prefill: {reason}")
+
+    def clear(self, room: int) -> None:
+        """Forget a room; an unfinished one is aborted first."""
+        r = self.rooms.get(room)
+        if r is None:
+            return
+        if not r.state.done:
+            self.abort(room, "cleared before it finished")
+        del self.rooms[room]
+
+    # ---- control messages ---------------------------------------------------------------
+
+    def on_register_rank(self, msg: control.RegisterRank) -> None:
+        """A decode rank's KV args; incompatible ones are remembered as rejected (K12)."""
+        peer = DecodePeer(msg.endpoint, msg.instance_id, msg.attn_tp_rank, msg.attn_tp_size, None)
+        try:
+            peer.args = RankArgs.of(msg.kv_args)
+            local = self._local()
+            if msg.attn_tp_size == self.core.settings.attn_tp_size:
+                check_compatible(local, peer.args)
+            else:
+                raise RegistrationError(
+                    f"decode attn_tp {msg.attn_tp_size} != prefill attn_tp "
+                    f"{self.core.settings.attn_tp_size}: heterogeneous TP is not supported yet")
+        except KvdError as exc:
+            peer.rejected = str(exc)
+            log.warning("refused decode rank %s: %s", msg.endpoint, exc)
+        self.peers[msg.endpoint] = peer
+
+    def on_room_pages(self, msg: control.RoomPages) -> None:
+        """Destination pages for a room (buffered if the sender does not exist yet)."""
+        r = self.rooms.get(msg.room)
+        if r is None:
+            self.pending.setdefault(msg.room, []).append((msg, time.monotonic()))
+            return
+        self._add_destination(r, msg)
+
+    def on_room_abort(self, msg: control.RoomAbort) -> None:
+        """The decode side aborted the room."""
+        r = self.rooms.get(msg.room)
+        if r is not None and r.state.fail(msg.reason):
+            r.chunks.clear()
+            self.core.counters.rooms_failed += 1
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _local(self) -> RankArgs:
+        if self.core.local is None:
+            raise RegistrationError("no engine has registered KV buffers with this kvd")
+        return self.core.local
+
+    def _room(self, room: int) -> SenderRoom:
+        r = self.rooms.get(room)
+        if r is None:
+            raise RoomError(f"unknown room {room}")
+        return r
+
+    def _refuse(self, msg: control.RoomPages, reason: str) -> None:
+        status = control.RoomStatus(msg.room, int(KVPoll.Failed), reason,
+                                    self.core.control.endpoint, self.core.instance_id)
+        self.core.spawn(self.core.send(msg.endpoint, status), f"refuse-{msg.room}")
+
+    def _add_destination(self, r: SenderRoom, msg: control.RoomPages) -> None:
+        room = msg.room
+        peer = self.peers.get(msg.endpoint)
+        if r.state.done:
+            return self._refuse(msg, f"room {room}: duplicate room (already "
+                                     f"{r.state.status.name} on prefill)")
+        if msg.endpoint in r.dsts:
+            return self._refuse(msg, f"room {room}: duplicate room (a receiver of "
+                                     f"{msg.endpoint} is already bound)")
+        if peer is None or peer.args is None or peer.rejected:
+            reason = peer.rejected if peer else "decode rank not registered with this prefill"
+            return self._refuse(msg, f"room {room}: {reason}")
+        try:
+            pages = unpack_indices(msg.dst_pages)
+            check_page_range(pages, peer.args.num_pages, f"room {room} destination")
+            if peer.args.num_aux_slots and not 0 <= msg.aux_index < peer.args.num_aux_slots:
+                raise LayoutError(f"room {room}: aux_index {msg.aux_index} outside the decode "
+                                  f"rank's {peer.args.num_aux_slots} slots")
+        except KvdError as exc:
+            self._refuse(msg, str(exc))
+            self._fail(room, r, str(exc))
+            return None
+        r.dsts[msg.endpoint] = Destination(peer, pages, msg.aux_index, msg.is_dummy)
+        r.required = msg.required_dst_info_num
+        if len(r.dsts) >= r.required:
+            r.state.advance(KVPoll.WaitingForInput)
+            self._kick(room, r)
+        return None
+
+    def _kick(self, room: int, r: SenderRoom) -> None:
+        ready = r.state.status in (KVPoll.WaitingForInput, KVPoll.Transferring)
+        if ready and r.chunks and (r.pump is None or r.pump.done()):
+            r.pump = self.core.spawn(self._pump(room, r), f"pump-{room}")
+
+    async def _pump(self, room: int, r: SenderRoom) -> None:
+        while r.chunks and not r.state.done:
+            pages, is_last = r.chunks.popleft()
+            r.state.advance(KVPoll.Transferring)
+            try:
+                await self._write_chunk(room, r, pages, is_last)
+            except KvdError as exc:
+                self._fail(room, r, f"room {room}: {exc}")
+                return
+            if is_last and not r.state.done:
+                self._succeed(room, r)
+
+    async def _write_chunk(self, room: int, r: SenderRoom, pages: Pages, is_last: bool) -> None:
+        start = time.perf_counter()
+        plans = [(d, self._plan(room, r, d, pages, is_last)) for d in r.dsts.values()]
+        r.offset += int(pages.size)
+        await asyncio.gather(*(self.core.executor.write(d.peer.args.wire.session_id, desc)
+                               for d, desc in plans if d.peer.args is not None))
+        moved = sum(desc.nbytes for _, desc in plans)
+        r.nbytes += moved
+        r.seconds += time.perf_counter() - start
+        self.core.counters.bytes_sent += moved
+
+    def _plan(self, room: int, r: SenderRoom, d: Destination, pages: Pages,
+              is_last: bool) -> Descriptors:
+        local, dst = self._local(), d.peer.args
+        assert dst is not None
+        if d.is_dummy:
+            return Descriptors.empty()
+        dst_pages = d.pages[r.offset:r.offset + pages.size]
+        if dst_pages.size != pages.size or (is_last and r.offset + pages.size != d.pages.size):
+            remaining = d.pages.size - r.offset
+            raise LayoutError(f"index length mismatch {pages.size} vs {max(remaining, 0)}")
+        desc = plan_pages(local.kv_ptrs, dst.kv_ptrs, local.kv_item_lens, dst.kv_item_lens,
+                          pages, dst_pages)
+        if is_last and local.aux_ptrs.size and r.aux_index is not None:
+            desc = desc.concat(plan_aux(local.aux_ptrs, dst.aux_ptrs, local.aux_item_lens,
+                                        r.aux_index, d.aux_index))
+        check_bounds(desc.src, desc.length, local.regions, f"room {room} source")
+        check_bounds(desc.dst, desc.length, dst.regions, f"room {room} destination")
+        return desc
+
+    def _succeed(self, room: int, r: SenderRoom) -> None:
+        if r.state.advance(KVPoll.Success):
+            self.core.counters.rooms_succeeded += 1
+            self._notify(room, r, KVPoll.Success, "")
+
+    def _fail(self, room: int, r: SenderRoom, reason: str) -> None:
+        if r.state.fail(reason):
+            r.chunks.clear()
+            self.core.counters.rooms_failed += 1
+            log.warning("%s", reason)
+            self._notify(room, r, KVPoll.Failed, reason)
+
+    def _notify(self, room: int, r: SenderRoom, status: KVPoll, reason: str) -> None:
+        msg = control.RoomStatus(room, int(status), reason, self.core.control.endpoint,
+                                 self.core.instance_id)
+        for endpoint in r.dsts:
+            self.core.spawn(self.core.send(endpoint, msg), f"status-{room}")
+
+    def sweep(self, now: float) -> None:
+        """Deadlines: fail rooms stuck in a state; drop stale buffered destinations."""
+        s = self.core.settings
+        limits = {KVPoll.Bootstrapping: s.bootstrap_timeout, KVPoll.WaitingForInput:
+                  s.waiting_timeout, KVPoll.Transferring: s.transfer_timeout}
+        for room, r in list(self.rooms.items()):
+            limit = limits.get(r.state.status)
+            if limit is not None and now - r.state.since > limit:
+                self._fail(room, r, f"room {room}: timed out in {r.state.status.name} "
+                                    f"after {limit:.1f}s on prefill")
+        for room, entries in list(self.pending.items()):
+            kept = [(m, t) for m, t in entries if now - t <= s.bootstrap_timeout]
+            if kept:
+                self.pending[room] = kept
+            else:
+                del self.pending[room]
+
+    async def register_with_bootstrap(self) -> None:
+        """PUT this rank to the bootstrap server, retrying with capped backoff until accepted."""
+        s = self.core.settings
+        assert s.bootstrap_addr is not None
+        host, port = self.core.control.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        body = {"role": "Prefill", "attn_tp_size": s.attn_tp_size, "attn_tp_rank": s.attn_tp_rank,
+                "attn_dp_size": s.attn_dp_size, "attn_dp_rank": s.attn_dp_rank,
+                "pp_size": s.pp_size, "pp_rank": s.pp_rank, "rank_ip": host.strip("[]"),
+                "rank_port": int(port), "instance_id": s.instance_id,
+                "page_size": self._local().wire.page_size}
+        url, delay = http_url(s.bootstrap_addr, "/route"), 0.05
+        while True:
+            try:
+                resp = await self.core.http.put(url, json=body)
+                if resp.status_code == 200:
+                    self.bootstrap_registered = True
+                    log.info("registered with bootstrap %s", s.bootstrap_addr)
+                    return
+                log.warning("bootstrap %s refused registration: %d %s", s.bootstrap_addr,
+                            resp.status_code, resp.text)
+            except Exception as exc:  # httpx errors: server not up yet
+                log.info("bootstrap %s not reachable yet (%s); retrying", s.bootstrap_addr,
+                         type(exc).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def stats(self, room: int) -> tuple[int, float] | None:
+        """(bytes, seconds) moved for a finished room, if known."""
+        r = self.rooms.get(room)
+        return (r.nbytes, r.seconds) if r is not None and r.state.done else None
+

@@ -1,0 +1,1 @@
+"""Wire messages and codecs. PURE: values and bytes only, no sockets."""

@@ -1,0 +1,84 @@
+"""Framing shared by the control plane (kvd<->kvd) and the engine RPC.
+
+A frame is ``MAGIC (3 bytes) | VERSION (1 byte) | msgpack body``. The version
+is checked before the body is parsed.
+
+Version history:
+  1 — first release (control: RegisterRank, RoomPages, RoomStatus, RoomAbort;
+      rpc: Request/Reply envelopes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from kvd.errors import ProtocolError
+
+MAGIC = b"KVD"
+VERSION = 1
+HEADER_LEN = len(MAGIC) + 1
+#: Default upper bound on a frame (bytes); daemons pass their configured limit.
+DEFAULT_MAX_FRAME = 64 << 20
+
+T = TypeVar("T")
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    """Serialise ``msg`` into one versioned frame (bytes)."""
+    return MAGIC + bytes([VERSION]) + _encoder.encode(msg)
+
+
+def decode(data: bytes, decoder: msgspec.msgpack.Decoder[T],
+           max_frame: int = DEFAULT_MAX_FRAME) -> T:
+    """Parse one frame with ``decoder``.
+
+    Raises :class:`ProtocolError` on an oversized frame, bad magic, unknown
+    version, or a body that does not match the message schema.
+    """
+    if len(data) > max_frame:
+        raise ProtocolError(f"frame of {len(data)} bytes exceeds the {max_frame}-byte limit")
+    if len(data) < HEADER_LEN or data[:3] != MAGIC:
+        raise ProtocolError("not a kvd frame (bad magic)")
+    if data[3] != VERSION:
+        raise ProtocolError(f"unsupported wire version {data[3]} (this kvd speaks {VERSION})")
+    try:
+        return decoder.decode(data[HEADER_LEN:])
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed frame: {exc}") from exc
+
+
+def pack_indices(indices: npt.ArrayLike) -> bytes:
+    """Page indices as little-endian int32 bytes (4 bytes per page)."""
+    arr = np.asarray(indices)
+    if arr.ndim != 1:
+        raise ProtocolError(f"page indices must be 1-D, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ProtocolError(f"page indices must be integers, got {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+        raise ProtocolError("page indices must be in [0, 2**31)")
+    return arr.astype("<i4", copy=False).tobytes()
+
+
+def unpack_indices(data: bytes) -> npt.NDArray[np.int64]:
+    """Inverse of :func:`pack_indices`; returns int64 page indices.
+
+    Raises :class:`ProtocolError` if the length is not a multiple of 4 or an
+    index is negative.
+    """
+    if len(data) % 4:
+        raise ProtocolError(f"page index field of {len(data)} bytes is not a multiple of 4")
+    arr = np.frombuffer(data, dtype="<i4").astype(np.int64)
+    if arr.size and arr.min() < 0:
+        raise ProtocolError("negative page index")
+    return arr
+
+
+def to_builtins(obj: Any) -> Any:
+    """Structs to plain dicts/lists (for JSON reports)."""
+    return msgspec.to_builtins(obj)

@@ -1,0 +1,102 @@
+"""kvd <-> kvd control messages (ZMQ). PURE.
+
+Flow for room R (equal names to SGLang's connector where they exist):
+decode kvd -> prefill kvd: :class:`RegisterRank` once per (decode rank,
+prefill rank), then :class:`RoomPages` per room; prefill kvd -> decode kvd:
+:class:`RoomStatus` when the room ends; either side: :class:`RoomAbort`.
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+import msgspec
+
+from kvd.protocol import codec
+
+
+class KVArgsWire(msgspec.Struct, frozen=True):
+    """A rank's KV args as its peers see them.
+
+    ``kv_data_ptrs``/``kv_data_lens`` list K buffers of every layer then V
+    buffers (MHA), or one buffer per layer (MLA); addresses are in the owning
+    daemon's address space (u64), lengths and ``kv_item_lens`` in bytes
+    (``kv_item_lens[i]`` = bytes of one page of buffer i). Aux buffers alike.
+    """
+
+    session_id: str
+    kv_data_ptrs: list[int]
+    kv_data_lens: list[int]
+    kv_item_lens: list[int]
+    aux_data_ptrs: list[int]
+    aux_data_lens: list[int]
+    aux_item_lens: list[int]
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_size: int
+    num_layers: int
+    layer_start: int = 0
+    is_mla: bool = False
+    layout: str = "NHD"
+
+
+class RegisterRank(msgspec.Struct, tag="register_rank", frozen=True):
+    """Decode rank registers its KV args with one prefill rank (once per peer)."""
+
+    instance_id: str
+    endpoint: str               # decode kvd's ZMQ endpoint, where RoomStatus goes
+    attn_tp_rank: int
+    attn_tp_size: int
+    kv_args: KVArgsWire
+
+
+class RoomPages(msgspec.Struct, tag="room_pages", frozen=True):
+    """Destination of room R on one decode rank.
+
+    ``dst_pages`` is int32 little-endian bytes (see :func:`codec.pack_indices`);
+    ``required_dst_info_num`` is how many decode ranks will send RoomPages for R
+    to this prefill rank (mirrors SGLang's field of the same name).
+    """
+
+    room: int
+    endpoint: str
+    instance_id: str
+    dst_pages: bytes
+    aux_index: int
+    required_dst_info_num: int = 1
+    is_dummy: bool = False
+
+
+class RoomStatus(msgspec.Struct, tag="room_status", frozen=True):
+    """Prefill rank reports the final status of room R to one decode rank."""
+
+    room: int
+    status: int
+    reason: str
+    endpoint: str               # the reporting prefill kvd's ZMQ endpoint
+    instance_id: str
+
+
+class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):
+    """Either side aborts room R; the receiver fails it with ``reason``."""
+
+    room: int
+    reason: str
+    endpoint: str
+    instance_id: str
+
+
+ControlMessage: TypeAlias = RegisterRank | RoomPages | RoomStatus | RoomAbort
+
+_decoder: msgspec.msgpack.Decoder[ControlMessage] = msgspec.msgpack.Decoder(ControlMessage)
+
+
+def encode(msg: ControlMessage) -> bytes:
+    """One versioned frame for ``msg``."""
+    return codec.encode(msg)
+
+
+def decode(data: bytes, max_frame: int = codec.DEFAULT_MAX_FRAME) -> ControlMessage:
+    """Parse a control frame; raises :class:`~kvd.errors.ProtocolError`."""
+    return codec.decode(data, _decoder, max_frame)

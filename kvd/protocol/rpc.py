@@ -1,0 +1,138 @@
+"""Engine <-> kvd RPC messages (Unix socket). PURE.
+
+Stream framing: a 4-byte big-endian length, then one versioned frame
+(:mod:`kvd.protocol.codec`). The engine sends :class:`Request`, kvd answers
+with a :class:`Reply` carrying the same ``id``.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, TypeAlias
+
+import msgspec
+
+from kvd.protocol import codec
+
+LENGTH = struct.Struct(">I")
+
+
+class ShmHandle(msgspec.Struct, frozen=True):
+    """A buffer in a shared-memory file: ``path`` under the daemon's shm_dir,
+    ``offset`` and ``length`` in bytes. ``kind`` leaves room for ``cuda_ipc``."""
+
+    path: str
+    offset: int
+    length: int
+    kind: str = "shm"
+
+
+class RegisterKV(msgspec.Struct, tag="register_kv", frozen=True):
+    """The engine's KV and aux buffers (see :class:`~kvd.protocol.control.KVArgsWire`
+    for the meaning of the fields; handles replace raw pointers)."""
+
+    kv_buffers: list[ShmHandle]
+    kv_item_lens: list[int]
+    aux_buffers: list[ShmHandle]
+    aux_item_lens: list[int]
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_size: int
+    num_layers: int
+    layer_start: int = 0
+    is_mla: bool = False
+    layout: str = "NHD"
+
+
+class SenderCreate(msgspec.Struct, tag="sender_create", frozen=True):
+    room: int
+
+
+class SenderInit(msgspec.Struct, tag="sender_init", frozen=True):
+    room: int
+    num_pages: int
+    aux_index: int
+
+
+class SenderSend(msgspec.Struct, tag="sender_send", frozen=True):
+    """One prefill chunk: int32 page indices (bytes); ``is_last`` triggers aux."""
+
+    room: int
+    pages: bytes
+    is_last: bool
+
+
+class ReceiverCreate(msgspec.Struct, tag="receiver_create", frozen=True):
+    room: int
+    bootstrap_addr: str
+    dp_rank: int | None = None
+
+
+class ReceiverInit(msgspec.Struct, tag="receiver_init", frozen=True):
+    room: int
+    dst_pages: bytes
+    aux_index: int
+
+
+class Poll(msgspec.Struct, tag="poll", frozen=True):
+    """Status of many rooms in one call; unknown rooms answer ``UNKNOWN_ROOM``."""
+
+    rooms: list[int]
+
+
+class Abort(msgspec.Struct, tag="abort", frozen=True):
+    room: int
+    reason: str = "aborted by engine"
+
+
+class Clear(msgspec.Struct, tag="clear", frozen=True):
+    room: int
+
+
+class Info(msgspec.Struct, tag="info", frozen=True):
+    pass
+
+
+Call: TypeAlias = (RegisterKV | SenderCreate | SenderInit | SenderSend | ReceiverCreate
+                   | ReceiverInit | Poll | Abort | Clear | Info)
+
+
+class Request(msgspec.Struct, frozen=True):
+    id: int
+    call: Call
+
+
+class PollResult(msgspec.Struct, frozen=True):
+    """``statuses[i]`` is the KVPoll value of ``rooms[i]``; reasons only for Failed rooms."""
+
+    statuses: list[int]
+    reasons: dict[int, str] = {}
+
+
+class Reply(msgspec.Struct, frozen=True):
+    id: int
+    ok: bool
+    result: Any = None
+    error: str = ""
+    kind: str = ""
+
+
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+
+
+def encode(msg: Request | Reply) -> bytes:
+    """Length-prefixed versioned frame for a stream socket."""
+    frame = codec.encode(msg)
+    return LENGTH.pack(len(frame)) + frame
+
+
+def decode_request(frame: bytes, max_frame: int = codec.DEFAULT_MAX_FRAME) -> Request:
+    """Parse one request frame (without its length prefix); raises ProtocolError."""
+    return codec.decode(frame, _request_decoder, max_frame)
+
+
+def decode_reply(frame: bytes, max_frame: int = codec.DEFAULT_MAX_FRAME) -> Reply:
+    """Parse one reply frame (without its length prefix); raises ProtocolError."""
+    return codec.decode(frame, _reply_decoder, max_frame)

@@ -1,0 +1,1 @@
+"""Data plane: layout planning (pure), the transfer-engine fence, executors."""

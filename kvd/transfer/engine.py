@@ -1,0 +1,116 @@
+"""The fence around the Mooncake Transfer Engine: the ONLY module that imports ``mooncake``.
+
+:class:`TransferEngine` is the small interface the rest of kvd uses;
+:class:`MooncakeEngine` implements it with the real engine (``tcp`` protocol,
+``P2PHANDSHAKE`` metadata: no etcd, no RDMA NIC needed). Mooncake's integer
+return codes become :class:`~kvd.errors.TransportError` here.
+
+Facts this module relies on (measured on the CPU machines, see design.md):
+one batch call accepts at most 1024 queued + 1024 waiting entries per peer, so
+writes are split into sub-batches of ``max_batch_entries`` (<= 1024); a refused
+sub-batch may have partly landed, and a retry rewrites the same bytes, which
+is idempotent. The binding releases the GIL; callers run it in an executor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Protocol
+
+from kvd.errors import TransportError
+from kvd.transfer.plan import Descriptors
+
+log = logging.getLogger(__name__)
+
+
+class TransferEngine(Protocol):
+    """What kvd needs from a transfer engine. All methods block; sizes in bytes."""
+
+    @property
+    def session_id(self) -> str:
+        """This engine's ``host:rpc_port``, the name peers write to."""
+        ...
+
+    def register(self, addr: int, length: int) -> None:
+        """Register ``[addr, addr+length)`` for transfers; raises TransportError."""
+        ...
+
+    def unregister(self, addr: int) -> None:
+        """Undo :meth:`register` for the region starting at ``addr``."""
+        ...
+
+    def write(self, peer_session: str, desc: Descriptors) -> None:
+        """Write every descriptor to ``peer_session``; returns once all bytes landed.
+
+        Raises TransportError if any sub-batch fails after its retries.
+        """
+        ...
+
+
+def format_host(host: str) -> str:
+    """Host as it appears before ``:port`` (IPv6 literals in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class MooncakeEngine:
+    """A real Mooncake Transfer Engine, TCP transport, P2P handshake.
+
+    Create one per daemon and keep it: destroying an engine takes about 1 s.
+    ``max_batch_entries`` bounds each batch call (<= 1024, the TCP transport's
+    per-peer queue); ``retries`` bounds the retries of a refused sub-batch,
+    with ``retry_backoff`` seconds doubling between them.
+    """
+
+    def __init__(self, host: str, max_batch_entries: int = 512, retries: int = 3,
+                 retry_backoff: float = 0.01) -> None:
+        os.environ.setdefault("GLOG_minloglevel", "1")
+        try:
+            from mooncake.engine import TransferEngine as _Native
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise TransportError(
+                "the Mooncake transfer engine is not installed: pip install "
+                "'kvd[cpu]' (mooncake-transfer-engine-non-cuda) or 'kvd[cuda]'") from exc
+        self._native = _Native()
+        rc = self._native.initialize(format_host(host), "P2PHANDSHAKE", "tcp", "")
+        if rc != 0:
+            raise TransportError(f"transfer engine initialize({host}, tcp) failed: rc={rc}", rc)
+        self._session_id = f"{format_host(host)}:{self._native.get_rpc_port()}"
+        self.max_batch_entries = max_batch_entries
+        self.retries = retries
+        self.retry_backoff = retry_backoff
+
+    @property
+    def session_id(self) -> str:
+        return self._session_id
+
+    def register(self, addr: int, length: int) -> None:
+        rc = self._native.register_memory(addr, length)
+        if rc != 0:
+            raise TransportError(f"register_memory({addr:#x}, {length}) failed: rc={rc}", rc)
+
+    def unregister(self, addr: int) -> None:
+        rc = self._native.unregister_memory(addr)
+        if rc != 0:
+            raise TransportError(f"unregister_memory({addr:#x}) failed: rc={rc}", rc)
+
+    def write(self, peer_session: str, desc: Descriptors) -> None:
+        for batch in desc.batches(self.max_batch_entries):
+            self._write_batch(peer_session, batch)
+
+    def _write_batch(self, peer: str, batch: Descriptors) -> None:
+        src, dst, ln = batch.src.tolist(), batch.dst.tolist(), batch.length.tolist()
+        delay = self.retry_backoff
+        for attempt in range(self.retries + 1):
+            rc = self._native.batch_transfer_sync_write(peer, src, dst, ln)
+            if rc == 0:
+                return
+            if attempt < self.retries:
+                log.warning("batch of %d entries to %s refused (rc=%d), retry %d/%d",
+                            len(src), peer, rc, attempt + 1, self.retries)
+                time.sleep(delay)
+                delay *= 2
+        raise TransportError(
+            f"batch write of {len(src)} entries to {peer} failed after "
+            f"{self.retries} retries: rc={rc}", rc)

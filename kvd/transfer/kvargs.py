@@ -1,0 +1,89 @@
+"""KV args as numpy arrays, ready for planning and bounds checks. PURE."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvd.errors import RegistrationError
+from kvd.protocol.control import KVArgsWire
+from kvd.transfer.plan import Addrs, Regions, _u64
+
+
+@dataclass(frozen=True)
+class RankArgs:
+    """One rank's KV args: uint64 pointers/lengths (bytes) and derived facts.
+
+    ``num_pages`` is the number of whole pages every KV buffer holds;
+    ``num_aux_slots`` the same for aux buffers; ``regions`` every registered
+    byte range (KV and aux) for bounds checks.
+    """
+
+    wire: KVArgsWire
+    kv_ptrs: Addrs
+    kv_item_lens: Addrs
+    aux_ptrs: Addrs
+    aux_item_lens: Addrs
+    num_pages: int
+    num_aux_slots: int
+    regions: Regions
+
+    @staticmethod
+    def of(wire: KVArgsWire) -> RankArgs:
+        """Validate ``wire`` and derive arrays; raises :class:`RegistrationError`."""
+        _check_lists(wire)
+        kv_ptrs, kv_lens, kv_items = (_u64(x) for x in
+                                      (wire.kv_data_ptrs, wire.kv_data_lens, wire.kv_item_lens))
+        aux_ptrs, aux_lens, aux_items = (_u64(x) for x in
+                                         (wire.aux_data_ptrs, wire.aux_data_lens,
+                                          wire.aux_item_lens))
+        num_pages = int((kv_lens // kv_items).min()) if kv_ptrs.size else 0
+        slots = int((aux_lens // aux_items).min()) if aux_ptrs.size else 0
+        regions = Regions.of(np.concatenate([kv_ptrs, aux_ptrs]),
+                             np.concatenate([kv_lens, aux_lens]))
+        return RankArgs(wire, kv_ptrs, kv_items, aux_ptrs, aux_items, num_pages, slots, regions)
+
+
+def _check_lists(w: KVArgsWire) -> None:
+    problems = []
+    if not (len(w.kv_data_ptrs) == len(w.kv_data_lens) == len(w.kv_item_lens)):
+        problems.append("kv_data_ptrs, kv_data_lens and kv_item_lens differ in length")
+    if not (len(w.aux_data_ptrs) == len(w.aux_data_lens) == len(w.aux_item_lens)):
+        problems.append("aux_data_ptrs, aux_data_lens and aux_item_lens differ in length")
+    if any(n <= 0 for n in [*w.kv_item_lens, *w.aux_item_lens]):
+        problems.append("item lengths must be positive")
+    if any(n < 0 for n in [*w.kv_data_ptrs, *w.kv_data_lens, *w.aux_data_ptrs,
+                           *w.aux_data_lens]):
+        problems.append("pointers and lengths must be non-negative")
+    if w.page_size < 1 or w.dtype_size < 1 or w.num_layers < 1:
+        problems.append("page_size, dtype_size and num_layers must be >= 1")
+    expected_bufs = w.num_layers * (1 if w.is_mla else 2)
+    if len(w.kv_data_ptrs) != expected_bufs:
+        problems.append(f"{len(w.kv_data_ptrs)} KV buffers for {w.num_layers} layers "
+                        f"({'MLA' if w.is_mla else 'MHA'} needs {expected_bufs})")
+    if w.layout not in ("NHD", "HND"):
+        problems.append(f"unknown layout {w.layout!r}")
+    if problems:
+        raise RegistrationError("invalid KV args: " + "; ".join(problems))
+
+
+def check_compatible(src: RankArgs, dst: RankArgs) -> None:
+    """Equal-TP compatibility of a prefill rank (src) and a decode rank (dst).
+
+    Raises :class:`RegistrationError` naming both values (case K12) when page
+    size, dtype size, head_dim, layer count, MLA-ness, or item lengths differ.
+    """
+    a, b = src.wire, dst.wire
+    pairs = [("page_size", a.page_size, b.page_size), ("dtype_size", a.dtype_size, b.dtype_size),
+             ("head_dim", a.head_dim, b.head_dim), ("is_mla", a.is_mla, b.is_mla),
+             ("num_kv_heads", a.num_kv_heads, b.num_kv_heads),
+             ("num_layers", a.num_layers, b.num_layers), ("layout", a.layout, b.layout),
+             ("aux buffers", len(a.aux_item_lens), len(b.aux_item_lens))]
+    problems = [f"{name} {x} vs {y}" for name, x, y in pairs if x != y]
+    if not problems and a.kv_item_lens != b.kv_item_lens:
+        problems.append(f"kv item len mismatch {a.kv_item_lens[0]} vs {b.kv_item_lens[0]}")
+    if not problems and a.aux_item_lens != b.aux_item_lens:
+        problems.append(f"aux item len mismatch {a.aux_item_lens} vs {b.aux_item_lens}")
+    if problems:
+        raise RegistrationError("incompatible KV args (prefill vs decode): " + "; ".join(problems))

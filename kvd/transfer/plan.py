@@ -1,0 +1,203 @@
+"""KV layouts -> transfer descriptors ``(src_addr, dst_addr, length)``. PURE.
+
+All address arithmetic is done in ``numpy.uint64`` (pointers may have bit 63
+set; mixing int64 with uint64 in numpy silently yields float64, so every
+operand is converted explicitly first). Overflow of ``addr + length`` past
+2**64 is detected and refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvd.errors import BoundsError, IndexLengthMismatch, LayoutError
+
+U64 = np.uint64
+Pages = npt.NDArray[np.int64]
+Addrs = npt.NDArray[np.uint64]
+
+
+@dataclass(frozen=True)
+class Descriptors:
+    """Parallel uint64 arrays, one entry per transfer-engine descriptor (bytes)."""
+
+    src: Addrs
+    dst: Addrs
+    length: Addrs
+
+    @staticmethod
+    def empty() -> Descriptors:
+        """No descriptors."""
+        z = np.zeros(0, dtype=U64)
+        return Descriptors(z, z.copy(), z.copy())
+
+    def __len__(self) -> int:
+        return int(self.src.size)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes described."""
+        return int(self.length.sum(dtype=U64))
+
+    def concat(self, other: Descriptors) -> Descriptors:
+        """Self's entries followed by ``other``'s."""
+        return Descriptors(np.concatenate([self.src, other.src]),
+                           np.concatenate([self.dst, other.dst]),
+                           np.concatenate([self.length, other.length]))
+
+    def batches(self, max_entries: int) -> list[Descriptors]:
+        """Split into consecutive sub-batches of at most ``max_entries`` entries."""
+        if max_entries < 1:
+            raise ValueError("max_entries must be >= 1")
+        n = len(self)
+        return [Descriptors(self.src[i:i + max_entries], self.dst[i:i + max_entries],
+                            self.length[i:i + max_entries]) for i in range(0, n, max_entries)]
+
+
+def as_pages(pages: npt.ArrayLike, what: str = "page indices") -> Pages:
+    """Validate a 1-D integer page-index array and return it as int64.
+
+    Raises :class:`LayoutError` for a non-integer dtype, wrong rank or negatives.
+    """
+    arr = np.asarray(pages)
+    if arr.ndim != 1:
+        raise LayoutError(f"{what} must be 1-D, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise LayoutError(f"{what} must be integers, got dtype {arr.dtype}")
+    out = arr.astype(np.int64)
+    if out.min() < 0:
+        raise LayoutError(f"{what} contain a negative index ({int(out.min())})")
+    return out
+
+
+def check_page_range(pages: Pages, num_pages: int, what: str) -> None:
+    """Raise :class:`BoundsError` if any index is outside ``[0, num_pages)``."""
+    if pages.size and (pages.min() < 0 or pages.max() >= num_pages):
+        bad = pages[(pages < 0) | (pages >= num_pages)][0]
+        raise BoundsError(f"{what} page index {int(bad)} outside the registered pool "
+                          f"of {num_pages} pages")
+
+
+def page_runs(src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike) -> tuple[Pages, Pages, Pages]:
+    """Group page pairs into runs contiguous on both sides.
+
+    Returns ``(src_start, dst_start, run_len)`` int64 arrays, one entry per run.
+    Page ``i`` joins the run of page ``i-1`` when ``src[i] == src[i-1] + 1`` and
+    ``dst[i] == dst[i-1] + 1``. Raises :class:`IndexLengthMismatch` if the two
+    arrays differ in length (case K10: "index length mismatch N vs M").
+    """
+    src = as_pages(src_pages, "source page indices")
+    dst = as_pages(dst_pages, "destination page indices")
+    if src.size != dst.size:
+        raise IndexLengthMismatch(f"index length mismatch {src.size} vs {dst.size}")
+    if src.size == 0:
+        return src, dst, np.zeros(0, dtype=np.int64)
+    breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    lengths = np.diff(np.concatenate((starts, [src.size])))
+    return src[starts], dst[starts], lengths.astype(np.int64)
+
+
+def _u64(values: npt.ArrayLike) -> Addrs:
+    arr = np.asarray(values)
+    if arr.size and np.issubdtype(arr.dtype, np.signedinteger) and arr.min() < 0:
+        raise LayoutError("negative address or length")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise LayoutError(f"addresses must be integers, got {arr.dtype}")
+    return arr.astype(U64)
+
+
+def plan_pages(src_ptrs: npt.ArrayLike, dst_ptrs: npt.ArrayLike, src_item_lens: npt.ArrayLike,
+               dst_item_lens: npt.ArrayLike, src_pages: npt.ArrayLike,
+               dst_pages: npt.ArrayLike) -> Descriptors:
+    """Descriptors that copy whole pages buffer by buffer (equal TP, any page size).
+
+    ``src_ptrs[b]``/``dst_ptrs[b]`` are the base addresses of buffer ``b`` (B
+    buffers: K and V of every layer for MHA, one per layer for MLA) and
+    ``*_item_lens[b]`` its bytes per page; page ``p`` of buffer ``b`` lives at
+    ``ptr[b] + p * item_len[b]``. Contiguous page runs become one descriptor
+    per buffer. Output order: buffer-major, runs in page order.
+
+    Raises :class:`LayoutError` on mismatched buffer counts or item lengths
+    (case K12: "kv item len mismatch"), :class:`IndexLengthMismatch` on
+    unequal page counts.
+    """
+    sp, dp = _u64(src_ptrs), _u64(dst_ptrs)
+    sl, dl = _u64(src_item_lens), _u64(dst_item_lens)
+    if not (sp.size == dp.size == sl.size == dl.size):
+        raise LayoutError(f"buffer count mismatch: {sp.size} source vs {dp.size} destination")
+    if np.any(sl != dl):
+        b = int(np.flatnonzero(sl != dl)[0])
+        raise LayoutError(f"kv item len mismatch in buffer {b}: {int(sl[b])} vs {int(dl[b])}")
+    s0, d0, n = page_runs(src_pages, dst_pages)
+    if n.size == 0 or sp.size == 0:
+        return Descriptors.empty()
+    s0u, d0u, nu = s0.astype(U64), d0.astype(U64), n.astype(U64)
+    src = (sp[:, None] + s0u[None, :] * sl[:, None]).ravel()
+    dst = (dp[:, None] + d0u[None, :] * sl[:, None]).ravel()
+    length = (nu[None, :] * sl[:, None]).ravel()
+    return Descriptors(src, dst, length)
+
+
+def plan_aux(src_ptrs: npt.ArrayLike, dst_ptrs: npt.ArrayLike, item_lens: npt.ArrayLike,
+             src_index: int, dst_index: int) -> Descriptors:
+    """One descriptor per aux buffer: slot ``src_index`` -> slot ``dst_index`` (bytes)."""
+    sp, dp, ln = _u64(src_ptrs), _u64(dst_ptrs), _u64(item_lens)
+    if not (sp.size == dp.size == ln.size):
+        raise LayoutError(f"aux buffer count mismatch: {sp.size} vs {dp.size}")
+    if src_index < 0 or dst_index < 0:
+        raise LayoutError("negative aux index")
+    return Descriptors(sp + U64(src_index) * ln, dp + U64(dst_index) * ln, ln.copy())
+
+
+@dataclass(frozen=True)
+class Regions:
+    """Sorted, non-overlapping registered byte ranges ``[start, end)`` (uint64)."""
+
+    start: Addrs
+    end: Addrs
+
+    @staticmethod
+    def of(ptrs: npt.ArrayLike, lens: npt.ArrayLike) -> Regions:
+        """Regions from base pointers and lengths in bytes; overlaps are merged."""
+        p, n = _u64(ptrs), _u64(lens)
+        end = p + n
+        if np.any(end < p):
+            raise LayoutError("registered region wraps past 2**64")
+        order = np.argsort(p, kind="stable")
+        p, end = p[order], end[order]
+        if p.size > 1:  # merge overlapping/adjacent regions
+            keep_start = np.concatenate(([True], p[1:] > np.maximum.accumulate(end)[:-1]))
+            groups = np.cumsum(keep_start) - 1
+            merged_end = np.zeros(int(groups[-1]) + 1, dtype=U64)
+            np.maximum.at(merged_end, groups, end)
+            p, end = p[keep_start], merged_end
+        return Regions(p, end)
+
+
+def check_bounds(addrs: Addrs, lengths: Addrs, regions: Regions, what: str) -> None:
+    """Raise :class:`BoundsError` unless every ``[addr, addr+len)`` lies in one region.
+
+    Vectorised: one ``searchsorted`` over the region starts.
+    """
+    if addrs.size == 0:
+        return
+    end = addrs + lengths
+    if np.any(end < addrs):
+        raise BoundsError(f"{what} range wraps past 2**64")
+    idx = np.searchsorted(regions.start, addrs, side="right") - 1
+    ok = idx >= 0
+    safe = np.where(ok, idx, 0)
+    if regions.start.size == 0:
+        ok[:] = False
+    else:
+        ok &= end <= regions.end[safe]
+    if not np.all(ok):
+        i = int(np.flatnonzero(~ok)[0])
+        raise BoundsError(f"{what} range [{int(addrs[i]):#x}, +{int(lengths[i])}) is outside "
+                          f"every registered buffer")
