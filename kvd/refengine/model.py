@@ -208,6 +208,10 @@ class RefModel:
             self._tokenizer, model = self._load_pretrained(snapshot, None)
             self.loaded_from = "snapshot"
         else:
+            if importlib.util.find_spec("accelerate") is None:
+                raise ImportError(
+                    "transformers needs `accelerate` to read GGUF files: pip install accelerate"
+                )
             with _memoized_gguf_name_map():
                 self._tokenizer, model = self._load_pretrained(path.parent, path.name)
             self.loaded_from = "gguf"

@@ -1,0 +1,68 @@
+"""Shared fixtures: real kvd daemons on loopback with the real Mooncake TCP transport."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvd.launch import DaemonProcess, start_daemon
+from kvd.refengine.standin import EngineStandIn
+
+
+@dataclass
+class PdPair:
+    """A prefill kvd (serving bootstrap) and a decode kvd, each with an engine stand-in."""
+
+    prefill: DaemonProcess
+    decode: DaemonProcess
+    p_engine: EngineStandIn
+    d_engine: EngineStandIn
+
+    @property
+    def bootstrap(self) -> str:
+        return self.prefill.http_addr
+
+
+def start_pair(workdir: Path, p_opts: dict | None = None, d_opts: dict | None = None,
+               engine_opts: dict | None = None, d_engine_opts: dict | None = None) -> PdPair:
+    """Start P (bootstrap) + D daemons and register a stand-in engine with each."""
+    prefill = start_daemon("prefill", workdir, serve_bootstrap=True, **(p_opts or {}))
+    decode = start_daemon("decode", workdir, **(d_opts or {}))
+    p_engine = EngineStandIn(prefill.socket, seed=1, **(engine_opts or {}))
+    d_engine = EngineStandIn(decode.socket, seed=2, **(d_engine_opts or engine_opts or {}))
+    return PdPair(prefill, decode, p_engine, d_engine)
+
+
+def stop_pair(pair: PdPair) -> None:
+    """Close stand-ins and stop both daemons."""
+    pair.p_engine.close()
+    pair.d_engine.close()
+    pair.prefill.stop()
+    pair.decode.stop()
+
+
+@pytest.fixture(scope="session")
+def pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdPair]:
+    """One P/D pair shared by the integration tests (creating engines is cheap, stopping not)."""
+    pair = start_pair(tmp_path_factory.mktemp("pd"))
+    yield pair
+    stop_pair(pair)
+
+
+@pytest.fixture
+def room_ids() -> Iterator[int]:
+    """An iterator of fresh room ids, unique across the session (``next(room_ids)``)."""
+    return _room_counter
+
+
+def _rooms() -> Iterator[int]:
+    n = 1000
+    while True:
+        n += 1
+        yield n
+
+
+_room_counter = _rooms()
