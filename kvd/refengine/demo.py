@@ -1,0 +1,181 @@
+"""``kvd demo``: a real model prefilled on one engine, decoded on another, KV moved by kvd.
+
+Starts, as separate processes on loopback: a prefill kvd that also serves bootstrap,
+a decode kvd, and the two reference engines (:mod:`kvd.refengine.engines`). Each
+prompt goes through the disaggregated path and its completion is compared token for
+token with a non-disaggregated run of the same model. Prints a table and returns 1
+if any prompt differs (or fails), else 0. Every child is stopped on the way out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvd.launch import DaemonProcess, start_daemon
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Explain in two sentences why the sky is blue, and mention Rayleigh scattering. Keep it "
+    "simple enough for a ten-year-old who likes astronomy and asks many questions.",
+    "Write a haiku about autumn leaves.",
+    "List the planets of the solar system in order from the sun, and give one fact about each "
+    "of them: Mercury, Venus, Earth, Mars, Jupiter, Saturn, Uranus and Neptune. Then say which "
+    "one you would visit first and why, considering temperature, gravity, distance and the "
+    "view of the rings.",
+    "What does a compiler do?",
+    "Translate 'good morning' into Spanish, French and German.",
+    "Summarise the plot of Romeo and Juliet. Mention the families, the balcony, the secret "
+    "marriage, Tybalt, the banishment, the potion, and the ending in the tomb, in a short "
+    "paragraph of plain English suitable for a student preparing for an exam tomorrow.",
+    "Give me a tip for learning to play the guitar.",
+    "Why do cats purr?",
+]
+
+
+class EngineProcess:
+    """A reference engine child speaking JSON lines on stdin/stdout."""
+
+    def __init__(self, role: str, socket: str, log: Path, env: dict[str, str],
+                 page_size: int) -> None:
+        self.log = log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvd.refengine.engines", role, "--socket", socket,
+             "--page-size", str(page_size)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True)
+
+    def request(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine exited (code {self.proc.wait()}); see {self.log.name}")
+        result: dict[str, Any] = json.loads(line)
+        return result
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _engine_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # same threads everywhere: identical numerics
+    env.setdefault("KVD_REFMODEL_CACHE_DIR", str(Path.cwd() / ".cache" / "refmodel"))
+    env.setdefault("TQDM_DISABLE", "1")
+    return env
+
+
+def run_demo(n_prompts: int = 8, max_new_tokens: int = 16, page_size: int = 16,
+             chunk_pages: int = 4, console: Console | None = None) -> int:
+    """Run the demo; returns 0 if every completion equals the reference, else 1."""
+    console = console or Console()
+    work = Path(tempfile.mkdtemp(prefix="kvd-demo-"))
+    daemons: list[DaemonProcess] = []
+    engines: list[EngineProcess] = []
+    try:
+        daemons.append(start_daemon("prefill", work, serve_bootstrap=True))
+        daemons.append(start_daemon("decode", work))
+        env = _engine_env()
+        for role, d in (("prefill", daemons[0]), ("decode", daemons[1])):
+            engines.append(EngineProcess(role, d.socket, work / f"{role}-engine.log", env,
+                                         page_size))
+        t0 = time.perf_counter()
+        loads = [e.reply() for e in engines]
+        load = ", ".join(f"{r.get('load_s', 0.0):.1f}s" for r in loads)
+        console.print(f"engines ready in {time.perf_counter() - t0:.1f}s (model load {load})")
+        rows = _run_prompts(engines[0], engines[1], daemons[0].http_addr, n_prompts,
+                            max_new_tokens, chunk_pages)
+    finally:
+        for e in engines:
+            e.stop()
+        codes = [d.stop() for d in daemons]
+    _print_table(console, rows, page_size, chunk_pages)
+    ok = all(r["equal"] for r in rows) and len(rows) == n_prompts
+    console.print(f"daemons exited with {codes}; logs in {work}")
+    console.print("[green]all completions equal[/green]" if ok
+                  else "[red]some completions differ or failed[/red]")
+    return 0 if ok and all(c == 0 for c in codes) else 1
+
+
+def _run_prompts(prefill: EngineProcess, decode: EngineProcess, bootstrap: str, n: int,
+                 max_new_tokens: int, chunk_pages: int) -> list[dict[str, Any]]:
+    rows = []
+    for i in range(n):
+        prompt = PROMPTS[i % len(PROMPTS)] + (f" (variant {i // len(PROMPTS)})"
+                                               if i >= len(PROMPTS) else "")
+        tokens = _encode_via(prefill, prompt)
+        room = 1000 + i
+        decode.request({"op": "receive", "room": room, "bootstrap": bootstrap,
+                        "num_tokens": len(tokens), "max_new_tokens": max_new_tokens})
+        prefill.request({"op": "prefill", "room": room, "tokens": tokens,
+                         "chunk_pages": chunk_pages})
+        p, d = prefill.reply(), decode.reply()
+        prefill.request({"op": "reference", "tokens": tokens, "max_new_tokens": max_new_tokens})
+        ref = prefill.reply()
+        rows.append(_row(prompt, tokens, p, d, ref))
+    return rows
+
+
+def _encode_via(engine: EngineProcess, prompt: str) -> list[int]:
+    engine.request({"op": "encode", "prompt": prompt})
+    result = engine.reply()
+    if "tokens" not in result:
+        raise RuntimeError(f"engine could not encode: {result}")
+    tokens: list[int] = result["tokens"]
+    return tokens
+
+
+def _row(prompt: str, tokens: list[int], p: dict[str, Any], d: dict[str, Any],
+         ref: dict[str, Any]) -> dict[str, Any]:
+    got, want = d.get("tokens"), ref.get("tokens")
+    problem = p.get("error") or p.get("reason") or d.get("error") or d.get("reason") or ""
+    return {"prompt": prompt, "tokens": len(tokens), "pages": p.get("pages", 0),
+            "kv_bytes": p.get("xfer_bytes", 0), "xfer_s": p.get("xfer_s", 0.0),
+            "chunks": p.get("chunks", 0), "aux_ok": d.get("aux_room_ok", False),
+            "equal": got is not None and got == want and d.get("aux_room_ok", False),
+            "completion": got, "problem": problem}
+
+
+def _print_table(console: Console, rows: list[dict[str, Any]], page_size: int,
+                 chunk_pages: int) -> None:
+    table = Table(title=f"kvd demo: page_size={page_size}, prefill chunk={chunk_pages} pages")
+    for col in ("#", "prompt tokens", "pages", "chunks", "KV bytes", "transfer ms", "GB/s",
+                "equal?"):
+        table.add_column(col, justify="right")
+    for i, r in enumerate(rows):
+        gbps = r["kv_bytes"] / r["xfer_s"] / 1e9 if r["xfer_s"] else 0.0
+        table.add_row(str(i), str(r["tokens"]), str(r["pages"]), str(r["chunks"]),
+                      f"{r['kv_bytes']:,}", f"{r['xfer_s'] * 1e3:.2f}", f"{gbps:.2f}",
+                      "[green]yes[/green]" if r["equal"] else f"[red]NO[/red] {r['problem']}")
+    console.print(table)
+
+
+def main() -> int:
+    """``python -m kvd.refengine.demo``."""
+    return run_demo()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

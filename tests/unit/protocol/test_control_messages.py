@@ -1,0 +1,140 @@
+"""kvd.protocol.control: every control message survives encode/decode; bad frames are refused."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvd.errors import ProtocolError
+from kvd.protocol import codec, control
+
+U64 = st.integers(min_value=0, max_value=2**64 - 1)
+I64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+TEXT = st.text(max_size=40)
+INT_LISTS = st.lists(U64, max_size=8)
+
+kv_args_wire = st.builds(
+    control.KVArgsWire,
+    session_id=TEXT,
+    kv_data_ptrs=INT_LISTS,
+    kv_data_lens=INT_LISTS,
+    kv_item_lens=INT_LISTS,
+    aux_data_ptrs=INT_LISTS,
+    aux_data_lens=INT_LISTS,
+    aux_item_lens=INT_LISTS,
+    page_size=I64,
+    num_kv_heads=I64,
+    head_dim=I64,
+    dtype_size=I64,
+    num_layers=I64,
+    layer_start=I64,
+    is_mla=st.booleans(),
+    layout=TEXT,
+)
+
+register_rank = st.builds(control.RegisterRank, instance_id=TEXT, endpoint=TEXT,
+                          attn_tp_rank=I64, attn_tp_size=I64, kv_args=kv_args_wire)
+room_pages = st.builds(control.RoomPages, room=I64, endpoint=TEXT, instance_id=TEXT,
+                       dst_pages=st.binary(max_size=64), aux_index=I64,
+                       required_dst_info_num=I64, is_dummy=st.booleans())
+room_status = st.builds(control.RoomStatus, room=I64, status=I64, reason=TEXT, endpoint=TEXT,
+                        instance_id=TEXT)
+room_abort = st.builds(control.RoomAbort, room=I64, reason=TEXT, endpoint=TEXT,
+                       instance_id=TEXT)
+control_messages = st.one_of(register_rank, room_pages, room_status, room_abort)
+
+
+@pytest.mark.parametrize("strategy", [register_rank, room_pages, room_status, room_abort],
+                         ids=["RegisterRank", "RoomPages", "RoomStatus", "RoomAbort"])
+def test_round_trip_each_message_type(strategy: st.SearchStrategy) -> None:
+    @given(strategy)
+    def check(msg: control.ControlMessage) -> None:
+        frame = control.encode(msg)
+        assert frame[:3] == codec.MAGIC
+        assert frame[3] == codec.VERSION
+        out = control.decode(frame)
+        assert type(out) is type(msg)
+        assert out == msg
+
+    check()
+
+
+def _sample_abort() -> control.RoomAbort:
+    return control.RoomAbort(room=7, reason="engine gone", endpoint="tcp://h:1", instance_id="i")
+
+
+def test_decoded_type_follows_the_tag() -> None:
+    pages = control.RoomPages(room=1, endpoint="e", instance_id="i", dst_pages=b"\x01\x00\x00\x00",
+                              aux_index=3)
+    out = control.decode(control.encode(pages))
+    assert isinstance(out, control.RoomPages)
+    assert out.required_dst_info_num == 1
+    assert out.is_dummy is False
+    assert out.dst_pages == b"\x01\x00\x00\x00"
+
+
+def test_unknown_tag_refused() -> None:
+    body = msgspec.msgpack.encode({"type": "room_explode", "room": 1, "reason": "x",
+                                   "endpoint": "e", "instance_id": "i"})
+    with pytest.raises(ProtocolError):
+        control.decode(codec.MAGIC + bytes([codec.VERSION]) + body)
+
+
+def test_missing_tag_refused() -> None:
+    body = msgspec.msgpack.encode({"room": 1, "reason": "x", "endpoint": "e", "instance_id": "i"})
+    with pytest.raises(ProtocolError):
+        control.decode(codec.MAGIC + bytes([codec.VERSION]) + body)
+
+
+@pytest.mark.parametrize("field, bad", [("room", "seven"), ("reason", 5), ("endpoint", None),
+                                        ("instance_id", [1])])
+def test_wrong_field_type_refused(field: str, bad: object) -> None:
+    fields = msgspec.to_builtins(_sample_abort())
+    fields["type"] = "room_abort"
+    fields[field] = bad
+    with pytest.raises(ProtocolError):
+        control.decode(codec.MAGIC + bytes([codec.VERSION]) + msgspec.msgpack.encode(fields))
+
+
+def test_missing_required_field_refused() -> None:
+    fields = {"type": "room_status", "room": 1, "status": 4, "reason": "", "endpoint": "e"}
+    with pytest.raises(ProtocolError):
+        control.decode(codec.MAGIC + bytes([codec.VERSION]) + msgspec.msgpack.encode(fields))
+
+
+def test_nested_kv_args_wrong_type_refused() -> None:
+    reg = msgspec.to_builtins(control.RegisterRank(
+        instance_id="i", endpoint="e", attn_tp_rank=0, attn_tp_size=1,
+        kv_args=control.KVArgsWire(session_id="s", kv_data_ptrs=[1], kv_data_lens=[2],
+                                   kv_item_lens=[1], aux_data_ptrs=[], aux_data_lens=[],
+                                   aux_item_lens=[], page_size=1, num_kv_heads=1, head_dim=1,
+                                   dtype_size=2, num_layers=1)))
+    reg["type"] = "register_rank"
+    reg["kv_args"]["kv_data_ptrs"] = ["0x1000"]
+    with pytest.raises(ProtocolError):
+        control.decode(codec.MAGIC + bytes([codec.VERSION]) + msgspec.msgpack.encode(reg))
+
+
+@given(room_abort)
+def test_truncated_frames_refused(msg: control.RoomAbort) -> None:
+    frame = control.encode(msg)
+    for cut in range(len(frame)):
+        with pytest.raises(ProtocolError):
+            control.decode(frame[:cut])
+
+
+def test_max_frame_is_honoured() -> None:
+    frame = control.encode(_sample_abort())
+    assert control.decode(frame, max_frame=len(frame)) == _sample_abort()
+    with pytest.raises(ProtocolError, match="exceeds"):
+        control.decode(frame, max_frame=len(frame) - 1)
+
+
+def test_bad_magic_and_version_refused() -> None:
+    frame = control.encode(_sample_abort())
+    with pytest.raises(ProtocolError, match="magic"):
+        control.decode(b"KVX" + frame[3:])
+    with pytest.raises(ProtocolError, match="version"):
+        control.decode(frame[:3] + bytes([codec.VERSION + 1]) + frame[4:])
