@@ -6,6 +6,7 @@ Everything here is owned by the daemon's one event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -51,6 +52,17 @@ class Core:
     counters: Counters = field(default_factory=Counters)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     registered_addrs: list[int] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def notify(self) -> None:
+        """Wake every :meth:`wait_changed` caller (a room reached Success or Failed)."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def wait_changed(self, seconds: float) -> None:
+        """Return at the next :meth:`notify` or after ``seconds``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), seconds)
 
     @property
     def instance_id(self) -> str:

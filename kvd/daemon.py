@@ -181,6 +181,8 @@ class Daemon:
                         "session_id": self.core.engine.session_id}
             case rpc.Poll():
                 return self._poll(call.rooms)
+            case rpc.Wait():
+                return await self._wait(call.rooms, call.timeout)
             case rpc.Info():
                 return self.health()
             case rpc.Abort():
@@ -231,6 +233,18 @@ class Daemon:
             if self.prefill is not None and (st := self.prefill.stats(room)) is not None:
                 stats[room] = st
         return {"statuses": statuses, "reasons": reasons, "stats": stats}
+
+    async def _wait(self, rooms: list[int], seconds: float) -> dict[str, Any]:
+        assert self.core is not None
+        deadline = time.monotonic() + min(max(seconds, 0.0), 3600.0)
+        while True:
+            result = self._poll(rooms)
+            pending = [s for s in result["statuses"]
+                       if s not in (UNKNOWN_ROOM, KVPoll.Success, KVPoll.Failed)]
+            remaining = deadline - time.monotonic()
+            if not pending or remaining <= 0:
+                return result
+            await self.core.wait_changed(remaining)
 
     def _side_abort(self, room: int, reason: str) -> None:
         if self.prefill is not None:

@@ -169,6 +169,7 @@ class DecodeSide:
             r.successes.add(msg.endpoint)
             if len(r.successes) == len(r.targets) and r.state.advance(KVPoll.Success):
                 self.core.counters.rooms_succeeded += 1
+                self.core.notify()
 
     def on_room_abort(self, msg: control.RoomAbort) -> None:
         """The prefill side aborted the room."""
@@ -187,6 +188,7 @@ class DecodeSide:
     def _fail(self, room: int, r: ReceiverRoom, reason: str) -> None:
         if r.state.fail(reason):
             self.core.counters.rooms_failed += 1
+            self.core.notify()
             log.warning("%s", reason)
 
     async def _bootstrap(self, room: int, r: ReceiverRoom) -> None:

@@ -166,6 +166,7 @@ class PrefillSide:
         if r is not None and r.state.fail(msg.reason):
             r.chunks.clear()
             self.core.counters.rooms_failed += 1
+            self.core.notify()
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -264,12 +265,14 @@ class PrefillSide:
     def _succeed(self, room: int, r: SenderRoom) -> None:
         if r.state.advance(KVPoll.Success):
             self.core.counters.rooms_succeeded += 1
+            self.core.notify()
             self._notify(room, r, KVPoll.Success, "")
 
     def _fail(self, room: int, r: SenderRoom, reason: str) -> None:
         if r.state.fail(reason):
             r.chunks.clear()
             self.core.counters.rooms_failed += 1
+            self.core.notify()
             log.warning("%s", reason)
             self._notify(room, r, KVPoll.Failed, reason)
 

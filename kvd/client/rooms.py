@@ -24,6 +24,12 @@ def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
     return [_status(s) for s in result["statuses"]]
 
 
+def wait_many(client: KvdClient, rooms: list[int], timeout: float) -> list[KVPoll | int]:
+    """Block (in kvd, one RPC) until every room ended or ``timeout`` s; returns their KVPoll."""
+    result = client.call(rpc.Wait(rooms=list(rooms), timeout=timeout))
+    return [_status(s) for s in result["statuses"]]
+
+
 class _Room:
     def __init__(self, client: KvdClient, room: int) -> None:
         if not 0 <= room < 2**64:
@@ -35,6 +41,10 @@ class _Room:
         """Current KVPoll of this room (``UNKNOWN_ROOM`` once cleared)."""
         result = self.client.call(rpc.Poll(rooms=[self.room]))
         return _status(result["statuses"][0])
+
+    def wait(self, timeout: float) -> KVPoll | int:
+        """Block until the room ends or ``timeout`` s pass; returns its KVPoll."""
+        return wait_many(self.client, [self.room], timeout)[0]
 
     def failure_exception(self) -> KVTransferError:
         """The room's failure as a :class:`KVTransferError` (call after poll() == Failed)."""

@@ -98,13 +98,7 @@ class PagedKVPool:
 
 
 def _wait(obj: Sender | Receiver, timeout: float) -> KVPoll | int:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = obj.poll()
-        if state in (KVPoll.Success, KVPoll.Failed):
-            return state
-        time.sleep(0.001)
-    return obj.poll()
+    return obj.wait(timeout)
 
 
 class PrefillEngine:
