@@ -36,6 +36,7 @@ class Counters:
     rooms_succeeded: int = 0
     rooms_failed: int = 0
     protocol_errors: int = 0
+    heartbeat_misses: int = 0
 
 
 @dataclass
@@ -115,6 +116,20 @@ class Core:
         log.info("engine registered: %d KV buffers, %d pages of %d tokens, %d aux slots",
                  len(kv_ptrs), args.num_pages, req.page_size, args.num_aux_slots)
         return args
+
+    def release_local(self, unmap_after: float) -> None:
+        """Forget the engine's registration: unregister its memory from the transfer engine
+        now (remote writes into it are refused from here on) and unmap it after
+        ``unmap_after`` seconds (a write the transport already accepted may still land)."""
+        for addr in self.registered_addrs:
+            try:
+                self.engine.unregister(addr)
+            except Exception as exc:
+                log.warning("unregister %#x: %s", addr, exc)
+        self.registered_addrs.clear()
+        self.local = None
+        old, self.memory = self.memory, MemoryMap(self.settings.shm_dir)
+        asyncio.get_running_loop().call_later(unmap_after, old.close)
 
     def decode_control(self, frame: bytes) -> ControlMessage | None:
         """Parse an inbound control frame; None (logged, counted) if malformed."""

@@ -36,6 +36,7 @@ from kvd.protocol import control, rpc
 from kvd.rooms import UNKNOWN_ROOM, KVPoll
 from kvd.transfer.engine import MooncakeEngine, TransferEngine
 from kvd.transfer.executor import TransferExecutor
+from kvd.transfer.faults import FaultInjector, FaultPlan
 
 log = logging.getLogger("kvd")
 
@@ -56,6 +57,8 @@ class Daemon:
         self.decode: DecodeSide | None = None
         self.http_server: HttpServer | None = None
         self.rpc_server: EngineRpcServer | None = None
+        self.draining = False
+        self.engine_conn: int | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -67,6 +70,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.stop_event.set)
         try:
             await self.stop_event.wait()
+            await self.drain()
         finally:
             await self.shutdown()
         return 0
@@ -74,7 +78,7 @@ class Daemon:
     async def startup(self) -> None:
         """Open every listener; raises ConfigError/TransportError if one cannot start."""
         s = self.settings
-        engine = self._engine or MooncakeEngine(s.host, s.max_batch_entries)
+        engine = self._engine or self._make_engine()
         ctl = ControlPlane(s.control_send_timeout)
         ctl.bind(s.host, s.zmq_port)
         http = httpx.AsyncClient(timeout=s.http_timeout,
@@ -94,7 +98,17 @@ class Daemon:
         await self.rpc_server.start()
         self.core.spawn(self._recv_loop(), "control-recv")
         self.core.spawn(self._sweep_loop(), "sweeper")
+        if self.decode is not None:
+            self.core.spawn(self.decode.heartbeat_loop(), "heartbeats")
         self._announce()
+
+    def _make_engine(self) -> MooncakeEngine:
+        s, hook = self.settings, None
+        if s.fault_injection:
+            hook = FaultInjector(FaultPlan.model_validate_json(s.fault_injection))
+            log.warning("FAULT INJECTION ACTIVE (testing only): %s", hook.plan)
+        return MooncakeEngine(s.host, s.max_batch_entries, retry_budget=s.transient_retry_s,
+                              submit_hook=hook)
 
     def _announce(self) -> None:
         assert self.core is not None and self.http_server is not None
@@ -106,6 +120,33 @@ class Daemon:
                  "bootstrap_addr": self.settings.bootstrap_addr}
         print(json.dumps(ready), flush=True)
         log.info("kvd %s ready: %s", self.settings.role, ready)
+
+    def _rooms(self) -> dict[int, Any]:
+        if self.prefill is not None:
+            return self.prefill.rooms
+        return self.decode.rooms if self.decode is not None else {}
+
+    async def drain(self) -> None:
+        """SIGTERM: refuse new rooms, let in-flight rooms finish for up to ``drain_timeout``
+        s, fail the rest with a reason, and deregister from the bootstrap server."""
+        core, s = self.core, self.settings
+        if core is None:
+            return
+        self.draining = True
+        log.info("draining: %d rooms in flight", self._unfinished())
+        deadline = time.monotonic() + s.drain_timeout
+        while self._unfinished() and time.monotonic() < deadline:
+            await core.wait_changed(deadline - time.monotonic())
+        for room in [k for k, r in self._rooms().items() if not r.state.done]:
+            self._side_abort(room, "kvd shutting down")
+        pending = [t for t in core.tasks if t.get_name().startswith(("status-", "abort-"))]
+        if pending:
+            await asyncio.wait(pending, timeout=1.0)
+        if self.prefill is not None and self.prefill.bootstrap_registered:
+            await self.prefill.deregister_from_bootstrap()
+
+    def _unfinished(self) -> int:
+        return sum(1 for r in self._rooms().values() if not r.state.done)
 
     async def shutdown(self) -> None:
         """Close listeners, cancel tasks, wait for transfers, release memory."""
@@ -175,7 +216,9 @@ class Daemon:
         match call:
             case rpc.RegisterKV():
                 args = self.core.register_local(call)
-                if self.prefill is not None:
+                self.engine_conn = conn.id
+                conn.on_close.append(lambda: self._engine_disconnected(conn.id))
+                if self.prefill is not None and not self.prefill.bootstrap_registered:
                     self.core.spawn(self.prefill.register_with_bootstrap(), "bootstrap-put")
                 return {"num_pages": args.num_pages, "num_aux_slots": args.num_aux_slots,
                         "session_id": self.core.engine.session_id}
@@ -191,6 +234,9 @@ class Daemon:
             case rpc.Clear():
                 self._side_clear(call.room)
                 return None
+        if self.draining and isinstance(call, rpc.SenderCreate | rpc.ReceiverCreate):
+            raise RoomError(f"room {call.room}: kvd is draining (shutting down); "
+                            f"no new rooms")
         if self.prefill is not None:
             return self._prefill_call(self.prefill, call)
         assert self.decode is not None
@@ -221,9 +267,11 @@ class Daemon:
     def _poll(self, rooms: list[int]) -> dict[str, Any]:
         table: dict[int, Any] = (self.prefill.rooms if self.prefill is not None
                                  else self.decode.rooms if self.decode is not None else {})
-        statuses, reasons, stats = [], {}, {}
+        statuses, reasons, stats, releasable = [], {}, {}, []
         for room in rooms:
             r = table.get(room)
+            if self.decode is None or self.decode.releasable(room):
+                releasable.append(room)
             if r is None:
                 statuses.append(UNKNOWN_ROOM)
                 continue
@@ -232,15 +280,18 @@ class Daemon:
                 reasons[room] = r.state.reason
             if self.prefill is not None and (st := self.prefill.stats(room)) is not None:
                 stats[room] = st
-        return {"statuses": statuses, "reasons": reasons, "stats": stats}
+        return {"statuses": statuses, "reasons": reasons, "stats": stats,
+                "releasable": releasable}
 
     async def _wait(self, rooms: list[int], seconds: float) -> dict[str, Any]:
         assert self.core is not None
         deadline = time.monotonic() + min(max(seconds, 0.0), 3600.0)
         while True:
             result = self._poll(rooms)
-            pending = [s for s in result["statuses"]
-                       if s not in (UNKNOWN_ROOM, KVPoll.Success, KVPoll.Failed)]
+            releasable = set(result["releasable"])
+            pending = [room for room, s in zip(rooms, result["statuses"], strict=True)
+                       if s not in (UNKNOWN_ROOM, KVPoll.Success, KVPoll.Failed)
+                       or room not in releasable]
             remaining = deadline - time.monotonic()
             if not pending or remaining <= 0:
                 return result
@@ -251,6 +302,30 @@ class Daemon:
             self.prefill.abort(room, reason)
         if self.decode is not None:
             self.decode.abort(room, reason)
+
+    def _engine_disconnected(self, conn_id: int) -> None:
+        """The engine that registered KV buffers went away: fail its rooms and release its
+        memory before anything could write into it (sync callback from the RPC server)."""
+        if self.core is None or conn_id != self.engine_conn or self.core.local is None:
+            return
+        self.engine_conn = None
+        log.warning("engine disconnected: failing %d rooms and unregistering its memory",
+                    self._unfinished())
+        for room in list(self._rooms()):
+            self._side_abort(room, "engine disconnected")
+        self.core.spawn(self._release_engine(), "release-engine")
+
+    async def _release_engine(self) -> None:
+        assert self.core is not None
+        if self.prefill is not None:  # our own writes read this memory: let them return
+            pumps = [r.pump for r in self.prefill.rooms.values() if r.pump and not r.pump.done()]
+            if pumps:
+                await asyncio.wait(pumps)
+            self.prefill.rooms.clear()
+        else:
+            assert self.decode is not None
+            self.decode.rooms.clear()
+        self.core.release_local(self.settings.release_timeout)
 
     def _side_clear(self, room: int) -> None:
         if self.prefill is not None:
@@ -272,8 +347,26 @@ class Daemon:
                 "instance_id": self.settings.instance_id,
                 "uptime_s": round(time.time() - self.started_at, 3),
                 "engine_registered": bool(core and core.local),
+                "draining": self.draining,
+                "bootstrap_epoch": self.table.epoch if self.table is not None else None,
+                "tables": self.table_sizes(),
                 "rooms": by_state,
                 "counters": vars(core.counters) if core else {}}
+
+
+    def table_sizes(self) -> dict[str, int]:
+        """Sizes of every per-room and per-peer table (leak checks)."""
+        core = self.core
+        sizes = {"tasks": len(core.tasks) if core else 0,
+                 "control_sockets": len(core.control._push) if core else 0}
+        if self.prefill is not None:
+            sizes |= {"rooms": len(self.prefill.rooms), "pending": len(self.prefill.pending),
+                      "peers": len(self.prefill.peers)}
+        if self.decode is not None:
+            sizes |= {"rooms": len(self.decode.rooms), "registered": len(self.decode.registered),
+                      "health": len(self.decode.health),
+                      "rank_cache": len(self.decode.bootstrap.ranks)}
+        return sizes
 
 
 def serve(settings: Settings) -> int:

@@ -42,7 +42,22 @@ class ReceiverRoom:
     aux_index: int = 0
     targets: list[tuple[Target, str]] | None = None
     successes: set[str] = field(default_factory=set)
+    quiesced: set[str] = field(default_factory=set)
     pages_sent: bool = False
+
+    def releasable(self, now: float, release_timeout: float) -> bool:
+        """May the engine reuse this room's pages? Only once it ended and no prefill rank
+        can still write into them: every target confirmed (``quiesced``), or the pages
+        never left this rank, or ``release_timeout`` s passed since it failed."""
+        if self.state.status == KVPoll.Success:
+            return True
+        if self.state.status != KVPoll.Failed:
+            return False
+        if not self.pages_sent or self.targets is None:
+            return True
+        if {ep for _, ep in self.targets} <= self.quiesced:
+            return True
+        return now - self.state.since > release_timeout
 
 
 class BootstrapClient:
@@ -50,6 +65,7 @@ class BootstrapClient:
 
     503 (not every rank registered yet) and connection errors are retried with
     backoff for up to ``budget`` seconds; other 4xx answers fail at once.
+    Concurrent lookups of the same key share one request.
     """
 
     def __init__(self, http: httpx.AsyncClient, budget: float) -> None:
@@ -57,6 +73,22 @@ class BootstrapClient:
         self.budget = budget
         self.info: dict[str, ParallelInfo] = {}
         self.ranks: dict[tuple[str, int, int, int], RankInfo] = {}
+        self._inflight: dict[tuple[object, ...], asyncio.Future[dict[str, object]]] = {}
+
+    def forget(self, addr: str) -> None:
+        """Drop everything cached for bootstrap ``addr`` (peer died or restarted)."""
+        self.info.pop(addr, None)
+        for key in [k for k in self.ranks if k[0] == addr]:
+            del self.ranks[key]
+
+    async def _get_shared(self, addr: str, params: dict[str, int]) -> dict[str, object]:
+        key = (addr, *sorted(params.items()))
+        fut = self._inflight.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(self._get(addr, params))
+            self._inflight[key] = fut
+            fut.add_done_callback(lambda _: self._inflight.pop(key, None))
+        return await asyncio.shield(fut)
 
     async def _get(self, addr: str, params: dict[str, int]) -> dict[str, object]:
         url, deadline, delay = http_url(addr, "/route"), time.monotonic() + self.budget, 0.05
@@ -72,6 +104,8 @@ class BootstrapClient:
                     raise BootstrapError(f"bootstrap {addr} answered {last}")
             except httpx.HTTPError as exc:
                 last = f"bootstrap unreachable ({type(exc).__name__})"
+            except ValueError as exc:  # a 200 whose body is not JSON
+                raise BootstrapError(f"bootstrap {addr} sent a malformed answer: {exc}") from exc
             if time.monotonic() + delay > deadline:
                 raise BootstrapError(f"bootstrap {addr}: {last} after {self.budget:.0f}s")
             await asyncio.sleep(delay)
@@ -80,8 +114,8 @@ class BootstrapClient:
     async def parallel_info(self, addr: str) -> ParallelInfo:
         """The prefill instance's sizes (cached per bootstrap address)."""
         if addr not in self.info:
-            data = await self._get(addr, {"engine_rank": -1, "target_dp_group": -1,
-                                          "target_pp_rank": -1})
+            data = await self._get_shared(addr, {"engine_rank": -1, "target_dp_group": -1,
+                                                 "target_pp_rank": -1})
             self.info[addr] = ParallelInfo.model_validate(data)
         return self.info[addr]
 
@@ -89,10 +123,21 @@ class BootstrapClient:
         """Where prefill rank (tp, dp, pp) listens (cached)."""
         key = (addr, t.tp_rank, t.dp_group, t.pp_rank)
         if key not in self.ranks:
-            data = await self._get(addr, {"engine_rank": t.tp_rank, "target_dp_group":
-                                          t.dp_group, "target_pp_rank": t.pp_rank})
+            data = await self._get_shared(addr, {"engine_rank": t.tp_rank, "target_dp_group":
+                                                 t.dp_group, "target_pp_rank": t.pp_rank})
             self.ranks[key] = RankInfo.model_validate(data)
         return self.ranks[key]
+
+
+@dataclass
+class PeerHealth:
+    """Heartbeat state of one prefill bootstrap address."""
+
+    misses: int = 0
+    instance_id: str | None = None
+    epoch: int | None = None
+    last_ok: float = 0.0
+    down: bool = False
 
 
 class DecodeSide:
@@ -103,6 +148,67 @@ class DecodeSide:
         self.rooms: dict[int, ReceiverRoom] = {}
         self.bootstrap = BootstrapClient(core.http, core.settings.bootstrap_retry_budget)
         self.registered: set[str] = set()
+        self.health: dict[str, PeerHealth] = {}
+
+    # ---- heartbeats ---------------------------------------------------------------------
+
+    async def heartbeat_loop(self) -> None:
+        """Probe every prefill bootstrap address in use, every ``heartbeat_interval`` s."""
+        while True:
+            await asyncio.sleep(self.core.settings.heartbeat_interval)
+            addrs = {r.bootstrap_addr for r in self.rooms.values() if not r.state.done}
+            addrs |= set(self.bootstrap.info) | {a for a, h in self.health.items() if h.down}
+            await asyncio.gather(*(self.probe(a) for a in addrs))
+            for addr in set(self.health) - addrs:
+                del self.health[addr]
+
+    async def probe(self, addr: str) -> None:
+        """One heartbeat of ``addr``'s ``/health`` (bounded by the heartbeat interval)."""
+        s = self.core.settings
+        h = self.health.setdefault(addr, PeerHealth())
+        try:
+            resp = await self.core.http.get(http_url(addr, "/health"),
+                                            timeout=min(s.http_timeout, s.heartbeat_interval))
+            data = resp.json() if resp.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            data = None
+        if not isinstance(data, dict):
+            self._missed(addr, h)
+            return
+        if h.down:
+            log.info("prefill %s is back after %d missed heartbeats", addr, h.misses)
+        h.misses, h.down, h.last_ok = 0, False, time.monotonic()
+        instance, epoch = data.get("instance_id"), data.get("bootstrap_epoch")
+        if h.instance_id is not None and instance != h.instance_id:
+            self.peer_lost(addr, f"prefill {addr} restarted (instance {h.instance_id} -> "
+                                 f"{instance})")
+        elif h.epoch is not None and epoch != h.epoch:
+            self._forget(addr)  # a rank re-registered: refresh endpoints for new rooms
+        h.instance_id, h.epoch = instance, epoch
+
+    def _missed(self, addr: str, h: PeerHealth) -> None:
+        h.misses += 1
+        self.core.counters.heartbeat_misses += 1
+        if h.misses >= self.core.settings.heartbeat_max_failures and not h.down:
+            h.down = True
+            self.peer_lost(addr, f"prefill {addr} unreachable: {h.misses} heartbeats missed")
+
+    def _forget(self, addr: str) -> set[str]:
+        endpoints = {f"tcp://{join_hostport(info.rank_ip.strip('[]'), info.rank_port)}"
+                     for key, info in self.bootstrap.ranks.items() if key[0] == addr}
+        self.bootstrap.forget(addr)
+        for ep in endpoints:
+            self.registered.discard(ep)
+            self.core.control.drop(ep)
+        return endpoints
+
+    def peer_lost(self, addr: str, reason: str) -> None:
+        """Fail every unfinished room fed by ``addr``; drop its cached endpoints and sockets."""
+        log.warning("%s", reason)
+        self._forget(addr)
+        for room, r in list(self.rooms.items()):
+            if r.bootstrap_addr == addr and not r.state.done:
+                self._fail(room, r, f"room {room}: {reason}")
 
     # ---- engine calls -------------------------------------------------------------------
 
@@ -147,21 +253,38 @@ class DecodeSide:
         for _, endpoint in r.targets or []:
             self.core.spawn(self.core.send(endpoint, msg), f"abort-{room}")
 
+    def releasable(self, room: int) -> bool:
+        """True if the room's pages may be reused (see :meth:`ReceiverRoom.releasable`)."""
+        r = self.rooms.get(room)
+        return r is None or r.releasable(time.monotonic(), self.core.settings.release_timeout)
+
     def clear(self, room: int) -> None:
-        """Forget a room; an unfinished one is aborted first."""
-        if room in self.rooms:
-            self.abort(room, "cleared before it finished")
-            del self.rooms[room]
+        """Forget a room. An unfinished one is aborted first; a room whose pages a prefill
+        rank may still write is NOT forgotten: RoomError says to retry (case K06)."""
+        if room not in self.rooms:
+            return
+        self.abort(room, "cleared before it finished")
+        if not self.releasable(room):
+            raise RoomError(f"room {room}: pages not releasable yet (a prefill write may be "
+                            f"in flight); wait for the room, then clear")
+        del self.rooms[room]
 
     # ---- control messages ---------------------------------------------------------------
 
     def on_room_status(self, msg: control.RoomStatus) -> None:
-        """A prefill rank's final word on a room; late or unknown reports are ignored."""
+        """A prefill rank's final word on a room; late or unknown reports are ignored
+        (they never re-create a room), except that they may confirm quiescence."""
         r = self.rooms.get(msg.room)
-        if r is None or r.state.done:
+        if r is None:
             return
         if r.targets is None or msg.endpoint not in {ep for _, ep in r.targets}:
             log.warning("room %d: status from unexpected peer %s ignored", msg.room, msg.endpoint)
+            return
+        if msg.quiesced or msg.status == KVPoll.Success:
+            r.quiesced.add(msg.endpoint)
+            if r.state.done:
+                self.core.notify()  # a waiter may be waiting for releasable pages
+        if r.state.done:
             return
         if msg.status == KVPoll.Failed:
             self._fail(msg.room, r, msg.reason or f"room {msg.room}: failed on {msg.endpoint}")
@@ -192,6 +315,11 @@ class DecodeSide:
             log.warning("%s", reason)
 
     async def _bootstrap(self, room: int, r: ReceiverRoom) -> None:
+        health = self.health.get(r.bootstrap_addr)
+        if health is not None and health.down:
+            self._fail(room, r, f"room {room}: prefill {r.bootstrap_addr} is down "
+                                f"({health.misses} heartbeats missed)")
+            return
         try:
             targets = await self._resolve(room, r)
         except KvdError as exc:
@@ -245,12 +373,21 @@ class DecodeSide:
         r.state.advance(KVPoll.Transferring)
 
     def sweep(self, now: float) -> None:
-        """Deadlines for Bootstrapping, WaitingForInput and Transferring."""
+        """Deadlines for Bootstrapping, WaitingForInput and Transferring; release deadlines;
+        finished rooms the engine never cleared."""
         s = self.core.settings
         limits = {KVPoll.Bootstrapping: s.bootstrap_timeout, KVPoll.WaitingForInput:
                   s.waiting_timeout, KVPoll.Transferring: s.transfer_timeout}
+        wake = False
         for room, r in list(self.rooms.items()):
             limit = limits.get(r.state.status)
             if limit is not None and now - r.state.since > limit:
                 self._fail(room, r, f"room {room}: timed out in {r.state.status.name} after "
                                     f"{limit:.1f}s (prefill {r.bootstrap_addr})")
+            elif r.state.status == KVPoll.Failed and r.pages_sent:
+                wake |= r.releasable(now, s.release_timeout)
+            if r.state.done and now - r.state.since > s.finished_room_ttl and \
+                    r.releasable(now, s.release_timeout):
+                del self.rooms[room]
+        if wake:
+            self.core.notify()

@@ -68,8 +68,14 @@ class SenderRoom:
     chunks: deque[tuple[Pages, bool]] = field(default_factory=deque)
     offset: int = 0
     pump: asyncio.Task[None] | None = None
+    writing: bool = False
     nbytes: int = 0
     seconds: float = 0.0
+
+    @property
+    def peers(self) -> str:
+        """Decode endpoints of the room, for messages."""
+        return ", ".join(self.dsts) or "no decode rank yet"
 
 
 class PrefillSide:
@@ -119,13 +125,14 @@ class PrefillSide:
         self._kick(room, r)
 
     def abort(self, room: int, reason: str) -> None:
-        """Fail the room and tell its decode destinations."""
+        """Fail the room and tell its decode destinations; no further chunk is scheduled."""
         r = self.rooms.get(room)
         if r is not None:
-            self._fail(room, r, f"room {room} aborted on prefill: {reason}")
+            self._fail(room, r, f"room {room} aborted on prefill ({r.peers}): {reason}")
 
     def clear(self, room: int) -> None:
-        """Forget a room; an unfinished one is aborted first."""
+        """Forget a room; an unfinished one is aborted first. A write still in flight
+        keeps running in its thread and reports to the decode side when it returns."""
         r = self.rooms.get(room)
         if r is None:
             return
@@ -161,11 +168,22 @@ class PrefillSide:
         self._add_destination(r, msg)
 
     def on_room_abort(self, msg: control.RoomAbort) -> None:
-        """The decode side aborted the room."""
+        """The decode side aborted the room: stop it, and confirm once no write is in flight.
+
+        An abort for a room this rank does not know (never created, or cleared) is
+        confirmed at once and creates nothing (case K05).
+        """
+        self._drop_pending(msg.room, msg.endpoint)
         r = self.rooms.get(msg.room)
-        if r is not None and r.state.fail(msg.reason):
+        if r is None:
+            self._status_to(msg.endpoint, msg.room, KVPoll.Failed, msg.reason, quiesced=True)
+            return
+        if r.state.fail(msg.reason):
             r.chunks.clear()
             self.core.counters.rooms_failed += 1
+            self.core.notify()
+        if not r.writing:  # otherwise the pump confirms when the write returns
+            self._status_to(msg.endpoint, msg.room, KVPoll.Failed, msg.reason, quiesced=True)
             self.core.notify()
 
     # ---- internals ----------------------------------------------------------------------
@@ -181,10 +199,21 @@ class PrefillSide:
             raise RoomError(f"unknown room {room}")
         return r
 
+    def _status_to(self, endpoint: str, room: int, status: KVPoll, reason: str,
+                   quiesced: bool) -> None:
+        msg = control.RoomStatus(room, int(status), reason, self.core.control.endpoint,
+                                 self.core.instance_id, quiesced)
+        self.core.spawn(self.core.send(endpoint, msg), f"status-{room}")
+
     def _refuse(self, msg: control.RoomPages, reason: str) -> None:
-        status = control.RoomStatus(msg.room, int(KVPoll.Failed), reason,
-                                    self.core.control.endpoint, self.core.instance_id)
-        self.core.spawn(self.core.send(msg.endpoint, status), f"refuse-{msg.room}")
+        self._status_to(msg.endpoint, msg.room, KVPoll.Failed, reason, quiesced=True)
+
+    def _drop_pending(self, room: int, endpoint: str) -> None:
+        entries = [(m, t) for m, t in self.pending.get(room, []) if m.endpoint != endpoint]
+        if entries:
+            self.pending[room] = entries
+        else:
+            self.pending.pop(room, None)
 
     def _add_destination(self, r: SenderRoom, msg: control.RoomPages) -> None:
         room = msg.room
@@ -192,9 +221,9 @@ class PrefillSide:
         if r.state.done:
             return self._refuse(msg, f"room {room}: duplicate room (already "
                                      f"{r.state.status.name} on prefill)")
-        if msg.endpoint in r.dsts:
-            return self._refuse(msg, f"room {room}: duplicate room (a receiver of "
-                                     f"{msg.endpoint} is already bound)")
+        if msg.endpoint in r.dsts or (r.required is not None and len(r.dsts) >= r.required):
+            return self._refuse(msg, f"room {room}: duplicate room (already bound to "
+                                     f"{r.peers}; refused {msg.endpoint})")
         if peer is None or peer.args is None or peer.rejected:
             reason = peer.rejected if peer else "decode rank not registered with this prefill"
             return self._refuse(msg, f"room {room}: {reason}")
@@ -224,19 +253,28 @@ class PrefillSide:
         while r.chunks and not r.state.done:
             pages, is_last = r.chunks.popleft()
             r.state.advance(KVPoll.Transferring)
+            r.writing = True
             try:
                 await self._write_chunk(room, r, pages, is_last)
             except KvdError as exc:
-                self._fail(room, r, f"room {room}: {exc}")
+                r.writing = False
+                self._fail(room, r, f"room {room}: transfer to {r.peers} failed: {exc}")
                 return
-            if is_last and not r.state.done:
+            finally:
+                r.writing = False
+            if r.state.done:  # failed (abort, deadline) while the write was in flight
+                self._notify(room, r, KVPoll.Failed, r.state.reason)
+                return
+            if is_last:
                 self._succeed(room, r)
 
     async def _write_chunk(self, room: int, r: SenderRoom, pages: Pages, is_last: bool) -> None:
         start = time.perf_counter()
         plans = [(d, self._plan(room, r, d, pages, is_last)) for d in r.dsts.values()]
         r.offset += int(pages.size)
-        await asyncio.gather(*(self.core.executor.write(d.peer.args.wire.session_id, desc)
+        deadline = r.state.since + self.core.settings.transfer_timeout
+        await asyncio.gather(*(self.core.executor.write(d.peer.args.wire.session_id, desc,
+                                                        deadline)
                                for d, desc in plans if d.peer.args is not None))
         moved = sum(desc.nbytes for _, desc in plans)
         r.nbytes += moved
@@ -277,10 +315,9 @@ class PrefillSide:
             self._notify(room, r, KVPoll.Failed, reason)
 
     def _notify(self, room: int, r: SenderRoom, status: KVPoll, reason: str) -> None:
-        msg = control.RoomStatus(room, int(status), reason, self.core.control.endpoint,
-                                 self.core.instance_id)
+        """Tell every decode destination; ``quiesced`` says whether a write is in flight."""
         for endpoint in r.dsts:
-            self.core.spawn(self.core.send(endpoint, msg), f"status-{room}")
+            self._status_to(endpoint, room, status, reason, quiesced=not r.writing)
 
     def sweep(self, now: float) -> None:
         """Deadlines: fail rooms stuck in a state; drop stale buffered destinations."""
@@ -291,7 +328,9 @@ class PrefillSide:
             limit = limits.get(r.state.status)
             if limit is not None and now - r.state.since > limit:
                 self._fail(room, r, f"room {room}: timed out in {r.state.status.name} "
-                                    f"after {limit:.1f}s on prefill")
+                                    f"after {limit:.1f}s on prefill (decode: {r.peers})")
+            elif r.state.done and not r.writing and now - r.state.since > s.finished_room_ttl:
+                del self.rooms[room]  # the engine never cleared it
         for room, entries in list(self.pending.items()):
             kept = [(m, t) for m, t in entries if now - t <= s.bootstrap_timeout]
             if kept:
@@ -324,6 +363,19 @@ class PrefillSide:
                          type(exc).__name__)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
+
+    async def deregister_from_bootstrap(self) -> None:
+        """Remove this rank from the bootstrap table (best effort, one bounded request)."""
+        s = self.core.settings
+        assert s.bootstrap_addr is not None
+        params: dict[str, str | int] = {"engine_rank": s.attn_tp_rank,
+                                        "target_dp_group": s.attn_dp_rank,
+                                        "target_pp_rank": s.pp_rank, "instance_id": s.instance_id}
+        try:
+            await self.core.http.delete(http_url(s.bootstrap_addr, "/route"), params=params)
+            self.bootstrap_registered = False
+        except Exception as exc:  # httpx errors: the bootstrap server may be gone already
+            log.info("could not deregister from bootstrap %s: %s", s.bootstrap_addr, exc)
 
     def stats(self, room: int) -> tuple[int, float] | None:
         """(bytes, seconds) moved for a finished room, if known."""

@@ -84,6 +84,9 @@ class BootstrapTable:
         self.sizes: tuple[int, int, int] | None = None  # (tp, dp, pp)
         self.page_size: int | None = None
         self.ranks: dict[Key, RankInfo] = {}
+        #: Bumped whenever a registered rank is replaced or removed: decode ranks that see
+        #: it change (in /health) refresh their cached endpoints.
+        self.epoch = 0
 
     @property
     def expected(self) -> int | None:
@@ -110,7 +113,22 @@ class BootstrapTable:
         self.ranks[key] = info
         if old is None:
             return "registered"
-        return "unchanged" if old == info else "replaced"
+        if old == info:
+            return "unchanged"
+        self.epoch += 1
+        return "replaced"
+
+    def deregister(self, tp_rank: int, dp_group: int, pp_rank: int,
+                   instance_id: str | None) -> bool:
+        """Remove a rank (SIGTERM of its kvd). Only the registered instance may remove it;
+        returns False if nothing was removed."""
+        key = (dp_group, tp_rank, pp_rank)
+        info = self.ranks.get(key)
+        if info is None or (info.instance_id is not None and info.instance_id != instance_id):
+            return False
+        del self.ranks[key]
+        self.epoch += 1
+        return True
 
     def parallel_info(self) -> ParallelInfo:
         """Sizes of the instance; raises :class:`NotReady` until every rank registered."""

@@ -8,7 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd.client.rpc import KvdClient
-from kvd.errors import KVTransferError
+from kvd.errors import KvdUnreachable, KVTransferError, RoomError
 from kvd.protocol import rpc
 from kvd.protocol.codec import pack_indices
 from kvd.rooms import UNKNOWN_ROOM, KVPoll
@@ -19,14 +19,25 @@ def _status(value: int) -> KVPoll | int:
 
 
 def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
-    """KVPoll of many rooms in ONE RPC; a room kvd does not know gives ``UNKNOWN_ROOM`` (-1)."""
-    result = client.call(rpc.Poll(rooms=list(rooms)))
+    """KVPoll of many rooms in ONE RPC; a room kvd does not know gives ``UNKNOWN_ROOM`` (-1).
+
+    If kvd cannot be reached every room reads ``Failed`` ("kvd unreachable"): an engine
+    never hangs on a dead daemon.
+    """
+    try:
+        result = client.call(rpc.Poll(rooms=list(rooms)))
+    except KvdUnreachable:
+        return [KVPoll.Failed] * len(rooms)
     return [_status(s) for s in result["statuses"]]
 
 
 def wait_many(client: KvdClient, rooms: list[int], timeout: float) -> list[KVPoll | int]:
-    """Block (in kvd, one RPC) until every room ended or ``timeout`` s; returns their KVPoll."""
-    result = client.call(rpc.Wait(rooms=list(rooms), timeout=timeout))
+    """Block (in kvd, one RPC) until every room ended — and, on decode, its pages are
+    releasable — or ``timeout`` s passed; returns their KVPoll (Failed if kvd is gone)."""
+    try:
+        result = client.call(rpc.Wait(rooms=list(rooms), timeout=timeout))
+    except KvdUnreachable:
+        return [KVPoll.Failed] * len(rooms)
     return [_status(s) for s in result["statuses"]]
 
 
@@ -36,29 +47,56 @@ class _Room:
             raise ValueError(f"room must be a 64-bit unsigned id, got {room}")
         self.client = client
         self.room = room
+        self.lost = ""  # set once kvd was unreachable: the room is Failed for good
+
+    def _call(self, call: rpc.Call) -> Any:
+        if self.lost:
+            return None
+        try:
+            return self.client.call(call)
+        except KvdUnreachable as exc:
+            self.lost = f"kvd unreachable: {exc}"
+            return None
 
     def poll(self) -> KVPoll | int:
-        """Current KVPoll of this room (``UNKNOWN_ROOM`` once cleared)."""
-        result = self.client.call(rpc.Poll(rooms=[self.room]))
-        return _status(result["statuses"][0])
+        """Current KVPoll of this room (``UNKNOWN_ROOM`` once cleared; ``Failed`` for good
+        once kvd was unreachable — a restarted kvd does not know the room)."""
+        result = self._call(rpc.Poll(rooms=[self.room]))
+        return KVPoll.Failed if result is None else _status(result["statuses"][0])
 
     def wait(self, timeout: float) -> KVPoll | int:
-        """Block until the room ends or ``timeout`` s pass; returns its KVPoll."""
-        return wait_many(self.client, [self.room], timeout)[0]
+        """Block until the room ends (and, on decode, its pages are releasable) or
+        ``timeout`` s pass; returns its KVPoll."""
+        result = self._call(rpc.Wait(rooms=[self.room], timeout=timeout))
+        return KVPoll.Failed if result is None else _status(result["statuses"][0])
+
+    def releasable(self) -> bool:
+        """May the engine reuse this room's pages? (Always True on prefill.)"""
+        result = self._call(rpc.Poll(rooms=[self.room]))
+        return result is None or self.room in result["releasable"]
 
     def failure_exception(self) -> KVTransferError:
         """The room's failure as a :class:`KVTransferError` (call after poll() == Failed)."""
-        result: dict[str, Any] = self.client.call(rpc.Poll(rooms=[self.room]))
+        result: dict[str, Any] | None = self._call(rpc.Poll(rooms=[self.room]))
+        if result is None:
+            return KVTransferError(self.room, self.lost)
         reasons = {int(k): v for k, v in result.get("reasons", {}).items()}
         return KVTransferError(self.room, reasons.get(self.room, "room is not failed"))
 
     def abort(self, reason: str = "aborted by engine") -> None:
-        """Fail the room on both sides with ``reason``."""
-        self.client.call(rpc.Abort(room=self.room, reason=reason))
+        """Fail the room on both sides with ``reason``; on decode, its pages stay
+        unreleasable until the prefill side confirms no write is in flight."""
+        self._call(rpc.Abort(room=self.room, reason=reason))
 
-    def clear(self) -> None:
-        """Forget the room (after Success or Failed)."""
-        self.client.call(rpc.Clear(room=self.room))
+    def clear(self, timeout: float = 30.0) -> None:
+        """Forget the room (an unfinished one is aborted). On decode, if a prefill write may
+        still be in flight, this waits up to ``timeout`` s for the pages to become
+        releasable; raises RoomError if they still are not."""
+        try:
+            self._call(rpc.Clear(room=self.room))
+        except RoomError:
+            self._call(rpc.Wait(rooms=[self.room], timeout=timeout))
+            self._call(rpc.Clear(room=self.room))
 
 
 class Sender(_Room):

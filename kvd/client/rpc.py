@@ -24,7 +24,9 @@ class KvdClient:
 
     Thread-safe (one call at a time). ``timeout`` bounds each call in seconds.
     Raises :class:`KvdUnreachable` when kvd is not there (the next call
-    reconnects), and the kvd error named by a failed reply otherwise.
+    reconnects), and the kvd error named by a failed reply otherwise. After a
+    reconnect to a restarted kvd, the engine's last ``RegisterKV`` is sent again
+    first, so the new daemon knows the engine's buffers.
     """
 
     def __init__(self, path: str, timeout: float = 30.0) -> None:
@@ -33,6 +35,9 @@ class KvdClient:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._next_id = 0
+        self._registration: rpc.RegisterKV | None = None
+        self._replay = False
+        self.reconnects = 0
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -50,24 +55,41 @@ class KvdClient:
     def call(self, call: rpc.Call) -> Any:
         """Send one request and return its result."""
         with self._lock:
-            self._next_id += 1
-            req_id = self._next_id
-            try:
-                sock = self._connect()
-                sock.sendall(rpc.encode(rpc.Request(id=req_id, call=call)))
-                reply = rpc.decode_reply(self._read_frame(sock))
-            except OSError as exc:
-                self.close()
-                raise KvdUnreachable(f"kvd unreachable at {self.path}: {exc}",
-                                     "KvdUnreachable") from exc
-            except ProtocolError:
-                self.close()
-                raise
+            if self._replay and self._registration is not None and \
+                    not isinstance(call, rpc.RegisterKV):
+                self._roundtrip(self._registration)
+                self.reconnects += 1
+                self._replay = False
+            result = self._roundtrip(call)
+            if isinstance(call, rpc.RegisterKV):
+                self._registration, self._replay = call, False
+            return result
+
+    def _roundtrip(self, call: rpc.Call) -> Any:
+        self._next_id += 1
+        req_id = self._next_id
+        try:
+            sock = self._connect()
+            sock.sendall(rpc.encode(rpc.Request(id=req_id, call=call)))
+            reply = rpc.decode_reply(self._read_frame(sock))
+        except OSError as exc:
+            self._drop()
+            raise KvdUnreachable(f"kvd unreachable at {self.path}: {exc}",
+                                 "KvdUnreachable") from exc
+        except ProtocolError:
+            self._drop()
+            raise
         if reply.id != req_id:
             raise ProtocolError(f"reply id {reply.id} does not match request {req_id}")
         if not reply.ok:
             raise _error_from_reply(reply)
         return reply.result
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._replay = self._registration is not None
 
     @staticmethod
     def _read_frame(sock: socket.socket) -> bytes:
@@ -76,10 +98,9 @@ class KvdClient:
         return _recv_exact(sock, length)
 
     def close(self) -> None:
-        """Close the connection (a later call reconnects)."""
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        """Close the connection (a later call reconnects and re-registers)."""
+        with self._lock:
+            self._drop()
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:

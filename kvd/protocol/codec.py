@@ -51,6 +51,8 @@ def decode(data: bytes, decoder: msgspec.msgpack.Decoder[T],
         return decoder.decode(data[HEADER_LEN:])
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed frame: {exc}") from exc
+    except RecursionError as exc:
+        raise ProtocolError("malformed frame: nested too deeply") from exc
 
 
 def pack_indices(indices: npt.ArrayLike) -> bytes:

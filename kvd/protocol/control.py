@@ -69,13 +69,20 @@ class RoomPages(msgspec.Struct, tag="room_pages", frozen=True):
 
 
 class RoomStatus(msgspec.Struct, tag="room_status", frozen=True):
-    """Prefill rank reports the final status of room R to one decode rank."""
+    """Prefill rank reports the final status of room R to one decode rank.
+
+    ``quiesced`` is True when no write for R is in flight on the prefill rank
+    any more: only then may the decode engine reuse R's pages. A Failed status
+    may be sent first with ``quiesced=False`` (fast failure) and again with
+    ``quiesced=True`` once the in-flight write returned.
+    """
 
     room: int
     status: int
     reason: str
     endpoint: str               # the reporting prefill kvd's ZMQ endpoint
     instance_id: str
+    quiesced: bool = True
 
 
 class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):

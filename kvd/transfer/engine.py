@@ -14,9 +14,11 @@ is idempotent. The binding releases the GIL; callers run it in an executor.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 from kvd.errors import TransportError
@@ -41,10 +43,12 @@ class TransferEngine(Protocol):
         """Undo :meth:`register` for the region starting at ``addr``."""
         ...
 
-    def write(self, peer_session: str, desc: Descriptors) -> None:
+    def write(self, peer_session: str, desc: Descriptors, deadline: float | None = None) -> None:
         """Write every descriptor to ``peer_session``; returns once all bytes landed.
 
-        Raises TransportError if any sub-batch fails after its retries.
+        Refused sub-batches are retried until ``deadline`` (``time.monotonic()``
+        seconds) or the engine's own retry budget, whichever is first. Raises
+        TransportError if any sub-batch still fails (its bytes may have partly landed).
         """
         ...
 
@@ -59,12 +63,15 @@ class MooncakeEngine:
 
     Create one per daemon and keep it: destroying an engine takes about 1 s.
     ``max_batch_entries`` bounds each batch call (<= 1024, the TCP transport's
-    per-peer queue); ``retries`` bounds the retries of a refused sub-batch,
-    with ``retry_backoff`` seconds doubling between them.
+    per-peer queue). A refused sub-batch (a full queue answers like a dead peer:
+    rc -1) is retried with backoff from ``retry_backoff`` doubling up to 50 ms,
+    for at most ``retry_budget`` seconds and never past the caller's deadline.
+    ``submit_hook`` (fault injection, tests only) may force a submission's rc.
     """
 
-    def __init__(self, host: str, max_batch_entries: int = 512, retries: int = 3,
-                 retry_backoff: float = 0.01) -> None:
+    def __init__(self, host: str, max_batch_entries: int = 512, retry_budget: float = 1.0,
+                 retry_backoff: float = 0.001,
+                 submit_hook: Callable[[str, int, int], int | None] | None = None) -> None:
         os.environ.setdefault("GLOG_minloglevel", "1")
         try:
             from mooncake.engine import TransferEngine as _Native
@@ -78,8 +85,11 @@ class MooncakeEngine:
             raise TransportError(f"transfer engine initialize({host}, tcp) failed: rc={rc}", rc)
         self._session_id = f"{format_host(host)}:{self._native.get_rpc_port()}"
         self.max_batch_entries = max_batch_entries
-        self.retries = retries
+        self.retry_budget = retry_budget
         self.retry_backoff = retry_backoff
+        self.submit_hook = submit_hook
+        self._batch_no = itertools.count()
+        self.retried = 0
 
     @property
     def session_id(self) -> str:
@@ -95,22 +105,37 @@ class MooncakeEngine:
         if rc != 0:
             raise TransportError(f"unregister_memory({addr:#x}) failed: rc={rc}", rc)
 
-    def write(self, peer_session: str, desc: Descriptors) -> None:
+    def write(self, peer_session: str, desc: Descriptors, deadline: float | None = None) -> None:
         for batch in desc.batches(self.max_batch_entries):
-            self._write_batch(peer_session, batch)
+            self._write_batch(peer_session, batch, deadline)
 
-    def _write_batch(self, peer: str, batch: Descriptors) -> None:
+    def _submit(self, peer: str, batch_no: int, attempt: int, src: list[int], dst: list[int],
+                ln: list[int]) -> int:
+        if self.submit_hook is not None:
+            forced = self.submit_hook(peer, batch_no, attempt)
+            if forced is not None:
+                return forced
+        return int(self._native.batch_transfer_sync_write(peer, src, dst, ln))
+
+    def _write_batch(self, peer: str, batch: Descriptors, deadline: float | None) -> None:
         src, dst, ln = batch.src.tolist(), batch.dst.tolist(), batch.length.tolist()
+        batch_no, start = next(self._batch_no), time.monotonic()
+        stop = start + self.retry_budget
+        if deadline is not None:
+            stop = min(stop, deadline)
         delay = self.retry_backoff
-        for attempt in range(self.retries + 1):
-            rc = self._native.batch_transfer_sync_write(peer, src, dst, ln)
+        for attempt in itertools.count():
+            rc = self._submit(peer, batch_no, attempt, src, dst, ln)
             if rc == 0:
+                if attempt:
+                    log.info("batch %d to %s accepted after %d retries", batch_no, peer,
+                             attempt)
                 return
-            if attempt < self.retries:
-                log.warning("batch of %d entries to %s refused (rc=%d), retry %d/%d",
-                            len(src), peer, rc, attempt + 1, self.retries)
-                time.sleep(delay)
-                delay *= 2
+            if time.monotonic() + delay > stop:
+                break
+            self.retried += 1
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
         raise TransportError(
-            f"batch write of {len(src)} entries to {peer} failed after "
-            f"{self.retries} retries: rc={rc}", rc)
+            f"batch of {len(src)} entries to {peer} refused (queue full or peer unreachable) "
+            f"for {time.monotonic() - start:.1f}s after {attempt + 1} attempts: rc={rc}", rc)

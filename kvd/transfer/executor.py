@@ -29,12 +29,14 @@ class TransferExecutor:
     def _pool(self, session: str) -> ThreadPoolExecutor:
         return self._pools[zlib.crc32(session.encode()) % len(self._pools)]
 
-    async def write(self, session: str, desc: Descriptors) -> None:
-        """Write ``desc`` to ``session``; raises TransportError from the engine."""
+    async def write(self, session: str, desc: Descriptors, deadline: float | None = None) -> None:
+        """Write ``desc`` to ``session`` (retrying refusals until ``deadline``, monotonic s);
+        raises TransportError from the engine."""
         if len(desc) == 0:
             return
         loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._pool(session), self.engine.write, session, desc)
+        fut = loop.run_in_executor(self._pool(session), self.engine.write, session, desc,
+                                   deadline)
         self.busy += 1
         try:
             await asyncio.shield(fut)

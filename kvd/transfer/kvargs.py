@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvd.errors import RegistrationError
+from kvd.errors import LayoutError, RegistrationError
 from kvd.protocol.control import KVArgsWire
 from kvd.transfer.plan import Addrs, Regions, _u64
 
@@ -33,15 +33,17 @@ class RankArgs:
     def of(wire: KVArgsWire) -> RankArgs:
         """Validate ``wire`` and derive arrays; raises :class:`RegistrationError`."""
         _check_lists(wire)
-        kv_ptrs, kv_lens, kv_items = (_u64(x) for x in
-                                      (wire.kv_data_ptrs, wire.kv_data_lens, wire.kv_item_lens))
-        aux_ptrs, aux_lens, aux_items = (_u64(x) for x in
-                                         (wire.aux_data_ptrs, wire.aux_data_lens,
-                                          wire.aux_item_lens))
+        try:
+            kv_ptrs, kv_lens, kv_items = (_u64(x) for x in (
+                wire.kv_data_ptrs, wire.kv_data_lens, wire.kv_item_lens))
+            aux_ptrs, aux_lens, aux_items = (_u64(x) for x in (
+                wire.aux_data_ptrs, wire.aux_data_lens, wire.aux_item_lens))
+            regions = Regions.of(np.concatenate([kv_ptrs, aux_ptrs]),
+                                 np.concatenate([kv_lens, aux_lens]))
+        except LayoutError as exc:
+            raise RegistrationError(f"invalid KV args: {exc}") from exc
         num_pages = int((kv_lens // kv_items).min()) if kv_ptrs.size else 0
         slots = int((aux_lens // aux_items).min()) if aux_ptrs.size else 0
-        regions = Regions.of(np.concatenate([kv_ptrs, aux_ptrs]),
-                             np.concatenate([kv_lens, aux_lens]))
         return RankArgs(wire, kv_ptrs, kv_items, aux_ptrs, aux_items, num_pages, slots, regions)
 
 
@@ -82,7 +84,10 @@ def check_compatible(src: RankArgs, dst: RankArgs) -> None:
              ("aux buffers", len(a.aux_item_lens), len(b.aux_item_lens))]
     problems = [f"{name} {x} vs {y}" for name, x, y in pairs if x != y]
     if not problems and a.kv_item_lens != b.kv_item_lens:
-        problems.append(f"kv item len mismatch {a.kv_item_lens[0]} vs {b.kv_item_lens[0]}")
+        i = next(i for i, (x, y) in enumerate(zip(a.kv_item_lens, b.kv_item_lens, strict=True))
+                 if x != y)
+        problems.append(f"kv item len mismatch {a.kv_item_lens[i]} vs {b.kv_item_lens[i]} "
+                        f"(buffer {i})")
     if not problems and a.aux_item_lens != b.aux_item_lens:
         problems.append(f"aux item len mismatch {a.aux_item_lens} vs {b.aux_item_lens}")
     if problems:

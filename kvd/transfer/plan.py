@@ -104,6 +104,15 @@ def page_runs(src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike) -> tuple[Pages
 
 
 def _u64(values: npt.ArrayLike) -> Addrs:
+    if isinstance(values, list | tuple):  # python ints may straddle 2**63: no float64 detour
+        if not all(isinstance(v, int | np.integer) for v in values):
+            raise LayoutError("addresses and lengths must be integers")
+        if any(v < 0 for v in values):
+            raise LayoutError("negative address or length")
+        try:
+            return np.array(values, dtype=U64)
+        except (OverflowError, TypeError, ValueError) as exc:
+            raise LayoutError(f"addresses must be integers below 2**64: {exc}") from exc
     arr = np.asarray(values)
     if arr.size and np.issubdtype(arr.dtype, np.signedinteger) and arr.min() < 0:
         raise LayoutError("negative address or length")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import get_args
+
 import msgspec
 import pytest
 from hypothesis import given
@@ -40,7 +42,7 @@ room_pages = st.builds(control.RoomPages, room=I64, endpoint=TEXT, instance_id=T
                        dst_pages=st.binary(max_size=64), aux_index=I64,
                        required_dst_info_num=I64, is_dummy=st.booleans())
 room_status = st.builds(control.RoomStatus, room=I64, status=I64, reason=TEXT, endpoint=TEXT,
-                        instance_id=TEXT)
+                        instance_id=TEXT, quiesced=st.booleans())
 room_abort = st.builds(control.RoomAbort, room=I64, reason=TEXT, endpoint=TEXT,
                        instance_id=TEXT)
 control_messages = st.one_of(register_rank, room_pages, room_status, room_abort)
@@ -48,17 +50,27 @@ control_messages = st.one_of(register_rank, room_pages, room_status, room_abort)
 
 @pytest.mark.parametrize("strategy", [register_rank, room_pages, room_status, room_abort],
                          ids=["RegisterRank", "RoomPages", "RoomStatus", "RoomAbort"])
-def test_round_trip_each_message_type(strategy: st.SearchStrategy) -> None:
-    @given(strategy)
-    def check(msg: control.ControlMessage) -> None:
-        frame = control.encode(msg)
-        assert frame[:3] == codec.MAGIC
-        assert frame[3] == codec.VERSION
-        out = control.decode(frame)
-        assert type(out) is type(msg)
-        assert out == msg
+@given(data=st.data())
+def test_round_trip_each_message_type(strategy: st.SearchStrategy, data: st.DataObject) -> None:
+    msg = data.draw(strategy)
+    frame = control.encode(msg)
+    assert frame[:3] == codec.MAGIC
+    assert frame[3] == codec.VERSION
+    out = control.decode(frame)
+    assert type(out) is type(msg)
+    assert out == msg
 
-    check()
+
+def test_every_control_message_has_a_strategy() -> None:
+    assert set(get_args(control.ControlMessage)) == {
+        control.RegisterRank, control.RoomPages, control.RoomStatus, control.RoomAbort}
+
+
+def test_room_status_defaults_to_quiesced() -> None:
+    body = msgspec.msgpack.encode({"type": "room_status", "room": 1, "status": 0, "reason": "x",
+                                   "endpoint": "e", "instance_id": "i"})
+    out = control.decode(codec.MAGIC + bytes([codec.VERSION]) + body)
+    assert isinstance(out, control.RoomStatus) and out.quiesced is True
 
 
 def _sample_abort() -> control.RoomAbort:

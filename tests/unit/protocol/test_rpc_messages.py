@@ -1,0 +1,163 @@
+"""kvd.protocol.rpc: engine <-> kvd requests and replies round trip; bad frames are refused."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvd.errors import ProtocolError
+from kvd.protocol import codec, rpc
+
+U64 = st.integers(min_value=0, max_value=2**64 - 1)
+I64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+TEXT = st.text(max_size=40)
+INT_LISTS = st.lists(U64, max_size=8)
+
+shm_handles = st.builds(rpc.ShmHandle, path=TEXT, offset=U64, length=U64, kind=TEXT)
+
+CALLS = {
+    "RegisterKV": st.builds(
+        rpc.RegisterKV, kv_buffers=st.lists(shm_handles, max_size=4), kv_item_lens=INT_LISTS,
+        aux_buffers=st.lists(shm_handles, max_size=3), aux_item_lens=INT_LISTS, page_size=I64,
+        num_kv_heads=I64, head_dim=I64, dtype_size=I64, num_layers=I64, layer_start=I64,
+        is_mla=st.booleans(), layout=TEXT),
+    "SenderCreate": st.builds(rpc.SenderCreate, room=I64),
+    "SenderInit": st.builds(rpc.SenderInit, room=I64, num_pages=I64, aux_index=I64),
+    "SenderSend": st.builds(rpc.SenderSend, room=I64, pages=st.binary(max_size=64),
+                            is_last=st.booleans()),
+    "ReceiverCreate": st.builds(rpc.ReceiverCreate, room=I64, bootstrap_addr=TEXT,
+                                dp_rank=st.none() | I64),
+    "ReceiverInit": st.builds(rpc.ReceiverInit, room=I64, dst_pages=st.binary(max_size=64),
+                              aux_index=I64),
+    "Poll": st.builds(rpc.Poll, rooms=st.lists(I64, max_size=10)),
+    "Wait": st.builds(rpc.Wait, rooms=st.lists(I64, max_size=10),
+                      timeout=st.floats(allow_nan=False)),
+    "Abort": st.builds(rpc.Abort, room=I64, reason=TEXT),
+    "Clear": st.builds(rpc.Clear, room=I64),
+    "Info": st.just(rpc.Info()),
+}
+
+# Values that survive a msgpack round trip unchanged and compare equal (no NaN, no tuples).
+plain_values = st.recursive(
+    st.none() | st.booleans() | I64 | U64 | st.floats(allow_nan=False) | TEXT
+    | st.binary(max_size=16),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=4),
+    max_leaves=20,
+)
+
+replies = st.builds(rpc.Reply, id=I64, ok=st.booleans(), result=plain_values, error=TEXT,
+                    kind=TEXT)
+
+
+def _split(stream: bytes) -> bytes:
+    """Check the 4-byte big-endian length prefix and return the frame after it."""
+    (n,) = rpc.LENGTH.unpack(stream[:4])
+    assert n == len(stream) - 4
+    return stream[4:]
+
+
+def test_every_call_type_has_a_strategy() -> None:
+    assert {getattr(rpc, name) for name in CALLS} == set(get_args(rpc.Call))
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+@given(data=st.data())
+def test_request_round_trip(name: str, data: st.DataObject) -> None:
+    req = rpc.Request(id=data.draw(I64), call=data.draw(CALLS[name]))
+    assert type(req.call).__name__ == name
+    frame = _split(rpc.encode(req))
+    assert frame[:3] == codec.MAGIC and frame[3] == codec.VERSION
+    out = rpc.decode_request(frame)
+    assert type(out.call) is type(req.call)
+    assert out == req
+
+
+@given(replies)
+def test_reply_round_trip(reply: rpc.Reply) -> None:
+    out = rpc.decode_reply(_split(rpc.encode(reply)))
+    assert out == reply
+
+
+@given(st.builds(rpc.PollResult, statuses=st.lists(st.integers(-1, 4), max_size=10),
+                 reasons=st.dictionaries(I64, TEXT, max_size=5)))
+def test_poll_result_inside_reply_round_trip(result: rpc.PollResult) -> None:
+    out = rpc.decode_reply(_split(rpc.encode(rpc.Reply(id=1, ok=True, result=result))))
+    assert msgspec.convert(out.result, rpc.PollResult) == result
+
+
+def test_reply_defaults() -> None:
+    out = rpc.decode_reply(_split(rpc.encode(rpc.Reply(id=3, ok=False))))
+    assert (out.id, out.ok, out.result, out.error, out.kind) == (3, False, None, "", "")
+
+
+def test_request_is_not_a_reply() -> None:
+    frame = _split(rpc.encode(rpc.Request(id=1, call=rpc.Info())))
+    with pytest.raises(ProtocolError):
+        rpc.decode_reply(frame)
+    frame = _split(rpc.encode(rpc.Reply(id=1, ok=True)))
+    with pytest.raises(ProtocolError):
+        rpc.decode_request(frame)
+
+
+def _raw(obj: object) -> bytes:
+    return codec.MAGIC + bytes([codec.VERSION]) + msgspec.msgpack.encode(obj)
+
+
+def test_unknown_call_tag_refused() -> None:
+    with pytest.raises(ProtocolError):
+        rpc.decode_request(_raw({"id": 1, "call": {"type": "format_disk"}}))
+
+
+@pytest.mark.parametrize("request_obj", [
+    {"id": "1", "call": {"type": "info"}},
+    {"id": 1, "call": {"type": "poll", "rooms": "1,2"}},
+    {"id": 1, "call": {"type": "poll", "rooms": [1, "2"]}},
+    {"id": 1, "call": {"type": "wait", "rooms": [1]}},
+    {"id": 1, "call": {"type": "wait", "rooms": [1], "timeout": "5"}},
+    {"id": 1, "call": {"type": "sender_send", "room": 1, "pages": [1, 2], "is_last": True}},
+    {"id": 1, "call": {"type": "sender_send", "room": 1, "pages": b"", "is_last": 1}},
+    {"id": 1, "call": {"type": "receiver_create", "room": 1, "bootstrap_addr": "h:1",
+                       "dp_rank": "0"}},
+    {"id": 1, "call": {"type": "register_kv", "kv_buffers": [{"path": "p", "offset": -1}],
+                       "kv_item_lens": [], "aux_buffers": [], "aux_item_lens": [],
+                       "page_size": 1, "num_kv_heads": 1, "head_dim": 1, "dtype_size": 1,
+                       "num_layers": 1}},
+    {"id": 1},
+    [1, {"type": "info"}],
+])
+def test_wrong_field_types_refused(request_obj: object) -> None:
+    with pytest.raises(ProtocolError):
+        rpc.decode_request(_raw(request_obj))
+
+
+def test_truncated_request_refused() -> None:
+    frame = _split(rpc.encode(rpc.Request(id=9, call=rpc.Poll(rooms=[1, 2, 3]))))
+    for cut in range(len(frame)):
+        with pytest.raises(ProtocolError):
+            rpc.decode_request(frame[:cut])
+
+
+def test_oversized_frames_refused() -> None:
+    frame = _split(rpc.encode(rpc.Request(id=9, call=rpc.SenderSend(room=1, pages=b"\0" * 4096,
+                                                                     is_last=False))))
+    assert rpc.decode_request(frame, max_frame=len(frame)).id == 9
+    with pytest.raises(ProtocolError, match="exceeds"):
+        rpc.decode_request(frame, max_frame=len(frame) - 1)
+    reply = _split(rpc.encode(rpc.Reply(id=1, ok=True, result="x" * 2000)))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        rpc.decode_reply(reply, max_frame=1024)
+
+
+def test_deeply_nested_reply_result_is_a_protocol_error() -> None:
+    """``Reply.result`` is ``Any``: a few KB of nested arrays must not escape as RecursionError."""
+    head = (b"\x83" + msgspec.msgpack.encode("id") + msgspec.msgpack.encode(1)
+            + msgspec.msgpack.encode("ok") + msgspec.msgpack.encode(True)
+            + msgspec.msgpack.encode("result"))
+    frame = codec.MAGIC + bytes([codec.VERSION]) + head + b"\x91" * 5000 + b"\xc0"
+    assert len(frame) < codec.DEFAULT_MAX_FRAME
+    with pytest.raises(ProtocolError):
+        rpc.decode_reply(frame)
