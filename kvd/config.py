@@ -1,10 +1,19 @@
 """One typed settings object for a kvd daemon.
 
-Sources, lowest to highest priority: built-in defaults < TOML file
-(``kvd serve --config FILE``) < ``KVD_*`` environment variables (and the
-reference connector's ``SGLANG_DISAGGREGATION_*`` names for the settings it
-has) < explicit overrides (command-line flags). Invalid settings raise
-:class:`~kvd.errors.ConfigError` listing every problem at once.
+Sources, lowest to highest priority (pydantic-settings sources)::
+
+    built-in defaults < TOML file (``--config FILE``) < environment < command-line flags
+
+The environment is ``KVD_<SETTING>`` for every setting; the reference
+connector's names (``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``,
+``_WAITING_TIMEOUT``, ``_HEARTBEAT_INTERVAL``, ``_HEARTBEAT_MAX_FAILURE``,
+``_THREAD_POOL_SIZE``, ``_QUEUE_SIZE``) are honoured as aliases, below the
+``KVD_`` name when both are set. Generic names (``HOST``, ``ROLE``) are never
+read. Invalid settings raise :class:`~kvd.errors.ConfigError` listing every
+problem at once, each with the source it came from.
+
+``config/kvd.toml`` documents every setting with its default and unit (a test
+keeps it in step with this module).
 """
 
 from __future__ import annotations
@@ -12,12 +21,14 @@ from __future__ import annotations
 import os
 import tomllib
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, ValidationError, model_validator
+from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -25,71 +36,127 @@ from pydantic_settings import (
 
 from kvd.errors import ConfigError
 
+ENV_PREFIX = "KVD_"
+SGLANG_PREFIX = "SGLANG_DISAGGREGATION_"
 
-def _aliases(name: str, sglang: str | None = None) -> AliasChoices:
-    """Accept the field name, ``KVD_<NAME>`` and optionally an SGLang env name."""
-    names = [name, f"KVD_{name.upper()}"]
-    if sglang:
-        names.append(f"SGLANG_DISAGGREGATION_{sglang}")
-    return AliasChoices(*names)
+#: Settings the reference connector has, by its environment suffix.
+SGLANG_ALIASES = {
+    "bootstrap_timeout": "BOOTSTRAP_TIMEOUT",
+    "waiting_timeout": "WAITING_TIMEOUT",
+    "heartbeat_interval": "HEARTBEAT_INTERVAL",
+    "heartbeat_max_failures": "HEARTBEAT_MAX_FAILURE",
+    "transfer_threads": "THREAD_POOL_SIZE",
+    "transfer_queue_size": "QUEUE_SIZE",
+}
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+def env_names(field: str) -> list[str]:
+    """Environment variables that set ``field``, highest priority first."""
+    names = [f"{ENV_PREFIX}{field.upper()}"]
+    if field in SGLANG_ALIASES:
+        names.append(SGLANG_PREFIX + SGLANG_ALIASES[field])
+    return names
+
+
+def _env(field: str) -> AliasChoices:
+    return AliasChoices(*env_names(field))
+
+
+def _setting(default: Any = ..., *, unit: str = "", help: str = "", **kw: Any) -> Any:
+    """A Field whose docs (``help``, ``unit``) ``kvd config show`` and kvd.toml repeat."""
+    return Field(default, description=help, json_schema_extra={"unit": unit}, **kw)
 
 
 class Settings(BaseSettings):
     """Effective configuration of one kvd daemon (one engine rank).
 
-    Units: seconds for every ``*_timeout``/``*_interval``; bytes for sizes.
-    Port 0 means "pick a free port" (the chosen one is logged and reported).
+    Units: seconds for every ``*_timeout``/``*_interval``/``*_budget``; bytes
+    for sizes. Port 0 means "pick a free port" (the chosen one is reported).
     """
 
-    model_config = SettingsConfigDict(extra="forbid", populate_by_name=True)
+    model_config = SettingsConfigDict(extra="forbid", populate_by_name=True,
+                                      env_prefix=ENV_PREFIX)
 
-    role: Literal["prefill", "decode"] = Field(validation_alias=_aliases("role"))
-    host: str = Field("127.0.0.1", validation_alias=_aliases("host"),
-                      description="address advertised to peers (ZMQ and transfer engine)")
-    http_host: str = Field("127.0.0.1", validation_alias=_aliases("http_host"))
-    http_port: int = Field(0, ge=0, le=65535, validation_alias=_aliases("http_port"))
-    zmq_port: int = Field(0, ge=0, le=65535, validation_alias=_aliases("zmq_port"))
-    engine_socket: Path = Field(Path("/tmp/kvd.sock"), validation_alias=_aliases("engine_socket"))
-    serve_bootstrap: bool = Field(False, validation_alias=_aliases("serve_bootstrap"),
-                                  description="serve SGLang's /route API on the HTTP port")
-    bootstrap_addr: str | None = Field(None, validation_alias=_aliases("bootstrap_addr"),
-                                       description="host:port where a prefill rank registers")
-    shm_dir: Path = Field(Path("/dev/shm"), validation_alias=_aliases("shm_dir"),
-                          description="only shared-memory files under this folder are mapped")
+    role: Literal["prefill", "decode"] = _setting(
+        help="which side of PD disaggregation this kvd serves (required)")
+    host: str = _setting("127.0.0.1", help="address advertised to peers (ZMQ, transfer engine)")
+    http_host: str = _setting("127.0.0.1", help="REST listener: /health /ready /metrics "
+                              "/v1/status, and /route when serving bootstrap")
+    http_port: int = _setting(0, ge=0, le=65535, unit="port", help="REST port (0: any free)")
+    zmq_port: int = _setting(0, ge=0, le=65535, unit="port",
+                             help="kvd<->kvd control port (0: any free)")
+    engine_socket: Path = _setting(Path("/tmp/kvd.sock"), unit="path",
+                                   help="Unix socket the engine connects to (mode 0600)")
+    serve_bootstrap: bool = _setting(False, help="serve SGLang's /route API on the HTTP port")
+    bootstrap_addr: str | None = _setting(None, unit="host:port",
+                                          help="where a prefill rank registers (bootstrap)")
+    shm_dir: Path = _setting(Path("/dev/shm"), unit="path",
+                             help="only shared-memory files under this folder are mapped")
 
-    attn_tp_size: int = Field(1, ge=1, validation_alias=_aliases("attn_tp_size"))
-    attn_tp_rank: int = Field(0, ge=0, validation_alias=_aliases("attn_tp_rank"))
-    attn_dp_size: int = Field(1, ge=1, validation_alias=_aliases("attn_dp_size"))
-    attn_dp_rank: int = Field(0, ge=0, validation_alias=_aliases("attn_dp_rank"))
-    pp_size: int = Field(1, ge=1, validation_alias=_aliases("pp_size"))
-    pp_rank: int = Field(0, ge=0, validation_alias=_aliases("pp_rank"))
+    attn_tp_size: int = _setting(1, ge=1, help="attention tensor-parallel size of the engine")
+    attn_tp_rank: int = _setting(0, ge=0, help="this engine rank's attention TP rank")
+    attn_dp_size: int = _setting(1, ge=1, help="attention data-parallel size")
+    attn_dp_rank: int = _setting(0, ge=0, help="this engine rank's attention DP rank")
+    pp_size: int = _setting(1, ge=1, help="pipeline-parallel size")
+    pp_rank: int = _setting(0, ge=0, help="this engine rank's pipeline stage")
 
-    bootstrap_timeout: float = Field(
-        300.0, gt=0, validation_alias=_aliases("bootstrap_timeout", "BOOTSTRAP_TIMEOUT"))
-    waiting_timeout: float = Field(
-        300.0, gt=0, validation_alias=_aliases("waiting_timeout", "WAITING_TIMEOUT"))
-    transfer_timeout: float = Field(120.0, gt=0, validation_alias=_aliases("transfer_timeout"))
-    heartbeat_interval: float = Field(
-        5.0, gt=0, validation_alias=_aliases("heartbeat_interval", "HEARTBEAT_INTERVAL"))
-    heartbeat_max_failures: int = Field(
-        2, ge=1, validation_alias=_aliases("heartbeat_max_failures", "HEARTBEAT_MAX_FAILURE"))
-    transfer_threads: int = Field(
-        1, ge=1, le=64, validation_alias=_aliases("transfer_threads", "THREAD_POOL_SIZE"))
-    transfer_queue_size: int = Field(
-        4, ge=1, validation_alias=_aliases("transfer_queue_size", "QUEUE_SIZE"))
-    max_batch_entries: int = Field(
-        512, ge=1, le=1024, validation_alias=_aliases("max_batch_entries"),
-        description="descriptors per Mooncake batch call (the TCP transport refuses > 1024)")
-    control_send_timeout: float = Field(
-        5.0, gt=0, validation_alias=_aliases("control_send_timeout"))
-    http_timeout: float = Field(5.0, gt=0, validation_alias=_aliases("http_timeout"))
-    bootstrap_retry_budget: float = Field(
-        30.0, gt=0, validation_alias=_aliases("bootstrap_retry_budget"),
-        description="how long lookups/registration keep retrying before failing")
-    max_frame_bytes: int = Field(64 << 20, ge=1024, validation_alias=_aliases("max_frame_bytes"))
-    log_level: str = Field("INFO", validation_alias=_aliases("log_level"))
+    bootstrap_timeout: float = _setting(
+        300.0, gt=0, unit="s", validation_alias=_env("bootstrap_timeout"),
+        help="a room may stay Bootstrapping this long")
+    waiting_timeout: float = _setting(
+        300.0, gt=0, unit="s", validation_alias=_env("waiting_timeout"),
+        help="a room may stay WaitingForInput this long")
+    transfer_timeout: float = _setting(120.0, gt=0, unit="s",
+                                       help="a room may stay Transferring this long")
+    heartbeat_interval: float = _setting(
+        5.0, gt=0, unit="s", validation_alias=_env("heartbeat_interval"),
+        help="decode -> prefill heartbeat period")
+    heartbeat_max_failures: int = _setting(
+        2, ge=1, validation_alias=_env("heartbeat_max_failures"),
+        help="missed heartbeats before a prefill's rooms fail")
+    transfer_threads: int = _setting(
+        1, ge=1, le=64, unit="threads", validation_alias=_env("transfer_threads"),
+        help="transfer executor shards (one thread each)")
+    transfer_queue_size: int = _setting(
+        4, ge=1, validation_alias=_env("transfer_queue_size"),
+        help="queued transfer batches per shard")
+    max_batch_entries: int = _setting(
+        512, ge=1, le=1024, unit="descriptors",
+        help="descriptors per Mooncake batch call (the TCP transport refuses > 1024)")
+    control_send_timeout: float = _setting(5.0, gt=0, unit="s",
+                                           help="give up sending one control message after")
+    http_timeout: float = _setting(5.0, gt=0, unit="s", help="timeout of one bootstrap request")
+    bootstrap_retry_budget: float = _setting(
+        30.0, gt=0, unit="s", help="how long lookups/registration keep retrying before failing")
+    max_frame_bytes: int = _setting(64 << 20, ge=1024, unit="bytes",
+                                    help="largest control or RPC frame accepted")
+    transient_retry_s: float = _setting(
+        1.0, ge=0, unit="s",
+        help="how long a refused transfer batch is retried (never past the room's deadline)")
+    release_timeout: float = _setting(
+        10.0, gt=0, unit="s",
+        help="decode: a failed room's pages become releasable after this even without the "
+             "prefill side's confirmation that no write is in flight")
+    drain_timeout: float = _setting(
+        10.0, ge=0, unit="s", help="SIGTERM: in-flight rooms may finish for this long")
+    finished_room_ttl: float = _setting(
+        600.0, gt=0, unit="s", help="a finished room the engine never cleared is dropped after")
+    fault_injection: str | None = _setting(
+        None, unit="JSON", help="TESTING ONLY: a FaultPlan applied to every transfer batch")
+    log_level: LogLevel = _setting("INFO", help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    log_format: Literal["text", "json"] = _setting(
+        "text", help="text lines, or one JSON object per line")
 
-    instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:16])
+    instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:16],
+                             description="names this daemon's life to its peers "
+                             "(default: random per start)")
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _check_ranks(self) -> Settings:
@@ -104,6 +171,17 @@ class Settings(BaseSettings):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one effective value came from: ``kind`` is default, file, env or cli."""
+
+    kind: Literal["default", "file", "env", "cli"]
+    origin: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind} ({self.origin})" if self.origin else self.kind
 
 
 def _settings_class(toml_file: Path | None) -> type[Settings]:
@@ -127,30 +205,105 @@ def _settings_class(toml_file: Path | None) -> type[Settings]:
     return _FileSettings
 
 
-def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
-    """Build the effective :class:`Settings`.
+def _field_of(key: str) -> str:
+    """Map a source key (field name or any env alias) back to its field name."""
+    low = key.lower()
+    for name in Settings.model_fields:
+        if low == name or low in (n.lower() for n in env_names(name)):
+            return name
+    return key
+
+
+def _env_origin(field: str) -> str:
+    """The variable that set ``field`` (matching as pydantic-settings does: any case)."""
+    present = {k.upper(): k for k in os.environ}
+    return next((present[n] for n in env_names(field) if n in present), env_names(field)[0])
+
+
+def _sources(path: Path | None, cli: dict[str, Any]) -> dict[str, Source]:
+    """Which layer supplies each setting (the highest one that has it)."""
+    cls = _settings_class(path)
+    out = {name: Source("default") for name in Settings.model_fields}
+    if path is not None:
+        for key in TomlConfigSettingsSource(cls, toml_file=path)():
+            out[_field_of(key)] = Source("file", str(path))
+    for key in EnvSettingsSource(cls)():
+        field = _field_of(key)
+        out[field] = Source("env", _env_origin(field))
+    for key in cli:
+        out[_field_of(key)] = Source("cli")
+    return out
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+
+
+def _describe(exc: ValidationError, sources: dict[str, Source]) -> str:
+    lines = []
+    for e in exc.errors():
+        loc = [_field_of(str(p)) for p in e["loc"]]
+        name = ".".join(loc) or "settings"
+        where = f" [{sources[loc[0]]}]" if loc and loc[0] in sources else ""
+        value = f" = {e['input']!r}" if loc and e["type"] != "missing" else ""
+        lines.append(f"  {name}{value}{where}: {e['msg']}")
+    return "invalid kvd configuration:\n" + "\n".join(lines)
+
+
+def load_with_sources(config_file: str | Path | None = None,
+                      **overrides: Any) -> tuple[Settings, dict[str, Source]]:
+    """Build the effective :class:`Settings` and the :class:`Source` of each value.
 
     ``overrides`` are command-line values (``None`` values are ignored).
-    Raises :class:`ConfigError` listing every invalid entry, or naming the
-    unreadable file.
+    Raises :class:`ConfigError` listing every invalid entry (with its source),
+    or naming the unreadable file.
     """
     path = Path(config_file) if config_file is not None else None
     if path is not None:
-        try:
-            with path.open("rb") as fh:
-                tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+        _read_file(path)
     cli = {k: v for k, v in overrides.items() if v is not None}
+    sources = _sources(path, cli)
     try:
-        return _settings_class(path)(**cli)
+        return _settings_class(path)(**cli), sources
     except ValidationError as exc:
-        lines = [f"  {'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}"
-                 for e in exc.errors()]
-        raise ConfigError("invalid kvd configuration:\n" + "\n".join(lines)) from exc
+        raise ConfigError(_describe(exc, sources)) from exc
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build the effective :class:`Settings` (see :func:`load_with_sources`)."""
+    return load_with_sources(config_file, **overrides)[0]
+
+
+def parse_assignments(items: list[str]) -> dict[str, str]:
+    """``["key=value", ...]`` from ``--set`` flags; raises ConfigError naming bad items."""
+    out, bad = {}, []
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            bad.append(item)
+        else:
+            out[key] = value.strip()
+    if bad:
+        raise ConfigError("--set expects KEY=VALUE, got: " + ", ".join(map(repr, bad)))
+    return out
+
+
+def describe_fields() -> list[tuple[str, str, str, Any]]:
+    """(name, unit, help, default) of every setting, in declaration order."""
+    rows = []
+    for name, f in Settings.model_fields.items():
+        extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+        default = None if f.default_factory is not None or f.is_required() else f.default
+        rows.append((name, str(extra.get("unit", "")), f.description or "", default))
+    return rows
 
 
 def env_snapshot() -> dict[str, str]:
     """The KVD_* and SGLANG_DISAGGREGATION_* variables in the environment (for reports)."""
     return {k: v for k, v in os.environ.items()
-            if k.startswith(("KVD_", "SGLANG_DISAGGREGATION_"))}
+            if k.startswith((ENV_PREFIX, SGLANG_PREFIX))}

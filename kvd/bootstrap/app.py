@@ -58,6 +58,16 @@ def _add_route_api(app: FastAPI, table: BootstrapTable) -> None:
                         reg.rank_port)
         return PlainTextResponse("OK")
 
+    @app.delete("/route", response_class=PlainTextResponse)
+    async def delete_route(engine_rank: int = Query(ge=0), target_dp_group: int = Query(ge=0),
+                           target_pp_rank: int = Query(0, ge=0),
+                           instance_id: str | None = Query(None, max_length=64)
+                           ) -> PlainTextResponse:
+        """kvd extension: a prefill rank leaving (its own instance id must match)."""
+        if table.deregister(engine_rank, target_dp_group, target_pp_rank, instance_id):
+            return PlainTextResponse("OK")
+        return PlainTextResponse("no such registration", status_code=404)
+
     @app.get("/route", response_model=None)
     async def get_route(engine_rank: int = Query(ge=-1),
                         target_dp_group: int = Query(ge=-1),

@@ -1,0 +1,225 @@
+"""kvd.config.load_settings: defaults, TOML < env < overrides, SGLang aliases, errors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvd.config import Settings, env_snapshot, load_settings
+from kvd.errors import ConfigError
+
+FIELDS = list(Settings.model_fields)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No KVD_*/SGLANG_DISAGGREGATION_* (or bare field-name) variables from the caller."""
+    for name in list(os.environ):
+        upper = name.upper()
+        if upper.startswith(("KVD_", "SGLANG_DISAGGREGATION_")) or name.lower() in FIELDS:
+            monkeypatch.delenv(name)
+
+
+def write_toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "kvd.toml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults() -> None:
+    s = load_settings(role="decode")
+    assert s.role == "decode"
+    assert s.host == "127.0.0.1" and s.http_host == "127.0.0.1"
+    assert s.http_port == 0 and s.zmq_port == 0
+    assert s.engine_socket == Path("/tmp/kvd.sock")
+    assert s.serve_bootstrap is False
+    assert s.bootstrap_addr is None
+    assert s.shm_dir == Path("/dev/shm")
+    assert (s.attn_tp_size, s.attn_tp_rank, s.attn_dp_size, s.attn_dp_rank, s.pp_size,
+            s.pp_rank) == (1, 0, 1, 0, 1, 0)
+    # the reference connector's defaults for the settings it shares
+    assert s.bootstrap_timeout == 300.0
+    assert s.waiting_timeout == 300.0
+    assert s.heartbeat_interval == 5.0
+    assert s.heartbeat_max_failures == 2
+    assert s.transfer_queue_size == 4
+    assert s.transfer_threads == 1
+    assert s.transfer_timeout == 120.0
+    assert s.max_batch_entries == 512
+    assert s.control_send_timeout == 5.0 and s.http_timeout == 5.0
+    assert s.bootstrap_retry_budget == 30.0
+    assert s.max_frame_bytes == 64 * 1024 * 1024
+    assert s.log_level == "INFO"
+    assert len(s.instance_id) == 16
+    int(s.instance_id, 16)
+    assert load_settings(role="decode").instance_id != s.instance_id
+
+
+def test_role_is_required() -> None:
+    with pytest.raises(ConfigError, match="role"):
+        load_settings()
+    with pytest.raises(ConfigError, match="role"):
+        load_settings(role="router")
+
+
+def test_toml_file(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, 'role = "decode"\nhttp_port = 1111\ntransfer_threads = 3\n'
+                               'shm_dir = "/dev/shm/kvd"\n')
+    s = load_settings(path)
+    assert (s.role, s.http_port, s.transfer_threads) == ("decode", 1111, 3)
+    assert s.shm_dir == Path("/dev/shm/kvd")
+    assert load_settings(str(path)).http_port == 1111
+
+
+def test_priority_toml_env_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write_toml(tmp_path, 'role = "decode"\nhttp_port = 1111\nzmq_port = 2111\n'
+                               'transfer_threads = 3\n')
+    monkeypatch.setenv("KVD_ZMQ_PORT", "2222")
+    monkeypatch.setenv("KVD_TRANSFER_THREADS", "5")
+    s = load_settings(path, transfer_threads=7)
+    assert s.http_port == 1111  # TOML only
+    assert s.zmq_port == 2222  # env beats TOML
+    assert s.transfer_threads == 7  # override beats env and TOML
+
+
+def test_none_overrides_are_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVD_HTTP_PORT", "4321")
+    s = load_settings(role="decode", http_port=None, bootstrap_addr=None)
+    assert s.http_port == 4321
+
+
+def test_env_values_are_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVD_ROLE", "prefill")
+    monkeypatch.setenv("KVD_SERVE_BOOTSTRAP", "true")
+    monkeypatch.setenv("KVD_ATTN_TP_SIZE", "4")
+    monkeypatch.setenv("KVD_ATTN_TP_RANK", "3")
+    monkeypatch.setenv("KVD_ENGINE_SOCKET", "/run/kvd/0.sock")
+    s = load_settings()
+    assert s.role == "prefill" and s.serve_bootstrap is True
+    assert (s.attn_tp_size, s.attn_tp_rank) == (4, 3)
+    assert s.engine_socket == Path("/run/kvd/0.sock")
+
+
+@pytest.mark.parametrize("env, field, raw, value", [
+    ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "bootstrap_timeout", "12.5", 12.5),
+    ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "waiting_timeout", "33", 33.0),
+    ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "heartbeat_interval", "0.5", 0.5),
+    ("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "heartbeat_max_failures", "9", 9),
+    ("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "transfer_threads", "12", 12),
+    ("SGLANG_DISAGGREGATION_QUEUE_SIZE", "transfer_queue_size", "16", 16),
+])
+def test_sglang_aliases(monkeypatch: pytest.MonkeyPatch, env: str, field: str, raw: str,
+                        value: float) -> None:
+    default = getattr(load_settings(role="decode"), field)
+    assert default != value
+    monkeypatch.setenv(env, raw)
+    s = load_settings(role="decode")
+    assert getattr(s, field) == value
+    # an explicit override still wins over the SGLang variable
+    assert getattr(load_settings(role="decode", **{field: default}), field) == default
+
+
+def test_sglang_alias_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_QUEUE_SIZE", "0")
+    with pytest.raises(ConfigError, match="transfer_queue_size"):
+        load_settings(role="decode")
+
+
+def test_several_invalid_entries_listed_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVD_HTTP_PORT", "70000")
+    with pytest.raises(ConfigError) as exc:
+        load_settings(role="decode", transfer_threads=0, bootstrap_timeout=-1,
+                      max_batch_entries=2048, zmq_port="abc")
+    text = str(exc.value)
+    for name in ("http_port", "transfer_threads", "bootstrap_timeout", "max_batch_entries",
+                 "zmq_port"):
+        assert name in text, name
+    assert text.startswith("invalid kvd configuration")
+
+
+def test_rank_not_below_size_refused() -> None:
+    with pytest.raises(ConfigError, match="attn_tp_rank=2 must be < attn_tp_size=2"):
+        load_settings(role="decode", attn_tp_size=2, attn_tp_rank=2)
+    with pytest.raises(ConfigError) as exc:
+        load_settings(role="decode", attn_dp_rank=1, pp_size=2, pp_rank=5)
+    assert "attn_dp_rank=1 must be < attn_dp_size=1" in str(exc.value)
+    assert "pp_rank=5 must be < pp_size=2" in str(exc.value)
+    s = load_settings(role="decode", attn_tp_size=2, attn_tp_rank=1, pp_size=2, pp_rank=1)
+    assert (s.attn_tp_rank, s.pp_rank) == (1, 1)
+
+
+def test_prefill_needs_bootstrap() -> None:
+    with pytest.raises(ConfigError, match="bootstrap_addr"):
+        load_settings(role="prefill")
+    assert load_settings(role="prefill", serve_bootstrap=True).serve_bootstrap is True
+    assert load_settings(role="prefill", bootstrap_addr="10.0.0.1:8998").bootstrap_addr == \
+        "10.0.0.1:8998"
+    assert load_settings(role="decode").bootstrap_addr is None
+
+
+def test_missing_file_names_it(tmp_path: Path) -> None:
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match="cannot read config file") as exc:
+        load_settings(path, role="decode")
+    assert str(path) in str(exc.value)
+
+
+def test_directory_as_file_names_it(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_settings(tmp_path, role="decode")
+    assert str(tmp_path) in str(exc.value)
+
+
+@pytest.mark.parametrize("text", ["role = ", "role = decode", "[[[", "http_port = 1\nhttp_port = 2",
+                                  "\x00"])
+def test_invalid_toml_names_the_file(tmp_path: Path, text: str) -> None:
+    path = write_toml(tmp_path, text)
+    with pytest.raises(ConfigError, match="cannot read config file") as exc:
+        load_settings(path, role="decode")
+    assert str(path) in str(exc.value)
+
+
+def test_invalid_values_in_toml(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, 'role = "decode"\nhttp_port = "eighty"\ntransfer_threads = 0\n')
+    with pytest.raises(ConfigError) as exc:
+        load_settings(path)
+    assert "http_port" in str(exc.value) and "transfer_threads" in str(exc.value)
+
+
+def test_unknown_toml_key_refused(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, 'role = "decode"\nhttp_prot = 80\n')
+    with pytest.raises(ConfigError, match="http_prot"):
+        load_settings(path)
+
+
+def test_unknown_override_refused() -> None:
+    with pytest.raises(ConfigError, match="no_such_setting"):
+        load_settings(role="decode", no_such_setting=1)
+
+
+def test_unrelated_env_names_are_ignored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only KVD_* and SGLANG_DISAGGREGATION_* variables configure kvd; generic names such as
+    ROLE, HOST, HTTP_PORT or LOG_LEVEL (set by shells, containers, other tools) must not."""
+    monkeypatch.setenv("ROLE", "prefill")
+    monkeypatch.setenv("HOST", "203.0.113.9")
+    monkeypatch.setenv("HTTP_PORT", "8080")
+    monkeypatch.setenv("LOG_LEVEL", "DEBUG")
+    monkeypatch.setenv("INSTANCE_ID", "from-env")
+    s = load_settings(role="decode")
+    assert s.role == "decode"
+    assert s.host == "127.0.0.1"
+    assert s.http_port == 0
+    assert s.log_level == "INFO"
+    assert s.instance_id != "from-env"
+
+
+def test_env_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVD_HTTP_PORT", "1")
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_QUEUE_SIZE", "2")
+    monkeypatch.setenv("SGLANG_OTHER", "3")
+    snap = env_snapshot()
+    assert snap["KVD_HTTP_PORT"] == "1"
+    assert snap["SGLANG_DISAGGREGATION_QUEUE_SIZE"] == "2"
+    assert "SGLANG_OTHER" not in snap
