@@ -3,10 +3,10 @@
 Room R on a decode rank: ``Bootstrapping`` while kvd resolves the prefill
 ranks it needs (parallel info and rank endpoints from the bootstrap server,
 cached per address) and registers its KV args with each of them once;
-``WaitingForInput`` until the engine gives destination pages
-(``receiver.init``); ``Transferring`` once they were sent to every target;
-``Success`` when every target reported Success (their last chunk and the aux
-data have landed by then).
+then ``WaitingForInput`` (as in SGLang's receiver) while the engine gives its
+destination pages (``receiver.init``), kvd sends them to every target and the
+prefill side writes; ``Success`` when every target reported Success (their
+last chunk and the aux data have landed by then).
 """
 
 from __future__ import annotations
@@ -189,6 +189,7 @@ class DecodeSide:
     def _missed(self, addr: str, h: PeerHealth) -> None:
         h.misses += 1
         self.core.counters.heartbeat_misses += 1
+        self.core.events.heartbeat_missed(addr)
         if h.misses >= self.core.settings.heartbeat_max_failures and not h.down:
             h.down = True
             self.peer_lost(addr, f"prefill {addr} unreachable: {h.misses} heartbeats missed")
@@ -222,6 +223,7 @@ class DecodeSide:
             raise RegistrationError("no engine has registered KV buffers with this kvd")
         r = ReceiverRoom(RoomState(room), bootstrap_addr, dp_rank)
         self.rooms[room] = r
+        self.core.events.room_started("decode", room, bootstrap_addr)
         self.core.spawn(self._bootstrap(room, r), f"bootstrap-{room}")
 
     def init(self, room: int, dst_pages: bytes, aux_index: int) -> None:
@@ -292,6 +294,7 @@ class DecodeSide:
             r.successes.add(msg.endpoint)
             if len(r.successes) == len(r.targets) and r.state.advance(KVPoll.Success):
                 self.core.counters.rooms_succeeded += 1
+                self.core.events.room_done("decode", msg.room, "success", peer=msg.endpoint)
                 self.core.notify()
 
     def on_room_abort(self, msg: control.RoomAbort) -> None:
@@ -311,6 +314,7 @@ class DecodeSide:
     def _fail(self, room: int, r: ReceiverRoom, reason: str) -> None:
         if r.state.fail(reason):
             self.core.counters.rooms_failed += 1
+            self.core.events.room_done("decode", room, "failed", reason, peer=r.bootstrap_addr)
             self.core.notify()
             log.warning("%s", reason)
 
@@ -370,7 +374,8 @@ class DecodeSide:
             if not await self.core.send(endpoint, msg):
                 self._fail(room, r, f"room {room}: cannot reach prefill rank {endpoint}")
                 return
-        r.state.advance(KVPoll.Transferring)
+        # Like SGLang's receiver, the room stays WaitingForInput until the prefill side
+        # reports: the waiting_timeout covers the whole transfer.
 
     def sweep(self, now: float) -> None:
         """Deadlines for Bootstrapping, WaitingForInput and Transferring; release deadlines;

@@ -66,3 +66,19 @@ def _rooms() -> Iterator[int]:
 
 
 _room_counter = _rooms()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def health(daemon: DaemonProcess) -> dict:
+    """The daemon's /health JSON."""
+    import httpx
+
+    return httpx.get(f"http://{daemon.http_addr}/health", timeout=5).json()

@@ -1,0 +1,400 @@
+"""Failure handling with real daemons, real Mooncake TCP and real signals (cases K01-K19)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from kvd.client import KVPoll, Receiver, Sender, poll_many, wait_many
+from kvd.errors import RoomError
+from kvd.launch import start_daemon
+from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
+from tests.conftest import free_port, health, start_pair, stop_pair
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _faults(**plan: object) -> str:
+    return json.dumps(plan)
+
+
+def test_k01_prefill_registers_once_bootstrap_comes_up(tmp_path: Path) -> None:
+    port = free_port()
+    prefill = start_daemon("prefill", tmp_path, bootstrap_addr=f"127.0.0.1:{port}")
+    engine = EngineStandIn(prefill.socket, seed=1)  # PUTs start now, refused: nobody listens
+    time.sleep(0.5)
+    boot = start_daemon("decode", tmp_path, serve_bootstrap=True, http_port=port)
+    decode = start_daemon("decode", tmp_path, bootstrap_retry_budget=5.0)
+    d_engine = EngineStandIn(decode.socket, seed=2)
+    try:
+        transfer_room(engine, d_engine, f"127.0.0.1:{port}", 1, [1, 2], [3, 4], chunk=2)
+        assert wait_rooms(d_engine.client, [1], timeout=15) == [KVPoll.Success]
+        assert d_engine.pages_equal(engine, [1, 2], [3, 4])
+    finally:
+        for e in (engine, d_engine):
+            e.close()
+        for d in (prefill, boot, decode):
+            d.stop()
+
+
+def test_k01_decode_lookup_fails_in_bounded_time(tmp_path: Path) -> None:
+    decode = start_daemon("decode", tmp_path, bootstrap_retry_budget=1.0, http_timeout=0.5)
+    d_engine = EngineStandIn(decode.socket, seed=2)
+    try:
+        t0 = time.monotonic()
+        r = Receiver(d_engine.client, 7, f"127.0.0.1:{free_port()}")
+        assert r.wait(10) == KVPoll.Failed
+        assert time.monotonic() - t0 < 4
+        assert "bootstrap unreachable" in r.failure_exception().reason
+    finally:
+        d_engine.close()
+        decode.stop()
+
+
+def test_k05_late_abort_after_clear_leaves_no_trace(pd_pair, room_ids) -> None:
+    p, d = pd_pair.p_engine, pd_pair.d_engine
+    base = health(pd_pair.decode)["tables"], health(pd_pair.prefill)["tables"]
+    for _ in range(50):
+        room = next(room_ids)
+        send, recv = transfer_room(p, d, pd_pair.bootstrap, room, [1], [2], chunk=1)
+        assert recv.wait(10) == KVPoll.Success
+        assert send.wait(10) == KVPoll.Success
+        recv.clear()
+        send.clear()
+        recv.abort("late")  # after clear: ignored, no re-creation
+        send.abort("late")
+        assert poll_many(d.client, [room]) == [-1]
+        assert poll_many(p.client, [room]) == [-1]
+    new = next(room_ids)
+    r = Receiver(d.client, new, pd_pair.bootstrap)
+    assert r.poll() in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
+    r.abort()
+    r.clear()
+    time.sleep(0.2)
+    after = health(pd_pair.decode)["tables"], health(pd_pair.prefill)["tables"]
+    assert after[0]["rooms"] == base[0]["rooms"] and after[1]["rooms"] == base[1]["rooms"]
+    assert after[1]["pending"] == base[1]["pending"]
+
+
+def test_k06_abort_mid_transfer_defers_release(tmp_path: Path) -> None:
+    pair = start_pair(tmp_path, p_opts={"fault_injection": _faults(delay_s=2.0)},
+                      engine_opts={"num_pages": 128})
+    p, d = pair.p_engine, pair.d_engine
+    try:
+        pages = np.arange(64)
+        src1 = np.random.default_rng(1).permutation(128)[:64]
+        r1 = Receiver(d.client, 1, pair.bootstrap)
+        r1.init(pages, 0)
+        s1 = Sender(p.client, 1)
+        s1.init(64, 0)
+        before = [b[32:64].copy() for b in d.kv]
+        s1.send(src1[:32])
+        s1.send(src1[32:])
+        time.sleep(0.5)
+        r1.abort("client went away")
+        assert r1.poll() == KVPoll.Failed
+        assert not r1.releasable()  # prefill still has a write in flight
+        with pytest.raises(RoomError, match="not releasable"):
+            r1.clear(timeout=0.1)
+        t0 = time.monotonic()
+        assert r1.wait(10) == KVPoll.Failed and r1.releasable()
+        assert 0.8 < time.monotonic() - t0 < 5  # released when the 2 s batch returned
+        r1.clear()
+        assert s1.wait(5) == KVPoll.Failed
+        time.sleep(2.5)  # a second chunk, had it been scheduled, would have landed by now
+        assert all(np.array_equal(b[32:64], x) for b, x in zip(d.kv, before, strict=True))
+        src2 = np.random.default_rng(2).permutation(128)[:64]
+        transfer_room(p, d, pair.bootstrap, 2, src2, pages, chunk=64)
+        assert wait_rooms(d.client, [2], timeout=20) == [KVPoll.Success]
+        assert d.pages_equal(p, src2, pages)
+    finally:
+        stop_pair(pair)
+
+
+def test_k07_one_failed_batch_fails_only_its_room(tmp_path: Path) -> None:
+    pair = start_pair(tmp_path, p_opts={"fault_injection": _faults(fail_batches=[0]),
+                                        "transient_retry_s": 0.2})
+    p, d = pair.p_engine, pair.d_engine
+    try:
+        transfer_room(p, d, pair.bootstrap, 1, [1, 2], [3, 4], chunk=2)
+        assert wait_rooms(d.client, [1]) == [KVPoll.Failed]
+        reason = Receiver.failure_exception(_room(d, 1)).reason
+        assert "refused" in reason and pair.decode.ready["control_endpoint"] in reason
+        for room in range(2, 6):
+            transfer_room(p, d, pair.bootstrap, room, [room], [room + 10], chunk=1)
+        assert wait_rooms(d.client, list(range(2, 6))) == [KVPoll.Success] * 4
+        assert d.pages_equal(p, [2, 3, 4, 5], [12, 13, 14, 15])
+        log = pair.prefill.log.read_text()
+        assert "refused" in log
+    finally:
+        stop_pair(pair)
+
+
+def _room(engine: EngineStandIn, room: int) -> Receiver:
+    r = Receiver.__new__(Receiver)
+    r.client, r.room, r.lost = engine.client, room, ""
+    return r
+
+
+def test_k16_every_state_has_a_deadline(tmp_path: Path) -> None:
+    opts = {"bootstrap_timeout": 1.5, "waiting_timeout": 1.5, "transfer_timeout": 1.5,
+            "heartbeat_interval": 120.0}
+    pair = start_pair(tmp_path, p_opts=opts | {"fault_injection": _faults(delay_s=3.0)},
+                      d_opts=opts)
+    p, d = pair.p_engine, pair.d_engine
+    try:
+        # P creates R and D never sends: Failed at the bootstrap timeout.
+        s = Sender(p.client, 1)
+        t0 = time.monotonic()
+        assert s.wait(10) == KVPoll.Failed
+        assert 1.0 < time.monotonic() - t0 < 3.0
+        assert "timed out in Bootstrapping" in s.failure_exception().reason
+        # D sends pages for a room P never creates: the buffered entry is dropped.
+        Receiver(d.client, 2, pair.bootstrap).init([1], 0)
+        time.sleep(0.5)
+        assert health(pair.prefill)["tables"]["pending"] == 1
+        time.sleep(2.0)
+        assert health(pair.prefill)["tables"]["pending"] == 0
+        # A transfer stuck in Transferring (3 s batches) fails at its 1.5 s deadline, and the
+        # late end of the write does not turn it into Success.
+        r = Receiver(d.client, 3, pair.bootstrap)
+        r.init([5], 0)
+        s3 = Sender(p.client, 3)
+        s3.init(1, 0)
+        s3.send([6])
+        t0 = time.monotonic()
+        assert s3.wait(10) == KVPoll.Failed
+        assert time.monotonic() - t0 < 3.0
+        assert "timed out in Transferring" in s3.failure_exception().reason
+        assert r.wait(10) == KVPoll.Failed
+        time.sleep(2.0)
+        assert r.poll() == KVPoll.Failed and s3.poll() == KVPoll.Failed
+    finally:
+        stop_pair(pair)
+
+
+def test_k16_frozen_prefill_fails_waiting_room(tmp_path: Path) -> None:
+    opts = {"bootstrap_timeout": 3.0, "waiting_timeout": 3.0, "heartbeat_interval": 120.0}
+    pair = start_pair(tmp_path, p_opts=opts, d_opts=opts)
+    p, d = pair.p_engine, pair.d_engine
+    try:
+        r = Receiver(d.client, 1, pair.bootstrap)
+        r.init([1, 2], 0)
+        s = Sender(p.client, 1)  # P has R's pages now
+        time.sleep(0.3)
+        pair.prefill.kill(signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert _poll_until_done(r, 10) == KVPoll.Failed  # wait() would also await release
+        assert 2.0 < time.monotonic() - t0 < 4.5
+        assert "timed out in WaitingForInput" in r.failure_exception().reason
+        assert not r.releasable()  # P may still write: pages held until release_timeout
+        pair.prefill.kill(signal.SIGCONT)
+        del s
+    finally:
+        pair.prefill.kill(signal.SIGCONT)
+        stop_pair(pair)
+
+
+def _poll_until_done(room: Receiver | Sender, timeout: float) -> KVPoll | int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = room.poll()
+        if state in (KVPoll.Success, KVPoll.Failed):
+            return state
+        time.sleep(0.01)
+    return room.poll()
+
+
+class _SilentServer:
+    """Accepts TCP connections and never answers (an unresponsive bootstrap server)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.stop = False
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        self.sock.settimeout(0.2)
+        while not self.stop:
+            try:
+                self.conns.append(self.sock.accept()[0])
+            except OSError:
+                continue
+
+    def close(self) -> None:
+        self.stop = True
+        for c in self.conns:
+            c.close()
+        self.sock.close()
+
+
+def test_k17_unresponsive_bootstrap_does_not_stall_other_rooms(tmp_path: Path) -> None:
+    pair = start_pair(tmp_path, d_opts={"http_timeout": 0.5, "bootstrap_retry_budget": 2.0})
+    p, d = pair.p_engine, pair.d_engine
+    silent = _SilentServer()
+    try:
+        stuck = Receiver(d.client, 999, f"127.0.0.1:{silent.port}")
+        latencies, health_ms = [], []
+        t_end = time.monotonic() + 3.0
+        room = 0
+        while time.monotonic() < t_end:
+            room += 1
+            t0 = time.monotonic()
+            transfer_room(p, d, pair.bootstrap, room, [room % 200], [room % 200], chunk=1)
+            assert wait_rooms(d.client, [room], timeout=10) == [KVPoll.Success]
+            latencies.append(time.monotonic() - t0)
+            h0 = time.monotonic()
+            assert httpx.get(f"http://{pair.decode.http_addr}/health", timeout=2).status_code \
+                == 200
+            health_ms.append((time.monotonic() - h0) * 1000)
+            for c in (p, d):
+                c.client.call(__import__("kvd.protocol.rpc", fromlist=["Clear"]).Clear(room))
+        assert stuck.wait(10) == KVPoll.Failed
+        assert "bootstrap unreachable" in stuck.failure_exception().reason
+        assert room > 10
+        assert float(np.percentile(latencies, 99)) < 0.5
+        assert max(health_ms) < 100
+    finally:
+        silent.close()
+        stop_pair(pair)
+
+
+def test_k18_transient_queue_full_is_backpressure(tmp_path: Path) -> None:
+    pair = start_pair(tmp_path, p_opts={"fault_injection": _faults(transient_per_batch=3)})
+    p, d = pair.p_engine, pair.d_engine
+    try:
+        rooms = list(range(1, 501))
+        rng = np.random.default_rng(5)
+        plans = {}
+        for i in range(0, len(rooms), 50):  # 50 rooms in flight at a time
+            batch = rooms[i:i + 50]
+            dst_all = rng.permutation(256)  # rooms in flight never share destination pages
+            for j, room in enumerate(batch):
+                src, dst = rng.integers(0, 256, 2), dst_all[2 * j:2 * j + 2]
+                plans[room] = (src, dst)
+                transfer_room(p, d, pair.bootstrap, room, src, dst, chunk=2)
+            assert wait_many(d.client, batch, 30) == [KVPoll.Success] * len(batch)
+            for room in batch:
+                assert d.pages_equal(p, *plans[room])
+                Receiver.clear(_room(d, room))
+        assert "refused" not in pair.prefill.log.read_text().split("FAULT INJECTION")[-1] \
+            .replace("accepted after", "")
+    finally:
+        stop_pair(pair)
+
+
+def test_k18_queue_full_past_deadline_fails_only_that_room(tmp_path: Path) -> None:
+    pair = start_pair(tmp_path, p_opts={"fault_injection": _faults(fail_batches=[1]),
+                                        "transient_retry_s": 0.3})
+    p, d = pair.p_engine, pair.d_engine
+    try:
+        transfer_room(p, d, pair.bootstrap, 1, [1], [1], chunk=1)
+        assert wait_rooms(d.client, [1]) == [KVPoll.Success]
+        transfer_room(p, d, pair.bootstrap, 2, [2], [2], chunk=1)
+        assert wait_rooms(d.client, [2]) == [KVPoll.Failed]
+        assert "queue full" in Receiver.failure_exception(_room(d, 2)).reason
+        transfer_room(p, d, pair.bootstrap, 3, [3], [3], chunk=1)
+        assert wait_rooms(d.client, [3]) == [KVPoll.Success]
+    finally:
+        stop_pair(pair)
+
+
+def test_sigkill_prefill_fails_rooms_and_restart_recovers(tmp_path: Path) -> None:
+    hb = {"heartbeat_interval": 0.5, "heartbeat_max_failures": 2}
+    http_port, zmq_port = free_port(), free_port()
+    p_opts = {"http_port": http_port, "zmq_port": zmq_port}
+    pair = start_pair(tmp_path, p_opts=p_opts, d_opts=hb)
+    other = start_daemon("prefill", tmp_path, serve_bootstrap=True)
+    other_engine = EngineStandIn(other.socket, seed=3)
+    p, d = pair.p_engine, pair.d_engine
+    try:
+        rooms = list(range(1, 201))
+        for room in rooms:  # receivers bound, senders never send: rooms stay in flight
+            Receiver(d.client, room, pair.bootstrap).init([room % 256], 0)
+        assert wait_many(d.client, rooms[-1:], 0.5)[0] == KVPoll.WaitingForInput
+        pair.prefill.kill(signal.SIGKILL)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 10 and KVPoll.WaitingForInput in poll_many(d.client, rooms):
+            time.sleep(0.02)
+        states = poll_many(d.client, rooms)
+        detect = time.monotonic() - t0
+        assert states == [KVPoll.Failed] * len(rooms)
+        assert detect < 0.5 * 2 + 2
+        reason = Receiver.failure_exception(_room(d, 1)).reason
+        assert pair.bootstrap in reason
+        transfer_room(other_engine, d, other.http_addr, 500, [1], [1], chunk=1)
+        assert wait_rooms(d.client, [500]) == [KVPoll.Success]
+        p.close()
+        pair.prefill = start_daemon("prefill", tmp_path, serve_bootstrap=True, **p_opts)
+        pair.p_engine = p = EngineStandIn(pair.prefill.socket, seed=1)
+        time.sleep(1.5)  # heartbeats see it back
+        transfer_room(p, d, pair.bootstrap, 600, [7, 8], [9, 10], chunk=1)
+        assert wait_rooms(d.client, [600], timeout=15) == [KVPoll.Success]
+        assert d.pages_equal(p, [7, 8], [9, 10])
+    finally:
+        other_engine.close()
+        other.stop()
+        stop_pair(pair)
+
+
+def test_rooms_in_any_order_leave_tables_and_fds_at_baseline(tmp_path: Path) -> None:
+    opts = {"bootstrap_timeout": 0.5, "waiting_timeout": 0.5, "transfer_timeout": 1.0}
+    pair = start_pair(tmp_path, p_opts=opts, d_opts=opts | {"release_timeout": 0.5})
+    p, d = pair.p_engine, pair.d_engine
+    rng = np.random.default_rng(9)
+    try:
+        transfer_room(p, d, pair.bootstrap, 1, [1], [1], chunk=1)
+        wait_rooms(d.client, [1])
+        for c in (p, d):
+            Receiver.clear(_room(c, 1))
+        base = (health(pair.prefill)["tables"], health(pair.decode)["tables"],
+                _fds(pair.prefill.proc.pid), _fds(pair.decode.proc.pid))
+        rooms = list(range(10, 10_010))
+        for i in range(0, len(rooms), 500):
+            batch = rooms[i:i + 500]
+            senders = {}
+            for room in batch:
+                kind = rng.integers(0, 4)  # 0 success, 1 abort, 2 timeout, 3 receiver-only
+                r = Receiver(d.client, room, pair.bootstrap)
+                r.init([room % 256], 0)
+                if kind in (0, 1):
+                    s = Sender(p.client, room)
+                    s.init(1, 0)
+                    s.send([room % 256])
+                    senders[room] = s
+                if kind == 1:
+                    r.abort("random abort")
+                if kind == 2:
+                    Sender(p.client, room)  # never sends: times out in WaitingForInput
+            wait_many(d.client, batch, 30)
+            wait_many(p.client, batch, 30)
+            for room in batch:
+                Receiver.clear(_room(d, room))
+                Receiver.clear(_room(p, room))
+        time.sleep(1.5)  # pending entries expire
+        after = (health(pair.prefill)["tables"], health(pair.decode)["tables"],
+                 _fds(pair.prefill.proc.pid), _fds(pair.decode.proc.pid))
+        for key in ("rooms", "pending", "peers"):
+            assert after[0][key] == base[0][key], (key, base[0], after[0])
+        for key in ("rooms", "registered", "rank_cache"):
+            assert after[1][key] == base[1][key], (key, base[1], after[1])
+        assert after[2] <= base[2] + 5 and after[3] <= base[3] + 5
+    finally:
+        stop_pair(pair)
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
