@@ -13,13 +13,12 @@ import asyncio
 import json
 import logging
 import signal
-import sys
 import time
 from typing import Any
 
 import httpx
 
-from kvd import __version__
+from kvd import __version__, logs, notify
 from kvd.addr import join_hostport
 from kvd.bootstrap.app import create_app
 from kvd.bootstrap.server import HttpServer, bind_socket
@@ -34,6 +33,7 @@ from kvd.memory import MemoryMap
 from kvd.prefill import PrefillSide
 from kvd.protocol import control, rpc
 from kvd.rooms import UNKNOWN_ROOM, KVPoll
+from kvd.status import DaemonOps
 from kvd.transfer.engine import MooncakeEngine, TransferEngine
 from kvd.transfer.executor import TransferExecutor
 from kvd.transfer.faults import FaultInjector, FaultPlan
@@ -86,7 +86,7 @@ class Daemon:
         self.core = Core(s, engine, TransferExecutor(engine, s.transfer_threads), ctl,
                          MemoryMap(s.shm_dir), http)
         sock = bind_socket(s.http_host, s.http_port)
-        self.http_server = HttpServer(create_app(self.health, self.table), sock)
+        self.http_server = HttpServer(create_app(self.health, self.table, DaemonOps(self)), sock)
         await self.http_server.start()
         if s.serve_bootstrap and s.bootstrap_addr is None:
             s.bootstrap_addr = join_hostport(s.http_host, self.http_server.port)
@@ -98,6 +98,7 @@ class Daemon:
         await self.rpc_server.start()
         self.core.spawn(self._recv_loop(), "control-recv")
         self.core.spawn(self._sweep_loop(), "sweeper")
+        self.core.spawn(notify.watchdog_loop(), "watchdog")
         if self.decode is not None:
             self.core.spawn(self.decode.heartbeat_loop(), "heartbeats")
         self._announce()
@@ -120,6 +121,7 @@ class Daemon:
                  "bootstrap_addr": self.settings.bootstrap_addr}
         print(json.dumps(ready), flush=True)
         log.info("kvd %s ready: %s", self.settings.role, ready)
+        notify.notify(f"READY=1\nSTATUS=kvd {self.settings.role} on port {ready['http_port']}")
 
     def _rooms(self) -> dict[int, Any]:
         if self.prefill is not None:
@@ -150,6 +152,7 @@ class Daemon:
 
     async def shutdown(self) -> None:
         """Close listeners, cancel tasks, wait for transfers, release memory."""
+        notify.notify("STOPPING=1")
         core = self.core
         if self.rpc_server is not None:
             await self.rpc_server.stop()
@@ -218,8 +221,12 @@ class Daemon:
                 args = self.core.register_local(call)
                 self.engine_conn = conn.id
                 conn.on_close.append(lambda: self._engine_disconnected(conn.id))
-                if self.prefill is not None and not self.prefill.bootstrap_registered:
-                    self.core.spawn(self.prefill.register_with_bootstrap(), "bootstrap-put")
+                if self.decode is not None:
+                    self.decode.registered.clear()  # new buffers: re-register with prefills
+                if self.prefill is not None:
+                    self.prefill.revalidate_peers()
+                    if not self.prefill.bootstrap_registered:
+                        self.core.spawn(self.prefill.register_with_bootstrap(), "bootstrap-put")
                 return {"num_pages": args.num_pages, "num_aux_slots": args.num_aux_slots,
                         "session_id": self.core.engine.session_id}
             case rpc.Poll():
@@ -373,6 +380,5 @@ def serve(settings: Settings) -> int:
     """Run a daemon on a fresh uvloop loop until SIGTERM/SIGINT; returns the exit code."""
     import uvloop
 
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.setup(settings.log_level, settings.log_format)
     return uvloop.run(Daemon(settings).run())

@@ -194,22 +194,43 @@ class DecodeSide:
             h.down = True
             self.peer_lost(addr, f"prefill {addr} unreachable: {h.misses} heartbeats missed")
 
-    def _forget(self, addr: str) -> set[str]:
+    def _forget(self, addr: str, drop_sockets: bool = True) -> set[str]:
         endpoints = {f"tcp://{join_hostport(info.rank_ip.strip('[]'), info.rank_port)}"
                      for key, info in self.bootstrap.ranks.items() if key[0] == addr}
         self.bootstrap.forget(addr)
         for ep in endpoints:
             self.registered.discard(ep)
-            self.core.control.drop(ep)
+            if drop_sockets:
+                self.core.control.drop(ep)
         return endpoints
 
     def peer_lost(self, addr: str, reason: str) -> None:
-        """Fail every unfinished room fed by ``addr``; drop its cached endpoints and sockets."""
+        """Fail every unfinished room fed by ``addr``; drop its cached endpoints and sockets.
+
+        Each failed room that had sent its pages is also aborted on the prefill side
+        (queued behind its RoomPages, so a frozen prefill that resumes drops them) before
+        the sockets are closed.
+        """
         log.warning("%s", reason)
-        self._forget(addr)
+        aborts = []
         for room, r in list(self.rooms.items()):
             if r.bootstrap_addr == addr and not r.state.done:
                 self._fail(room, r, f"room {room}: {reason}")
+                if r.pages_sent and r.targets:
+                    aborts += [(ep, room) for _, ep in r.targets]
+        endpoints = self._forget(addr, drop_sockets=False)
+        self.core.spawn(self._abandon(endpoints, aborts, reason), f"abandon-{addr}")
+
+    async def _abandon(self, endpoints: set[str], aborts: list[tuple[str, int]],
+                       reason: str) -> None:
+        for endpoint, room in aborts:
+            msg = control.RoomAbort(room, f"room {room}: {reason}", self.core.control.endpoint,
+                                    self.core.instance_id)
+            if not await self.core.send(endpoint, msg):
+                break  # the peer does not take messages: the rest would time out too
+        for ep in endpoints:
+            if ep not in self.registered:  # not re-registered meanwhile
+                self.core.control.drop(ep)
 
     # ---- engine calls -------------------------------------------------------------------
 

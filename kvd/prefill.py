@@ -86,6 +86,7 @@ class PrefillSide:
         self.peers: dict[str, DecodePeer] = {}
         self.rooms: dict[int, SenderRoom] = {}
         self.pending: dict[int, list[tuple[control.RoomPages, float]]] = {}
+        self._registrations: dict[str, control.RegisterRank] = {}
         self.bootstrap_registered = False
 
     # ---- engine calls -------------------------------------------------------------------
@@ -96,6 +97,7 @@ class PrefillSide:
         if old is not None and not old.state.done:
             raise RoomError(f"room {room} already active")
         self.rooms[room] = SenderRoom(RoomState(room))
+        self.core.events.room_started("prefill", room)
         for msg, _ in self.pending.pop(room, []):
             self._add_destination(self.rooms[room], msg)
 
@@ -111,11 +113,15 @@ class PrefillSide:
         r.num_pages, r.aux_index = num_pages, aux_index
 
     def send(self, room: int, pages_bytes: bytes, is_last: bool) -> None:
-        """``sender.send``: queue one chunk. A page outside the pool fails the room."""
+        """``sender.send``: queue one chunk. A page outside the pool fails the room.
+
+        A chunk for a room that already ended is dropped: the engine learns the outcome
+        from ``poll`` (aborts race with sends; that is not the engine's error).
+        """
         r = self._room(room)
-        if r.state.done:
-            raise RoomError(f"room {room} already ended ({r.state.status.name})")
         pages = unpack_indices(pages_bytes)
+        if r.state.done:
+            return
         try:
             check_page_range(pages, self._local().num_pages, f"room {room} source")
         except LayoutError as exc:
@@ -142,8 +148,15 @@ class PrefillSide:
 
     # ---- control messages ---------------------------------------------------------------
 
+    def revalidate_peers(self) -> None:
+        """The engine (re-)registered: check every known decode rank against the new args."""
+        self.peers = {}
+        for msg in list(self._registrations.values()):
+            self.on_register_rank(msg)
+
     def on_register_rank(self, msg: control.RegisterRank) -> None:
         """A decode rank's KV args; incompatible ones are remembered as rejected (K12)."""
+        self._registrations[msg.endpoint] = msg
         peer = DecodePeer(msg.endpoint, msg.instance_id, msg.attn_tp_rank, msg.attn_tp_size, None)
         try:
             peer.args = RankArgs.of(msg.kv_args)
@@ -181,6 +194,7 @@ class PrefillSide:
         if r.state.fail(msg.reason):
             r.chunks.clear()
             self.core.counters.rooms_failed += 1
+            self.core.events.room_done("prefill", msg.room, "failed", msg.reason, peer=msg.endpoint)
             self.core.notify()
         if not r.writing:  # otherwise the pump confirms when the write returns
             self._status_to(msg.endpoint, msg.room, KVPoll.Failed, msg.reason, quiesced=True)
@@ -280,6 +294,7 @@ class PrefillSide:
         r.nbytes += moved
         r.seconds += time.perf_counter() - start
         self.core.counters.bytes_sent += moved
+        self.core.events.chunks_sent((d.peer.endpoint, desc.nbytes) for d, desc in plans)
 
     def _plan(self, room: int, r: SenderRoom, d: Destination, pages: Pages,
               is_last: bool) -> Descriptors:
@@ -303,6 +318,7 @@ class PrefillSide:
     def _succeed(self, room: int, r: SenderRoom) -> None:
         if r.state.advance(KVPoll.Success):
             self.core.counters.rooms_succeeded += 1
+            self.core.events.room_done("prefill", room, "success", "", r.nbytes, r.seconds, r.dsts)
             self.core.notify()
             self._notify(room, r, KVPoll.Success, "")
 
@@ -310,6 +326,7 @@ class PrefillSide:
         if r.state.fail(reason):
             r.chunks.clear()
             self.core.counters.rooms_failed += 1
+            self.core.events.room_done("prefill", room, "failed", reason, peer=r.dsts)
             self.core.notify()
             log.warning("%s", reason)
             self._notify(room, r, KVPoll.Failed, reason)

@@ -1,0 +1,385 @@
+"""Heterogeneous parallel KV layouts -> transfer descriptors. PURE.
+
+A prefill rank (``src``) writes the KV pages of one request into a decode rank
+(``dst``) whose attention-TP size, and pipeline stage, may differ. Each side is
+a :class:`RankLayout`; :func:`check_pair` says once per registration whether a
+pair can be planned, and :func:`plan_transfer` turns page index arrays into
+``(src, dst, length)`` descriptors (bytes, ``numpy.uint64``) with numpy
+broadcasting only: no Python loop over layers, pages or token slots.
+
+What is moved is what ``src`` holds AND ``dst`` needs:
+
+* layers: ``src``'s layers ``[layer_start, layer_start + num_layers)`` go to
+  ``dst``'s buffers of the same absolute layers (SGLang's
+  ``get_mha_kv_ptrs_with_pp`` / ``get_mla_kv_ptrs_with_pp``);
+* heads (MHA): the intersection of the two ranks' KV head sets
+  (:func:`rank_heads`); MLA latent KV is replicated and never sliced.
+
+Buffer layouts (per layer; MHA: K then V buffers, MLA: one buffer), design.md:
+``NHD`` = ``[page][token][head][dim]`` (SGLang's), a head slice is one run per
+token slot; ``HND`` = ``[page][head][token][dim]``, a head slice of a page is
+one contiguous run.
+
+Address arithmetic is ``numpy.uint64`` throughout (pointers may have bit 63
+set; every int64 operand is converted explicitly, so nothing becomes float64),
+and a plan whose highest address would wrap past 2**64 is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvd.errors import IndexLengthMismatch, LayoutError, RegistrationError
+from kvd.protocol.control import KVArgsWire
+from kvd.transfer.plan import U64, Addrs, Descriptors, Pages, _u64, as_pages, plan_pages
+
+LAYOUTS = ("NHD", "HND")
+_U64_MAX = 2**64 - 1
+
+
+def rank_heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> tuple[int, int]:
+    """``(first_head, n_heads)`` of the KV heads an attention-TP rank holds.
+
+    ``tp_size <= total_kv_heads``: a contiguous block of ``total / tp_size``
+    heads (``total`` must be a multiple of ``tp_size``). ``tp_size > total``
+    (GQA replication, ``tp_size`` a multiple of ``total``): one head, index
+    ``tp_rank * total // tp_size`` -- SGLang's ``MHATokenToKVPool`` sharding
+    (``num_kv_head_replicas = tp_size // total``), so ranks ``0..r-1`` hold
+    head 0, ``r..2r-1`` head 1 and so on (case K11).
+
+    Raises :class:`RegistrationError` for a rank outside ``[0, tp_size)``,
+    non-positive sizes, or heads that do not split evenly over ``tp_size``.
+    """
+    if tp_size < 1 or total_kv_heads < 1 or not 0 <= tp_rank < tp_size:
+        raise RegistrationError(f"invalid attention TP rank {tp_rank} of {tp_size} "
+                                f"for {total_kv_heads} KV heads")
+    if tp_size <= total_kv_heads:
+        if total_kv_heads % tp_size:
+            raise RegistrationError(f"{total_kv_heads} KV heads do not split over "
+                                    f"attention TP {tp_size}")
+        n = total_kv_heads // tp_size
+        return tp_rank * n, n
+    if tp_size % total_kv_heads:
+        raise RegistrationError(f"attention TP {tp_size} is not a multiple of "
+                                f"{total_kv_heads} KV heads (GQA replication)")
+    return tp_rank * total_kv_heads // tp_size, 1
+
+
+def prefill_targets(decode_tp_rank: int, decode_tp_size: int, prefill_tp_size: int) -> range:
+    """Prefill attention-TP ranks that write into decode rank ``decode_tp_rank``.
+
+    Mirrors SGLang's decode-side target rule (``get_target_prefill_ranks``):
+    equal TP -> the same rank; decode TP > prefill TP -> the one prefill rank
+    ``decode_rank // (decode_tp // prefill_tp)`` (it holds the decode rank's
+    heads); decode TP < prefill TP -> ranks ``[d*ratio, (d+1)*ratio)``, each
+    writing its head slice (MLA: only the first is real, the rest are dummies --
+    the daemon's business). Raises :class:`RegistrationError` when neither TP
+    size divides the other.
+    """
+    _check_tp_sizes(prefill_tp_size, decode_tp_size)
+    if not 0 <= decode_tp_rank < decode_tp_size:
+        raise RegistrationError(f"decode TP rank {decode_tp_rank} outside TP {decode_tp_size}")
+    if decode_tp_size >= prefill_tp_size:
+        r = decode_tp_rank // (decode_tp_size // prefill_tp_size)
+        return range(r, r + 1)
+    ratio = prefill_tp_size // decode_tp_size
+    return range(decode_tp_rank * ratio, (decode_tp_rank + 1) * ratio)
+
+
+def _check_tp_sizes(prefill_tp: int, decode_tp: int) -> None:
+    if prefill_tp < 1 or decode_tp < 1 or max(prefill_tp, decode_tp) % min(prefill_tp, decode_tp):
+        raise RegistrationError(f"attention TP sizes {prefill_tp} (prefill) vs {decode_tp} "
+                                f"(decode): neither divides the other")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """One rank's KV pool geometry, as far as planning needs it.
+
+    ``kv_ptrs`` (uint64, shape ``[B]``) are buffer base addresses: MHA ``B =
+    2 * num_layers`` (K of each local layer, then V of each local layer), MLA
+    ``B = num_layers``; ``item_lens`` (uint64, ``[B]``) bytes of one page of
+    each buffer. Page ``p`` of buffer ``b`` starts at ``kv_ptrs[b] + p *
+    item_lens[b]``. ``page_size`` is tokens per page, ``head_dim`` elements,
+    ``dtype_size`` bytes per element. ``num_kv_heads`` heads are held by this
+    rank (1 when replicated), ``total_kv_heads`` by the model. Local layer
+    ``i`` is absolute layer ``layer_start + i``. ``layout`` is ``"NHD"`` or
+    ``"HND"``; ``tp_rank``/``tp_size`` the attention-TP rank and size.
+
+    Array fields accept any integer array-like and are stored as uint64.
+    Raises :class:`RegistrationError` on a structurally invalid layout (buffer
+    count, sizes, rank, layout name); pairing checks live in :func:`check_pair`.
+    """
+
+    kv_ptrs: Addrs
+    item_lens: Addrs
+    page_size: int
+    num_kv_heads: int
+    total_kv_heads: int
+    head_dim: int
+    dtype_size: int
+    num_layers: int
+    layer_start: int
+    is_mla: bool
+    layout: str
+    tp_rank: int
+    tp_size: int
+
+    def __post_init__(self) -> None:
+        try:
+            ptrs, lens = _u64(self.kv_ptrs), _u64(self.item_lens)
+        except LayoutError as exc:
+            raise RegistrationError(f"invalid KV layout: {exc}") from exc
+        object.__setattr__(self, "kv_ptrs", ptrs)
+        object.__setattr__(self, "item_lens", lens)
+        problems = _structure_problems(self)
+        if problems:
+            raise RegistrationError("invalid KV layout: " + "; ".join(problems))
+
+    @staticmethod
+    def from_wire(wire: KVArgsWire, tp_rank: int, tp_size: int) -> RankLayout:
+        """Layout of the rank that sent ``wire`` at attention TP ``tp_rank``/``tp_size``.
+
+        ``total_kv_heads`` comes from the wire when present and non-zero, else
+        ``num_kv_heads * tp_size`` (wrong for GQA-replicated ranks, which must
+        send it); MLA latent KV is replicated, so there it is ``num_kv_heads``.
+        Raises :class:`RegistrationError` like the constructor.
+        """
+        total = int(getattr(wire, "total_kv_heads", 0) or 0)
+        if not total:
+            total = wire.num_kv_heads if wire.is_mla else wire.num_kv_heads * tp_size
+        return RankLayout(kv_ptrs=np.asarray(wire.kv_data_ptrs, dtype=np.uint64),
+                          item_lens=np.asarray(wire.kv_item_lens, dtype=np.uint64),
+                          page_size=wire.page_size, num_kv_heads=wire.num_kv_heads,
+                          total_kv_heads=total, head_dim=wire.head_dim,
+                          dtype_size=wire.dtype_size, num_layers=wire.num_layers,
+                          layer_start=wire.layer_start, is_mla=wire.is_mla,
+                          layout=wire.layout, tp_rank=tp_rank, tp_size=tp_size)
+
+    @property
+    def layer_end(self) -> int:
+        """One past the last absolute layer held."""
+        return self.layer_start + self.num_layers
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """``(first_head, n_heads)`` held (:func:`rank_heads`); MLA: ``(0, 1)``."""
+        if self.is_mla:
+            return 0, 1
+        return rank_heads(self.tp_rank, self.tp_size, self.total_kv_heads)
+
+    def buffer_index(self, layers: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+        """Buffer indices of absolute ``layers`` (int64 ``[L]``): MHA ``[2L]`` K then V."""
+        local = np.asarray(layers, dtype=np.int64) - self.layer_start
+        if self.is_mla:
+            return local
+        return np.concatenate([local, local + self.num_layers])
+
+
+def _structure_problems(r: RankLayout) -> list[str]:
+    problems = []
+    nbuf = r.num_layers * (1 if r.is_mla else 2)
+    if r.kv_ptrs.ndim != 1 or r.item_lens.shape != r.kv_ptrs.shape:
+        problems.append(f"kv_ptrs {r.kv_ptrs.shape} and item_lens {r.item_lens.shape} "
+                        f"must be 1-D of equal length")
+    elif r.kv_ptrs.size != nbuf:
+        problems.append(f"{r.kv_ptrs.size} KV buffers for {r.num_layers} layers "
+                        f"({'MLA' if r.is_mla else 'MHA'} needs {nbuf})")
+    if r.item_lens.size and int(r.item_lens.min()) == 0:
+        problems.append("item lengths must be positive")
+    sizes = {"page_size": r.page_size, "num_kv_heads": r.num_kv_heads,
+             "total_kv_heads": r.total_kv_heads, "head_dim": r.head_dim,
+             "dtype_size": r.dtype_size, "num_layers": r.num_layers}
+    problems += [f"{k} must be >= 1, got {v}" for k, v in sizes.items() if v < 1]
+    if r.layer_start < 0:
+        problems.append(f"layer_start must be >= 0, got {r.layer_start}")
+    if r.layout not in LAYOUTS:
+        problems.append(f"unknown layout {r.layout!r}")
+    if not 0 <= r.tp_rank < r.tp_size:
+        problems.append(f"attention TP rank {r.tp_rank} outside TP size {r.tp_size}")
+    return problems
+
+
+def check_pair(src: RankLayout, dst: RankLayout) -> None:
+    """Refuse a (prefill ``src``, decode ``dst``) pair that cannot be planned.
+
+    Checks, all reported at once: one attention-TP size divides the other
+    (SGLang's precondition for ``send_kvcache_slice``); equal ``page_size``,
+    ``head_dim``, ``dtype_size``, ``is_mla``, ``layout`` and (MHA)
+    ``total_kv_heads``; each rank's ``num_kv_heads`` equals what
+    :func:`rank_heads` gives it; ``src``'s layer range lies inside ``dst``'s
+    (a prefill PP stage writes into a decode rank holding those layers); and
+    the item length of every buffer that will be written (case K12): MHA
+    ``page_size * heads * head_dim * dtype_size`` on each side, MLA equal on
+    both sides.
+
+    Raises :class:`RegistrationError` naming both values, e.g.
+    ``"kv item len mismatch 8192 vs 4096 in layer 0 ..."``.
+    """
+    problems = _pair_problems(src, dst)
+    if problems:
+        raise RegistrationError("incompatible KV layouts (prefill vs decode): "
+                                + "; ".join(problems))
+
+
+def _pair_problems(src: RankLayout, dst: RankLayout) -> list[str]:
+    problems = []
+    if max(src.tp_size, dst.tp_size) % min(src.tp_size, dst.tp_size):
+        problems.append(f"attention TP sizes {src.tp_size} vs {dst.tp_size}: "
+                        f"neither divides the other")
+    names = ["page_size", "head_dim", "dtype_size", "is_mla", "layout"]
+    if not (src.is_mla or dst.is_mla):
+        names.append("total_kv_heads")
+    problems += [f"{n} {getattr(src, n)} vs {getattr(dst, n)}" for n in names
+                 if getattr(src, n) != getattr(dst, n)]
+    if not (dst.layer_start <= src.layer_start and src.layer_end <= dst.layer_end):
+        problems.append(f"prefill layers [{src.layer_start}, {src.layer_end}) outside decode "
+                        f"layers [{dst.layer_start}, {dst.layer_end})")
+    if not problems and not src.is_mla:
+        problems += [p for r, side in ((src, "prefill"), (dst, "decode"))
+                     for p in _heads_problems(r, side)]
+    if not problems:
+        problems += _item_len_problems(src, dst)
+    return problems
+
+
+def _heads_problems(r: RankLayout, side: str) -> list[str]:
+    try:
+        n = rank_heads(r.tp_rank, r.tp_size, r.total_kv_heads)[1]
+    except RegistrationError as exc:
+        return [f"{side}: {exc}"]
+    if n != r.num_kv_heads:
+        return [f"{side} num_kv_heads {r.num_kv_heads} vs {n} for TP rank {r.tp_rank} of "
+                f"{r.tp_size} with {r.total_kv_heads} KV heads"]
+    return []
+
+
+def _item_len_problems(src: RankLayout, dst: RankLayout) -> list[str]:
+    layers = np.arange(src.layer_start, src.layer_end, dtype=np.int64)
+    s_items = src.item_lens[src.buffer_index(layers)]
+    d_items = dst.item_lens[dst.buffer_index(layers)]
+    if src.is_mla:
+        s_exp, d_exp = s_items, s_items
+    else:
+        per_head = src.page_size * src.head_dim * src.dtype_size
+        s_exp = np.full_like(s_items, per_head * src.num_kv_heads)
+        d_exp = np.full_like(d_items, per_head * dst.num_kv_heads)
+    bad = np.flatnonzero((s_items != s_exp) | (d_items != d_exp))
+    if bad.size == 0:
+        return []
+    i = int(bad[0])
+    layer = int(layers[i % layers.size])
+    what = f"in layer {layer}" if src.is_mla else (
+        f"in layer {layer} {'KV'[i // layers.size]} (expected {int(s_exp[i])} vs "
+        f"{int(d_exp[i])}: page_size {src.page_size} x {src.num_kv_heads} vs "
+        f"{dst.num_kv_heads} heads x head_dim {src.head_dim} x {src.dtype_size} bytes)")
+    return [f"kv item len mismatch {int(s_items[i])} vs {int(d_items[i])} {what}"]
+
+
+def head_overlap(src: RankLayout, dst: RankLayout) -> tuple[int, int, int]:
+    """``(src_head_offset, dst_head_offset, n_heads)``: the heads both ranks hold.
+
+    Offsets are head indices local to each rank (0 = the rank's first head);
+    ``n_heads`` is 0 when the head sets are disjoint. This generalises SGLang's
+    ``send_kvcache_slice`` offsets: decode TP > prefill TP gives
+    ``src_head_start_offset = (dst_rank * dst_heads) % src_heads``, decode
+    TP < prefill TP gives ``dst_head_start_offset = (src_rank % ratio) * src_heads``.
+    MLA: ``(0, 0, 1)`` (replicated latent KV).
+    """
+    if src.is_mla:
+        return 0, 0, 1
+    (s0, sn), (d0, dn) = src.heads, dst.heads
+    lo, hi = max(s0, d0), min(s0 + sn, d0 + dn)
+    if hi <= lo:
+        return 0, 0, 0
+    return lo - s0, lo - d0, hi - lo
+
+
+def plan_transfer(src: RankLayout, dst: RankLayout, src_pages: npt.ArrayLike,
+                  dst_pages: npt.ArrayLike) -> Descriptors:
+    """Descriptors moving what prefill ``src`` holds and decode ``dst`` needs.
+
+    ``src_pages``/``dst_pages``: 1-D integer page indices (``[P]`` each; page
+    ``src_pages[i]`` goes to page ``dst_pages[i]``). Returns uint64 ``src``,
+    ``dst``, ``length`` arrays (addresses and bytes), layer ``l`` of ``src``
+    landing in ``dst``'s buffer of the same absolute layer (SGLang's PP rule):
+
+    * MLA, or MHA with equal head sets: whole pages, runs contiguous on both
+      sides coalesced (:func:`~kvd.transfer.plan.plan_pages`); ``N = B * runs``.
+    * MHA, different head sets: the :func:`head_overlap` slice, empty when
+      disjoint. NHD: one descriptor per token slot, ``N = B * P * page_size``,
+      order ``[buffer][page][token]`` (SGLang's ``send_kvcache_slice``); HND:
+      one per page, ``N = B * P``, order ``[buffer][page]``.
+
+    ``B`` is the number of ``src`` buffers, K buffers before V buffers.
+    Raises :class:`RegistrationError` as :func:`check_pair` (called first, it
+    is cheap), :class:`IndexLengthMismatch` when the arrays differ in length
+    (case K10: ``"index length mismatch N vs M"``), :class:`LayoutError` for
+    bad indices or a range wrapping past 2**64. Page indices are not checked
+    against pool sizes: callers run ``check_bounds`` on the result.
+    """
+    check_pair(src, dst)
+    sp = as_pages(src_pages, "source page indices")
+    dp = as_pages(dst_pages, "destination page indices")
+    if sp.size != dp.size:
+        raise IndexLengthMismatch(f"index length mismatch {sp.size} vs {dp.size}")
+    s_off, d_off, n_heads = head_overlap(src, dst)
+    if sp.size == 0 or n_heads == 0:
+        return Descriptors.empty()
+    layers = np.arange(src.layer_start, src.layer_end, dtype=np.int64)
+    sb, db = src.buffer_index(layers), dst.buffer_index(layers)
+    s_ptr, d_ptr = src.kv_ptrs[sb], dst.kv_ptrs[db]
+    s_item, d_item = src.item_lens[sb], dst.item_lens[db]
+    _check_no_wrap(s_ptr, s_item, sp, "source")
+    _check_no_wrap(d_ptr, d_item, dp, "destination")
+    if src.is_mla or n_heads == src.num_kv_heads == dst.num_kv_heads:
+        return plan_pages(s_ptr, d_ptr, s_item, d_item, sp, dp)
+    head_bytes = src.head_dim * src.dtype_size
+    if src.layout == "HND":  # [page][head][token][dim]: the slice is one run per page
+        run = src.page_size * head_bytes
+        s_in, d_in = np.array([s_off * run], dtype=U64), np.array([d_off * run], dtype=U64)
+        return _strided((s_ptr, s_item, sp, s_in), (d_ptr, d_item, dp, d_in), n_heads * run)
+    tokens = np.arange(src.page_size, dtype=U64)  # [page][token][head][dim]: one run per slot
+    s_in = tokens * U64(src.num_kv_heads * head_bytes) + U64(s_off * head_bytes)
+    d_in = tokens * U64(dst.num_kv_heads * head_bytes) + U64(d_off * head_bytes)
+    return _strided((s_ptr, s_item, sp, s_in), (d_ptr, d_item, dp, d_in), n_heads * head_bytes)
+
+
+_Side = tuple[Addrs, Addrs, Pages, Addrs]
+
+
+def _strided(src: _Side, dst: _Side, length: int) -> Descriptors:
+    """Descriptors ``[b, i, t] = ptr[b] + pages[i] * item[b] + inner[t]``, each ``length`` bytes.
+
+    Each side is ``(ptr [B], item [B], pages [P], inner [T])``; entries are in
+    C order ``[B][P][T]``. All three outputs live in one ``[3, B*P*T]`` block
+    written in place: one allocation, no full-size temporaries (the block is
+    large, so fresh pages -- not arithmetic -- dominate planning time).
+    """
+    b, p, t = src[0].size, src[2].size, src[3].size
+    out = np.empty((3, b, p, t), dtype=U64)
+    for k, (ptr, item, pages, inner) in enumerate((src, dst)):
+        pages_u = pages.astype(U64)
+        if t == 1:  # HND: two passes straight into the output
+            np.multiply(item[:, None, None], pages_u[None, :, None], out=out[k])
+            out[k] += (ptr + inner[0])[:, None, None]
+        else:  # NHD: a [B, P] base, then one pass over the output
+            base = np.multiply(item[:, None], pages_u[None, :])
+            base += ptr[:, None]
+            np.add(base[:, :, None], inner[None, None, :], out=out[k])
+    out[2] = U64(length)
+    flat = out.reshape(3, b * p * t)
+    return Descriptors(flat[0], flat[1], flat[2])
+
+
+def _check_no_wrap(ptrs: Addrs, items: Addrs, pages: Pages, what: str) -> None:
+    """Refuse when ``ptr + (max_page + 1) * item`` could pass 2**64 (Python ints, exact)."""
+    last = int(pages.max()) + 1
+    if int(ptrs.max()) + last * int(items.max()) <= _U64_MAX + 1:  # cheap bound, usual case
+        return
+    top = max(p + last * n for p, n in zip(ptrs.tolist(), items.tolist(), strict=True))
+    if top > _U64_MAX + 1:
+        raise LayoutError(f"{what} page {last - 1} would address past 2**64")
