@@ -18,6 +18,7 @@ from kvd.config import Settings
 from kvd.control.peers import ControlPlane, PeerSendError
 from kvd.errors import ProtocolError, RegistrationError
 from kvd.memory import MemoryMap
+from kvd.metrics import RoomEvents
 from kvd.protocol import control
 from kvd.protocol.control import ControlMessage, KVArgsWire
 from kvd.protocol.rpc import RegisterKV
@@ -54,6 +55,7 @@ class Core:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     registered_addrs: list[int] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    events: RoomEvents = field(default_factory=RoomEvents)  # metrics + recent failures hooks
 
     def notify(self) -> None:
         """Wake every :meth:`wait_changed` caller (a room reached Success or Failed)."""
@@ -106,7 +108,7 @@ class Core:
             aux_item_lens=list(req.aux_item_lens), page_size=req.page_size,
             num_kv_heads=req.num_kv_heads, head_dim=req.head_dim, dtype_size=req.dtype_size,
             num_layers=req.num_layers, layer_start=req.layer_start, is_mla=req.is_mla,
-            layout=req.layout)
+            layout=req.layout, total_kv_heads=req.total_kv_heads)
         args = RankArgs.of(wire)
         for m in self.memory.mappings.values():
             if m.addr not in self.registered_addrs:

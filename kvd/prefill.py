@@ -21,15 +21,9 @@ from kvd.errors import KvdError, LayoutError, RegistrationError, RoomError
 from kvd.protocol import control
 from kvd.protocol.codec import unpack_indices
 from kvd.rooms import KVPoll, RoomState
-from kvd.transfer.kvargs import RankArgs, check_compatible
-from kvd.transfer.plan import (
-    Descriptors,
-    Pages,
-    check_bounds,
-    check_page_range,
-    plan_aux,
-    plan_pages,
-)
+from kvd.transfer.kvargs import RankArgs
+from kvd.transfer.layout import RankLayout, check_pair, plan_transfer
+from kvd.transfer.plan import Descriptors, Pages, check_bounds, check_page_range, plan_aux
 
 log = logging.getLogger("kvd.prefill")
 
@@ -44,6 +38,7 @@ class DecodePeer:
     attn_tp_size: int
     args: RankArgs | None
     rejected: str = ""
+    layout: RankLayout | None = None
 
 
 @dataclass
@@ -87,6 +82,7 @@ class PrefillSide:
         self.rooms: dict[int, SenderRoom] = {}
         self.pending: dict[int, list[tuple[control.RoomPages, float]]] = {}
         self._registrations: dict[str, control.RegisterRank] = {}
+        self._layout: RankLayout | None = None
         self.bootstrap_registered = False
 
     # ---- engine calls -------------------------------------------------------------------
@@ -150,7 +146,7 @@ class PrefillSide:
 
     def revalidate_peers(self) -> None:
         """The engine (re-)registered: check every known decode rank against the new args."""
-        self.peers = {}
+        self.peers, self._layout = {}, None
         for msg in list(self._registrations.values()):
             self.on_register_rank(msg)
 
@@ -160,13 +156,9 @@ class PrefillSide:
         peer = DecodePeer(msg.endpoint, msg.instance_id, msg.attn_tp_rank, msg.attn_tp_size, None)
         try:
             peer.args = RankArgs.of(msg.kv_args)
-            local = self._local()
-            if msg.attn_tp_size == self.core.settings.attn_tp_size:
-                check_compatible(local, peer.args)
-            else:
-                raise RegistrationError(
-                    f"decode attn_tp {msg.attn_tp_size} != prefill attn_tp "
-                    f"{self.core.settings.attn_tp_size}: heterogeneous TP is not supported yet")
+            peer.layout = RankLayout.from_wire(msg.kv_args, msg.attn_tp_rank, msg.attn_tp_size)
+            check_pair(self._local_layout(), peer.layout)
+            _check_aux(self._local().wire, msg.kv_args)
         except KvdError as exc:
             peer.rejected = str(exc)
             log.warning("refused decode rank %s: %s", msg.endpoint, exc)
@@ -206,6 +198,13 @@ class PrefillSide:
         if self.core.local is None:
             raise RegistrationError("no engine has registered KV buffers with this kvd")
         return self.core.local
+
+    def _local_layout(self) -> RankLayout:
+        if self._layout is None:
+            s = self.core.settings
+            self._layout = RankLayout.from_wire(self._local().wire, s.attn_tp_rank,
+                                                s.attn_tp_size)
+        return self._layout
 
     def _room(self, room: int) -> SenderRoom:
         r = self.rooms.get(room)
@@ -298,17 +297,18 @@ class PrefillSide:
 
     def _plan(self, room: int, r: SenderRoom, d: Destination, pages: Pages,
               is_last: bool) -> Descriptors:
-        local, dst = self._local(), d.peer.args
-        assert dst is not None
+        local, dst, dst_layout = self._local(), d.peer.args, d.peer.layout
+        assert dst is not None and dst_layout is not None
         if d.is_dummy:
             return Descriptors.empty()
         dst_pages = d.pages[r.offset:r.offset + pages.size]
         if dst_pages.size != pages.size or (is_last and r.offset + pages.size != d.pages.size):
             remaining = d.pages.size - r.offset
             raise LayoutError(f"index length mismatch {pages.size} vs {max(remaining, 0)}")
-        desc = plan_pages(local.kv_ptrs, dst.kv_ptrs, local.kv_item_lens, dst.kv_item_lens,
-                          pages, dst_pages)
-        if is_last and local.aux_ptrs.size and r.aux_index is not None:
+        desc = plan_transfer(self._local_layout(), dst_layout, pages, dst_pages)
+        s = self.core.settings
+        last_stage = s.pp_rank == s.pp_size - 1  # only the last PP stage has the outputs
+        if is_last and last_stage and local.aux_ptrs.size and r.aux_index is not None:
             desc = desc.concat(plan_aux(local.aux_ptrs, dst.aux_ptrs, local.aux_item_lens,
                                         r.aux_index, d.aux_index))
         check_bounds(desc.src, desc.length, local.regions, f"room {room} source")
@@ -399,3 +399,10 @@ class PrefillSide:
         r = self.rooms.get(room)
         return (r.nbytes, r.seconds) if r is not None and r.state.done else None
 
+
+
+def _check_aux(local: control.KVArgsWire, peer: control.KVArgsWire) -> None:
+    """Aux buffers must pair one to one with equal item lengths (bytes)."""
+    if local.aux_item_lens != peer.aux_item_lens:
+        raise RegistrationError(f"aux item lens mismatch {local.aux_item_lens} vs "
+                                f"{peer.aux_item_lens}")

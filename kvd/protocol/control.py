@@ -39,6 +39,7 @@ class KVArgsWire(msgspec.Struct, frozen=True):
     layer_start: int = 0
     is_mla: bool = False
     layout: str = "NHD"
+    total_kv_heads: int = 0     # KV heads of the model; 0: num_kv_heads * attn_tp_size
 
 
 class RegisterRank(msgspec.Struct, tag="register_rank", frozen=True):

@@ -43,6 +43,7 @@ class RegisterKV(msgspec.Struct, tag="register_kv", frozen=True):
     layer_start: int = 0
     is_mla: bool = False
     layout: str = "NHD"
+    total_kv_heads: int = 0
 
 
 class SenderCreate(msgspec.Struct, tag="sender_create", frozen=True):

@@ -9,6 +9,7 @@ bytes in one aux buffer.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -84,3 +85,107 @@ def transfer_room(prefill: EngineStandIn, decode: EngineStandIn, bootstrap_addr:
     for i in range(0, max(int(src_a.size), 1), max(chunk, 1)):
         send.send(src_a[i:i + chunk])
     return send, recv
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a stand-in model's KV cache (elements are 2-byte ``uint16``)."""
+
+    num_layers: int = 4
+    total_kv_heads: int = 4
+    head_dim: int = 8
+    page_size: int = 4
+    num_pages: int = 64
+    is_mla: bool = False
+    layout: str = "NHD"
+    aux_slots: int = 8
+    aux_item_len: int = 16
+
+    @property
+    def kinds(self) -> int:
+        """Buffers per layer: 2 (K, V) for MHA, 1 for MLA."""
+        return 1 if self.is_mla else 2
+
+    def global_kv(self, seed: int) -> npt.NDArray[np.uint16]:
+        """A whole model's KV: ``[layers, kinds, pages, page_size, heads, head_dim]``."""
+        heads = 1 if self.is_mla else self.total_kv_heads
+        shape = (self.num_layers, self.kinds, self.num_pages, self.page_size, heads,
+                 self.head_dim)
+        return np.random.default_rng(seed).integers(0, 2**16, shape, dtype=np.uint16)
+
+
+class ShardStandIn:
+    """One engine rank holding a TP/PP shard of a :class:`ModelSpec` KV cache.
+
+    ``kv[layer][kind]`` is the shard of one buffer as ``[pages, page_size, heads, dim]``
+    (viewed through the layout); the pool bytes follow ``spec.layout``. Prefill ranks
+    are filled from ``source`` (a :meth:`ModelSpec.global_kv`), decode ranks with noise.
+    """
+
+    def __init__(self, socket: str, spec: ModelSpec, tp_rank: int = 0, tp_size: int = 1,
+                 layer_start: int = 0, num_layers: int | None = None,
+                 source: npt.NDArray[np.uint16] | None = None, seed: int = 0,
+                 item_len_scale: float = 1.0) -> None:
+        from kvd.transfer.layout import rank_heads
+
+        self.spec, self.tp_rank, self.tp_size = spec, tp_rank, tp_size
+        self.layer_start = layer_start
+        self.num_layers = spec.num_layers - layer_start if num_layers is None else num_layers
+        total = 1 if spec.is_mla else spec.total_kv_heads
+        self.h0, self.nh = (0, 1) if spec.is_mla else rank_heads(tp_rank, tp_size, total)
+        item = spec.page_size * self.nh * spec.head_dim * 2
+        n_bufs = self.num_layers * spec.kinds
+        self.pool = ShmPool(ShmPool.size_for([spec.num_pages * item] * n_bufs
+                                             + [spec.aux_slots * spec.aux_item_len]))
+        self.pool.bytes[:] = np.random.default_rng(seed).integers(0, 256, self.pool.nbytes,
+                                                                  dtype=np.uint8)
+        bufs = [self.pool.alloc(spec.num_pages * item) for _ in range(n_bufs)]
+        aux_view, aux_handle = self.pool.alloc(spec.aux_slots * spec.aux_item_len)
+        self.aux = aux_view.reshape(spec.aux_slots, spec.aux_item_len)
+        self.buffers = [v.view(np.uint16) for v, _ in bufs]
+        if source is not None:
+            for i in range(n_bufs):
+                self.buffers[i][:] = self._shard(source, *self._layer_kind(i)).ravel()
+        self.client = KvdClient(socket)
+        self.registration = RegisterKV(
+            kv_buffers=[h for _, h in bufs], kv_item_lens=[int(item * item_len_scale)] * n_bufs,
+            aux_buffers=[aux_handle], aux_item_lens=[spec.aux_item_len],
+            page_size=spec.page_size, num_kv_heads=self.nh, head_dim=spec.head_dim,
+            dtype_size=2, num_layers=self.num_layers, layer_start=layer_start,
+            is_mla=spec.is_mla, layout=spec.layout, total_kv_heads=total)
+        self.info = self.client.call(self.registration)
+
+    def _layer_kind(self, i: int) -> tuple[int, int]:
+        """Buffer index -> (absolute layer, kind): K of every layer, then V (MHA)."""
+        return self.layer_start + i % self.num_layers, i // self.num_layers
+
+    def _shard(self, g: npt.NDArray[np.uint16], layer: int, kind: int,
+               pages: npt.NDArray[np.int64] | None = None) -> npt.NDArray[np.uint16]:
+        x = g[layer, kind] if pages is None else g[layer, kind][pages]
+        x = x[:, :, self.h0:self.h0 + self.nh, :]  # [pages, token, heads, dim]
+        if self.spec.layout == "HND":
+            x = x.transpose(0, 2, 1, 3)
+        return np.ascontiguousarray(x)
+
+    def holds(self, source: npt.NDArray[np.uint16], src_pages: npt.ArrayLike,
+              dst_pages: npt.ArrayLike, layers: range | None = None) -> bool:
+        """True if this rank's ``dst_pages`` equal ``source``'s ``src_pages`` re-sharded
+        to this rank's heads and layout, for ``layers`` (default: all it holds)."""
+        s, d = np.asarray(src_pages), np.asarray(dst_pages)
+        page_elems = self.spec.page_size * self.nh * self.spec.head_dim
+        for i in range(len(self.buffers)):
+            layer, kind = self._layer_kind(i)
+            if layers is not None and layer not in layers:
+                continue
+            got = self.buffers[i].reshape(self.spec.num_pages, page_elems)[d]
+            want = self._shard(source, layer, kind, s).reshape(len(s), page_elems)
+            if not np.array_equal(got, want):
+                return False
+        return True
+
+    def close(self) -> None:
+        """Drop the connection and unlink the pool."""
+        self.client.close()
+        self.buffers = []
+        self.aux = np.zeros((0, 0), dtype=np.uint8)
+        self.pool.close()
