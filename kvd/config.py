@@ -307,3 +307,39 @@ def env_snapshot() -> dict[str, str]:
     """The KVD_* and SGLANG_DISAGGREGATION_* variables in the environment (for reports)."""
     return {k: v for k, v in os.environ.items()
             if k.startswith((ENV_PREFIX, SGLANG_PREFIX))}
+
+
+def _toml_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def toml_template() -> str:
+    """``config/kvd.toml``: every setting, commented out, with its default, unit and env names.
+
+    ``kvd config template > config/kvd.toml`` regenerates it.
+    """
+    out = [
+        "# kvd: every setting with its default and unit (kvd config template prints this file).",
+        "# Sources, lowest to highest priority: built-in defaults < this file < environment",
+        "# (KVD_<NAME>, and the SGLANG_DISAGGREGATION_* names shown) < command-line flags.",
+        "# Uncomment a line to change a setting; `kvd config show -c FILE` prints the effective",
+        "# values and where each came from. Examples: config/prefill.toml, config/decode.toml.",
+    ]
+    for name, unit, help_, default in describe_fields():
+        field = Settings.model_fields[name]
+        out.append("")
+        unit_s = f"unit: {unit}; " if unit else ""
+        out.append(f"# {help_} ({unit_s}env: {', '.join(env_names(name))})")
+        if field.is_required():
+            out.append(f'#{name} = "decode"    # required: "prefill" or "decode"')
+        elif field.default_factory is not None:
+            out.append(f'#{name} = "0123456789abcdef"    # default: random per start')
+        elif default is None:
+            out.append(f'#{name} = ""    # default: unset')
+        else:
+            out.append(f"#{name} = {_toml_literal(default)}")
+    return "\n".join(out) + "\n"

@@ -70,6 +70,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.stop_event.set)
         try:
             await self.stop_event.wait()
+            notify.notify("STOPPING=1")
             await self.drain()
         finally:
             await self.shutdown()
@@ -152,7 +153,6 @@ class Daemon:
 
     async def shutdown(self) -> None:
         """Close listeners, cancel tasks, wait for transfers, release memory."""
-        notify.notify("STOPPING=1")
         core = self.core
         if self.rpc_server is not None:
             await self.rpc_server.stop()

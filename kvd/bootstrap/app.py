@@ -1,14 +1,20 @@
-"""The daemon's FastAPI app: ``/health`` always, SGLang's ``/route`` when serving bootstrap."""
+"""The daemon's FastAPI app.
+
+``/health`` always; with ``ops``: ``/ready``, ``/metrics`` (Prometheus text),
+``/v1/status``, ``/v1/rooms`` (OpenAPI docs at ``/docs``); SGLang's ``/route``
+when serving bootstrap.
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvd.bootstrap.table import (
     BootstrapTable,
@@ -19,12 +25,24 @@ from kvd.bootstrap.table import (
     PrefillRegistration,
     RankInfo,
 )
+from kvd.status import Readiness, Room, Status
 
 log = logging.getLogger(__name__)
 
 
-def create_app(health: Callable[[], dict[str, Any]], table: BootstrapTable | None) -> FastAPI:
-    """Build the app. ``health()`` returns the /health JSON; ``table`` enables /route.
+class Ops(Protocol):
+    """What the operations endpoints read (:class:`kvd.status.DaemonOps`)."""
+
+    def readiness(self) -> Readiness: ...
+    def status(self, failures: int = 20) -> Status: ...
+    def rooms(self, include_done: bool = False, limit: int = 1000) -> list[Room]: ...
+    def metrics(self) -> bytes: ...
+
+
+def create_app(health: Callable[[], dict[str, Any]], table: BootstrapTable | None,
+               ops: Ops | None = None) -> FastAPI:
+    """Build the app. ``health()`` returns the /health JSON; ``table`` enables /route;
+    ``ops`` enables /ready, /metrics, /v1/status and /v1/rooms.
 
     Bad input answers 400 (never 422 or 500); an unknown rank 404; a rank not
     yet registered 503; a contradicting registration 409.
@@ -40,9 +58,36 @@ def create_app(health: Callable[[], dict[str, Any]], table: BootstrapTable | Non
     async def get_health() -> dict[str, Any]:
         return health()
 
+    if ops is not None:
+        _add_ops_api(app, ops)
     if table is not None:
         _add_route_api(app, table)
     return app
+
+
+def _add_ops_api(app: FastAPI, ops: Ops) -> None:
+    @app.get("/ready", response_model=Readiness,
+             responses={503: {"model": Readiness, "description": "not ready yet"}})
+    async def get_ready() -> JSONResponse:
+        """Readiness: transfer engine up, engine registered, bootstrap registration done."""
+        r = ops.readiness()
+        return JSONResponse(r.model_dump(), status_code=200 if r.ready else 503)
+
+    @app.get("/metrics", response_class=Response)
+    async def get_metrics() -> Response:
+        """Prometheus text exposition."""
+        return Response(ops.metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/status")
+    async def get_status(failures: int = Query(20, ge=0, le=1000)) -> Status:
+        """Role, uptime, engine, peers, rooms by state, rates, totals, recent failures."""
+        return ops.status(failures)
+
+    @app.get("/v1/rooms")
+    async def get_rooms(all: bool = Query(False, description="include finished rooms"),
+                        limit: int = Query(1000, ge=1, le=100_000)) -> list[Room]:
+        """Rooms held now (in flight unless ``all``), oldest first."""
+        return ops.rooms(all, limit)
 
 
 def _add_route_api(app: FastAPI, table: BootstrapTable) -> None:

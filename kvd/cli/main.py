@@ -1,40 +1,150 @@
-"""``kvd`` commands. ``main(argv)`` returns an exit code."""
+"""``kvd`` commands. ``main(argv)`` returns an exit code.
+
+Exit codes: 0 ok; 1 a daemon that cannot be reached, or ``doctor`` found a
+problem; 2 invalid settings or usage. Every error is one line on stderr
+(invalid settings: one line per problem), never a traceback.
+"""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from kvd import __version__
-from kvd.errors import KvdError
+from kvd.errors import ConfigError, KvdError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="kvd: KV-cache transfer sidecar for PD-disaggregated LLM serving")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect settings.")
+app.add_typer(config_app, name="config")
 
+# ---- shared options -------------------------------------------------------------------------
+
+ConfigOpt = Annotated[Path | None, typer.Option(
+    "--config", "-c", envvar="KVD_CONFIG", help="TOML settings file (see config/kvd.toml)")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
+AddrOpt = Annotated[str | None, typer.Option(
+    "--addr", "-a", envvar="KVD_ADDR",
+    help="the daemon's REST address HOST:PORT (default: from --config, else 127.0.0.1:8998)")]
+TimeoutOpt = Annotated[float, typer.Option(help="seconds to wait for the daemon")]
+RoleOpt = Annotated[str | None, typer.Option(help="prefill or decode")]
+HttpPortOpt = Annotated[int | None, typer.Option(help="REST port (0: any)")]
+SocketOpt = Annotated[Path | None, typer.Option(help="engine RPC socket path")]
+LevelOpt = Annotated[str | None, typer.Option("--log-level", help="DEBUG, INFO, WARNING, ...")]
+FormatOpt = Annotated[str | None, typer.Option("--log-format", help="text or json")]
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", "-s", help="any setting: --set KEY=VALUE (repeatable)")]
+
+
+def _fail(message: str, code: int) -> typer.Exit:
+    typer.echo(f"kvd: {message}", err=True)
+    return typer.Exit(code)
+
+
+def _overrides(sets: list[str] | None, **named: Any) -> dict[str, Any]:
+    from kvd.config import parse_assignments
+
+    out: dict[str, Any] = parse_assignments(sets or [])
+    out.update({k: v for k, v in named.items() if v is not None})
+    return out
+
+
+# ---- daemon ---------------------------------------------------------------------------------
 
 @app.command()
-def serve(
-    config: Annotated[Path | None, typer.Option("--config", "-c", help="TOML config file")] = None,
-    role: Annotated[str | None, typer.Option(help="prefill or decode")] = None,
-    http_port: Annotated[int | None, typer.Option(help="HTTP port (0: any)")] = None,
-    engine_socket: Annotated[Path | None, typer.Option(help="engine RPC socket path")] = None,
-    log_level: Annotated[str | None, typer.Option("--log-level")] = None,
-) -> None:
-    """Run the daemon until SIGTERM/SIGINT."""
+def serve(config: ConfigOpt = None, role: RoleOpt = None, http_port: HttpPortOpt = None,
+          engine_socket: SocketOpt = None, log_level: LevelOpt = None,
+          log_format: FormatOpt = None, set_: SetOpt = None) -> None:
+    """Run the daemon until SIGTERM/SIGINT (sends READY/STOPPING/WATCHDOG to systemd)."""
     from kvd.config import load_settings
     from kvd.daemon import serve as run
 
     try:
-        settings = load_settings(config, role=role, http_port=http_port,
-                                 engine_socket=engine_socket, log_level=log_level)
+        settings = load_settings(config, **_overrides(
+            set_, role=role, http_port=http_port, engine_socket=engine_socket,
+            log_level=log_level, log_format=log_format))
         code = run(settings)
     except KvdError as exc:
-        typer.echo(f"kvd: {exc}", err=True)
-        raise typer.Exit(2) from None
+        raise _fail(str(exc), 2) from None
     raise typer.Exit(code)
+
+
+@app.command()
+def status(addr: AddrOpt = None, config: ConfigOpt = None, json_: JsonOpt = False,
+           timeout: TimeoutOpt = 3.0) -> None:
+    """Role, uptime, readiness, peers, rooms by state, throughput, recent failures."""
+    from kvd.cli import client, render
+
+    data = client.get(client.resolve_addr(addr, config), "/v1/status", timeout)
+    render.print_json(data) if json_ else render.status(data)
+
+
+@app.command()
+def rooms(addr: AddrOpt = None, config: ConfigOpt = None, json_: JsonOpt = False,
+          timeout: TimeoutOpt = 3.0,
+          all_: Annotated[bool, typer.Option("--all", help="include finished rooms")] = False,
+          limit: Annotated[int, typer.Option(help="at most this many rooms")] = 1000) -> None:
+    """Rooms in flight (oldest first): state, age, peer."""
+    from kvd.cli import client, render
+
+    data = client.get(client.resolve_addr(addr, config), "/v1/rooms", timeout,
+                      all=str(all_).lower(), limit=limit)
+    render.print_json(data) if json_ else render.rooms(data)
+
+
+@app.command()
+def peers(addr: AddrOpt = None, config: ConfigOpt = None, json_: JsonOpt = False,
+          timeout: TimeoutOpt = 3.0) -> None:
+    """Peer ranks and their heartbeat state."""
+    from kvd.cli import client, render
+
+    data = client.get(client.resolve_addr(addr, config), "/v1/status", timeout, failures=0)
+    render.print_json(data["peers"]) if json_ else render.peers(data["peers"])
+
+
+# ---- local ----------------------------------------------------------------------------------
+
+@config_app.command("show")
+def config_show(config: ConfigOpt = None, role: RoleOpt = None, set_: SetOpt = None,
+                json_: JsonOpt = False) -> None:
+    """Every effective setting and where it came from (default, file, env, cli)."""
+    from kvd.cli import render
+    from kvd.config import load_with_sources
+
+    settings, sources = load_with_sources(config, **_overrides(set_, role=role))
+    values = settings.model_dump(mode="json")
+    rows = {k: {"value": values[k], "source": sources[k].kind, "origin": sources[k].origin}
+            for k in values}
+    render.print_json(rows) if json_ else render.config(rows)
+
+
+@config_app.command("template")
+def config_template() -> None:
+    """Print every setting with its default and unit, as TOML (config/kvd.toml)."""
+    from kvd.config import toml_template
+
+    sys.stdout.write(toml_template())
+
+
+@app.command()
+def doctor(config: ConfigOpt = None, role: RoleOpt = None, set_: SetOpt = None,
+           json_: JsonOpt = False) -> None:
+    """Check this machine for kvd: transfer engine, RDMA, memlock, /dev/shm, ports, socket."""
+    from kvd.cli import render
+    from kvd.cli.doctor import as_dicts, run_checks
+    from kvd.config import load_settings
+
+    settings, error = None, None
+    try:
+        settings = load_settings(config, **_overrides(set_, role=role or "decode"))
+    except ConfigError as exc:
+        error = exc
+    checks = as_dicts(run_checks(settings, error))
+    render.print_json(checks) if json_ else render.doctor(checks)
+    raise typer.Exit(1 if any(c["status"] == "fail" for c in checks) else 0)
 
 
 @app.command()
@@ -51,27 +161,42 @@ def demo(
 
 
 @app.command()
-def version() -> None:
+def version(json_: JsonOpt = False) -> None:
     """Print kvd's version."""
-    typer.echo(__version__)
+    if json_:
+        from kvd.cli.render import print_json
+
+        print_json({"version": __version__, "python": sys.version.split()[0]})
+    else:
+        typer.echo(__version__)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code instead of exiting."""
     try:
-        app(args=argv if argv is not None else sys.argv[1:], standalone_mode=False)
+        # standalone_mode=False: click returns typer.Exit's code instead of raising it
+        rc = app(args=argv if argv is not None else sys.argv[1:], standalone_mode=False)
     except typer.Exit as exc:
         return int(exc.exit_code)
-    except SystemExit as exc:  # click usage errors
+    except typer.Abort:
+        typer.echo("kvd: aborted", err=True)
+        return 130
+    except ConfigError as exc:
+        typer.echo(f"kvd: {exc}", err=True)
+        return 2
+    except KvdError as exc:  # DaemonUnreachable and friends: one line
+        typer.echo(f"kvd: {exc}", err=True)
+        return 1
+    except SystemExit as exc:
         return int(exc.code or 0)
-    except Exception as exc:  # click.ClickException and friends
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            return exc.exit_code
+    except Exception as exc:
+        # click's usage errors (typer may vendor its own click: match by shape, not class)
+        if callable(getattr(exc, "show", None)) and isinstance(getattr(exc, "exit_code", None),
+                                                               int):
+            exc.show()  # type: ignore[attr-defined]
+            return int(exc.exit_code)  # type: ignore[attr-defined]
         raise
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ import pytest
 
 from kvd.client import KvdClient, KVPoll, Receiver, Sender, poll_many
 from kvd.launch import start_daemon
-from kvd.protocol import rpc
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
 from tests.conftest import free_port, health, start_pair, stop_pair
 
@@ -60,7 +59,7 @@ def _recv(engine: EngineStandIn, room: int) -> Receiver:
 
 def test_draining_daemon_refuses_new_rooms(tmp_path: Path) -> None:
     pair = start_pair(tmp_path, d_opts={"drain_timeout": 3.0})
-    p, d = pair.p_engine, pair.d_engine
+    _p, d = pair.p_engine, pair.d_engine
     try:
         Receiver(d.client, 1, pair.bootstrap).init([1], 0)  # keeps the drain waiting
         pair.decode.kill(signal.SIGTERM)

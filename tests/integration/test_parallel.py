@@ -149,7 +149,7 @@ def test_k14_dp_routing_room_based_and_explicit(tmp_path: Path) -> None:
     try:
         for room in (10, 11):  # room % 2 picks the prefill DP group
             src, dst = _pages(spec, 4, room)
-            senders, receivers = run_room(c, room, src, dst, dp=room % 2)
+            _senders, receivers = run_room(c, room, src, dst, dp=room % 2)
             assert _wait(receivers) == [KVPoll.Success]
             assert c.decode[0][1].holds(c.source, src, dst)
         src, dst = _pages(spec, 4, 12)
@@ -170,7 +170,7 @@ def test_k12_item_len_mismatch_never_writes(tmp_path: Path) -> None:
         d = c.decode[0][1]
         before = [b.copy() for b in d.buffers]
         src, dst = _pages(spec, 4, 5)
-        senders, receivers = run_room(c, 1, src, dst, dp=0)
+        _senders, receivers = run_room(c, 1, src, dst, dp=0)
         assert _wait(receivers, 10) == [KVPoll.Failed]
         assert "kv item len mismatch" in receivers[0].failure_exception().reason
         assert all(np.array_equal(a, b) for a, b in zip(d.buffers, before, strict=True))
