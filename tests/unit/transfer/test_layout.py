@@ -266,11 +266,14 @@ def test_from_wire_defaults_total_heads_to_local_times_tp() -> None:
 
 def test_from_wire_reads_total_kv_heads_when_present() -> None:
     w = _wire(num_kv_heads=1, kv_item_lens=[4096] * 4)
-    fake: Any = SimpleNamespace(**msgspec.structs.asdict(w), total_kv_heads=2)
-    r = RankLayout.from_wire(fake, tp_rank=3, tp_size=4)
+    r = RankLayout.from_wire(msgspec.structs.replace(w, total_kv_heads=2), tp_rank=3, tp_size=4)
     assert (r.total_kv_heads, r.heads) == (2, (1, 1))
-    zero: Any = SimpleNamespace(**msgspec.structs.asdict(w), total_kv_heads=0)
+    zero = msgspec.structs.replace(w, total_kv_heads=0)
     assert RankLayout.from_wire(zero, 0, 4).total_kv_heads == 4
+    # Older peers omit the field entirely: 0 is assumed.
+    fields = {k: v for k, v in msgspec.structs.asdict(w).items() if k != "total_kv_heads"}
+    old: Any = SimpleNamespace(**fields)
+    assert RankLayout.from_wire(old, 0, 4).total_kv_heads == 4
 
 
 def test_from_wire_mla_total_is_replicated() -> None:
