@@ -46,12 +46,13 @@ PROMPTS = [
 class EngineProcess:
     """A reference engine child speaking JSON lines on stdin/stdout."""
 
-    def __init__(self, role: str, socket: str, log: Path, env: dict[str, str],
-                 page_size: int) -> None:
+    def __init__(self, role: str, sockets: list[str], log: Path, env: dict[str, str],
+                 page_size: int, tp: int = 1, pp: int = 1) -> None:
         self.log = log.open("wb")
+        args = [a for s in sockets for a in ("--socket", s)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvd.refengine.engines", role, "--socket", socket,
-             "--page-size", str(page_size)],
+            [sys.executable, "-m", "kvd.refengine.engines", role, *args,
+             "--page-size", str(page_size), "--tp", str(tp), "--pp", str(pp)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env, text=True)
 
     def request(self, obj: dict[str, Any]) -> None:
@@ -87,31 +88,56 @@ def _engine_env() -> dict[str, str]:
     return env
 
 
+def _start_daemons(work: Path, prefill_tp: int, prefill_pp: int,
+                   decode_tp: int) -> tuple[list[DaemonProcess], list[DaemonProcess]]:
+    """Prefill ranks (tp-major, then pp; rank (0, 0) serves bootstrap), decode ranks."""
+    prefill: list[DaemonProcess] = []
+    for tp in range(prefill_tp):
+        for pp in range(prefill_pp):
+            where = ({"serve_bootstrap": True} if not prefill else
+                     {"bootstrap_addr": prefill[0].http_addr})
+            prefill.append(start_daemon("prefill", work, attn_tp_size=prefill_tp,
+                                        attn_tp_rank=tp, pp_size=prefill_pp, pp_rank=pp,
+                                        **where))
+    decode = [start_daemon("decode", work, attn_tp_size=decode_tp, attn_tp_rank=tp)
+              for tp in range(decode_tp)]
+    return prefill, decode
+
+
 def run_demo(n_prompts: int = 8, max_new_tokens: int = 16, page_size: int = 16,
-             chunk_pages: int = 4, console: Console | None = None) -> int:
-    """Run the demo; returns 0 if every completion equals the reference, else 1."""
+             chunk_pages: int = 4, console: Console | None = None, prefill_tp: int = 1,
+             decode_tp: int = 1, prefill_pp: int = 1) -> int:
+    """Run the demo; returns 0 if every completion equals the reference, else 1.
+
+    ``prefill_tp``/``prefill_pp``/``decode_tp`` shard the engines' KV pools (one kvd per
+    rank); the model has 3 KV heads and 30 layers.
+    """
     console = console or Console()
     work = Path(tempfile.mkdtemp(prefix="kvd-demo-"))
     daemons: list[DaemonProcess] = []
     engines: list[EngineProcess] = []
+    codes: list[int] = []
     try:
-        daemons.append(start_daemon("prefill", work, serve_bootstrap=True))
-        daemons.append(start_daemon("decode", work))
+        prefill, decode = _start_daemons(work, prefill_tp, prefill_pp, decode_tp)
+        daemons = prefill + decode
         env = _engine_env()
-        for role, d in (("prefill", daemons[0]), ("decode", daemons[1])):
-            engines.append(EngineProcess(role, d.socket, work / f"{role}-engine.log", env,
-                                         page_size))
+        engines.append(EngineProcess("prefill", [d.socket for d in prefill],
+                                     work / "prefill-engine.log", env, page_size, prefill_tp,
+                                     prefill_pp))
+        engines.append(EngineProcess("decode", [d.socket for d in decode],
+                                     work / "decode-engine.log", env, page_size, decode_tp))
         t0 = time.perf_counter()
         loads = [e.reply() for e in engines]
         load = ", ".join(f"{r.get('load_s', 0.0):.1f}s" for r in loads)
         console.print(f"engines ready in {time.perf_counter() - t0:.1f}s (model load {load})")
-        rows = _run_prompts(engines[0], engines[1], daemons[0].http_addr, n_prompts,
+        rows = _run_prompts(engines[0], engines[1], prefill[0].http_addr, n_prompts,
                             max_new_tokens, chunk_pages)
     finally:
         for e in engines:
             e.stop()
         codes = [d.stop() for d in daemons]
-    _print_table(console, rows, page_size, chunk_pages)
+    _print_table(console, rows, page_size, chunk_pages,
+                 f"prefill TP{prefill_tp} PP{prefill_pp} -> decode TP{decode_tp}")
     ok = all(r["equal"] for r in rows) and len(rows) == n_prompts
     console.print(f"daemons exited with {codes}; logs in {work}")
     console.print("[green]all completions equal[/green]" if ok
@@ -159,8 +185,9 @@ def _row(prompt: str, tokens: list[int], p: dict[str, Any], d: dict[str, Any],
 
 
 def _print_table(console: Console, rows: list[dict[str, Any]], page_size: int,
-                 chunk_pages: int) -> None:
-    table = Table(title=f"kvd demo: page_size={page_size}, prefill chunk={chunk_pages} pages")
+                 chunk_pages: int, topology: str) -> None:
+    table = Table(title=f"kvd demo: page_size={page_size}, prefill chunk={chunk_pages} pages, "
+                        f"{topology}")
     for col in ("#", "prompt tokens", "pages", "chunks", "KV bytes", "transfer ms", "GB/s",
                 "equal?"):
         table.add_column(col, justify="right")

@@ -35,29 +35,38 @@ AUX_ITEM_LEN = 16
 
 
 class PagedKVPool:
-    """Paged KV pool in shared memory for ``model``'s shape, plus a page allocator.
+    """Paged KV pool of ONE engine rank in shared memory, plus a page allocator.
 
-    ``k[l]`` / ``v[l]`` are float32 views ``[num_pages, page_size, heads, head_dim]``.
+    The rank holds KV heads ``[h0, h0 + nh)`` (attention TP shard, mirroring SGLang's
+    head split and GQA replication) of layers ``[l0, l0 + nl)`` (PP stage).
+    ``k[i]`` / ``v[i]`` are float32 views ``[num_pages, page_size, nh, head_dim]`` of
+    local layer ``i``.
     """
 
     def __init__(self, model: RefModel, num_pages: int, page_size: int, aux_slots: int,
-                 seed: int) -> None:
+                 seed: int, tp: tuple[int, int] = (0, 1), pp: tuple[int, int] = (0, 1)) -> None:
+        from kvd.transfer.layout import rank_heads
+
         self.page_size, self.num_pages = page_size, num_pages
-        shape = (num_pages, page_size, model.num_kv_heads, model.head_dim)
-        self.item_len = page_size * model.num_kv_heads * model.head_dim * 4
-        n = 2 * model.num_layers
+        self.h0, self.nh = rank_heads(tp[0], tp[1], model.num_kv_heads)
+        per_stage = -(-model.num_layers // pp[1])
+        self.l0 = pp[0] * per_stage
+        self.nl = min(per_stage, model.num_layers - self.l0)
+        shape = (num_pages, page_size, self.nh, model.head_dim)
+        self.item_len = page_size * self.nh * model.head_dim * 4
+        n = 2 * self.nl
         self.shm = ShmPool(ShmPool.size_for([num_pages * self.item_len] * n
                                             + [aux_slots * AUX_ITEM_LEN]))
         bufs = [self.shm.alloc(num_pages * self.item_len) for _ in range(n)]
         aux_view, aux_handle = self.shm.alloc(aux_slots * AUX_ITEM_LEN)
         views = [v.view(np.float32).reshape(shape) for v, _ in bufs]
-        self.k, self.v = views[:model.num_layers], views[model.num_layers:]
+        self.k, self.v = views[:self.nl], views[self.nl:]
         self.aux = aux_view.view(np.int64).reshape(aux_slots, 2)
         self.registration = RegisterKV(
             kv_buffers=[h for _, h in bufs], kv_item_lens=[self.item_len] * n,
             aux_buffers=[aux_handle], aux_item_lens=[AUX_ITEM_LEN], page_size=page_size,
-            num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, dtype_size=4,
-            num_layers=model.num_layers)
+            num_kv_heads=self.nh, head_dim=model.head_dim, dtype_size=4, num_layers=self.nl,
+            layer_start=self.l0, total_kv_heads=model.num_kv_heads)
         self.rng = np.random.default_rng(seed)
         self.free = set(range(num_pages))
         self.free_aux = set(range(aux_slots))
@@ -76,14 +85,16 @@ class PagedKVPool:
         self.free_aux.add(aux_slot)
 
     def write(self, kv: npt.NDArray[np.float32], pages: npt.NDArray[np.int64]) -> None:
-        """Scatter KV ``[L, 2, T, H, D]`` into ``pages`` (``ceil(T / page_size)`` of them)."""
-        padded = self._pad(kv, pages.size)
+        """Scatter this rank's shard of the full KV ``[L, 2, T, H, D]`` into ``pages``
+        (``ceil(T / page_size)`` of them)."""
+        shard = kv[self.l0:self.l0 + self.nl, :, :, self.h0:self.h0 + self.nh]
+        padded = self._pad(shard, pages.size)
         for layer in range(len(self.k)):
             self.k[layer][pages] = padded[layer, 0]
             self.v[layer][pages] = padded[layer, 1]
 
     def read(self, pages: npt.NDArray[np.int64], num_tokens: int) -> npt.NDArray[np.float32]:
-        """Gather KV ``[L, 2, num_tokens, H, D]`` from ``pages``."""
+        """Gather this rank's shard ``[nl, 2, num_tokens, nh, D]`` from ``pages``."""
         out = np.stack([np.stack([self.k[i][pages], self.v[i][pages]])
                         for i in range(len(self.k))])
         shape = out.shape
@@ -101,62 +112,95 @@ def _wait(obj: Sender | Receiver, timeout: float) -> KVPoll | int:
     return obj.wait(timeout)
 
 
-class PrefillEngine:
-    """Runs prompts and hands their KV to kvd."""
+Rank = tuple[PagedKVPool, KvdClient]
 
-    def __init__(self, model: RefModel, pool: PagedKVPool, client: KvdClient) -> None:
-        self.model, self.pool, self.client = model, pool, client
+
+def _take_aux(pool: PagedKVPool) -> int:
+    slot = min(pool.free_aux)
+    pool.free_aux.discard(slot)
+    return slot
+
+
+class PrefillEngine:
+    """Runs prompts and hands their KV to kvd, one Sender per engine rank (TP x PP).
+
+    Compute is not sharded: the full prefill runs once and every rank's pool receives
+    exactly its heads and layers.
+    """
+
+    def __init__(self, model: RefModel, ranks: list[Rank]) -> None:
+        self.model, self.ranks = model, ranks
 
     def prefill(self, room: int, tokens: list[int], chunk_pages: int) -> dict[str, Any]:
-        sender = Sender(self.client, room)
+        senders = [Sender(client, room) for _, client in self.ranks]
         first, kv = self.model.prefill(tokens)
-        n_pages = -(-len(tokens) // self.pool.page_size)
-        pages = self.pool.alloc(n_pages)
-        aux_slot = min(self.pool.free_aux)
-        self.pool.free_aux.discard(aux_slot)
-        self.pool.write(kv, pages)
-        self.pool.aux[aux_slot] = (room, first)
-        sender.init(n_pages, aux_slot)
-        for i in range(0, n_pages, chunk_pages):  # one send per prefill chunk
-            sender.send(pages[i:i + chunk_pages])
-        state = _wait(sender, 60.0)
-        stats = self.client.call(_poll(room))["stats"].get(room) or [0, 0.0]
-        reason = sender.failure_exception().reason if state == KVPoll.Failed else ""
-        sender.clear()
-        self.pool.release(pages, aux_slot)
-        return {"room": room, "state": int(state), "reason": reason, "pages": int(n_pages),
-                "kv_bytes": int(kv.nbytes), "xfer_bytes": int(stats[0]),
-                "xfer_s": float(stats[1]), "chunks": -(-n_pages // chunk_pages)}
+        n_pages = -(-len(tokens) // self.ranks[0][0].page_size)
+        held = []
+        for (pool, _), sender in zip(self.ranks, senders, strict=True):
+            pages, aux_slot = pool.alloc(n_pages), _take_aux(pool)
+            pool.write(kv, pages)
+            pool.aux[aux_slot] = (room, first)
+            sender.init(n_pages, aux_slot)
+            held.append((pool, pages, aux_slot))
+        for i in range(0, n_pages, chunk_pages):  # one send per prefill chunk, every rank
+            for (_, pages, _), sender in zip(held, senders, strict=True):
+                sender.send(pages[i:i + chunk_pages])
+        states = [_wait(s, 60.0) for s in senders]
+        stats = [client.call(_poll(room))["stats"].get(room) or [0, 0.0]
+                 for _, client in self.ranks]
+        reasons = [s.failure_exception().reason for s, st in zip(senders, states, strict=True)
+                   if st == KVPoll.Failed]
+        for (pool, pages, aux_slot), sender in zip(held, senders, strict=True):
+            sender.clear()
+            pool.release(pages, aux_slot)
+        ok = all(st == KVPoll.Success for st in states)
+        return {"room": room, "state": int(KVPoll.Success if ok else KVPoll.Failed),
+                "reason": "; ".join(reasons), "pages": int(n_pages), "kv_bytes": int(kv.nbytes),
+                "xfer_bytes": int(sum(s[0] for s in stats)),
+                "xfer_s": float(max(s[1] for s in stats)), "chunks": -(-n_pages // chunk_pages)}
 
 
 class DecodeEngine:
-    """Receives KV through kvd into its own pages and continues decoding."""
+    """Receives KV through kvd into its own pages (one Receiver per TP rank), reassembles
+    the heads and continues decoding."""
 
-    def __init__(self, model: RefModel, pool: PagedKVPool, client: KvdClient) -> None:
-        self.model, self.pool, self.client = model, pool, client
+    def __init__(self, model: RefModel, ranks: list[Rank]) -> None:
+        self.model, self.ranks = model, ranks
 
     def receive(self, room: int, bootstrap: str, num_tokens: int,
                 max_new_tokens: int) -> dict[str, Any]:
-        receiver = Receiver(self.client, room, bootstrap)
-        pages = self.pool.alloc(-(-num_tokens // self.pool.page_size))
-        aux_slot = min(self.pool.free_aux)
-        self.pool.free_aux.discard(aux_slot)
-        self.pool.aux[aux_slot] = (-1, -1)
-        receiver.init(pages, aux_slot)
+        receivers = [Receiver(client, room, bootstrap) for _, client in self.ranks]
+        held = []
+        for (pool, _), receiver in zip(self.ranks, receivers, strict=True):
+            pages, aux_slot = pool.alloc(-(-num_tokens // pool.page_size)), _take_aux(pool)
+            pool.aux[aux_slot] = (-1, -1)
+            receiver.init(pages, aux_slot)
+            held.append((pool, pages, aux_slot))
         started = time.perf_counter()
-        state = _wait(receiver, 120.0)
-        waited = time.perf_counter() - started
-        out: dict[str, Any] = {"room": room, "state": int(state), "wait_s": waited}
-        if state == KVPoll.Success:
-            aux_room, first = (int(x) for x in self.pool.aux[aux_slot])
-            kv = self.pool.read(pages, num_tokens)
-            out["aux_room_ok"] = aux_room == room
-            out["tokens"] = self.model.decode(kv, first, max_new_tokens)
+        states = [_wait(r, 120.0) for r in receivers]
+        out: dict[str, Any] = {"room": room, "wait_s": time.perf_counter() - started}
+        if all(st == KVPoll.Success for st in states):
+            pool0, _, slot0 = held[0]
+            aux_room, first = (int(x) for x in pool0.aux[slot0])
+            kv = self._assemble(held, num_tokens)
+            out |= {"state": int(KVPoll.Success), "aux_room_ok": aux_room == room,
+                    "tokens": self.model.decode(kv, first, max_new_tokens)}
         else:
-            out["reason"] = receiver.failure_exception().reason
-        receiver.clear()
-        self.pool.release(pages, aux_slot)
+            out |= {"state": int(KVPoll.Failed), "reason": "; ".join(
+                r.failure_exception().reason for r, st in zip(receivers, states, strict=True)
+                if st == KVPoll.Failed)}
+        for (pool, pages, aux_slot), receiver in zip(held, receivers, strict=True):
+            receiver.clear()
+            pool.release(pages, aux_slot)
         return out
+
+    def _assemble(self, held: list[tuple[PagedKVPool, Any, int]],
+                  num_tokens: int) -> npt.NDArray[np.float32]:
+        """Full KV ``[L, 2, T, H, D]`` from the ranks' head shards (replicas read once)."""
+        parts: dict[int, npt.NDArray[np.float32]] = {}
+        for pool, pages, _ in held:
+            parts.setdefault(pool.h0, pool.read(pages, num_tokens))
+        return np.ascontiguousarray(np.concatenate([parts[h] for h in sorted(parts)], axis=3))
 
 
 def _poll(room: int) -> Any:
@@ -169,25 +213,35 @@ def main(argv: list[str] | None = None) -> int:
     """Engine process entry point: load the model, register the pool, serve stdin."""
     ap = argparse.ArgumentParser(prog="kvd-refengine")
     ap.add_argument("role", choices=["prefill", "decode"])
-    ap.add_argument("--socket", required=True)
+    ap.add_argument("--socket", action="append", required=True,
+                    help="one kvd socket per rank, ordered tp-major then pp (repeat)")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--num-pages", type=int, default=256)
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--aux-slots", type=int, default=8)
     args = ap.parse_args(argv)
+    if len(args.socket) != args.tp * args.pp:
+        ap.error(f"{args.tp * args.pp} sockets needed for tp={args.tp} pp={args.pp}")
     model = RefModel.load()
-    pool = PagedKVPool(model, args.num_pages, args.page_size, args.aux_slots,
-                       seed=1 if args.role == "prefill" else 2)
-    client = KvdClient(args.socket, timeout=60)
-    client.call(pool.registration)
-    engine: Any = (PrefillEngine if args.role == "prefill" else DecodeEngine)(model, pool,
-                                                                              client)
+    ranks: list[Rank] = []
+    for i, path in enumerate(args.socket):
+        tp, pp = divmod(i, args.pp)
+        pool = PagedKVPool(model, args.num_pages, args.page_size, args.aux_slots,
+                           seed=i + (1 if args.role == "prefill" else 100),
+                           tp=(tp, args.tp), pp=(pp, args.pp))
+        client = KvdClient(path, timeout=60)
+        client.call(pool.registration)
+        ranks.append((pool, client))
+    engine: Any = (PrefillEngine if args.role == "prefill" else DecodeEngine)(model, ranks)
     _reply({"event": "ready", "load_s": model.load_seconds})
     try:
         for line in sys.stdin:
             _reply(_handle(engine, model, json.loads(line)))
     finally:
-        client.close()
-        pool.shm.close()
+        for pool, client in ranks:
+            client.close()
+            pool.shm.close()
     return 0
 
 
