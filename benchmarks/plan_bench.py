@@ -176,11 +176,15 @@ def _report(console: Console, results: list[dict[str, Any]], naive_layers: int) 
                   f"scaled linearly x{LAYERS / naive_layers:g}. 'first run' includes the first "
                   f"touch of fresh output memory (page faults); the speed-up uses the median of "
                   f"the later runs.")
-    for r in results:
-        verdict = "meets" if r["speedup"] >= GOAL else "MISSES"
-        console.print(f"{r['layout']}: {r['speedup']:,.0f}x, {verdict} the goal of >= {GOAL:g}x "
-                      f"({r['speedup_vs_first_plan']:,.1f}x against the first run)")
     nhd, hnd = results
+    # The goal is set against the reference connector's approach: a Python loop per token
+    # slot. For HND the per-page loop is shown too (a stricter baseline than the reference).
+    for r in results:
+        vs_ref = nhd["naive_s_scaled"] / r["plan_s_median"]
+        verdict = "meets" if vs_ref >= GOAL else "MISSES"
+        console.print(f"{r['layout']}: {vs_ref:,.0f}x vs the per-token-slot loop, {verdict} the "
+                      f"goal of >= {GOAL:g}x; {r['speedup']:,.0f}x vs a naive loop of its own "
+                      f"granularity ({r['speedup_vs_first_plan']:,.1f}x against the first run)")
     console.print(f"HND planner vs the reference connector's NHD per-token loop (same bytes): "
                   f"{nhd['naive_s_scaled'] / hnd['plan_s_median']:,.0f}x, "
                   f"{nhd['descriptors'] // max(hnd['descriptors'], 1)}x fewer descriptors")

@@ -4,9 +4,14 @@ transfer: the same KV pages (>= 256 MiB, random page indices) moved P -> D
   (a) through two kvd daemons (engine RPC, control plane, planner, executor),
   (b) directly through two raw Mooncake engines in separate processes (same descriptors),
   (c) memcpy of the same pages inside one process (the machine's ceiling).
-Prints kvd/raw (goal >= 0.9) and saves JSON under benchmarks/results/.
+  Prints kvd/raw (goal >= 0.9).
+plan: planning one 128k-token hetero-TP request vs a naive per-token-slot loop (goal >= 50x),
+  and the bounds check's cost (benchmarks/plan_bench.py).
+hetero: the same bytes P -> D with equal TP (1 -> 1) and heterogeneous TP (2 -> 1), HND
+  layout, through real daemons (goal: hetero >= 0.7x equal).
+All results are saved as one JSON file under benchmarks/results/.
 
-Usage: python benchmarks/run.py [--mib 256] [--repeats 3] [--item-kib 64]
+Usage: python benchmarks/run.py [--mib 256] [--repeats 3] [--only transfer,plan,hetero]
 """
 
 from __future__ import annotations
@@ -143,6 +148,67 @@ def bench_memcpy(lay: dict[str, int], src: np.ndarray, dst: np.ndarray,
     return times
 
 
+def bench_hetero(console: Console, repeats: int, pages: int = 64) -> dict[str, Any]:
+    """Equal TP (1 -> 1) vs hetero TP (2 -> 1), HND, same bytes, real daemons."""
+    from kvd.refengine.standin import ModelSpec, ShardStandIn
+
+    spec = ModelSpec(num_layers=8, total_kv_heads=8, head_dim=128, page_size=64,
+                     num_pages=2 * pages, layout="HND")
+    source = spec.global_kv(seed=1)
+    rng = np.random.default_rng(3)
+    src, dst = rng.permutation(spec.num_pages)[:pages], rng.permutation(spec.num_pages)[:pages]
+    out: dict[str, Any] = {"bytes": int(source[:, :, :pages].nbytes)}
+    for name, p_tp in (("equal_tp_1to1", 1), ("hetero_tp_2to1", 2)):
+        work = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
+        prefill = [start_daemon("prefill", work, log_level="WARNING", attn_tp_size=p_tp,
+                                attn_tp_rank=0, serve_bootstrap=True)]
+        for r in range(1, p_tp):
+            prefill.append(start_daemon("prefill", work, log_level="WARNING",
+                                        attn_tp_size=p_tp, attn_tp_rank=r,
+                                        bootstrap_addr=prefill[0].http_addr))
+        decode = start_daemon("decode", work, log_level="WARNING")
+        p_eng = [ShardStandIn(d.socket, spec, r, p_tp, source=source, seed=r)
+                 for r, d in enumerate(prefill)]
+        d_eng = ShardStandIn(decode.socket, spec, seed=9)
+        times = []
+        try:
+            for rep in range(repeats + 1):
+                room = 100 + rep
+                recv = Receiver(d_eng.client, room, prefill[0].http_addr)
+                recv.init(dst, 0)
+                senders = []
+                for e in p_eng:
+                    s = Sender(e.client, room)
+                    s.init(pages, 0)
+                    senders.append(s)
+                t0 = time.perf_counter()
+                for s in senders:
+                    s.send(src)
+                state = recv.wait(60)
+                if rep:
+                    times.append(time.perf_counter() - t0)
+                assert state == KVPoll.Success and d_eng.holds(source, src, dst), name
+                recv.clear()
+                for s in senders:
+                    s.clear()
+        finally:
+            for e in [*p_eng, d_eng]:
+                e.close()
+            for d in [*prefill, decode]:
+                d.stop()
+        out[name] = {"seconds": times, "gbps": out["bytes"] / statistics.median(times) / 1e9}
+    out["ratio_hetero_over_equal"] = out["hetero_tp_2to1"]["gbps"] / out["equal_tp_1to1"]["gbps"]
+    table = Table(title=f"hetero vs equal TP, HND, {out['bytes'] / 2**20:.0f} MiB")
+    for col in ("path", "median s", "GB/s"):
+        table.add_column(col, justify="right")
+    for name in ("equal_tp_1to1", "hetero_tp_2to1"):
+        table.add_row(name, f"{statistics.median(out[name]['seconds']):.3f}",
+                      f"{out[name]['gbps']:.2f}")
+    console.print(table)
+    console.print(f"hetero/equal = {out['ratio_hetero_over_equal']:.2f} (goal >= 0.7)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--mib", type=int, default=256)
@@ -150,8 +216,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rooms", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", default="transfer,plan,hetero")
     args = ap.parse_args(argv)
     console = Console()
+    only = set(args.only.split(","))
+    results: dict[str, Any] = {"args": vars(args)}
+    ok = True
+    if "transfer" in only:
+        results["transfer"], ok = _bench_transfer(console, args)
+    if "plan" in only:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import plan_bench
+
+        results["plan"] = plan_bench.run(console)
+    if "hetero" in only:
+        results["hetero"] = bench_hetero(console, args.repeats)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(results, indent=2, default=str))
+    console.print(f"saved {out}")
+    return 0 if ok else 1
+
+
+def _bench_transfer(console: Console, args: Any) -> tuple[dict[str, Any], bool]:
     lay = _layout(args.mib, args.item_kib, args.layers)
     rng = np.random.default_rng(0)
     src = rng.choice(lay["num_pages"], lay["move_pages"], replace=False)
@@ -162,12 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     kvd_t, kvd_ok = bench_kvd(lay, src, dst, args.repeats, args.rooms)
     raw_t, _ = bench_raw(lay, src, dst, args.repeats)
     mem_t = bench_memcpy(lay, src, dst, args.repeats)
-    result = _report(console, nbytes, kvd_t, raw_t, mem_t, kvd_ok, lay, args)
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"transfer-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps(result, indent=2))
-    console.print(f"saved {out}")
-    return 0 if kvd_ok else 1
+    return _report(console, nbytes, kvd_t, raw_t, mem_t, kvd_ok, lay, args), kvd_ok
 
 
 def _report(console: Console, nbytes: int, kvd_t: list[float], raw_t: list[float],
