@@ -23,7 +23,7 @@ from kvd.protocol.codec import unpack_indices
 from kvd.rooms import KVPoll, RoomState
 from kvd.transfer.kvargs import RankArgs
 from kvd.transfer.layout import RankLayout, check_pair, plan_transfer
-from kvd.transfer.plan import Descriptors, Pages, check_bounds, check_page_range, plan_aux
+from kvd.transfer.plan import Descriptors, Pages, check_page_range, check_plan_bounds, plan_aux
 
 log = logging.getLogger("kvd.prefill")
 
@@ -311,8 +311,7 @@ class PrefillSide:
         if is_last and last_stage and local.aux_ptrs.size and r.aux_index is not None:
             desc = desc.concat(plan_aux(local.aux_ptrs, dst.aux_ptrs, local.aux_item_lens,
                                         r.aux_index, d.aux_index))
-        check_bounds(desc.src, desc.length, local.regions, f"room {room} source")
-        check_bounds(desc.dst, desc.length, dst.regions, f"room {room} destination")
+        check_plan_bounds(desc, local.regions, dst.regions, f"room {room}")
         return desc
 
     def _succeed(self, room: int, r: SenderRoom) -> None:

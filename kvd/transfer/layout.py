@@ -360,6 +360,10 @@ def _strided(src: _Side, dst: _Side, length: int) -> Descriptors:
     large, so fresh pages -- not arithmetic -- dominate planning time).
     """
     b, p, t = src[0].size, src[2].size, src[3].size
+    spans = []
+    for ptr, item, pages, inner in (src, dst):  # extremes of each term: cover every entry
+        lo = ptr + U64(pages.min()) * item + inner.min()
+        spans += [lo, ptr + U64(pages.max()) * item + inner.max() + U64(length)]
     out = np.empty((3, b, p, t), dtype=U64)
     for k, (ptr, item, pages, inner) in enumerate((src, dst)):
         pages_u = pages.astype(U64)
@@ -372,7 +376,7 @@ def _strided(src: _Side, dst: _Side, length: int) -> Descriptors:
             np.add(base[:, :, None], inner[None, None, :], out=out[k])
     out[2] = U64(length)
     flat = out.reshape(3, b * p * t)
-    return Descriptors(flat[0], flat[1], flat[2])
+    return Descriptors(flat[0], flat[1], flat[2], (spans[0], spans[1], spans[2], spans[3]))
 
 
 def _check_no_wrap(ptrs: Addrs, items: Addrs, pages: Pages, what: str) -> None:

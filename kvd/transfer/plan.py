@@ -22,17 +22,26 @@ Addrs = npt.NDArray[np.uint64]
 
 @dataclass(frozen=True)
 class Descriptors:
-    """Parallel uint64 arrays, one entry per transfer-engine descriptor (bytes)."""
+    """Parallel uint64 arrays, one entry per transfer-engine descriptor (bytes).
+
+    ``spans``, when the planner provides it, is ``(src_lo, src_hi, dst_lo, dst_hi)``:
+    uint64 ``[K]`` byte ranges such that every descriptor's source range lies in one
+    ``[src_lo[k], src_hi[k])`` and its destination in ``[dst_lo[k], dst_hi[k])`` -- by
+    construction (each descriptor is ``ptr + page * item + inner`` and the span is the
+    extreme of each term). :func:`check_plan_bounds` checks the K spans instead of the
+    N descriptors (K = buffers, N up to millions).
+    """
 
     src: Addrs
     dst: Addrs
     length: Addrs
+    spans: tuple[Addrs, Addrs, Addrs, Addrs] | None = None
 
     @staticmethod
     def empty() -> Descriptors:
         """No descriptors."""
         z = np.zeros(0, dtype=U64)
-        return Descriptors(z, z.copy(), z.copy())
+        return Descriptors(z, z.copy(), z.copy(), (z, z, z, z))
 
     def __len__(self) -> int:
         return int(self.src.size)
@@ -43,10 +52,15 @@ class Descriptors:
         return int(self.length.sum(dtype=U64))
 
     def concat(self, other: Descriptors) -> Descriptors:
-        """Self's entries followed by ``other``'s."""
+        """Self's entries followed by ``other``'s (spans kept when both have them)."""
+        spans = None
+        if self.spans is not None and other.spans is not None:
+            a, b = self.spans, other.spans
+            spans = (np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]]),
+                     np.concatenate([a[2], b[2]]), np.concatenate([a[3], b[3]]))
         return Descriptors(np.concatenate([self.src, other.src]),
                            np.concatenate([self.dst, other.dst]),
-                           np.concatenate([self.length, other.length]))
+                           np.concatenate([self.length, other.length]), spans)
 
     def batches(self, max_entries: int) -> list[Descriptors]:
         """Split into consecutive sub-batches of at most ``max_entries`` entries."""
@@ -150,7 +164,9 @@ def plan_pages(src_ptrs: npt.ArrayLike, dst_ptrs: npt.ArrayLike, src_item_lens: 
     src = (sp[:, None] + s0u[None, :] * sl[:, None]).ravel()
     dst = (dp[:, None] + d0u[None, :] * sl[:, None]).ravel()
     length = (nu[None, :] * sl[:, None]).ravel()
-    return Descriptors(src, dst, length)
+    spans = (sp + U64(s0.min()) * sl, sp + U64((s0 + n).max()) * sl,
+             dp + U64(d0.min()) * sl, dp + U64((d0 + n).max()) * sl)
+    return Descriptors(src, dst, length, spans)
 
 
 def plan_aux(src_ptrs: npt.ArrayLike, dst_ptrs: npt.ArrayLike, item_lens: npt.ArrayLike,
@@ -161,7 +177,8 @@ def plan_aux(src_ptrs: npt.ArrayLike, dst_ptrs: npt.ArrayLike, item_lens: npt.Ar
         raise LayoutError(f"aux buffer count mismatch: {sp.size} vs {dp.size}")
     if src_index < 0 or dst_index < 0:
         raise LayoutError("negative aux index")
-    return Descriptors(sp + U64(src_index) * ln, dp + U64(dst_index) * ln, ln.copy())
+    src, dst = sp + U64(src_index) * ln, dp + U64(dst_index) * ln
+    return Descriptors(src, dst, ln.copy(), (src, src + ln, dst, dst + ln))
 
 
 @dataclass(frozen=True)
@@ -190,6 +207,25 @@ class Regions:
 
 
 _BOUNDS_BLOCKS = (2048, 256)  # block sizes of the fast path, coarse to fine
+
+
+def check_plan_bounds(desc: Descriptors, src: Regions, dst: Regions, what: str) -> None:
+    """Raise :class:`BoundsError` unless every descriptor's source range lies in ``src``
+    and its destination range in ``dst``.
+
+    Uses the planner's spans when present (O(buffers): each span covers every
+    descriptor it was built from, see :class:`Descriptors`), else checks every
+    descriptor with :func:`check_bounds`.
+    """
+    if desc.spans is None:
+        check_bounds(desc.src, desc.length, src, f"{what} source")
+        check_bounds(desc.dst, desc.length, dst, f"{what} destination")
+        return
+    s_lo, s_hi, d_lo, d_hi = desc.spans
+    if np.any(s_hi < s_lo) or np.any(d_hi < d_lo):
+        raise BoundsError(f"{what} range wraps past 2**64")
+    check_bounds(s_lo, s_hi - s_lo, src, f"{what} source")
+    check_bounds(d_lo, d_hi - d_lo, dst, f"{what} destination")
 
 
 def check_bounds(addrs: Addrs, lengths: Addrs, regions: Regions, what: str) -> None:

@@ -1,0 +1,304 @@
+"""Prometheus metrics and the room-event hooks that feed them.
+
+Each daemon has its own :class:`~prometheus_client.CollectorRegistry` (never
+the global one), so several daemons in one process (tests) do not mix. The
+prefill and decode sides report through :class:`RoomEvents`
+(``core.events``); every call happens on the daemon's loop.
+
+Label cardinality is bounded: ``peer`` labels keep the first
+``max_peers`` distinct peers and count the rest as ``"other"``; failure
+``reason`` labels are a fixed set of categories (the full text goes to the
+logs and to the recent-failures list of ``/v1/status``). Room latency is a
+histogram observed once per room, never a label per room.
+
+Metric names (all prefixed ``kvd_``)::
+
+    rooms{state}                    gauge      rooms held now, by KVPoll state
+    rooms_finished_total{status}    counter    success | failed
+    room_failures_total{reason}     counter    by category (see classify_failure)
+    transfers_total{peer}           counter    chunk writes to a decode peer
+    transfer_bytes_total{peer}      counter    bytes written to a decode peer
+    room_latency_seconds            histogram  room creation -> Success, per room
+    room_transfer_seconds           histogram  time inside transfer-engine writes, per room
+    room_bytes                      histogram  KV + aux bytes moved, per room
+    heartbeat_misses_total{peer}    counter    missed heartbeats, by prefill peer
+    transfer_queue_depth            gauge      chunks queued and not yet written
+    executor_busy                   gauge      writes submitted to transfer threads, not returned
+    executor_threads                gauge      transfer threads (shards)
+    protocol_errors_total           counter    malformed control frames dropped
+    peers                           gauge      peers known
+    engine_registered, ready        gauge      0/1
+    info{role,version,instance_id}  gauge      1
+    uptime_seconds                  gauge
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvd.logs import remember_peer
+
+log = logging.getLogger("kvd.rooms")
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+BYTES_BUCKETS = tuple(float(4096 * 4 ** i) for i in range(12))  # 4 KiB .. 16 GiB
+OTHER = "other"
+MAX_PEER_LABELS = 64
+FAILURE_HISTORY = 100
+MAX_TRACKED_ROOMS = 100_000
+
+#: Failure categories, first match wins; anything else is "other".
+_REASONS: list[tuple[str, re.Pattern[str]]] = [
+    ("timeout", re.compile(r"timed out|timeout", re.I)),
+    ("heartbeat", re.compile(r"heartbeat", re.I)),
+    ("aborted", re.compile(r"abort|cleared before", re.I)),
+    ("duplicate", re.compile(r"duplicate room", re.I)),
+    ("unreachable", re.compile(r"cannot reach|unreachable", re.I)),
+    ("bootstrap", re.compile(r"bootstrap", re.I)),
+    ("registration", re.compile(r"not registered|heterogeneous|refused|incompatible", re.I)),
+    ("layout", re.compile(r"mismatch|outside|bounds|aux_index|page", re.I)),
+    ("transport", re.compile(r"batch write|transfer engine|rc=", re.I)),
+    ("peer", re.compile(r"failed on", re.I)),
+]
+
+
+def classify_failure(reason: str) -> str:
+    """A bounded label for a failure reason (``timeout``, ``aborted``, ... or ``other``)."""
+    return next((name for name, pat in _REASONS if pat.search(reason)), OTHER)
+
+
+class PeerLabels:
+    """Bounded peer label values: the first ``limit`` peers by name, then ``other``."""
+
+    def __init__(self, limit: int = MAX_PEER_LABELS) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, peer: str) -> str:
+        if peer in self._seen:
+            return peer
+        if len(self._seen) < self.limit:
+            self._seen.add(peer)
+            return peer
+        return OTHER
+
+
+@dataclass
+class StateSample:
+    """Values read from the daemon's state at scrape time (on the loop)."""
+
+    role: str
+    version: str
+    instance_id: str
+    uptime_s: float
+    rooms_by_state: dict[str, int]
+    queue_depth: int
+    executor_busy: int
+    executor_threads: int
+    protocol_errors: int
+    peers: int
+    engine_registered: bool
+    ready: bool
+
+
+class _StateCollector(Collector):
+    """Turns a :class:`StateSample` into gauge families at each scrape."""
+
+    def __init__(self, sample: Callable[[], StateSample]) -> None:
+        self.sample = sample
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # nothing to check at registration: the daemon is not up yet
+
+    def collect(self) -> Iterable[Metric]:
+        s = self.sample()
+        rooms = GaugeMetricFamily("kvd_rooms", "Rooms held now, by state", labels=["state"])
+        for state, n in s.rooms_by_state.items():
+            rooms.add_metric([state], n)
+        yield rooms
+        info = GaugeMetricFamily("kvd_info", "This daemon",
+                                 labels=["role", "version", "instance_id"])
+        info.add_metric([s.role, s.version, s.instance_id], 1)
+        yield info
+        yield from self._gauges(s)
+        yield CounterMetricFamily("kvd_protocol_errors", "Malformed control frames dropped",
+                                  value=s.protocol_errors)
+
+    @staticmethod
+    def _gauges(s: StateSample) -> Iterator[Metric]:
+        for name, doc, value in (
+            ("uptime_seconds", "Seconds since the daemon started", s.uptime_s),
+            ("transfer_queue_depth", "Chunks queued and not yet written", s.queue_depth),
+            ("executor_busy", "Writes submitted to transfer threads and not returned "
+             "(running or queued)", s.executor_busy),
+            ("executor_threads", "Transfer executor threads", s.executor_threads),
+            ("peers", "Peers known", s.peers),
+            ("engine_registered", "1 once the engine registered its KV buffers",
+             int(s.engine_registered)),
+            ("ready", "1 when /ready answers 200", int(s.ready)),
+        ):
+            yield GaugeMetricFamily(f"kvd_{name}", doc, value=value)
+
+
+class Metrics:
+    """The Prometheus objects of one daemon, in their own registry."""
+
+    def __init__(self, max_peers: int = MAX_PEER_LABELS) -> None:
+        self.registry = CollectorRegistry()
+        self.peer = PeerLabels(max_peers)
+        r = self.registry
+        self.rooms_finished = Counter("kvd_rooms_finished", "Rooms that ended, by status",
+                                      ["status"], registry=r)
+        self.failures = Counter("kvd_room_failures", "Failed rooms, by reason category",
+                                ["reason"], registry=r)
+        self.transfers = Counter("kvd_transfers", "Chunk writes to a peer", ["peer"], registry=r)
+        self.transfer_bytes = Counter("kvd_transfer_bytes", "Bytes written to a peer", ["peer"],
+                                      registry=r)
+        self.room_latency = Histogram("kvd_room_latency_seconds",
+                                      "Room creation to Success, observed once per room",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.room_transfer = Histogram("kvd_room_transfer_seconds",
+                                       "Time inside transfer-engine writes, once per room",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.room_bytes = Histogram("kvd_room_bytes", "Bytes moved, once per room",
+                                    buckets=BYTES_BUCKETS, registry=r)
+        self.heartbeat_misses = Counter("kvd_heartbeat_misses", "Missed heartbeats, by peer",
+                                        ["peer"], registry=r)
+        for status in ("success", "failed"):
+            self.rooms_finished.labels(status)
+        ProcessCollector(registry=r)
+
+    def add_state(self, sample: Callable[[], StateSample]) -> None:
+        """Report ``sample()`` at every scrape (called on the loop by the HTTP handler)."""
+        self.registry.register(_StateCollector(sample))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class RateWindow:
+    """Rooms and bytes per second over the last ``span`` seconds (1-second buckets)."""
+
+    def __init__(self, span: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.span = span
+        self.clock = clock
+        self.start = clock()
+        self._buckets: deque[list[int]] = deque()  # [second, rooms, bytes]
+
+    def add(self, rooms: int = 0, nbytes: int = 0) -> None:
+        sec = int(self.clock())
+        if not self._buckets or self._buckets[-1][0] != sec:
+            self._buckets.append([sec, 0, 0])
+        self._buckets[-1][1] += rooms
+        self._buckets[-1][2] += nbytes
+        while self._buckets and self._buckets[0][0] < sec - self.span - 1:
+            self._buckets.popleft()
+
+    def rates(self) -> tuple[float, float]:
+        """(rooms/s, bytes/s) over the window (or the uptime, if shorter)."""
+        now = self.clock()
+        recent = [b for b in self._buckets if b[0] > now - self.span - 1]
+        seconds = max(1.0, min(self.span, now - self.start))
+        return (sum(b[1] for b in recent) / seconds, sum(b[2] for b in recent) / seconds)
+
+
+@dataclass
+class Failure:
+    """One failed room, as ``/v1/status`` lists it."""
+
+    time: float
+    side: str
+    room: int
+    peer: str
+    reason: str
+    category: str
+
+
+@dataclass
+class RoomEvents:
+    """Hooks the prefill and decode sides call when rooms start, move bytes and end.
+
+    Keeps the metrics, the recent failures (bounded) and a rate window; the
+    one-line calls in ``prefill.py`` / ``decode.py`` are the only producers.
+    """
+
+    metrics: Metrics = field(default_factory=Metrics)
+    failures: deque[Failure] = field(default_factory=lambda: deque(maxlen=FAILURE_HISTORY))
+    rate: RateWindow = field(default_factory=RateWindow)
+    started: dict[int, float] = field(default_factory=dict)
+
+    def room_started(self, side: str, room: int, peer: str = "") -> None:
+        """A room was created (its latency is measured from here)."""
+        if len(self.started) >= MAX_TRACKED_ROOMS:
+            self.started.pop(next(iter(self.started)))
+        self.started[room] = time.monotonic()
+        if peer:
+            remember_peer(room, peer)
+
+    def room_done(self, side: str, room: int, status: str, reason: str = "", nbytes: int = 0,
+                  seconds: float | None = None, peer: str | Iterable[str] = "") -> None:
+        """A room ended: ``status`` is ``success`` or ``failed``; ``nbytes``/``seconds``
+        are what this side moved and how long its writes took (None: not measured);
+        ``peer`` one endpoint or several (joined with commas)."""
+        began = self.started.pop(room, None)
+        peer = peer if isinstance(peer, str) else ",".join(peer)
+        m = self.metrics
+        m.rooms_finished.labels(status).inc()
+        if peer:
+            remember_peer(room, peer)
+        if status == "success":
+            self._observe(began, nbytes, seconds)
+            self.rate.add(rooms=1)
+            log.debug("room done", extra={"room": room, "peer": peer or "-"})
+        else:
+            category = classify_failure(reason)
+            m.failures.labels(category).inc()
+            self.failures.append(Failure(time.time(), side, room, peer, reason, category))
+
+    def _observe(self, began: float | None, nbytes: int, seconds: float | None) -> None:
+        m = self.metrics
+        if began is not None:
+            m.room_latency.observe(time.monotonic() - began)
+        if seconds is not None:
+            m.room_transfer.observe(seconds)
+        if nbytes:
+            m.room_bytes.observe(nbytes)
+
+    def bytes_sent(self, peer: str, n: int) -> None:
+        """One chunk write of ``n`` bytes to ``peer`` landed."""
+        label = self.metrics.peer(peer)
+        self.metrics.transfers.labels(label).inc()
+        self.metrics.transfer_bytes.labels(label).inc(n)
+        self.rate.add(nbytes=n)
+
+    def chunks_sent(self, writes: Iterable[tuple[str, int]]) -> None:
+        """:meth:`bytes_sent` for each ``(peer, n)``; zero-byte (dummy) writes are skipped."""
+        for peer, n in writes:
+            if n:
+                self.bytes_sent(peer, n)
+
+    def heartbeat_missed(self, peer: str) -> None:
+        """A heartbeat to ``peer`` went unanswered."""
+        self.metrics.heartbeat_misses.labels(self.metrics.peer(peer)).inc()
+
+    def recent_failures(self, limit: int = 20) -> list[dict[str, Any]]:
+        """The last ``limit`` failures, newest first."""
+        return [vars(f) for f in list(self.failures)[::-1][:limit]]

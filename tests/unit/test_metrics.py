@@ -1,0 +1,142 @@
+"""kvd.metrics: room-event hooks -> Prometheus text, parsed back with prometheus-client."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvd.metrics import (
+    FAILURE_HISTORY,
+    OTHER,
+    Metrics,
+    PeerLabels,
+    RateWindow,
+    RoomEvents,
+    StateSample,
+    classify_failure,
+)
+
+
+def scrape(events: RoomEvents) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the text exposition: (name, sorted labels) -> value."""
+    text = events.metrics.render().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_rooms_move_counters_and_histograms() -> None:
+    ev = RoomEvents()
+    before = scrape(ev)
+    assert value(before, "kvd_rooms_finished_total", status="success") == 0
+    for room in (1, 2, 3):
+        ev.room_started("prefill", room)
+        ev.chunks_sent([("tcp://d:1", 1000), ("tcp://d:2", 0)])  # dummy write: skipped
+        ev.room_done("prefill", room, "success", "", 1000, 0.002, ["tcp://d:1"])
+    ev.room_started("prefill", 4)
+    ev.room_done("prefill", 4, "failed", "room 4: timed out in Bootstrapping after 1.0s",
+                 peer="tcp://d:1")
+    s = scrape(ev)
+    assert value(s, "kvd_rooms_finished_total", status="success") == 3
+    assert value(s, "kvd_rooms_finished_total", status="failed") == 1
+    assert value(s, "kvd_room_failures_total", reason="timeout") == 1
+    assert value(s, "kvd_transfers_total", peer="tcp://d:1") == 3
+    assert value(s, "kvd_transfer_bytes_total", peer="tcp://d:1") == 3000
+    assert ("kvd_transfers_total", (("peer", "tcp://d:2"),)) not in s
+    for hist in ("kvd_room_latency_seconds", "kvd_room_transfer_seconds", "kvd_room_bytes"):
+        assert value(s, f"{hist}_count") == 3, hist  # once per successful room
+    assert value(s, "kvd_room_transfer_seconds_sum") == 0.006
+    assert value(s, "kvd_room_bytes_bucket", le="4096.0") == 3
+    assert value(s, "kvd_room_latency_seconds_bucket", le="+Inf") == 3
+    assert ev.started == {}
+
+
+def test_decode_rooms_have_latency_but_no_transfer_time() -> None:
+    ev = RoomEvents()
+    ev.room_started("decode", 9, "10.0.0.1:8998")
+    ev.room_done("decode", 9, "success", peer="tcp://p:1")
+    s = scrape(ev)
+    assert value(s, "kvd_room_latency_seconds_count") == 1
+    assert value(s, "kvd_room_transfer_seconds_count") == 0
+
+
+def test_recent_failures_are_bounded_and_newest_first() -> None:
+    ev = RoomEvents()
+    for room in range(FAILURE_HISTORY + 10):
+        ev.room_done("decode", room, "failed", f"room {room} aborted on decode: x", peer="p")
+    recent = ev.recent_failures(5)
+    assert [f["room"] for f in recent] == [FAILURE_HISTORY + 9 - i for i in range(5)]
+    assert recent[0]["category"] == "aborted" and recent[0]["peer"] == "p"
+    assert len(ev.failures) == FAILURE_HISTORY
+
+
+def test_peer_labels_are_bounded() -> None:
+    labels = PeerLabels(limit=3)
+    assert [labels(f"p{i}") for i in range(5)] == ["p0", "p1", "p2", OTHER, OTHER]
+    assert labels("p1") == "p1"
+    ev = RoomEvents(metrics=Metrics(max_peers=2))
+    for i in range(10):
+        ev.bytes_sent(f"tcp://peer:{i}", 10)
+    for i in range(10):
+        ev.heartbeat_missed(f"boot:{i}")
+    s = scrape(ev)
+    peers = {dict(k[1]).get("peer") for k in s if k[0] == "kvd_transfer_bytes_total"}
+    assert peers == {"tcp://peer:0", "tcp://peer:1", OTHER}
+    assert value(s, "kvd_transfer_bytes_total", peer=OTHER) == 80
+    assert value(s, "kvd_heartbeat_misses_total", peer=OTHER) == 10  # same label budget
+
+
+def test_failure_reasons_fall_into_few_categories() -> None:
+    cases = {
+        "room 5: timed out in WaitingForInput after 300.0s on prefill": "timeout",
+        "room 5 aborted on decode: cleared before it finished": "aborted",
+        "room 5: prefill 1.2.3.4:8998 unreachable: 2 heartbeats missed": "heartbeat",
+        "room 5: duplicate room (already Success on prefill)": "duplicate",
+        "room 5: cannot reach prefill rank tcp://1.2.3.4:5": "unreachable",
+        "room 5: bootstrap 1.2.3.4:8998 answered 404 not found": "bootstrap",
+        "room 5: decode rank not registered with this prefill": "registration",
+        "room 5: index length mismatch 3 vs 4": "layout",
+        "room 5: batch write of 10 entries to x failed after 3 retries: rc=-1": "transport",
+        "room 5: failed on tcp://1.2.3.4:5": "peer",
+        "something new": OTHER,
+    }
+    for reason, category in cases.items():
+        assert classify_failure(reason) == category, reason
+
+
+def test_state_collector_reports_gauges_at_scrape_time() -> None:
+    ev = RoomEvents()
+    state = {"queue": 0}
+    ev.metrics.add_state(lambda: StateSample(
+        role="prefill", version="9.9", instance_id="abc", uptime_s=12.5,
+        rooms_by_state={"Transferring": 2, "Success": 7}, queue_depth=state["queue"],
+        executor_busy=1, executor_threads=4, protocol_errors=3, peers=2,
+        engine_registered=True, ready=False))
+    state["queue"] = 5
+    s = scrape(ev)
+    assert value(s, "kvd_rooms", state="Transferring") == 2
+    assert value(s, "kvd_transfer_queue_depth") == 5
+    assert value(s, "kvd_executor_busy") == 1 and value(s, "kvd_executor_threads") == 4
+    assert value(s, "kvd_protocol_errors_total") == 3
+    assert value(s, "kvd_ready") == 0 and value(s, "kvd_engine_registered") == 1
+    assert value(s, "kvd_info", role="prefill", version="9.9", instance_id="abc") == 1
+
+
+def test_registries_are_per_daemon() -> None:
+    a, b = RoomEvents(), RoomEvents()
+    a.room_done("prefill", 1, "success")
+    assert value(scrape(a), "kvd_rooms_finished_total", status="success") == 1
+    assert value(scrape(b), "kvd_rooms_finished_total", status="success") == 0
+
+
+def test_rate_window() -> None:
+    now = [100.0]
+    w = RateWindow(span=10.0, clock=lambda: now[0])
+    now[0] = 105.0
+    for _ in range(10):
+        w.add(rooms=1, nbytes=100)
+    assert w.rates() == (2.0, 200.0)  # 5 s of uptime so far
+    now[0] = 130.0
+    assert w.rates() == (0.0, 0.0)  # outside the window
