@@ -25,7 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import (
     BaseSettings,
     EnvSettingsSource,
@@ -145,6 +152,23 @@ class Settings(BaseSettings):
         600.0, gt=0, unit="s", help="a finished room the engine never cleared is dropped after")
     fault_injection: str | None = _setting(
         None, unit="JSON", help="TESTING ONLY: a FaultPlan applied to every transfer batch")
+    cluster_secret: SecretStr | None = _setting(
+        None, unit="secret",
+        help="shared secret authenticating bootstrap and kvd<->kvd messages; from the "
+             "environment (KVD_CLUSTER_SECRET) or a file, never the command line")
+    cluster_secret_file: Path | None = _setting(
+        None, unit="path", help="file holding the cluster secret (first line)")
+    insecure: bool = _setting(
+        False, help="run WITHOUT a cluster secret: no authentication (logs a warning)")
+    auth_max_skew: float = _setting(
+        30.0, gt=0, unit="s", help="authenticated messages older or newer than this are "
+                                   "refused (replay window)")
+    engine_socket_group: str | None = _setting(
+        None, help="group allowed on the engine socket (mode 0660); default: owner only, 0600")
+    max_peers: int = _setting(256, ge=1, unit="peers",
+                              help="decode ranks a prefill rank accepts registrations from")
+    max_rooms_per_peer: int = _setting(
+        100_000, ge=1, unit="rooms", help="rooms in flight or buffered per decode peer")
     log_level: LogLevel = _setting("INFO", help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
     log_format: Literal["text", "json"] = _setting(
         "text", help="text lines, or one JSON object per line")
@@ -168,6 +192,8 @@ class Settings(BaseSettings):
                                 f"{getattr(self, size)}")
         if self.role == "prefill" and not (self.bootstrap_addr or self.serve_bootstrap):
             problems.append("a prefill kvd needs bootstrap_addr (or serve_bootstrap = true)")
+        if self.cluster_secret is not None and self.cluster_secret_file is not None:
+            problems.append("set cluster_secret or cluster_secret_file, not both")
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -266,6 +292,9 @@ def load_with_sources(config_file: str | Path | None = None,
     if path is not None:
         _read_file(path)
     cli = {k: v for k, v in overrides.items() if v is not None}
+    if "cluster_secret" in cli:
+        raise ConfigError("cluster_secret is never taken from the command line: set "
+                          "KVD_CLUSTER_SECRET or cluster_secret_file")
     sources = _sources(path, cli)
     try:
         return _settings_class(path)(**cli), sources
@@ -343,3 +372,24 @@ def toml_template() -> str:
         else:
             out.append(f"#{name} = {_toml_literal(default)}")
     return "\n".join(out) + "\n"
+
+
+def read_secret(settings: Settings) -> bytes | None:
+    """The cluster secret (bytes) from the settings or their secret file; None if unset.
+
+    Raises :class:`ConfigError` if the file cannot be read or the secret is shorter
+    than 16 bytes.
+    """
+    if settings.cluster_secret is not None:
+        secret = settings.cluster_secret.get_secret_value().strip().encode()
+    elif settings.cluster_secret_file is not None:
+        try:
+            secret = settings.cluster_secret_file.read_text().splitlines()[0].strip().encode()
+        except (OSError, IndexError) as exc:
+            raise ConfigError(f"cannot read cluster_secret_file "
+                              f"{settings.cluster_secret_file}: {exc}") from exc
+    else:
+        return None
+    if len(secret) < 16:
+        raise ConfigError("the cluster secret must be at least 16 bytes")
+    return secret

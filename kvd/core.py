@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,12 +16,13 @@ import httpx
 
 from kvd.config import Settings
 from kvd.control.peers import ControlPlane, PeerSendError
-from kvd.errors import ProtocolError, RegistrationError
+from kvd.errors import AuthError, ProtocolError, RegistrationError
 from kvd.memory import MemoryMap
 from kvd.metrics import RoomEvents
 from kvd.protocol import control
 from kvd.protocol.control import ControlMessage, KVArgsWire
 from kvd.protocol.rpc import RegisterKV
+from kvd.security import Authenticator
 from kvd.transfer.engine import TransferEngine
 from kvd.transfer.executor import TransferExecutor
 from kvd.transfer.kvargs import RankArgs
@@ -37,6 +38,7 @@ class Counters:
     rooms_succeeded: int = 0
     rooms_failed: int = 0
     protocol_errors: int = 0
+    auth_failures: int = 0
     heartbeat_misses: int = 0
 
 
@@ -49,11 +51,13 @@ class Core:
     executor: TransferExecutor
     control: ControlPlane
     memory: MemoryMap
-    http: httpx.AsyncClient
+    http_client: httpx.AsyncClient
     local: RankArgs | None = None
     counters: Counters = field(default_factory=Counters)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     registered_addrs: list[int] = field(default_factory=list)
+    auth: Authenticator = field(default_factory=lambda: Authenticator(None))
+    _auth_logged: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     events: RoomEvents = field(default_factory=RoomEvents)  # metrics + recent failures hooks
 
@@ -86,7 +90,7 @@ class Core:
     async def send(self, endpoint: str, msg: ControlMessage) -> bool:
         """Send a control message; returns False (logged) if the peer is unreachable."""
         try:
-            await self.control.send(endpoint, control.encode(msg))
+            await self.control.send(endpoint, self.auth.seal(control.encode(msg)))
             return True
         except PeerSendError as exc:
             log.warning("%s", exc)
@@ -136,8 +140,28 @@ class Core:
     def decode_control(self, frame: bytes) -> ControlMessage | None:
         """Parse an inbound control frame; None (logged, counted) if malformed."""
         try:
-            return control.decode(frame, self.settings.max_frame_bytes)
+            return control.decode(self.auth.open(frame), self.settings.max_frame_bytes)
+        except AuthError as exc:
+            self.counters.auth_failures += 1
+            self._log_auth_once(str(exc).split(" (")[0], exc)
+            return None
         except ProtocolError as exc:
             self.counters.protocol_errors += 1
             log.warning("dropped control frame: %s", exc)
             return None
+
+    def _log_auth_once(self, key: str, exc: Exception) -> None:
+        """Unauthenticated traffic is logged once per kind (the sender is unknown: an
+        unverified frame's claimed peer is not trusted), then only counted."""
+        if key not in self._auth_logged and len(self._auth_logged) < 64:
+            self._auth_logged.add(key)
+            log.warning("dropped control frame: %s (further ones only counted)", exc)
+
+    async def http(self, method: str, url: str, *, params: Mapping[str, Any] | None = None,
+                   json: Any = None, limit_s: float | None = None) -> httpx.Response:
+        """An authenticated HTTP request to a bootstrap server (raises httpx errors)."""
+        req = self.http_client.build_request(method, url, params=params, json=json,
+                                             timeout=limit_s or self.settings.http_timeout)
+        req.headers.update(self.auth.http_header(method, req.url.path,
+                                                 req.url.query.decode(), req.content))
+        return await self.http_client.send(req)

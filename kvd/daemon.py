@@ -23,16 +23,17 @@ from kvd.addr import join_hostport
 from kvd.bootstrap.app import create_app
 from kvd.bootstrap.server import HttpServer, bind_socket
 from kvd.bootstrap.table import BootstrapTable
-from kvd.config import Settings
+from kvd.config import Settings, read_secret
 from kvd.control.peers import ControlPlane
 from kvd.core import Core
 from kvd.decode import DecodeSide
 from kvd.engine_rpc.server import Connection, EngineRpcServer
-from kvd.errors import RoomError
+from kvd.errors import ConfigError, RoomError
 from kvd.memory import MemoryMap
 from kvd.prefill import PrefillSide
 from kvd.protocol import control, rpc
 from kvd.rooms import UNKNOWN_ROOM, KVPoll
+from kvd.security import Authenticator
 from kvd.status import DaemonOps
 from kvd.transfer.engine import MooncakeEngine, TransferEngine
 from kvd.transfer.executor import TransferExecutor
@@ -80,14 +81,17 @@ class Daemon:
         """Open every listener; raises ConfigError/TransportError if one cannot start."""
         s = self.settings
         engine = self._engine or self._make_engine()
-        ctl = ControlPlane(s.control_send_timeout)
+        ctl = ControlPlane(s.control_send_timeout, max_frame=s.max_frame_bytes)
         ctl.bind(s.host, s.zmq_port)
+        auth = self._authenticator()
         http = httpx.AsyncClient(timeout=s.http_timeout,
                                  limits=httpx.Limits(max_keepalive_connections=32))
         self.core = Core(s, engine, TransferExecutor(engine, s.transfer_threads), ctl,
-                         MemoryMap(s.shm_dir), http)
+                         MemoryMap(s.shm_dir), http, auth=auth)
         sock = bind_socket(s.http_host, s.http_port)
-        self.http_server = HttpServer(create_app(self.health, self.table, DaemonOps(self)), sock)
+        app = create_app(self.health, self.table, DaemonOps(self), auth=auth,
+                         on_auth_failure=self._http_auth_failed)
+        self.http_server = HttpServer(app, sock)
         await self.http_server.start()
         if s.serve_bootstrap and s.bootstrap_addr is None:
             s.bootstrap_addr = join_hostport(s.http_host, self.http_server.port)
@@ -95,7 +99,8 @@ class Daemon:
             self.prefill = PrefillSide(self.core)
         else:
             self.decode = DecodeSide(self.core)
-        self.rpc_server = EngineRpcServer(s.engine_socket, self.dispatch, s.max_frame_bytes)
+        self.rpc_server = EngineRpcServer(s.engine_socket, self.dispatch, s.max_frame_bytes,
+                                          s.engine_socket_group)
         await self.rpc_server.start()
         self.core.spawn(self._recv_loop(), "control-recv")
         self.core.spawn(self._sweep_loop(), "sweeper")
@@ -103,6 +108,24 @@ class Daemon:
         if self.decode is not None:
             self.core.spawn(self.decode.heartbeat_loop(), "heartbeats")
         self._announce()
+
+    def _http_auth_failed(self, exc: Exception) -> None:
+        if self.core is not None:
+            self.core.counters.auth_failures += 1
+            self.core._log_auth_once(f"http: {str(exc).split(' (')[0]}", exc)
+
+    def _authenticator(self) -> Authenticator:
+        """The cluster-secret authenticator; refuses to start without a secret unless
+        ``insecure`` is set (then it warns)."""
+        s = self.settings
+        secret = read_secret(s)
+        if secret is None and not s.insecure:
+            raise ConfigError("no cluster secret: set KVD_CLUSTER_SECRET or cluster_secret_file "
+                              "(or insecure = true to run without authentication)")
+        if secret is None:
+            log.warning("INSECURE: no cluster secret; bootstrap and control messages are NOT "
+                        "authenticated (insecure = true)")
+        return Authenticator(secret, s.auth_max_skew)
 
     def _make_engine(self) -> MooncakeEngine:
         s, hook = self.settings, None
@@ -164,7 +187,7 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*core.tasks, return_exceptions=True)
         await asyncio.get_running_loop().run_in_executor(None, core.executor.shutdown)
-        await core.http.aclose()
+        await core.http_client.aclose()
         core.control.close()
         for addr in core.registered_addrs:
             try:

@@ -68,8 +68,8 @@ class BootstrapClient:
     Concurrent lookups of the same key share one request.
     """
 
-    def __init__(self, http: httpx.AsyncClient, budget: float) -> None:
-        self.http = http
+    def __init__(self, core: Core, budget: float) -> None:
+        self.core = core
         self.budget = budget
         self.info: dict[str, ParallelInfo] = {}
         self.ranks: dict[tuple[str, int, int, int], RankInfo] = {}
@@ -95,7 +95,7 @@ class BootstrapClient:
         last = ""
         while True:
             try:
-                resp = await self.http.get(url, params=params)
+                resp = await self.core.http("GET", url, params=params)
                 if resp.status_code == 200:
                     result: dict[str, object] = resp.json()
                     return result
@@ -146,7 +146,7 @@ class DecodeSide:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.rooms: dict[int, ReceiverRoom] = {}
-        self.bootstrap = BootstrapClient(core.http, core.settings.bootstrap_retry_budget)
+        self.bootstrap = BootstrapClient(core, core.settings.bootstrap_retry_budget)
         self.registered: set[str] = set()
         self.health: dict[str, PeerHealth] = {}
 
@@ -167,8 +167,8 @@ class DecodeSide:
         s = self.core.settings
         h = self.health.setdefault(addr, PeerHealth())
         try:
-            resp = await self.core.http.get(http_url(addr, "/health"),
-                                            timeout=min(s.http_timeout, s.heartbeat_interval))
+            resp = await self.core.http("GET", http_url(addr, "/health"),
+                                        limit_s=min(s.http_timeout, s.heartbeat_interval))
             data = resp.json() if resp.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             data = None

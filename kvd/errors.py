@@ -8,6 +8,7 @@ with ``raise ... from exc``, and carry the room and peer in their message::
     KvdError
     ├── ConfigError            invalid settings (every problem listed at once)
     ├── ProtocolError          malformed, oversized or unknown-version frame
+    │   └── AuthError            missing, forged, stale or replayed authentication
     ├── LayoutError            KV layout math refused the request
     │   ├── IndexLengthMismatch  src/dst page counts disagree
     │   └── BoundsError          a descriptor would touch unregistered bytes
@@ -33,6 +34,10 @@ class ConfigError(KvdError):
 
 class ProtocolError(KvdError):
     """A frame could not be decoded: bad magic, unknown version, wrong shape or size."""
+
+
+class AuthError(ProtocolError):
+    """A message's authentication is missing, wrong, too old, or a replay."""
 
 
 class LayoutError(KvdError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -66,12 +67,19 @@ def _toml_value(v: Any) -> str:
     return json.dumps(str(v))
 
 
+#: The cluster secret of daemons started by this process (tests, demo, benchmarks): one
+#: random secret per launching process, handed to children through the environment.
+LAUNCH_SECRET = os.environ.get("KVD_CLUSTER_SECRET") or secrets.token_hex(24)
+
+
 def start_daemon(role: str, workdir: str | Path | None = None, timeout: float = 30.0,
-                 **settings: Any) -> DaemonProcess:
+                 env: dict[str, str] | None = None, **settings: Any) -> DaemonProcess:
     """Start ``kvd serve`` with ``settings`` written to a TOML file.
 
-    Raises :class:`KvdError` if the daemon exits or is not ready in ``timeout`` s
-    (the message carries the tail of its log).
+    The daemon gets :data:`LAUNCH_SECRET` as its cluster secret (``KVD_CLUSTER_SECRET``)
+    unless ``env`` says otherwise or ``insecure=True`` is passed. Raises
+    :class:`KvdError` if the daemon exits or is not ready in ``timeout`` s (the message
+    carries the tail of its log).
     """
     work = Path(workdir or tempfile.mkdtemp(prefix="kvd-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -80,9 +88,13 @@ def start_daemon(role: str, workdir: str | Path | None = None, timeout: float = 
     cfg = work / f"kvd-{role}-{time.time_ns()}.toml"
     cfg.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in settings.items()))
     log = cfg.with_suffix(".log")
+    child_env = dict(os.environ)
+    if not settings.get("insecure"):
+        child_env.setdefault("KVD_CLUSTER_SECRET", LAUNCH_SECRET)
+    child_env.update(env or {})
     with log.open("wb") as errf:
         proc = subprocess.Popen([sys.executable, "-m", "kvd.cli.main", "serve", "--config",
-                                 str(cfg)], stdout=subprocess.PIPE, stderr=errf)
+                                 str(cfg)], stdout=subprocess.PIPE, stderr=errf, env=child_env)
     ready = _wait_ready(proc, log, timeout)
     return DaemonProcess(proc, ready, cfg, log,
                          {"http_host": settings.get("http_host", "127.0.0.1")})

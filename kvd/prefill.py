@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from kvd.addr import http_url
@@ -81,6 +81,7 @@ class PrefillSide:
         self.peers: dict[str, DecodePeer] = {}
         self.rooms: dict[int, SenderRoom] = {}
         self.pending: dict[int, list[tuple[control.RoomPages, float]]] = {}
+        self.pending_by_peer: Counter[str] = Counter()  # limits buffered rooms per peer
         self._registrations: dict[str, control.RegisterRank] = {}
         self._layout: RankLayout | None = None
         self.bootstrap_registered = False
@@ -94,7 +95,7 @@ class PrefillSide:
             raise RoomError(f"room {room} already active")
         self.rooms[room] = SenderRoom(RoomState(room))
         self.core.events.room_started("prefill", room)
-        for msg, _ in self.pending.pop(room, []):
+        for msg, _ in self._take_pending(room):
             self._add_destination(self.rooms[room], msg)
 
     def init(self, room: int, num_pages: int, aux_index: int) -> None:
@@ -151,7 +152,12 @@ class PrefillSide:
             self.on_register_rank(msg)
 
     def on_register_rank(self, msg: control.RegisterRank) -> None:
-        """A decode rank's KV args; incompatible ones are remembered as rejected (K12)."""
+        """A decode rank's KV args; incompatible ones are remembered as rejected (K12).
+        Registrations past ``max_peers`` distinct decode ranks are dropped (logged)."""
+        if msg.endpoint not in self.peers and len(self.peers) >= self.core.settings.max_peers:
+            log.warning("refused decode rank %s: %d peers registered (max_peers)", msg.endpoint,
+                        len(self.peers))
+            return
         self._registrations[msg.endpoint] = msg
         peer = DecodePeer(msg.endpoint, msg.instance_id, msg.attn_tp_rank, msg.attn_tp_size, None)
         try:
@@ -168,7 +174,13 @@ class PrefillSide:
         """Destination pages for a room (buffered if the sender does not exist yet)."""
         r = self.rooms.get(msg.room)
         if r is None:
+            if self.pending_by_peer[msg.endpoint] >= self.core.settings.max_rooms_per_peer:
+                self._refuse(msg, f"room {msg.room}: refused, {msg.endpoint} already has "
+                                  f"{self.pending_by_peer[msg.endpoint]} rooms waiting for "
+                                  f"a sender (max_rooms_per_peer)")
+                return
             self.pending.setdefault(msg.room, []).append((msg, time.monotonic()))
+            self.pending_by_peer[msg.endpoint] += 1
             return
         self._add_destination(r, msg)
 
@@ -221,12 +233,18 @@ class PrefillSide:
     def _refuse(self, msg: control.RoomPages, reason: str) -> None:
         self._status_to(msg.endpoint, msg.room, KVPoll.Failed, reason, quiesced=True)
 
+    def _take_pending(self, room: int) -> list[tuple[control.RoomPages, float]]:
+        entries = self.pending.pop(room, [])
+        self.pending_by_peer.subtract(m.endpoint for m, _ in entries)
+        self.pending_by_peer += Counter()  # drop zero counts
+        return entries
+
     def _drop_pending(self, room: int, endpoint: str) -> None:
-        entries = [(m, t) for m, t in self.pending.get(room, []) if m.endpoint != endpoint]
-        if entries:
-            self.pending[room] = entries
-        else:
-            self.pending.pop(room, None)
+        entries = self._take_pending(room)
+        kept = [(m, t) for m, t in entries if m.endpoint != endpoint]
+        if kept:
+            self.pending[room] = kept
+            self.pending_by_peer.update(m.endpoint for m, _ in kept)
 
     def _add_destination(self, r: SenderRoom, msg: control.RoomPages) -> None:
         room = msg.room
@@ -348,11 +366,12 @@ class PrefillSide:
             elif r.state.done and not r.writing and now - r.state.since > s.finished_room_ttl:
                 del self.rooms[room]  # the engine never cleared it
         for room, entries in list(self.pending.items()):
-            kept = [(m, t) for m, t in entries if now - t <= s.bootstrap_timeout]
-            if kept:
-                self.pending[room] = kept
-            else:
-                del self.pending[room]
+            if any(now - t > s.bootstrap_timeout for _, t in entries):
+                kept = [(m, t) for m, t in self._take_pending(room)
+                        if now - t <= s.bootstrap_timeout]
+                if kept:
+                    self.pending[room] = kept
+                    self.pending_by_peer.update(m.endpoint for m, _ in kept)
 
     async def register_with_bootstrap(self) -> None:
         """PUT this rank to the bootstrap server, retrying with capped backoff until accepted."""
@@ -367,7 +386,7 @@ class PrefillSide:
         url, delay = http_url(s.bootstrap_addr, "/route"), 0.05
         while True:
             try:
-                resp = await self.core.http.put(url, json=body)
+                resp = await self.core.http("PUT", url, json=body)
                 if resp.status_code == 200:
                     self.bootstrap_registered = True
                     log.info("registered with bootstrap %s", s.bootstrap_addr)
@@ -388,7 +407,7 @@ class PrefillSide:
                                         "target_dp_group": s.attn_dp_rank,
                                         "target_pp_rank": s.pp_rank, "instance_id": s.instance_id}
         try:
-            await self.core.http.delete(http_url(s.bootstrap_addr, "/route"), params=params)
+            await self.core.http("DELETE", http_url(s.bootstrap_addr, "/route"), params=params)
             self.bootstrap_registered = False
         except Exception as exc:  # httpx errors: the bootstrap server may be gone already
             log.info("could not deregister from bootstrap %s: %s", s.bootstrap_addr, exc)

@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvd.launch import DaemonProcess, start_daemon
@@ -82,3 +83,36 @@ def health(daemon: DaemonProcess) -> dict:
     import httpx
 
     return httpx.get(f"http://{daemon.http_addr}/health", timeout=5).json()
+
+
+def signed(method: str, url: str, **kwargs: object) -> httpx.Response:
+    """An HTTP request authenticated with the launched daemons' cluster secret."""
+
+    from kvd.launch import LAUNCH_SECRET
+    from kvd.security import Authenticator
+
+    auth = Authenticator(LAUNCH_SECRET.encode())
+    with httpx.Client(timeout=5) as client:
+        req = client.build_request(method, url, **kwargs)  # type: ignore[arg-type]
+        req.headers.update(auth.http_header(method, req.url.path, req.url.query.decode(),
+                                            req.content))
+        return client.send(req)
+
+
+def eventually_transfers(p_engine: object, d_engine: object, bootstrap: str, first_room: int,
+                         src: list[int], dst: list[int], within: float = 20.0) -> int:
+    """Start rooms until one succeeds (a recovering peer is seen by the next heartbeat);
+    returns the room that succeeded, or fails the test after ``within`` seconds."""
+    import time
+
+    from kvd.client import KVPoll
+    from kvd.refengine.standin import transfer_room, wait_rooms
+
+    deadline, room = time.monotonic() + within, first_room
+    while time.monotonic() < deadline:
+        transfer_room(p_engine, d_engine, bootstrap, room, src, dst, chunk=1)  # type: ignore[arg-type]
+        if wait_rooms(d_engine.client, [room], timeout=10) == [KVPoll.Success]:  # type: ignore[attr-defined]
+            return room
+        room += 1
+        time.sleep(0.5)
+    raise AssertionError(f"no room succeeded within {within}s after recovery")

@@ -11,7 +11,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -25,6 +25,8 @@ from kvd.bootstrap.table import (
     PrefillRegistration,
     RankInfo,
 )
+from kvd.errors import AuthError
+from kvd.security import HEADER, Authenticator
 from kvd.status import Readiness, Room, Status
 
 log = logging.getLogger(__name__)
@@ -40,12 +42,15 @@ class Ops(Protocol):
 
 
 def create_app(health: Callable[[], dict[str, Any]], table: BootstrapTable | None,
-               ops: Ops | None = None) -> FastAPI:
+               ops: Ops | None = None, auth: Authenticator | None = None,
+               on_auth_failure: Callable[[AuthError], None] | None = None) -> FastAPI:
     """Build the app. ``health()`` returns the /health JSON; ``table`` enables /route;
     ``ops`` enables /ready, /metrics, /v1/status and /v1/rooms.
 
     Bad input answers 400 (never 422 or 500); an unknown rank 404; a rank not
-    yet registered 503; a contradicting registration 409.
+    yet registered 503; a contradicting registration 409. With ``auth`` enabled,
+    every ``/route`` request must carry a valid ``KVD-HMAC`` authorization (401
+    otherwise; ``on_auth_failure`` is told). ``/health`` stays open (liveness).
     """
     app = FastAPI(title="kvd", version="1")
 
@@ -61,8 +66,27 @@ def create_app(health: Callable[[], dict[str, Any]], table: BootstrapTable | Non
     if ops is not None:
         _add_ops_api(app, ops)
     if table is not None:
-        _add_route_api(app, table)
+        _add_route_api(app, table, _route_guard(auth, on_auth_failure))
     return app
+
+
+def _route_guard(auth: Authenticator | None,
+                 on_failure: Callable[[AuthError], None] | None) -> Callable[..., Any]:
+    """A FastAPI dependency checking the request's KVD-HMAC authorization."""
+
+    async def guard(request: Request) -> None:
+        if auth is None or not auth.enabled:
+            return
+        body = await request.body()
+        try:
+            auth.check_http(request.headers.get(HEADER), request.method, request.url.path,
+                            request.url.query, body)
+        except AuthError as exc:
+            if on_failure is not None:
+                on_failure(exc)
+            raise HTTPException(401, f"unauthenticated: {exc}") from exc
+
+    return guard
 
 
 def _add_ops_api(app: FastAPI, ops: Ops) -> None:
@@ -90,8 +114,8 @@ def _add_ops_api(app: FastAPI, ops: Ops) -> None:
         return ops.rooms(all, limit)
 
 
-def _add_route_api(app: FastAPI, table: BootstrapTable) -> None:
-    @app.put("/route", response_class=PlainTextResponse)
+def _add_route_api(app: FastAPI, table: BootstrapTable, guard: Callable[..., Any]) -> None:
+    @app.put("/route", response_class=PlainTextResponse, dependencies=[Depends(guard)])
     async def put_route(reg: PrefillRegistration) -> PlainTextResponse:
         try:
             outcome = table.register(reg)
@@ -103,7 +127,7 @@ def _add_route_api(app: FastAPI, table: BootstrapTable) -> None:
                         reg.rank_port)
         return PlainTextResponse("OK")
 
-    @app.delete("/route", response_class=PlainTextResponse)
+    @app.delete("/route", response_class=PlainTextResponse, dependencies=[Depends(guard)])
     async def delete_route(engine_rank: int = Query(ge=0), target_dp_group: int = Query(ge=0),
                            target_pp_rank: int = Query(0, ge=0),
                            instance_id: str | None = Query(None, max_length=64)
@@ -113,7 +137,7 @@ def _add_route_api(app: FastAPI, table: BootstrapTable) -> None:
             return PlainTextResponse("OK")
         return PlainTextResponse("no such registration", status_code=404)
 
-    @app.get("/route", response_model=None)
+    @app.get("/route", response_model=None, dependencies=[Depends(guard)])
     async def get_route(engine_rank: int = Query(ge=-1),
                         target_dp_group: int = Query(ge=-1),
                         target_pp_rank: int = Query(-1, ge=-1)) -> ParallelInfo | RankInfo | \

@@ -32,10 +32,12 @@ class ControlPlane:
     ``recv()`` returns the next inbound frame (bytes).
     """
 
-    def __init__(self, send_timeout: float = 5.0, hwm: int = 10000) -> None:
+    def __init__(self, send_timeout: float = 5.0, hwm: int = 10000,
+                 max_frame: int = 64 << 20) -> None:
         self.ctx = zmq.asyncio.Context()
         self.send_timeout = send_timeout
         self.hwm = hwm
+        self.max_frame = max_frame
         self._pull: zmq.asyncio.Socket | None = None
         self._push: dict[str, zmq.asyncio.Socket] = {}
         self.endpoint = ""
@@ -45,6 +47,7 @@ class ControlPlane:
         sock = self.ctx.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame + 64)  # + the auth seal
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
         addr = f"tcp://{format_host(host)}"

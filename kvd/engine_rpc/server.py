@@ -12,16 +12,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import logging
 import os
+import pwd
+import socket
+import struct
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from kvd.errors import KvdError, ProtocolError
+from kvd.errors import ConfigError, KvdError, ProtocolError
 from kvd.protocol import rpc
 
 log = logging.getLogger(__name__)
+
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _group_id(name: str) -> int:
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError as exc:
+        raise ConfigError(f"engine_socket_group {name!r} does not exist") from exc
+
+
+def _supplementary_groups(uid: int) -> list[int]:
+    try:
+        user = pwd.getpwuid(uid)
+    except KeyError:
+        return []
+    return os.getgrouplist(user.pw_name, user.pw_gid)
+
 
 Dispatch = Callable[[rpc.Call, "Connection"], Awaitable[Any]]
 
@@ -35,12 +57,21 @@ class Connection:
 
 
 class EngineRpcServer:
-    """Serves ``dispatch(call, connection)`` on ``path`` (mode 0600)."""
+    """Serves ``dispatch(call, connection)`` on ``path``.
 
-    def __init__(self, path: Path, dispatch: Dispatch, max_frame: int) -> None:
+    The socket is mode 0600 (owner only), or 0660 owned by ``group`` when one is
+    given. Each connection's peer credentials (``SO_PEERCRED``) are checked too:
+    only this daemon's user, root, or members of ``group`` are served; others are
+    disconnected at once and counted in ``refused``.
+    """
+
+    def __init__(self, path: Path, dispatch: Dispatch, max_frame: int,
+                 group: str | None = None) -> None:
         self.path = path
         self.dispatch = dispatch
         self.max_frame = max_frame
+        self.gid = _group_id(group) if group else None
+        self.refused = 0
         self._server: asyncio.AbstractServer | None = None
         self._next_id = 0
         self._handlers: set[asyncio.Task[None]] = set()
@@ -55,7 +86,11 @@ class EngineRpcServer:
             self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
         finally:
             os.umask(old)
-        os.chmod(self.path, 0o600)
+        if self.gid is not None:
+            os.chown(self.path, -1, self.gid)
+            os.chmod(self.path, 0o660)
+        else:
+            os.chmod(self.path, 0o600)
 
     async def stop(self) -> None:
         """Stop accepting, close connections, unlink the socket."""
@@ -70,6 +105,10 @@ class EngineRpcServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if not self._peer_allowed(writer):
+            self.refused += 1
+            writer.close()
+            return
         self._handlers.add(task)
         self._next_id += 1
         conn = Connection(self._next_id)
@@ -85,6 +124,20 @@ class EngineRpcServer:
                 except Exception:
                     log.exception("engine connection close callback failed")
             writer.close()
+
+    def _peer_allowed(self, writer: asyncio.StreamWriter) -> bool:
+        sock = writer.get_extra_info("socket")
+        try:
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
+        except (OSError, AttributeError):
+            return False
+        pid, uid, gid = _CREDS.unpack(creds)
+        if uid in (0, os.getuid()) or (self.gid is not None and gid == self.gid):
+            return True
+        if self.gid is not None and self.gid in _supplementary_groups(uid):
+            return True
+        log.warning("engine socket: refused connection from pid %d uid %d", pid, uid)
+        return False
 
     async def _loop_frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            conn: Connection) -> None:

@@ -12,7 +12,7 @@ from kvd.client import KVPoll, Receiver, Sender
 from kvd.errors import ProtocolError, RoomError
 from kvd.protocol import rpc
 from kvd.refengine.standin import transfer_room, wait_rooms
-from tests.conftest import PdPair
+from tests.conftest import PdPair, signed
 
 pytestmark = pytest.mark.integration
 
@@ -88,16 +88,19 @@ def test_pack_rejects_float_page_indices() -> None:
 
 def test_route_and_health_answer(pd_pair: PdPair) -> None:
     base = f"http://{pd_pair.bootstrap}"
-    info = httpx.get(f"{base}/route", params={"engine_rank": -1, "target_dp_group": -1,
-                                              "target_pp_rank": -1}).json()
+    info = signed("GET", f"{base}/route", params={"engine_rank": -1, "target_dp_group": -1,
+                                                  "target_pp_rank": -1}).json()
     assert info["prefill_attn_tp_size"] == 1 and info["prefill_dp_size"] == 1
-    rank = httpx.get(f"{base}/route", params={"engine_rank": 0, "target_dp_group": 0,
-                                              "target_pp_rank": 0}).json()
+    rank = signed("GET", f"{base}/route", params={"engine_rank": 0, "target_dp_group": 0,
+                                                  "target_pp_rank": 0}).json()
     assert rank["rank_port"] == int(pd_pair.prefill.ready["control_endpoint"].rsplit(":", 1)[1])
-    assert httpx.get(f"{base}/route", params={"engine_rank": 5, "target_dp_group": 0}
-                     ).status_code == 404
-    assert httpx.get(f"{base}/route", params={"engine_rank": "abc",
-                                              "target_dp_group": 0}).status_code == 400
+    assert signed("GET", f"{base}/route", params={"engine_rank": 5, "target_dp_group": 0}
+                  ).status_code == 404
+    assert signed("GET", f"{base}/route", params={"engine_rank": "abc",
+                                                  "target_dp_group": 0}).status_code == 400
+    # Without the cluster secret the bootstrap API answers nothing but 401.
+    assert httpx.get(f"{base}/route", params={"engine_rank": 0, "target_dp_group": 0}
+                     ).status_code == 401
     health = httpx.get(f"http://{pd_pair.decode.http_addr}/health").json()
     assert health["status"] == "ok" and health["role"] == "decode"
     assert health["instance_id"] == pd_pair.decode.ready["instance_id"]

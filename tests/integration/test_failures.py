@@ -18,7 +18,7 @@ from kvd.client import KVPoll, Receiver, Sender, poll_many, wait_many
 from kvd.errors import RoomError
 from kvd.launch import start_daemon
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
-from tests.conftest import free_port, health, start_pair, stop_pair
+from tests.conftest import eventually_transfers, free_port, health, start_pair, stop_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -340,9 +340,7 @@ def test_sigkill_prefill_fails_rooms_and_restart_recovers(tmp_path: Path) -> Non
         p.close()
         pair.prefill = start_daemon("prefill", tmp_path, serve_bootstrap=True, **p_opts)
         pair.p_engine = p = EngineStandIn(pair.prefill.socket, seed=1)
-        time.sleep(1.5)  # heartbeats see it back
-        transfer_room(p, d, pair.bootstrap, 600, [7, 8], [9, 10], chunk=1)
-        assert wait_rooms(d.client, [600], timeout=15) == [KVPoll.Success]
+        eventually_transfers(p, d, pair.bootstrap, 600, [7, 8], [9, 10])
         assert d.pages_equal(p, [7, 8], [9, 10])
     finally:
         other_engine.close()

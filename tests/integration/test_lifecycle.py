@@ -14,7 +14,7 @@ import pytest
 from kvd.client import KvdClient, KVPoll, Receiver, Sender, poll_many
 from kvd.launch import start_daemon
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
-from tests.conftest import free_port, health, start_pair, stop_pair
+from tests.conftest import eventually_transfers, free_port, health, start_pair, stop_pair
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -178,9 +178,7 @@ def test_k19_frozen_or_dead_prefill_bounds_every_send(tmp_path: Path, fault: str
             pair.p_engine.close()
             pair.prefill = start_daemon("prefill", tmp_path, serve_bootstrap=True, **p_opts)
             pair.p_engine = EngineStandIn(pair.prefill.socket, seed=1)
-        time.sleep(1.5)  # heartbeats see it back
-        transfer_room(pair.p_engine, d, pair.bootstrap, 30_000, [7], [8], chunk=1)
-        assert wait_rooms(d.client, [30_000], timeout=15) == [KVPoll.Success]
+        eventually_transfers(pair.p_engine, d, pair.bootstrap, 30_000, [7], [8])
         assert d.pages_equal(pair.p_engine, [7], [8])
         assert np.isfinite(health(pair.decode)["uptime_s"])
     finally:
