@@ -380,7 +380,7 @@ def read_secret(settings: Settings) -> bytes | None:
     Raises :class:`ConfigError` if the file cannot be read or the secret is shorter
     than 16 bytes.
     """
-    if settings.cluster_secret is not None:
+    if settings.cluster_secret is not None and settings.cluster_secret.get_secret_value():
         secret = settings.cluster_secret.get_secret_value().strip().encode()
     elif settings.cluster_secret_file is not None:
         try:

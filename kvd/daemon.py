@@ -80,10 +80,10 @@ class Daemon:
     async def startup(self) -> None:
         """Open every listener; raises ConfigError/TransportError if one cannot start."""
         s = self.settings
+        auth = self._authenticator()  # before anything opens: no secret, no daemon
         engine = self._engine or self._make_engine()
         ctl = ControlPlane(s.control_send_timeout, max_frame=s.max_frame_bytes)
         ctl.bind(s.host, s.zmq_port)
-        auth = self._authenticator()
         http = httpx.AsyncClient(timeout=s.http_timeout,
                                  limits=httpx.Limits(max_keepalive_connections=32))
         self.core = Core(s, engine, TransferExecutor(engine, s.transfer_threads), ctl,

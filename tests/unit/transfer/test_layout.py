@@ -615,3 +615,38 @@ def test_check_bounds_finds_the_first_bad_entry_of_a_large_plan() -> None:
         check_bounds(bad, desc.length, regions, "destination")
     with pytest.raises(BoundsError, match="wraps past 2"):
         check_bounds(bad, desc.length + U(2**63), regions, "destination")
+
+
+# --------------------------------------------------------------------------- bounds spans
+
+@settings(max_examples=120, deadline=None)
+@given(pair=st.sampled_from([(1, 1), (2, 1), (1, 2), (4, 2), (2, 4), (1, 4), (8, 1)]),
+       layout=st.sampled_from(["NHD", "HND"]), mla=st.booleans(),
+       page_size=st.sampled_from([1, 16, 64]), data=st.data())
+def test_every_descriptor_lies_inside_a_span(pair: tuple[int, int], layout: str, mla: bool,
+                                             page_size: int, data: Any) -> None:
+    """``check_plan_bounds`` checks spans instead of descriptors: each descriptor must lie
+    inside one span on both sides, else the fast check would not be a real check."""
+    p_tp, d_tp = pair
+    total = 2 if (p_tp, d_tp) == (1, 4) else 8
+    src = make(0, p_tp, total, page_size=page_size, head_dim=8, layout=layout, is_mla=mla)
+    dst = make(d_tp - 1, d_tp, total, page_size=page_size, head_dim=8, layout=layout,
+               is_mla=mla, base=0x8000_0000_0000_0000)
+    n = data.draw(st.integers(1, 20))
+    sp = np.array(data.draw(st.lists(st.integers(0, 63), min_size=n, max_size=n)))
+    dp = np.array(data.draw(st.permutations(range(64)))[:n])
+    desc = plan_transfer(src, dst, sp, dp)
+    assert desc.spans is not None
+    s_lo, s_hi, d_lo, d_hi = desc.spans
+    for addr, lo, hi in ((desc.src, s_lo, s_hi), (desc.dst, d_lo, d_hi)):
+        end = addr + desc.length
+        inside = (addr[:, None] >= lo[None, :]) & (end[:, None] <= hi[None, :])
+        assert inside.any(axis=1).all()
+    regions_s = Regions.of(src.kv_ptrs, src.item_lens * np.uint64(64))
+    regions_d = Regions.of(dst.kv_ptrs, dst.item_lens * np.uint64(64))
+    plan.check_plan_bounds(desc, regions_s, regions_d, "room")  # spans inside the pools
+    if len(desc) == 0:  # disjoint head sets: nothing to write, nothing to check
+        return
+    shrunk = Regions.of(dst.kv_ptrs, dst.item_lens * np.uint64(int(dp.max())))
+    with pytest.raises(BoundsError):  # the highest destination page is no longer registered
+        plan.check_plan_bounds(desc, regions_s, shrunk, "room")
