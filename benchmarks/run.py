@@ -32,6 +32,7 @@ from rich.table import Table
 
 from kvd.client import KVPoll, Receiver, Sender, wait_many
 from kvd.launch import start_daemon
+from kvd.protocol import rpc
 from kvd.refengine.standin import EngineStandIn
 from kvd.transfer.plan import plan_pages
 
@@ -78,18 +79,13 @@ def bench_kvd(lay: dict[str, int], src: np.ndarray, dst: np.ndarray, repeats: in
             for s, _ in senders:
                 s.clear()
             for i in ids:
-                Receiver.clear(_Stub(d.client, i))  # type: ignore[arg-type]
+                d.client.call(rpc.Clear(room=i))
     finally:
         p.close()
         d.close()
         prefill.stop()
         decode.stop()
     return times, ok
-
-
-class _Stub:
-    def __init__(self, client: Any, room: int) -> None:
-        self.client, self.room = client, room
 
 
 def _raw_receiver(nbytes: int, conn: Any) -> None:

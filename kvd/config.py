@@ -89,6 +89,13 @@ class Settings(BaseSettings):
     role: Literal["prefill", "decode"] = _setting(
         help="which side of PD disaggregation this kvd serves (required)")
     host: str = _setting("127.0.0.1", help="address advertised to peers (ZMQ, transfer engine)")
+    transfer_host: str | None = _setting(
+        None, help="address of the transfer engine if not host; Mooncake's P2P handshake is "
+                   "IPv4-only, so with host = ::1 the default is 127.0.0.1, and any other "
+                   "IPv6 host needs an IPv4 transfer_host")
+    aux_transport: Literal["mooncake", "control"] = _setting(
+        "mooncake", help="how aux data travels: in the last transfer batch, or inside the "
+                         "final status message over the control plane (TCP fallback)")
     http_host: str = _setting("127.0.0.1", help="REST listener: /health /ready /metrics "
                               "/v1/status, and /route when serving bootstrap")
     http_port: int = _setting(0, ge=0, le=65535, unit="port", help="REST port (0: any free)")
@@ -192,6 +199,9 @@ class Settings(BaseSettings):
                                 f"{getattr(self, size)}")
         if self.role == "prefill" and not (self.bootstrap_addr or self.serve_bootstrap):
             problems.append("a prefill kvd needs bootstrap_addr (or serve_bootstrap = true)")
+        if self.transfer_host is None and ":" in self.host and self.host.strip("[]") != "::1":
+            problems.append(f"host {self.host} is IPv6: set transfer_host to an IPv4 address "
+                            f"(Mooncake's P2P handshake is IPv4-only)")
         if self.cluster_secret is not None and self.cluster_secret_file is not None:
             problems.append("set cluster_secret or cluster_secret_file, not both")
         if problems:
@@ -372,6 +382,14 @@ def toml_template() -> str:
         else:
             out.append(f"#{name} = {_toml_literal(default)}")
     return "\n".join(out) + "\n"
+
+
+def effective_transfer_host(settings: Settings) -> str:
+    """The transfer engine's address: ``transfer_host``, else ``host`` (``::1`` maps to
+    127.0.0.1 because Mooncake's P2P handshake resolves IPv4 only)."""
+    if settings.transfer_host:
+        return settings.transfer_host
+    return "127.0.0.1" if settings.host.strip("[]") == "::1" else settings.host
 
 
 def read_secret(settings: Settings) -> bytes | None:

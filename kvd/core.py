@@ -25,6 +25,7 @@ from kvd.protocol.rpc import RegisterKV
 from kvd.security import Authenticator
 from kvd.transfer.engine import TransferEngine
 from kvd.transfer.executor import TransferExecutor
+from kvd.transfer.faults import FaultPlan
 from kvd.transfer.kvargs import RankArgs
 
 log = logging.getLogger("kvd")
@@ -57,6 +58,7 @@ class Core:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     registered_addrs: list[int] = field(default_factory=list)
     auth: Authenticator = field(default_factory=lambda: Authenticator(None))
+    faults: FaultPlan | None = None
     _auth_logged: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     events: RoomEvents = field(default_factory=RoomEvents)  # metrics + recent failures hooks

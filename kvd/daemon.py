@@ -23,7 +23,7 @@ from kvd.addr import join_hostport
 from kvd.bootstrap.app import create_app
 from kvd.bootstrap.server import HttpServer, bind_socket
 from kvd.bootstrap.table import BootstrapTable
-from kvd.config import Settings, read_secret
+from kvd.config import Settings, effective_transfer_host, read_secret
 from kvd.control.peers import ControlPlane
 from kvd.core import Core
 from kvd.decode import DecodeSide
@@ -87,7 +87,9 @@ class Daemon:
         http = httpx.AsyncClient(timeout=s.http_timeout,
                                  limits=httpx.Limits(max_keepalive_connections=32))
         self.core = Core(s, engine, TransferExecutor(engine, s.transfer_threads), ctl,
-                         MemoryMap(s.shm_dir), http, auth=auth)
+                         MemoryMap(s.shm_dir), http, auth=auth,
+                         faults=FaultPlan.model_validate_json(s.fault_injection)
+                         if s.fault_injection else None)
         sock = bind_socket(s.http_host, s.http_port)
         app = create_app(self.health, self.table, DaemonOps(self), auth=auth,
                          on_auth_failure=self._http_auth_failed)
@@ -132,7 +134,8 @@ class Daemon:
         if s.fault_injection:
             hook = FaultInjector(FaultPlan.model_validate_json(s.fault_injection))
             log.warning("FAULT INJECTION ACTIVE (testing only): %s", hook.plan)
-        return MooncakeEngine(s.host, s.max_batch_entries, retry_budget=s.transient_retry_s,
+        return MooncakeEngine(effective_transfer_host(s), s.max_batch_entries,
+                              retry_budget=s.transient_retry_s,
                               submit_hook=hook)
 
     def _announce(self) -> None:

@@ -12,6 +12,7 @@ last chunk and the aux data have landed by then).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import time
 from dataclasses import dataclass, field
@@ -312,11 +313,28 @@ class DecodeSide:
         if msg.status == KVPoll.Failed:
             self._fail(msg.room, r, msg.reason or f"room {msg.room}: failed on {msg.endpoint}")
         elif msg.status == KVPoll.Success:
+            if msg.aux and not self._write_aux(msg.room, r, msg.aux):
+                return
             r.successes.add(msg.endpoint)
             if len(r.successes) == len(r.targets) and r.state.advance(KVPoll.Success):
                 self.core.counters.rooms_succeeded += 1
                 self.core.events.room_done("decode", msg.room, "success", peer=msg.endpoint)
                 self.core.notify()
+
+    def _write_aux(self, room: int, r: ReceiverRoom, aux: list[bytes]) -> bool:
+        """Write aux received over the control plane into the room's slot; a payload that
+        does not match the registered aux buffers fails only this room."""
+        local = self.core.local
+        if local is None:
+            return False
+        sizes = [int(n) for n in local.aux_item_lens]
+        if [len(a) for a in aux] != sizes or not 0 <= r.aux_index < local.num_aux_slots:
+            self._fail(room, r, f"room {room}: aux payload of {[len(a) for a in aux]} bytes "
+                                f"does not match the aux slots ({sizes} bytes)")
+            return False
+        for ptr, n, data in zip(local.aux_ptrs, sizes, aux, strict=True):
+            ctypes.memmove(int(ptr) + r.aux_index * n, data, n)
+        return True
 
     def on_room_abort(self, msg: control.RoomAbort) -> None:
         """The prefill side aborted the room."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvd.addr import join_hostport
 from kvd.errors import KvdError
 
 
@@ -34,8 +35,8 @@ class DaemonProcess:
 
     @property
     def http_addr(self) -> str:
-        """``127.0.0.1:PORT`` of its HTTP server."""
-        return f"{self.extra['http_host']}:{self.ready['http_port']}"
+        """``host:PORT`` of its HTTP server (``[v6]:PORT`` for IPv6)."""
+        return join_hostport(str(self.extra["http_host"]).strip("[]"), self.ready["http_port"])
 
     @property
     def socket(self) -> str:

@@ -10,6 +10,7 @@ destination with ``RoomStatus``. Any failure is reported the same way.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import time
 from collections import Counter, deque
@@ -225,10 +226,16 @@ class PrefillSide:
         return r
 
     def _status_to(self, endpoint: str, room: int, status: KVPoll, reason: str,
-                   quiesced: bool) -> None:
+                   quiesced: bool, aux: list[bytes] | None = None) -> None:
         msg = control.RoomStatus(room, int(status), reason, self.core.control.endpoint,
-                                 self.core.instance_id, quiesced)
-        self.core.spawn(self.core.send(endpoint, msg), f"status-{room}")
+                                 self.core.instance_id, quiesced, aux or [])
+        delay = self.core.faults.aux_delay_s if aux and self.core.faults else 0.0
+        self.core.spawn(self._send_later(endpoint, msg, delay), f"status-{room}")
+
+    async def _send_later(self, endpoint: str, msg: control.RoomStatus, delay: float) -> None:
+        if delay:
+            await asyncio.sleep(delay)  # fault injection (tests): a slow aux path
+        await self.core.send(endpoint, msg)
 
     def _refuse(self, msg: control.RoomPages, reason: str) -> None:
         self._status_to(msg.endpoint, msg.room, KVPoll.Failed, reason, quiesced=True)
@@ -326,7 +333,9 @@ class PrefillSide:
         desc = plan_transfer(self._local_layout(), dst_layout, pages, dst_pages)
         s = self.core.settings
         last_stage = s.pp_rank == s.pp_size - 1  # only the last PP stage has the outputs
-        if is_last and last_stage and local.aux_ptrs.size and r.aux_index is not None:
+        by_transfer = s.aux_transport == "mooncake"
+        if is_last and last_stage and by_transfer and local.aux_ptrs.size and \
+                r.aux_index is not None:
             desc = desc.concat(plan_aux(local.aux_ptrs, dst.aux_ptrs, local.aux_item_lens,
                                         r.aux_index, d.aux_index))
         check_plan_bounds(desc, local.regions, dst.regions, f"room {room}")
@@ -337,7 +346,7 @@ class PrefillSide:
             self.core.counters.rooms_succeeded += 1
             self.core.events.room_done("prefill", room, "success", "", r.nbytes, r.seconds, r.dsts)
             self.core.notify()
-            self._notify(room, r, KVPoll.Success, "")
+            self._notify(room, r, KVPoll.Success, "", self._aux_payload(r))
 
     def _fail(self, room: int, r: SenderRoom, reason: str) -> None:
         if r.state.fail(reason):
@@ -348,10 +357,22 @@ class PrefillSide:
             log.warning("%s", reason)
             self._notify(room, r, KVPoll.Failed, reason)
 
-    def _notify(self, room: int, r: SenderRoom, status: KVPoll, reason: str) -> None:
+    def _notify(self, room: int, r: SenderRoom, status: KVPoll, reason: str,
+                aux: list[bytes] | None = None) -> None:
         """Tell every decode destination; ``quiesced`` says whether a write is in flight."""
-        for endpoint in r.dsts:
-            self._status_to(endpoint, room, status, reason, quiesced=not r.writing)
+        for endpoint, d in r.dsts.items():
+            self._status_to(endpoint, room, status, reason, quiesced=not r.writing,
+                            aux=None if d.is_dummy else aux)
+
+    def _aux_payload(self, r: SenderRoom) -> list[bytes] | None:
+        """The room's aux slot, read from the engine's aux buffers (aux_transport = control,
+        last PP stage only); None when aux travels with the transfer."""
+        s, local = self.core.settings, self.core.local
+        if s.aux_transport != "control" or s.pp_rank != s.pp_size - 1 or local is None or \
+                r.aux_index is None or not local.aux_ptrs.size:
+            return None
+        return [ctypes.string_at(int(p) + r.aux_index * int(n), int(n))
+                for p, n in zip(local.aux_ptrs, local.aux_item_lens, strict=True)]
 
     def sweep(self, now: float) -> None:
         """Deadlines: fail rooms stuck in a state; drop stale buffered destinations."""

@@ -84,6 +84,7 @@ class RoomStatus(msgspec.Struct, tag="room_status", frozen=True):
     endpoint: str               # the reporting prefill kvd's ZMQ endpoint
     instance_id: str
     quiesced: bool = True
+    aux: list[bytes] = []       # aux_transport = "control": the aux slot's bytes, per buffer
 
 
 class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):

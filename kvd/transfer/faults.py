@@ -28,6 +28,8 @@ class FaultPlan(BaseModel):
                                     description="batches refused on every attempt")
     peers: list[str] = Field(default_factory=list,
                              description="only batches to these sessions (empty: all)")
+    aux_delay_s: float = Field(0.0, ge=0, description="delay of aux sent over the control "
+                                                      "plane (aux_transport = control)")
 
 
 class FaultInjector:
