@@ -40,6 +40,8 @@ class Counters:
     rooms_failed: int = 0
     protocol_errors: int = 0
     auth_failures: int = 0
+    session_failures: int = 0
+    session_recoveries: int = 0
     heartbeat_misses: int = 0
 
 

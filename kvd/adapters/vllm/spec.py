@@ -1,0 +1,231 @@
+"""What the vLLM connector agrees on with the proxy, with kvd and with itself. PURE.
+
+No vLLM, no torch, no sockets: the connector (:mod:`kvd.adapters.vllm.connector`) feeds
+plain values in, so everything here is unit-tested in the main virtualenv.
+
+Transfer params (``kv_transfer_params`` of a request / of a response), following vLLM's
+disaggregated proxies (NIXL, Mooncake): the proxy sends the prompt to the prefill engine
+with ``max_tokens=1`` and ``{"do_remote_decode": true, "bootstrap_room": R}`` (the room is
+optional: the prefill connector picks one when absent). The prefill response carries
+:func:`prefill_reply`::
+
+    {"do_remote_prefill": true, "do_remote_decode": false, "bootstrap_room": R,
+     "bootstrap_addr": "host:port", "remote_block_ids": [...], "remote_engine_id": "...",
+     "prefill_tp_size": N, "num_prompt_tokens": T}
+
+and the proxy forwards it unchanged to the decode engine, whose connector receives the
+room's pages from the prefill instance through kvd. ``bootstrap_addr`` is the prefill
+instance's kvd bootstrap server (SGLang's ``/route`` API), as SGLang routers pass it.
+
+KV args (:func:`register_kv`): vLLM's KV cache is one buffer per layer whose page (block)
+``b`` is ``block_stride`` bytes at ``base + b * block_stride``. With a layer-compact layout
+(``LBHNC``/``LBNHC``, the only ones the CPU backend and the connector accept) a block of
+a layer is ONE contiguous byte run; on the CPU backend it is ``[kv_heads][2 * block_size]
+[head_dim]`` (per head, the block's K rows then its V rows). kvd's MHA model wants separate
+K and V buffers per layer, which vLLM does not have; its "one buffer per layer" model
+(``is_mla=True``: ``num_layers`` buffers, whole pages copied byte for byte) fits exactly, so
+the connector registers that. Pages then move byte-exactly between engines of EQUAL
+attention-TP size (kvd pairs decode rank r with prefill rank r); a TP mismatch would need
+head slicing, which the one-buffer model cannot express, so the decode side refuses it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvd.protocol.rpc import RegisterKV, ShmHandle
+
+ROOM_LIMIT = 2**63
+"""Rooms the connector picks are below this (SGLang's routers use 63-bit rooms too)."""
+
+LAYER_COMPACT_LAYOUTS = ("LBHNC", "LBNHC")
+
+
+class KvdAdapterError(ValueError):
+    """Invalid connector configuration, transfer params or KV cache layout."""
+
+
+# ---------------------------------------------------------------- configuration
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """``kv_connector_extra_config`` of the kvd connector.
+
+    ``kvd_socket``: the local kvd's engine socket; ``{tp_rank}``, ``{pp_rank}`` and
+    ``{rank}`` are replaced per worker (one kvd per engine rank). ``bootstrap_addr``
+    (``host:port``, prefill only): the kvd bootstrap server of this prefill instance,
+    returned to the proxy. ``rpc_timeout`` (s): bound of one kvd RPC. ``idle_wait`` (s):
+    how long an idle engine step blocks in kvd waiting for in-flight rooms instead of
+    spinning. ``shm_dir``: where the CPU KV cache files go (kvd's ``shm_dir``).
+    """
+
+    kvd_socket: str
+    bootstrap_addr: str | None = None
+    rpc_timeout: float = 30.0
+    idle_wait: float = 0.005
+    shm_dir: str = "/dev/shm"
+
+    @staticmethod
+    def from_extra(extra: Mapping[str, Any] | None, is_producer: bool) -> ConnectorConfig:
+        """Parse and check ``extra``; KvdAdapterError lists every problem at once."""
+        extra = dict(extra or {})
+        problems = []
+        socket = extra.pop("kvd_socket", None)
+        if not isinstance(socket, str) or not socket:
+            problems.append("kvd_socket (path of the local kvd's engine socket) is required")
+        addr = extra.pop("bootstrap_addr", None)
+        if is_producer and not _is_host_port(addr):
+            problems.append(f"bootstrap_addr must be 'host:port' on a producer, got {addr!r}")
+        numbers = {}
+        for key, default in (("rpc_timeout", 30.0), ("idle_wait", 0.005)):
+            value = extra.pop(key, default)
+            if not isinstance(value, int | float) or value < 0:
+                problems.append(f"{key} must be a non-negative number, got {value!r}")
+            numbers[key] = float(value) if isinstance(value, int | float) else default
+        shm_dir = str(extra.pop("shm_dir", "/dev/shm"))
+        if extra:
+            problems.append(f"unknown keys {sorted(extra)}")
+        if problems:
+            raise KvdAdapterError("kv_connector_extra_config: " + "; ".join(problems))
+        return ConnectorConfig(str(socket), addr, numbers["rpc_timeout"], numbers["idle_wait"],
+                               shm_dir)
+
+    def socket_for(self, tp_rank: int, pp_rank: int = 0, rank: int | None = None) -> str:
+        """The socket path of one worker (placeholders filled in)."""
+        return self.kvd_socket.format(tp_rank=tp_rank, pp_rank=pp_rank,
+                                      rank=tp_rank if rank is None else rank)
+
+
+def _is_host_port(value: Any) -> bool:
+    if not isinstance(value, str) or ":" not in value:
+        return False
+    host, _, port = value.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536
+
+
+# ---------------------------------------------------------------- transfer params
+
+def pages_for(num_tokens: int, block_size: int) -> int:
+    """Blocks holding ``num_tokens`` tokens (ceil division)."""
+    if block_size < 1 or num_tokens < 0:
+        raise KvdAdapterError(f"bad token count {num_tokens} or block size {block_size}")
+    return -(-num_tokens // block_size)
+
+
+def room_of(params: Mapping[str, Any]) -> int:
+    """The request's room: ``bootstrap_room`` if given (a 64-bit unsigned int), else a
+    fresh random 63-bit one. KvdAdapterError for a bad value."""
+    room = params.get("bootstrap_room")
+    if room is None:
+        return secrets.randbelow(ROOM_LIMIT)
+    if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**64:
+        raise KvdAdapterError(f"bootstrap_room must be a 64-bit unsigned int, got {room!r}")
+    return room
+
+
+def prefill_reply(room: int, bootstrap_addr: str, block_ids: Iterable[int], engine_id: str,
+                  tp_size: int, num_prompt_tokens: int) -> dict[str, Any]:
+    """Transfer params the prefill engine returns (the proxy forwards them to decode)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "bootstrap_room": room,
+            "bootstrap_addr": bootstrap_addr, "remote_block_ids": [int(b) for b in block_ids],
+            "remote_engine_id": engine_id, "prefill_tp_size": tp_size,
+            "num_prompt_tokens": num_prompt_tokens}
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """A decode request's parsed transfer params."""
+
+    room: int
+    bootstrap_addr: str
+    prefill_tp_size: int
+    num_prompt_tokens: int | None
+
+    @staticmethod
+    def parse(params: Mapping[str, Any]) -> RemotePrefill:
+        """KvdAdapterError names every missing or bad field."""
+        problems = []
+        room = params.get("bootstrap_room")
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**64:
+            problems.append(f"bootstrap_room {room!r}")
+        addr = params.get("bootstrap_addr")
+        if not _is_host_port(addr):
+            problems.append(f"bootstrap_addr {addr!r}")
+        tp = params.get("prefill_tp_size", 1)
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            problems.append(f"prefill_tp_size {tp!r}")
+        n = params.get("num_prompt_tokens")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            problems.append(f"num_prompt_tokens {n!r}")
+        if problems:
+            raise KvdAdapterError("invalid kv_transfer_params for a remote prefill: "
+                                  + ", ".join(problems))
+        return RemotePrefill(int(room), str(addr), int(tp), n)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- KV cache description
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's KV cache as vLLM registers it with a connector.
+
+    ``addr``: address of block 0 (bytes); ``num_blocks`` blocks, ``block_stride`` bytes
+    apart; ``block_bytes``: bytes of one block's content (``prod(shape[1:]) * itemsize``);
+    ``dense``: the block's content is one contiguous run starting at its block address.
+    ``layer``: absolute layer index (from the layer name).
+    """
+
+    name: str
+    layer: int
+    addr: int
+    num_blocks: int
+    block_stride: int
+    block_bytes: int
+    dense: bool
+
+
+def check_layer_compact(layers: list[LayerCache]) -> list[str]:
+    """Problems that keep kvd from moving whole blocks of ``layers`` byte-exactly."""
+    problems = [f"{c.name}: block content is not one contiguous run" for c in layers
+                if not c.dense]
+    problems += [f"{c.name}: block stride {c.block_stride} != block size {c.block_bytes} "
+                 f"bytes (a block-outermost layout interleaves layers; use LBHNC)"
+                 for c in layers if c.block_stride != c.block_bytes]
+    spans = sorted((c.addr, c.addr + c.num_blocks * c.block_stride, c.name) for c in layers)
+    problems += [f"{a[2]} and {b[2]} overlap" for a, b in itertools.pairwise(spans)
+                 if b[0] < a[1]]
+    sizes = {c.block_bytes for c in layers}
+    if len(sizes) > 1:
+        problems.append(f"layers differ in block size {sorted(sizes)} (hybrid models need "
+                        f"disable_hybrid_kv_cache_manager and one KV cache group)")
+    return problems
+
+
+def register_kv(layers: list[LayerCache], handles: list[ShmHandle], *, block_size: int,
+                num_kv_heads: int, head_dim: int, dtype_size: int,
+                total_kv_heads: int) -> RegisterKV:
+    """The kvd registration of ``layers`` (sorted by layer; ``handles[i]`` covers
+    ``layers[i]``'s ``num_blocks * block_stride`` bytes). One buffer per layer with
+    ``item_len = block_stride`` and ``is_mla=True`` (see the module docstring); no aux
+    buffers (vLLM's decode recomputes the last prompt token, so nothing rides along).
+
+    KvdAdapterError if the layers are not layer-compact or not consecutive layers.
+    """
+    problems = check_layer_compact(layers)
+    indices = [c.layer for c in layers]
+    if not indices:
+        problems.append("no KV cache layers")
+    elif indices != list(range(indices[0], indices[0] + len(indices))):
+        problems.append(f"layers {indices} are not consecutive")
+    if problems:
+        raise KvdAdapterError("vLLM KV cache layout not supported by kvd: "
+                              + "; ".join(problems))
+    return RegisterKV(kv_buffers=list(handles), kv_item_lens=[c.block_stride for c in layers],
+                      aux_buffers=[], aux_item_lens=[], page_size=block_size,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_size=dtype_size,
+                      num_layers=len(layers), layer_start=indices[0], is_mla=True,
+                      layout="HND", total_kv_heads=total_kv_heads)
