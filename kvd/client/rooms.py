@@ -75,13 +75,19 @@ class _Room:
         result = self._call(rpc.Poll(rooms=[self.room]))
         return result is None or self.room in result["releasable"]
 
-    def failure_exception(self) -> KVTransferError:
-        """The room's failure as a :class:`KVTransferError` (call after poll() == Failed)."""
+    def failure_reason(self) -> str:
+        """Why the room failed (call after ``poll() == Failed``): names the room, the
+        peer and the phase."""
         result: dict[str, Any] | None = self._call(rpc.Poll(rooms=[self.room]))
         if result is None:
-            return KVTransferError(self.room, self.lost)
+            return self.lost
         reasons = {int(k): v for k, v in result.get("reasons", {}).items()}
-        return KVTransferError(self.room, reasons.get(self.room, "room is not failed"))
+        return str(reasons.get(self.room, "room is not failed"))
+
+    def failure_exception(self) -> None:
+        """Raise the room's failure as :class:`KVTransferError` (room + reason), as SGLang's
+        ``KVSender/KVReceiver.failure_exception`` does."""
+        raise KVTransferError(self.room, self.failure_reason())
 
     def abort(self, reason: str = "aborted by engine") -> None:
         """Fail the room on both sides with ``reason``; on decode, its pages stay

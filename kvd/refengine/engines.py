@@ -148,7 +148,7 @@ class PrefillEngine:
         states = [_wait(s, 60.0) for s in senders]
         stats = [client.call(_poll(room))["stats"].get(room) or [0, 0.0]
                  for _, client in self.ranks]
-        reasons = [s.failure_exception().reason for s, st in zip(senders, states, strict=True)
+        reasons = [s.failure_reason() for s, st in zip(senders, states, strict=True)
                    if st == KVPoll.Failed]
         for (pool, pages, aux_slot), sender in zip(held, senders, strict=True):
             sender.clear()
@@ -187,7 +187,7 @@ class DecodeEngine:
                     "tokens": self.model.decode(kv, first, max_new_tokens)}
         else:
             out |= {"state": int(KVPoll.Failed), "reason": "; ".join(
-                r.failure_exception().reason for r, st in zip(receivers, states, strict=True)
+                r.failure_reason() for r, st in zip(receivers, states, strict=True)
                 if st == KVPoll.Failed)}
         for (pool, pages, aux_slot), receiver in zip(held, receivers, strict=True):
             receiver.clear()

@@ -83,7 +83,7 @@ def test_k09_aux_slot_reuse_over_the_control_plane(tmp_path: Path) -> None:
             s.init(1, 0)
             s.send([1])
             assert r.wait(10) == KVPoll.Failed
-            assert "aux" in r.failure_exception().reason
+            assert "aux" in r.failure_reason()
         finally:
             bad_engine.close()
             bad.stop()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvd.client import KVPoll, Receiver, Sender
-from kvd.errors import ProtocolError, RoomError
+from kvd.errors import KVTransferError, ProtocolError, RoomError
 from kvd.protocol import rpc
 from kvd.refengine.standin import transfer_room, wait_rooms
 from tests.conftest import PdPair, signed
@@ -32,7 +32,7 @@ def test_page_outside_pool_fails_only_that_room(pd_pair: PdPair, room_ids) -> No
     with pytest.raises(RoomError, match="outside the registered pool"):
         s.send([1, p.num_pages])
     assert s.poll() == KVPoll.Failed
-    assert "outside" in s.failure_exception().reason
+    assert "outside" in s.failure_reason()
     good = next(room_ids)
     transfer_room(p, d, pd_pair.bootstrap, good, [1, 2], [7, 8], chunk=1)
     assert wait_rooms(d.client, [good]) == [KVPoll.Success]
@@ -59,7 +59,7 @@ def test_k10_last_chunk_longer_than_destination_fails_only_that_room(pd_pair: Pd
     s.init(3, 0)
     s.send([20, 21, 22])
     assert wait_rooms(d.client, [room]) == [KVPoll.Failed]
-    assert "index length mismatch 3 vs 2" in r.failure_exception().reason
+    assert "index length mismatch 3 vs 2" in r.failure_reason()
     assert wait_rooms(p.client, [room]) == [KVPoll.Failed]
     nxt = next(room_ids)
     transfer_room(p, d, pd_pair.bootstrap, nxt, [20, 21], [10, 11], chunk=2)
@@ -104,3 +104,14 @@ def test_route_and_health_answer(pd_pair: PdPair) -> None:
     health = httpx.get(f"http://{pd_pair.decode.http_addr}/health").json()
     assert health["status"] == "ok" and health["role"] == "decode"
     assert health["instance_id"] == pd_pair.decode.ready["instance_id"]
+
+
+def test_failure_exception_raises_kv_transfer_error_with_room_and_reason(pd_pair: PdPair,
+                                                                          room_ids) -> None:
+    room = next(room_ids)
+    r = Receiver(pd_pair.d_engine.client, room, pd_pair.bootstrap)
+    r.abort("the client went away")
+    assert r.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError) as info:
+        r.failure_exception()
+    assert info.value.room == room and "the client went away" in info.value.reason

@@ -54,7 +54,7 @@ def test_k01_decode_lookup_fails_in_bounded_time(tmp_path: Path) -> None:
         r = Receiver(d_engine.client, 7, f"127.0.0.1:{free_port()}")
         assert r.wait(10) == KVPoll.Failed
         assert time.monotonic() - t0 < 4
-        assert "bootstrap unreachable" in r.failure_exception().reason
+        assert "bootstrap unreachable" in r.failure_reason()
     finally:
         d_engine.close()
         decode.stop()
@@ -127,7 +127,7 @@ def test_k07_one_failed_batch_fails_only_its_room(tmp_path: Path) -> None:
     try:
         transfer_room(p, d, pair.bootstrap, 1, [1, 2], [3, 4], chunk=2)
         assert wait_rooms(d.client, [1]) == [KVPoll.Failed]
-        reason = Receiver.failure_exception(_room(d, 1)).reason
+        reason = Receiver.failure_reason(_room(d, 1))
         assert "refused" in reason and pair.decode.ready["control_endpoint"] in reason
         for room in range(2, 6):
             transfer_room(p, d, pair.bootstrap, room, [room], [room + 10], chunk=1)
@@ -159,7 +159,7 @@ def test_k16_every_state_has_a_deadline(tmp_path: Path) -> None:
         t0 = time.monotonic()
         assert s.wait(10) == KVPoll.Failed
         assert 1.0 < time.monotonic() - t0 < 3.0
-        assert "timed out in Bootstrapping" in s.failure_exception().reason
+        assert "timed out in Bootstrapping" in s.failure_reason()
         # D sends pages for a room P never creates: the buffered entry is dropped.
         Receiver(d.client, 2, pair.bootstrap).init([1], 0)
         time.sleep(0.5)
@@ -176,7 +176,7 @@ def test_k16_every_state_has_a_deadline(tmp_path: Path) -> None:
         t0 = time.monotonic()
         assert s3.wait(10) == KVPoll.Failed
         assert time.monotonic() - t0 < 3.0
-        assert "timed out in Transferring" in s3.failure_exception().reason
+        assert "timed out in Transferring" in s3.failure_reason()
         assert r.wait(10) == KVPoll.Failed
         time.sleep(2.0)
         assert r.poll() == KVPoll.Failed and s3.poll() == KVPoll.Failed
@@ -197,7 +197,7 @@ def test_k16_frozen_prefill_fails_waiting_room(tmp_path: Path) -> None:
         t0 = time.monotonic()
         assert _poll_until_done(r, 10) == KVPoll.Failed  # wait() would also await release
         assert 2.0 < time.monotonic() - t0 < 4.5
-        assert "timed out in WaitingForInput" in r.failure_exception().reason
+        assert "timed out in WaitingForInput" in r.failure_reason()
         assert not r.releasable()  # P may still write: pages held until release_timeout
         pair.prefill.kill(signal.SIGCONT)
         del s
@@ -265,7 +265,7 @@ def test_k17_unresponsive_bootstrap_does_not_stall_other_rooms(tmp_path: Path) -
             for c in (p, d):
                 c.client.call(__import__("kvd.protocol.rpc", fromlist=["Clear"]).Clear(room))
         assert stuck.wait(10) == KVPoll.Failed
-        assert "bootstrap unreachable" in stuck.failure_exception().reason
+        assert "bootstrap unreachable" in stuck.failure_reason()
         assert room > 10
         assert float(np.percentile(latencies, 99)) < 0.5
         assert max(health_ms) < 100
@@ -307,7 +307,7 @@ def test_k18_queue_full_past_deadline_fails_only_that_room(tmp_path: Path) -> No
         assert wait_rooms(d.client, [1]) == [KVPoll.Success]
         transfer_room(p, d, pair.bootstrap, 2, [2], [2], chunk=1)
         assert wait_rooms(d.client, [2]) == [KVPoll.Failed]
-        assert "queue full" in Receiver.failure_exception(_room(d, 2)).reason
+        assert "queue full" in Receiver.failure_reason(_room(d, 2))
         transfer_room(p, d, pair.bootstrap, 3, [3], [3], chunk=1)
         assert wait_rooms(d.client, [3]) == [KVPoll.Success]
     finally:
@@ -335,7 +335,7 @@ def test_sigkill_prefill_fails_rooms_and_restart_recovers(tmp_path: Path) -> Non
         detect = time.monotonic() - t0
         assert states == [KVPoll.Failed] * len(rooms)
         assert detect < 0.5 * 2 + 2
-        reason = Receiver.failure_exception(_room(d, 1)).reason
+        reason = Receiver.failure_reason(_room(d, 1))
         assert pair.bootstrap in reason
         transfer_room(other_engine, d, other.http_addr, 500, [1], [1], chunk=1)
         assert wait_rooms(d.client, [500]) == [KVPoll.Success]

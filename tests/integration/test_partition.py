@@ -74,7 +74,7 @@ def test_partition_is_detected_fails_rooms_and_recovers(two_hosts: None, tmp_pat
         assert detect < 0.5 * 2 + 2.5
         reason = Receiver.__new__(Receiver)
         reason.client, reason.room, reason.lost = d.client, rooms[0], ""
-        assert bootstrap in reason.failure_exception().reason
+        assert bootstrap in reason.failure_reason()
         _ip("-n", NS_P, "link", "set", "vkp", "up")  # the link is back
         deadline, room, ok = time.monotonic() + 20, 100, False
         while time.monotonic() < deadline and not ok:

@@ -65,7 +65,7 @@ def test_forged_and_replayed_control_messages_are_rejected(pd_pair: PdPair, room
     _push(pd_pair.decode.ready["control_endpoint"], [sealed, sealed])  # the second is a replay
     time.sleep(0.5)
     assert r.poll() == KVPoll.Failed
-    assert "holder of the secret" in r.failure_exception().reason
+    assert "holder of the secret" in r.failure_reason()
     assert _auth_failures(pd_pair.decode) == before + 3
 
 
