@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvd.transfer.layout import RankLayout, head_overlap, plan_transfer, rank_heads
-from kvd.transfer.plan import Descriptors, Regions, check_bounds
+from kvd.transfer.plan import Descriptors, Regions, check_bounds, check_plan_bounds
 
 TOKENS, PAGE, LAYERS, HEADS, HEAD_DIM, DTYPE = 128 * 1024, 64, 64, 8, 128, 2
 PREFILL_TP, DECODE_TP, PREFILL_RANK, DECODE_RANK = 2, 4, 0, 1
@@ -115,6 +115,7 @@ def bench_layout(layout: str, src_pages: np.ndarray, dst_pages: np.ndarray, naiv
         check_bounds(desc.dst, desc.length, d_reg, "destination")
 
     bounds_t, _ = _times(bounds, repeats)
+    spans_t, _ = _times(lambda: check_plan_bounds(desc, s_reg, d_reg, "room"), repeats)
     plan_med = statistics.median(plan_t[1:])
     naive_full = naive_t[0] * scale
     return {"layout": layout, "descriptors": len(desc), "bytes": desc.nbytes,
@@ -125,6 +126,8 @@ def bench_layout(layout: str, src_pages: np.ndarray, dst_pages: np.ndarray, naiv
             "speedup_vs_first_plan": naive_full / plan_t[0],
             "bounds_s_median": statistics.median(bounds_t),
             "bounds_pct_of_plan": 100 * statistics.median(bounds_t) / plan_med,
+            "span_bounds_s_median": statistics.median(spans_t),
+            "span_bounds_pct_of_plan": 100 * statistics.median(spans_t) / plan_med,
             "naive_matches_subset": _subset_matches(desc, naive, buffers,
                                                     len(desc) // (2 * LAYERS))}
 
@@ -167,6 +170,8 @@ def _report(console: Console, results: list[dict[str, Any]], naive_layers: int) 
         ("speed-up (median)", lambda r: f"{r['speedup']:,.0f}x"),
         ("check_bounds src+dst", lambda r: f"{r['bounds_s_median'] * 1e3:.2f} ms"),
         ("check_bounds / plan", lambda r: f"{r['bounds_pct_of_plan']:.0f}%"),
+        ("check_plan_bounds (daemon)", lambda r: f"{r['span_bounds_s_median'] * 1e6:.0f} us"),
+        ("check_plan_bounds / plan", lambda r: f"{r['span_bounds_pct_of_plan']:.2f}%"),
         ("equal to naive on subset", lambda r: str(r["naive_matches_subset"])),
     ]
     for name, cell in rows:

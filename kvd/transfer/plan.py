@@ -242,6 +242,11 @@ def check_bounds(addrs: Addrs, lengths: Addrs, regions: Regions, what: str) -> N
     go to the next, finer block size, and finally one by one through a
     ``searchsorted`` over the region starts.
     """
+    if addrs.size <= _BOUNDS_BLOCKS[-1]:  # small (the daemon's spans): one direct pass
+        if np.any(addrs + lengths < addrs):
+            raise BoundsError(f"{what} range wraps past 2**64")
+        _check_entries(addrs, lengths, regions, what)
+        return
     wrap_what: str | None = what
     for size in _BOUNDS_BLOCKS:
         if addrs.size == 0:
