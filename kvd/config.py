@@ -103,7 +103,14 @@ class Settings(BaseSettings):
                              help="kvd<->kvd control port (0: any free)")
     engine_socket: Path = _setting(Path("/tmp/kvd.sock"), unit="path",
                                    help="Unix socket the engine connects to (mode 0600)")
-    serve_bootstrap: bool = _setting(False, help="serve SGLang's /route API on the HTTP port")
+    serve_bootstrap: bool = _setting(False, help="serve SGLang's /route API (on the REST "
+                                     "listener, or on bootstrap_host:bootstrap_port if set)")
+    bootstrap_host: str | None = _setting(
+        None, help="address of a separate bootstrap listener (default: http_host)")
+    bootstrap_port: int | None = _setting(
+        None, ge=0, le=65535, unit="port",
+        help="serve /route on its own listener at this port (0: any) so that the REST "
+             "server can stay on loopback; unset: /route is on the REST listener")
     bootstrap_addr: str | None = _setting(None, unit="host:port",
                                           help="where a prefill rank registers (bootstrap)")
     shm_dir: Path = _setting(Path("/dev/shm"), unit="path",

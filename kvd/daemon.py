@@ -57,6 +57,7 @@ class Daemon:
         self.prefill: PrefillSide | None = None
         self.decode: DecodeSide | None = None
         self.http_server: HttpServer | None = None
+        self.bootstrap_server: HttpServer | None = None
         self.rpc_server: EngineRpcServer | None = None
         self.draining = False
         self.engine_conn: int | None = None
@@ -90,12 +91,15 @@ class Daemon:
                          MemoryMap(s.shm_dir), http, auth=auth,
                          faults=FaultPlan.model_validate_json(s.fault_injection)
                          if s.fault_injection else None)
+        separate = s.serve_bootstrap and s.bootstrap_port is not None
         sock = bind_socket(s.http_host, s.http_port)
-        app = create_app(self.health, self.table, DaemonOps(self), auth=auth,
-                         on_auth_failure=self._http_auth_failed)
+        app = create_app(self.health, None if separate else self.table, DaemonOps(self),
+                         auth=auth, on_auth_failure=self._http_auth_failed)
         self.http_server = HttpServer(app, sock)
         await self.http_server.start()
-        if s.serve_bootstrap and s.bootstrap_addr is None:
+        if separate:
+            await self._start_bootstrap_listener(auth)
+        elif s.serve_bootstrap and s.bootstrap_addr is None:
             s.bootstrap_addr = join_hostport(s.http_host, self.http_server.port)
         if s.role == "prefill":
             self.prefill = PrefillSide(self.core)
@@ -110,6 +114,17 @@ class Daemon:
         if self.decode is not None:
             self.core.spawn(self.decode.heartbeat_loop(), "heartbeats")
         self._announce()
+
+    async def _start_bootstrap_listener(self, auth: Authenticator) -> None:
+        """/route (and /health) on their own listener: bootstrap_host:bootstrap_port."""
+        s = self.settings
+        host = s.bootstrap_host or s.http_host
+        app = create_app(self.health, self.table, None, auth=auth,
+                         on_auth_failure=self._http_auth_failed)
+        self.bootstrap_server = HttpServer(app, bind_socket(host, s.bootstrap_port or 0))
+        await self.bootstrap_server.start()
+        if s.bootstrap_addr is None:
+            s.bootstrap_addr = join_hostport(host.strip("[]"), self.bootstrap_server.port)
 
     def _http_auth_failed(self, exc: Exception) -> None:
         if self.core is not None:
@@ -182,8 +197,9 @@ class Daemon:
         core = self.core
         if self.rpc_server is not None:
             await self.rpc_server.stop()
-        if self.http_server is not None:
-            await self.http_server.stop()
+        for server in (self.http_server, self.bootstrap_server):
+            if server is not None:
+                await server.stop()
         if core is None:
             return
         for task in list(core.tasks):

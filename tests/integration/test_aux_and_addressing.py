@@ -124,3 +124,25 @@ def test_k13_listener_that_cannot_bind_exits_with_an_error(tmp_path: Path) -> No
 def test_k13_ipv6_host_without_ipv4_transfer_host_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(KvdError, match="transfer_host"):
         start_daemon("decode", tmp_path, host="fe80::1")
+
+
+def test_bootstrap_listener_binds_what_the_config_says(tmp_path: Path) -> None:
+    prefill = start_daemon("prefill", tmp_path, serve_bootstrap=True, bootstrap_host="127.0.0.2",
+                           bootstrap_port=0)
+    decode = start_daemon("decode", tmp_path)
+    p, d = EngineStandIn(prefill.socket, seed=1), EngineStandIn(decode.socket, seed=2)
+    try:
+        boot = prefill.ready["bootstrap_addr"]
+        assert boot.startswith("127.0.0.2:") and boot != prefill.http_addr
+        params = {"engine_rank": 0, "target_dp_group": 0}
+        assert signed("GET", f"http://{prefill.http_addr}/route", params=params
+                      ).status_code == 404  # the REST listener (loopback) has no /route
+        assert signed("GET", f"http://{boot}/route", params=params).status_code == 200
+        transfer_room(p, d, boot, 1, [1, 2], [3, 4], chunk=1)
+        assert wait_rooms(d.client, [1]) == [KVPoll.Success]
+        assert d.pages_equal(p, [1, 2], [3, 4])
+    finally:
+        p.close()
+        d.close()
+        prefill.stop()
+        decode.stop()
