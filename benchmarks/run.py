@@ -144,9 +144,55 @@ def bench_memcpy(lay: dict[str, int], src: np.ndarray, dst: np.ndarray,
     return times
 
 
+class _TpCluster:
+    """P ranks (attn TP ``p_tp``) and one decode rank, each with a shard stand-in."""
+
+    def __init__(self, spec: Any, source: np.ndarray, p_tp: int) -> None:
+        from kvd.refengine.standin import ShardStandIn
+
+        work = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
+        self.prefill = [start_daemon("prefill", work, log_level="WARNING", attn_tp_size=p_tp,
+                                     attn_tp_rank=0, serve_bootstrap=True)]
+        for r in range(1, p_tp):
+            self.prefill.append(start_daemon("prefill", work, log_level="WARNING",
+                                             attn_tp_size=p_tp, attn_tp_rank=r,
+                                             bootstrap_addr=self.prefill[0].http_addr))
+        self.decode = start_daemon("decode", work, log_level="WARNING")
+        self.p_eng = [ShardStandIn(d.socket, spec, r, p_tp, source=source, seed=r)
+                      for r, d in enumerate(self.prefill)]
+        self.d_eng = ShardStandIn(self.decode.socket, spec, seed=9)
+
+    def run(self, room: int, src: np.ndarray, dst: np.ndarray, source: np.ndarray) -> float:
+        """Seconds from the first send to decode Success; bytes checked afterwards."""
+        recv = Receiver(self.d_eng.client, room, self.prefill[0].http_addr)
+        recv.init(dst, 0)
+        senders = []
+        for e in self.p_eng:
+            s = Sender(e.client, room)
+            s.init(len(src), 0)
+            senders.append(s)
+        t0 = time.perf_counter()
+        for s in senders:
+            s.send(src)
+        state = recv.wait(60)
+        elapsed = time.perf_counter() - t0
+        assert state == KVPoll.Success and self.d_eng.holds(source, src, dst)
+        recv.clear()
+        for s in senders:
+            s.clear()
+        return elapsed
+
+    def close(self) -> None:
+        for e in [*self.p_eng, self.d_eng]:
+            e.close()
+        for d in [*self.prefill, self.decode]:
+            d.stop()
+
+
 def bench_hetero(console: Console, repeats: int, pages: int = 64) -> dict[str, Any]:
-    """Equal TP (1 -> 1) vs hetero TP (2 -> 1), HND, same bytes, real daemons."""
-    from kvd.refengine.standin import ModelSpec, ShardStandIn
+    """Equal TP (1 -> 1) vs hetero TP (2 -> 1), HND, same bytes, real daemons; runs of the
+    two are interleaved so that both see the same machine state."""
+    from kvd.refengine.standin import ModelSpec
 
     spec = ModelSpec(num_layers=8, total_kv_heads=8, head_dim=128, page_size=64,
                      num_pages=2 * pages, layout="HND")
@@ -154,50 +200,27 @@ def bench_hetero(console: Console, repeats: int, pages: int = 64) -> dict[str, A
     rng = np.random.default_rng(3)
     src, dst = rng.permutation(spec.num_pages)[:pages], rng.permutation(spec.num_pages)[:pages]
     out: dict[str, Any] = {"bytes": int(source[:, :, :pages].nbytes)}
-    for name, p_tp in (("equal_tp_1to1", 1), ("hetero_tp_2to1", 2)):
-        work = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
-        prefill = [start_daemon("prefill", work, log_level="WARNING", attn_tp_size=p_tp,
-                                attn_tp_rank=0, serve_bootstrap=True)]
-        for r in range(1, p_tp):
-            prefill.append(start_daemon("prefill", work, log_level="WARNING",
-                                        attn_tp_size=p_tp, attn_tp_rank=r,
-                                        bootstrap_addr=prefill[0].http_addr))
-        decode = start_daemon("decode", work, log_level="WARNING")
-        p_eng = [ShardStandIn(d.socket, spec, r, p_tp, source=source, seed=r)
-                 for r, d in enumerate(prefill)]
-        d_eng = ShardStandIn(decode.socket, spec, seed=9)
-        times = []
-        try:
-            for rep in range(repeats + 1):
-                room = 100 + rep
-                recv = Receiver(d_eng.client, room, prefill[0].http_addr)
-                recv.init(dst, 0)
-                senders = []
-                for e in p_eng:
-                    s = Sender(e.client, room)
-                    s.init(pages, 0)
-                    senders.append(s)
-                t0 = time.perf_counter()
-                for s in senders:
-                    s.send(src)
-                state = recv.wait(60)
-                if rep:
-                    times.append(time.perf_counter() - t0)
-                assert state == KVPoll.Success and d_eng.holds(source, src, dst), name
-                recv.clear()
-                for s in senders:
-                    s.clear()
-        finally:
-            for e in [*p_eng, d_eng]:
-                e.close()
-            for d in [*prefill, decode]:
-                d.stop()
-        out[name] = {"seconds": times, "gbps": out["bytes"] / statistics.median(times) / 1e9}
+    names = {"equal_tp_1to1": 1, "hetero_tp_2to1": 2}
+    clusters = {name: _TpCluster(spec, source, p_tp) for name, p_tp in names.items()}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    try:
+        for rep in range(2 * repeats + 1):
+            for name, cluster in clusters.items():
+                t = cluster.run(100 + rep, src, dst, source)
+                if rep:  # the first round warms up connections
+                    times[name].append(t)
+    finally:
+        for cluster in clusters.values():
+            cluster.close()
+    for name in names:
+        out[name] = {"seconds": times[name],
+                     "gbps": out["bytes"] / statistics.median(times[name]) / 1e9}
     out["ratio_hetero_over_equal"] = out["hetero_tp_2to1"]["gbps"] / out["equal_tp_1to1"]["gbps"]
-    table = Table(title=f"hetero vs equal TP, HND, {out['bytes'] / 2**20:.0f} MiB")
+    table = Table(title=f"hetero vs equal TP, HND, {out['bytes'] / 2**20:.0f} MiB, "
+                        f"{2 * repeats} interleaved runs each")
     for col in ("path", "median s", "GB/s"):
         table.add_column(col, justify="right")
-    for name in ("equal_tp_1to1", "hetero_tp_2to1"):
+    for name in names:
         table.add_row(name, f"{statistics.median(out[name]['seconds']):.3f}",
                       f"{out[name]['gbps']:.2f}")
     console.print(table)
