@@ -372,6 +372,16 @@ def test_sigkill_prefill_fails_rooms_and_restart_recovers(tmp_path: Path) -> Non
         pair.p_engine = p = EngineStandIn(pair.prefill.socket, seed=1)
         eventually_transfers(p, d, pair.bootstrap, 600, [7, 8], [9, 10])
         assert d.pages_equal(p, [7, 8], [9, 10])
+        # Peers that come and go leave the decode daemon's open FDs bounded.
+        fds = _fds(pair.decode.proc.pid)
+        for cycle in range(3):
+            pair.prefill.kill(signal.SIGKILL)
+            pair.prefill.proc.wait(5)
+            p.close()
+            pair.prefill = start_daemon("prefill", tmp_path, serve_bootstrap=True, **p_opts)
+            pair.p_engine = p = EngineStandIn(pair.prefill.socket, seed=1)
+            eventually_transfers(p, d, pair.bootstrap, 700 + 50 * cycle, [1], [2])
+        assert _fds(pair.decode.proc.pid) <= fds + 4
     finally:
         other_engine.close()
         other.stop()
