@@ -98,3 +98,19 @@ def test_poll_of_unknown_and_cleared_room_returns_minus_one(pd_pair: PdPair, roo
     wait_rooms(p.client, [room])
     send.clear()
     assert send.poll() == -1
+
+
+def test_tens_of_thousands_of_descriptors_are_split_into_accepted_batches(tmp_path) -> None:
+    from tests.conftest import start_pair, stop_pair
+
+    pair = start_pair(tmp_path, engine_opts={"num_pages": 4096, "item_len": 64,
+                                             "head_dim": 2, "page_size": 16})
+    p, d = pair.p_engine, pair.d_engine
+    try:
+        rng = np.random.default_rng(17)
+        src, dst = rng.permutation(4096)[:3000], rng.permutation(4096)[:3000]
+        transfer_room(p, d, pair.bootstrap, 1, src, dst, chunk=3000)  # ~24 000 descriptors
+        assert wait_rooms(d.client, [1], timeout=60) == [KVPoll.Success]
+        assert d.pages_equal(p, src, dst)
+    finally:
+        stop_pair(pair)
