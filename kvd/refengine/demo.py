@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -139,10 +140,15 @@ def run_demo(n_prompts: int = 8, max_new_tokens: int = 16, page_size: int = 16,
     _print_table(console, rows, page_size, chunk_pages,
                  f"prefill TP{prefill_tp} PP{prefill_pp} -> decode TP{decode_tp}")
     ok = all(r["equal"] for r in rows) and len(rows) == n_prompts
-    console.print(f"daemons exited with {codes}; logs in {work}")
+    ok_exit = all(c == 0 for c in codes)
+    if ok and ok_exit:
+        shutil.rmtree(work, ignore_errors=True)
+        console.print(f"daemons exited with {codes}")
+    else:
+        console.print(f"daemons exited with {codes}; logs kept in {work}")
     console.print("[green]all completions equal[/green]" if ok
                   else "[red]some completions differ or failed[/red]")
-    return 0 if ok and all(c == 0 for c in codes) else 1
+    return 0 if ok and ok_exit else 1
 
 
 def _run_prompts(prefill: EngineProcess, decode: EngineProcess, bootstrap: str, n: int,
