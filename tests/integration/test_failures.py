@@ -464,3 +464,28 @@ def test_k07_dead_decode_fails_fast_and_other_sessions_are_unaffected(tmp_path: 
         d2_engine.close()
         d2.stop()
         stop_pair(pair)
+
+
+def test_k02_slow_bootstrap_registration_retries_until_it_completes(tmp_path: Path) -> None:
+    boot = start_daemon("decode", tmp_path, serve_bootstrap=True)  # a bootstrap-only kvd
+    prefill = start_daemon("prefill", tmp_path, bootstrap_addr=boot.http_addr, http_timeout=0.3)
+    decode = start_daemon("decode", tmp_path, bootstrap_retry_budget=10.0)
+    try:
+        boot.kill(signal.SIGSTOP)  # accepts connections, answers nothing: PUTs time out
+        p = EngineStandIn(prefill.socket, seed=1)
+        d = EngineStandIn(decode.socket, seed=2)
+        time.sleep(1.5)
+        ready = httpx.get(f"http://{prefill.http_addr}/ready", timeout=5)
+        assert ready.status_code == 503 and ready.json()["bootstrap_registered"] is False
+        boot.kill(signal.SIGCONT)
+        transfer_room(p, d, boot.http_addr, 1, [1, 2], [3, 4], chunk=2)
+        assert wait_rooms(d.client, [1], timeout=20) == [KVPoll.Success]
+        assert d.pages_equal(p, [1, 2], [3, 4])
+        assert "not reachable yet" in prefill.log.read_text()  # retried, then registered
+        assert httpx.get(f"http://{prefill.http_addr}/ready", timeout=5).status_code == 200
+        p.close()
+        d.close()
+    finally:
+        boot.kill(signal.SIGCONT)
+        for x in (prefill, decode, boot):
+            x.stop()
