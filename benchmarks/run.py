@@ -46,87 +46,101 @@ def _layout(mib: int, item_kib: int, layers: int) -> dict[str, int]:
             "num_pages": 2 * move_pages}
 
 
-def bench_kvd(lay: dict[str, int], src: np.ndarray, dst: np.ndarray, repeats: int,
-              rooms: int) -> tuple[list[float], bool]:
-    work = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
-    prefill = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING")
-    decode = start_daemon("decode", work, log_level="WARNING")
-    opts = {"num_layers": lay["layers"], "num_pages": lay["num_pages"],
-            "item_len": lay["item_len"]}
-    p, d = EngineStandIn(prefill.socket, seed=1, **opts), EngineStandIn(decode.socket, seed=2,
-                                                                       **opts)
-    times, ok = [], True
-    try:
-        for rep in range(repeats + 1):  # the first round warms up connections
-            base = 10_000 * (rep + 1)
-            parts = np.array_split(np.arange(src.size), rooms)
-            for i, idx in enumerate(parts):
-                Receiver(d.client, base + i, prefill.http_addr).init(dst[idx], i % 16)
-            senders = []
-            for i, idx in enumerate(parts):
-                s = Sender(p.client, base + i)
-                s.init(int(idx.size), 0)
-                senders.append((s, idx))
-            t0 = time.perf_counter()
-            for s, idx in senders:
-                s.send(src[idx])
-            ids = [base + i for i in range(rooms)]
-            states = wait_many(d.client, ids, 60.0)
-            elapsed = time.perf_counter() - t0
-            ok &= all(x == KVPoll.Success for x in states) and d.pages_equal(p, src, dst)
-            if rep:
-                times.append(elapsed)
-            for s, _ in senders:
-                s.clear()
-            for i in ids:
-                d.client.call(rpc.Clear(room=i))
-    finally:
-        p.close()
-        d.close()
-        prefill.stop()
-        decode.stop()
-    return times, ok
+class KvdPath:
+    """P -> D through two kvd daemons and engine stand-ins (rooms in parallel)."""
+
+    def __init__(self, lay: dict[str, int], rooms: int) -> None:
+        work = Path(tempfile.mkdtemp(prefix="kvd-bench-"))
+        self.prefill = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING")
+        self.decode = start_daemon("decode", work, log_level="WARNING")
+        opts = {"num_layers": lay["layers"], "num_pages": lay["num_pages"],
+                "item_len": lay["item_len"]}
+        self.p = EngineStandIn(self.prefill.socket, seed=1, **opts)
+        self.d = EngineStandIn(self.decode.socket, seed=2, **opts)
+        self.rooms, self.base = rooms, 10_000
+
+    def run(self, src: np.ndarray, dst: np.ndarray) -> tuple[float, bool]:
+        """Seconds from the first send to every room's decode Success; bytes checked."""
+        self.base += 1000
+        parts = np.array_split(np.arange(src.size), self.rooms)
+        ids = [self.base + i for i in range(len(parts))]
+        for room, idx in zip(ids, parts, strict=True):
+            Receiver(self.d.client, room, self.prefill.http_addr).init(dst[idx], room % 16)
+        senders = []
+        for room, idx in zip(ids, parts, strict=True):
+            s = Sender(self.p.client, room)
+            s.init(int(idx.size), 0)
+            senders.append((s, idx))
+        t0 = time.perf_counter()
+        for s, idx in senders:
+            s.send(src[idx])
+        states = wait_many(self.d.client, ids, 60.0)
+        elapsed = time.perf_counter() - t0
+        ok = all(x == KVPoll.Success for x in states) and self.d.pages_equal(self.p, src, dst)
+        for room in ids:
+            self.p.client.call(rpc.Clear(room=room))
+            self.d.client.call(rpc.Clear(room=room))
+        return elapsed, ok
+
+    def close(self) -> None:
+        self.p.close()
+        self.d.close()
+        self.prefill.stop()
+        self.decode.stop()
 
 
-def _raw_receiver(nbytes: int, conn: Any) -> None:
+def _raw_receiver(nbytes: int, item: int, conn: Any) -> None:
     from kvd.transfer.engine import MooncakeEngine
 
     engine = MooncakeEngine("127.0.0.1")
     buf = np.zeros(nbytes, dtype=np.uint8)
     engine.register(buf.ctypes.data, nbytes)
     conn.send((engine.session_id, buf.ctypes.data))
-    conn.recv()  # until the sender is done
-    conn.send(int(buf.astype(np.uint64).sum()))
+    while (pages := conn.recv()) is not None:  # after each run: a digest of the dst pages
+        conn.send(_digest(buf, item, pages))
 
 
-def bench_raw(lay: dict[str, int], src: np.ndarray, dst: np.ndarray,
-              repeats: int) -> tuple[list[float], bool]:
-    from kvd.transfer.engine import MooncakeEngine
+def _digest(buf: np.ndarray, item: int, pages: np.ndarray) -> str:
+    import hashlib
 
-    per_buf = lay["num_pages"] * lay["item_len"]
-    nbufs = 2 * lay["layers"]
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_raw_receiver, args=(per_buf * nbufs, child))
-    proc.start()
-    session, dst_base = parent.recv()
-    engine = MooncakeEngine("127.0.0.1")
-    buf = np.random.default_rng(1).integers(0, 256, per_buf * nbufs, dtype=np.uint8)
-    engine.register(buf.ctypes.data, buf.nbytes)
-    offs = np.arange(nbufs, dtype=np.uint64) * np.uint64(per_buf)
-    items = [lay["item_len"]] * nbufs
-    desc = plan_pages(np.uint64(buf.ctypes.data) + offs, np.uint64(dst_base) + offs, items,
-                      items, src, dst)
-    times = []
-    for rep in range(repeats + 1):
+    return hashlib.sha256(buf.reshape(-1, item)[pages].tobytes()).hexdigest()
+
+
+class RawPath:
+    """The same descriptors through two raw Mooncake engines in separate processes."""
+
+    def __init__(self, lay: dict[str, int], src: np.ndarray, dst: np.ndarray) -> None:
+        from kvd.transfer.engine import MooncakeEngine
+
+        per_buf, nbufs, item = lay["num_pages"] * lay["item_len"], 2 * lay["layers"], \
+            lay["item_len"]
+        self.parent, child = mp.get_context("spawn").Pipe()
+        self.proc = mp.get_context("spawn").Process(target=_raw_receiver,
+                                                    args=(per_buf * nbufs, item, child))
+        self.proc.start()
+        self.session, dst_base = self.parent.recv()
+        self.engine = MooncakeEngine("127.0.0.1")
+        self.buf = np.random.default_rng(1).integers(0, 256, per_buf * nbufs, dtype=np.uint8)
+        self.engine.register(self.buf.ctypes.data, self.buf.nbytes)
+        offs = np.arange(nbufs, dtype=np.uint64) * np.uint64(per_buf)
+        self.desc = plan_pages(np.uint64(self.buf.ctypes.data) + offs, np.uint64(dst_base) + offs,
+                               [item] * nbufs, [item] * nbufs, src, dst)
+        rows = lay["num_pages"]
+        self.src_rows = np.concatenate([b * rows + src for b in range(nbufs)])
+        self.dst_rows = np.concatenate([b * rows + dst for b in range(nbufs)])
+        self.item = item
+
+    def run(self) -> tuple[float, bool]:
         t0 = time.perf_counter()
-        engine.write(session, desc)
-        if rep:
-            times.append(time.perf_counter() - t0)
-    parent.send("done")
-    parent.recv()
-    proc.join()
-    return times, True
+        self.engine.write(self.session, self.desc)
+        elapsed = time.perf_counter() - t0
+        self.parent.send(self.dst_rows)
+        ok = self.parent.recv() == _digest(self.buf, self.item, self.src_rows)
+        return elapsed, ok
+
+    def close(self) -> None:
+        self.parent.send(None)
+        self.proc.join()
 
 
 def bench_memcpy(lay: dict[str, int], src: np.ndarray, dst: np.ndarray,
@@ -265,10 +279,22 @@ def _bench_transfer(console: Console, args: Any) -> tuple[dict[str, Any], bool]:
     nbytes = lay["move_pages"] * lay["item_len"] * 2 * lay["layers"]
     console.print(f"moving {nbytes / 2**20:.0f} MiB: {lay['move_pages']} random pages x "
                   f"{2 * lay['layers']} buffers x {lay['item_len'] // 1024} KiB")
-    kvd_t, kvd_ok = bench_kvd(lay, src, dst, args.repeats, args.rooms)
-    raw_t, _ = bench_raw(lay, src, dst, args.repeats)
+    kvd_path, raw_path = KvdPath(lay, args.rooms), RawPath(lay, src, dst)
+    kvd_t: list[float] = []
+    raw_t: list[float] = []
+    ok = True
+    try:  # interleaved, after one warm-up round each: both see the same machine state
+        for rep in range(args.repeats + 1):
+            (kt, k_ok), (rt, r_ok) = kvd_path.run(src, dst), raw_path.run()
+            ok &= k_ok and r_ok
+            if rep:
+                kvd_t.append(kt)
+                raw_t.append(rt)
+    finally:
+        kvd_path.close()
+        raw_path.close()
     mem_t = bench_memcpy(lay, src, dst, args.repeats)
-    return _report(console, nbytes, kvd_t, raw_t, mem_t, kvd_ok, lay, args), kvd_ok
+    return _report(console, nbytes, kvd_t, raw_t, mem_t, ok, lay, args), ok
 
 
 def _report(console: Console, nbytes: int, kvd_t: list[float], raw_t: list[float],
