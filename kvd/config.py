@@ -142,7 +142,7 @@ class Settings(BaseSettings):
         help="transfer executor shards (one thread each)")
     transfer_queue_size: int = _setting(
         4, ge=1, validation_alias=_env("transfer_queue_size"),
-        help="queued transfer batches per shard")
+        help="writes handed to each transfer shard at once (others wait on the loop)")
     max_batch_entries: int = _setting(
         512, ge=1, le=1024, unit="descriptors",
         help="descriptors per Mooncake batch call (the TCP transport refuses > 1024)")

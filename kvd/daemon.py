@@ -87,7 +87,8 @@ class Daemon:
         ctl.bind(s.host, s.zmq_port)
         http = httpx.AsyncClient(timeout=s.http_timeout,
                                  limits=httpx.Limits(max_keepalive_connections=32))
-        self.core = Core(s, engine, TransferExecutor(engine, s.transfer_threads), ctl,
+        executor = TransferExecutor(engine, s.transfer_threads, s.transfer_queue_size)
+        self.core = Core(s, engine, executor, ctl,
                          MemoryMap(s.shm_dir), http, auth=auth,
                          faults=FaultPlan.model_validate_json(s.fault_injection)
                          if s.fault_injection else None)

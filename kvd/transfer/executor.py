@@ -18,34 +18,43 @@ from kvd.transfer.plan import Descriptors
 
 
 class TransferExecutor:
-    """``shards`` single-thread executors in front of one :class:`TransferEngine`."""
+    """``shards`` single-thread executors in front of one :class:`TransferEngine`.
 
-    def __init__(self, engine: TransferEngine, shards: int = 1) -> None:
+    At most ``queue_size`` writes are handed to each shard at a time (SGLang's
+    ``QUEUE_SIZE``); further writes wait on the loop, in order, without holding a
+    thread or memory in the executor's queue.
+    """
+
+    def __init__(self, engine: TransferEngine, shards: int = 1, queue_size: int = 4) -> None:
         self.engine = engine
+        n = max(1, shards)
         self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"kvd-xfer-{i}")
-                       for i in range(max(1, shards))]
+                       for i in range(n)]
+        self._slots = [asyncio.Semaphore(max(1, queue_size)) for _ in range(n)]
         self.busy = 0
 
-    def _pool(self, session: str) -> ThreadPoolExecutor:
-        return self._pools[zlib.crc32(session.encode()) % len(self._pools)]
+    def _shard(self, session: str) -> int:
+        return zlib.crc32(session.encode()) % len(self._pools)
 
     async def write(self, session: str, desc: Descriptors, deadline: float | None = None) -> None:
         """Write ``desc`` to ``session`` (retrying refusals until ``deadline``, monotonic s);
         raises TransportError from the engine."""
         if len(desc) == 0:
             return
-        loop = asyncio.get_running_loop()
-        fut = loop.run_in_executor(self._pool(session), self.engine.write, session, desc,
-                                   deadline)
-        self.busy += 1
-        try:
-            await asyncio.shield(fut)
-        except asyncio.CancelledError:
-            # The write is still running in its thread: wait it out before unwinding.
-            await asyncio.wait([fut])
-            raise
-        finally:
-            self.busy -= 1
+        shard = self._shard(session)
+        async with self._slots[shard]:
+            loop = asyncio.get_running_loop()
+            fut = loop.run_in_executor(self._pools[shard], self.engine.write, session, desc,
+                                       deadline)
+            self.busy += 1
+            try:
+                await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                # The write is still running in its thread: wait it out before unwinding.
+                await asyncio.wait([fut])
+                raise
+            finally:
+                self.busy -= 1
 
     def shutdown(self) -> None:
         """Wait for running writes, then stop the threads."""
