@@ -127,16 +127,20 @@ class Core:
                  len(kv_ptrs), args.num_pages, req.page_size, args.num_aux_slots)
         return args
 
-    def release_local(self, unmap_after: float) -> None:
-        """Forget the engine's registration: unregister its memory from the transfer engine
-        now (remote writes into it are refused from here on) and unmap it after
-        ``unmap_after`` seconds (a write the transport already accepted may still land)."""
+    def unregister_all(self) -> None:
+        """Unregister every mapped region from the transfer engine (errors are logged)."""
         for addr in self.registered_addrs:
             try:
                 self.engine.unregister(addr)
             except Exception as exc:
                 log.warning("unregister %#x: %s", addr, exc)
         self.registered_addrs.clear()
+
+    def release_local(self, unmap_after: float) -> None:
+        """Forget the engine's registration: unregister its memory from the transfer engine
+        now (remote writes into it are refused from here on) and unmap it after
+        ``unmap_after`` seconds (a write the transport already accepted may still land)."""
+        self.unregister_all()
         self.local = None
         old, self.memory = self.memory, MemoryMap(self.settings.shm_dir)
         asyncio.get_running_loop().call_later(unmap_after, old.close)

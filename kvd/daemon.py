@@ -209,11 +209,7 @@ class Daemon:
         await asyncio.get_running_loop().run_in_executor(None, core.executor.shutdown)
         await core.http_client.aclose()
         core.control.close()
-        for addr in core.registered_addrs:
-            try:
-                core.engine.unregister(addr)
-            except Exception as exc:
-                log.warning("unregister %#x: %s", addr, exc)
+        core.unregister_all()
         core.memory.close()
         log.info("kvd stopped")
 
