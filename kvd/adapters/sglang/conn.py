@@ -1,0 +1,391 @@
+"""kvd as an SGLang transfer backend: ``disaggregation.base.conn`` classes that delegate
+every transfer to the rank's kvd sidecar.
+
+Selected with ``--disaggregation-transfer-backend kvd`` once the plugin in
+:mod:`kvd.adapters.sglang.plugin` is loaded (SGLang loads it from the
+``sglang.srt.plugins`` entry point group). What each class does, in SGLang's order:
+
+* :class:`KvdKVBootstrapServer` (prefill rank 0's tokenizer process,
+  ``start_disagg_service``): nothing to serve -- the bootstrap server IS the prefill
+  rank 0 kvd (``serve_bootstrap = true``, ``http_port`` = SGLang's
+  ``--disaggregation-bootstrap-port``), speaking SGLang's ``/route`` API. It only
+  checks, without blocking start-up, that something answers there.
+* :class:`KvdKVManager` (each scheduler): connects to the local kvd
+  (``SGLANG_KVD_SOCKET``, placeholders ``{engine_rank}`` ``{tp_rank}`` ``{pp_rank}``
+  ``{dp_rank}``, default ``/tmp/kvd.sock``) and registers the rank's ``KVArgs``
+  (:mod:`kvd.adapters.sglang.kvargs`: the pool must live in ``/dev/shm``). The prefill
+  kvd registers itself with the bootstrap server; parallel layout (TP/DP/PP rank and size)
+  comes from each kvd's own settings, which must match the engine's.
+* :class:`KvdKVSender` / :class:`KvdKVReceiver`: one kvd room each
+  (``Sender``/``Receiver`` of :mod:`kvd.client`). The receiver creates its kvd room in
+  ``init(prefill_dp_rank)`` and hands its pages over in ``send_metadata``.
+
+Polling: SGLang polls every room every scheduler step. The manager answers all of them
+from one ``Poll`` RPC per ``poll_interval`` (default 2 ms) over every live room, so a step
+with N rooms costs one round trip, not N. Failures raise SGLang's own
+``KVTransferError`` (from ``failure_exception``) with kvd's reason.
+
+Deferred release: kvd releases a failed or aborted room's decode pages only once no
+prefill write can still land in them; the manager says so
+(``enable_deferred_decode_kv_release``) and answers ``is_abort_release_safe`` from kvd.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import numpy.typing as npt
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVPoll,
+    KVTransferDestination,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.common.conn import KVTransferError, PrefillServerInfo
+
+from kvd.adapters.sglang.kvargs import registration
+from kvd.adapters.shmmaps import read_maps
+from kvd.addr import http_url
+from kvd.client import KvdClient, Receiver, Sender
+from kvd.errors import KvdError, KvdUnreachable
+from kvd.protocol import rpc
+from kvd.rooms import UNKNOWN_ROOM
+from kvd.security import Authenticator
+
+log = logging.getLogger(__name__)
+
+SOCKET_ENV = "SGLANG_KVD_SOCKET"
+DEFAULT_SOCKET = "/tmp/kvd.sock"
+_TERMINAL = (int(KVPoll.Success), int(KVPoll.Failed))
+
+
+def socket_path(args: Any, template: str | None = None) -> str:
+    """The kvd socket of the rank described by ``args`` (``SGLANG_KVD_SOCKET``)."""
+    template = template or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+    rank = int(getattr(args, "engine_rank", 0) or 0)
+    return template.format(engine_rank=rank, tp_rank=rank,
+                           pp_rank=int(getattr(args, "pp_rank", 0) or 0),
+                           dp_rank=int(getattr(args, "system_dp_rank", 0) or 0))
+
+
+def cluster_secret() -> bytes | None:
+    """kvd's cluster secret as the operator gives it to kvd (``KVD_CLUSTER_SECRET`` or the
+    first line of ``KVD_CLUSTER_SECRET_FILE``); None when kvd runs without one."""
+    value = os.environ.get("KVD_CLUSTER_SECRET", "").strip()
+    path = os.environ.get("KVD_CLUSTER_SECRET_FILE")
+    if not value and path:
+        with contextlib.suppress(OSError, IndexError):
+            value = Path(path).read_text().splitlines()[0].strip()
+    return value.encode() if value else None
+
+
+def fetch_parallel_info(bootstrap_addr: str, timeout: float = 5.0) -> dict[str, Any] | None:
+    """``GET /route`` (all ranks: the instance's parallel info) from a kvd bootstrap server,
+    signed with the cluster secret when there is one; None if not available (yet)."""
+    params = {"engine_rank": -1, "target_dp_group": -1, "target_pp_rank": -1}
+    with httpx.Client(timeout=timeout) as client:
+        req = client.build_request("GET", http_url(bootstrap_addr, "/route"), params=params)
+        secret = cluster_secret()
+        if secret is not None:
+            req.headers.update(Authenticator(secret).http_header(
+                "GET", req.url.path, req.url.query.decode(), req.content))
+        try:
+            r = client.send(req)
+        except httpx.HTTPError:
+            return None
+    if r.status_code != 200:
+        if r.status_code == 401:
+            log.warning("kvd: %s refused the bootstrap query (set KVD_CLUSTER_SECRET for the "
+                        "engine too): %s", bootstrap_addr, r.text[:200])
+        return None
+    return dict(r.json())
+
+
+class _Board:
+    """Statuses of every live room of one kvd, refreshed by ONE Poll RPC at most every
+    ``max_age`` seconds (or when a room is not on the board yet)."""
+
+    def __init__(self, client: KvdClient, max_age: float) -> None:
+        self.client, self.max_age = client, max_age
+        self.live: set[int] = set()
+        self.status: dict[int, int] = {}
+        self.reasons: dict[int, str] = {}
+        self.stats: dict[int, tuple[int, float]] = {}
+        self.releasable: set[int] = set()
+        self.refreshed = 0.0
+
+    def add(self, room: int) -> None:
+        self.live.add(room)
+
+    def drop(self, room: int) -> None:
+        self.live.discard(room)
+        for table in (self.status, self.reasons, self.stats):
+            table.pop(room, None)
+        self.releasable.discard(room)
+
+    def get(self, room: int) -> int:
+        if room not in self.status or time.monotonic() - self.refreshed > self.max_age:
+            self.refresh()
+        return self.status.get(room, UNKNOWN_ROOM)
+
+    def refresh(self) -> None:
+        rooms = sorted(self.live)
+        self.refreshed = time.monotonic()
+        if not rooms:
+            return
+        try:
+            res = self.client.call(rpc.Poll(rooms=rooms))
+        except KvdUnreachable as exc:
+            for room in rooms:
+                self.status[room], self.reasons[room] = int(KVPoll.Failed), str(exc)
+            self.releasable.update(rooms)
+            return
+        self.status.update(zip(rooms, (int(s) for s in res["statuses"]), strict=True))
+        self.reasons.update({int(k): v for k, v in res.get("reasons", {}).items()})
+        self.stats.update({int(k): (int(v[0]), float(v[1]))
+                           for k, v in res.get("stats", {}).items()})
+        self.releasable = set(res.get("releasable", rooms))
+
+
+class KvdKVManager(BaseKVManager):
+    """One engine rank's link to its kvd: registration, room statuses, prefill info."""
+
+    enable_deferred_decode_kv_release = True
+    supports_deferred_decode_kv_release = True
+    supports_host_destination = False
+
+    def __init__(self, args: KVArgs, disaggregation_mode: Any, server_args: Any,
+                 is_mla_backend: bool | None = False, poll_interval: float = 0.002) -> None:
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.client = KvdClient(socket_path(args), timeout=30.0)
+        self.registration = registration(args, self.is_mla_backend, read_maps())
+        self.client.call(self.registration)
+        self.board = _Board(self.client, poll_interval)
+        self.prefill_info_table: dict[str, PrefillServerInfo] = {}
+        log.info("kvd: %s rank %s registered %d KV buffers with %s",
+                 getattr(disaggregation_mode, "value", disaggregation_mode),
+                 getattr(args, "engine_rank", 0), len(self.registration.kv_buffers),
+                 self.client.path)
+
+    def register_to_bootstrap(self) -> None:
+        """Nothing to do: the prefill kvd registered this rank with the bootstrap server
+        when the engine registered its KV (RegisterKV above)."""
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Decode: fetch the prefill instance's parallel info once (kvd's ``/route``);
+        False while the prefill is not (fully) registered or not reachable yet."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        info = fetch_parallel_info(bootstrap_addr)
+        if info is None:
+            return False
+        self.prefill_info_table[bootstrap_addr] = PrefillServerInfo(
+            attn_tp_size=info["prefill_attn_tp_size"], attn_cp_size=1,
+            dp_size=info["prefill_dp_size"], pp_size=info["prefill_pp_size"],
+            page_size=info.get("prefill_page_size"), kv_cache_dtype=None,
+            follow_bootstrap_room=True)  # kvd's rule: dp group = room % dp_size
+        return True
+
+    def is_abort_release_safe(self, room: int, required_acks: int = 0) -> bool:
+        """May a failed/aborted room's decode pages be reused? (kvd knows.)"""
+        self.board.refresh()
+        return room in self.board.releasable or room not in self.board.live
+
+    def clear_deferred_abort_state(self, room: int) -> None:
+        """kvd keeps no engine-visible abort state beyond the room (cleared by clear())."""
+
+    def failure(self, room: int) -> str:
+        return self.board.reasons.get(room) or "failed in kvd (no reason given)"
+
+
+class KvdKVSender(BaseKVSender):
+    """Prefill side of one request: a kvd ``Sender``."""
+
+    def __init__(self, mgr: KvdKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+        self.kv_mgr, self.bootstrap_addr = mgr, bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room)
+        self.conclude_state: int | None = None
+        self.reason = ""
+        self.sender: Sender | None = None
+        try:
+            self.sender = Sender(mgr.client, self.bootstrap_room)
+            mgr.board.add(self.bootstrap_room)
+        except KvdError as exc:
+            self._fail(f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, reason: str) -> None:
+        self.conclude_state, self.reason = int(KVPoll.Failed), reason
+
+    def _call(self, method: str, *args: Any) -> None:
+        if self.conclude_state is not None or self.sender is None:
+            return
+        try:
+            getattr(self.sender, method)(*args)
+        except KvdError as exc:
+            self._fail(f"{type(exc).__name__}: {exc}")
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        self._call("init", num_kv_indices, aux_index or 0)
+
+    def send(self, kv_indices: npt.NDArray[np.int32], state_indices: list[Any] | None = None,
+             num_kv_tokens: int | None = None) -> None:
+        if state_indices:
+            self._fail("kvd does not move state buffers (Mamba/SWA/DSA) yet")
+            return
+        self._call("send", np.asarray(kv_indices))
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        status = self.kv_mgr.board.get(self.bootstrap_room)
+        if status == UNKNOWN_ROOM:
+            self._fail("room unknown to kvd (kvd restarted?)")
+            return int(KVPoll.Failed)
+        if status in _TERMINAL:
+            self.conclude_state = status
+        return int(status)
+
+    def failure_exception(self) -> None:
+        reason = self.reason or self.kv_mgr.failure(self.bootstrap_room)
+        self.clear()
+        raise KVTransferError(self.bootstrap_room, reason)
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        nbytes, seconds = self.kv_mgr.board.stats.get(self.bootstrap_room, (None, None))
+        return KVTransferMetric(transfer_latency_s=seconds, transfer_total_bytes=nbytes)
+
+    def clear(self) -> None:
+        if self.sender is not None:
+            with contextlib.suppress(KvdError):
+                self.sender.clear()
+        self.kv_mgr.board.drop(self.bootstrap_room)
+
+    def abort(self) -> None:
+        if self.sender is not None and self.conclude_state is None:
+            with contextlib.suppress(KvdError):
+                self.sender.abort("aborted by the SGLang prefill scheduler")
+        self._fail(self.reason or "aborted by the SGLang prefill scheduler")
+
+
+class KvdKVReceiver(BaseKVReceiver):
+    """Decode side of one request: a kvd ``Receiver``, created in ``init``."""
+
+    require_staging = False
+
+    def __init__(self, mgr: KvdKVManager, bootstrap_addr: str,
+                 bootstrap_room: int | None = None) -> None:
+        self.kv_mgr, self.bootstrap_addr = mgr, bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room or 0)
+        self.conclude_state: int | None = None
+        self.reason = ""
+        self.receiver: Receiver | None = None
+        self.abort_notified = False
+        self.bootstrap_infos: list[str] = []  # prefill endpoints holding our pages
+
+    def _fail(self, reason: str) -> None:
+        self.conclude_state, self.reason = int(KVPoll.Failed), reason
+
+    def init(self, prefill_dp_rank: int) -> None:
+        if self.receiver is not None or self.conclude_state is not None:
+            return
+        try:
+            self.receiver = Receiver(self.kv_mgr.client, self.bootstrap_room,
+                                     self.bootstrap_addr, dp_rank=prefill_dp_rank)
+            self.kv_mgr.board.add(self.bootstrap_room)
+        except KvdError as exc:
+            self._fail(f"{type(exc).__name__}: {exc}")
+
+    def send_metadata(self, kv_indices: npt.NDArray[np.int32], aux_index: int | None = None,
+                      state_indices: list[Any] | None = None,
+                      decode_prefix_len: int | None = None,
+                      destination: KVTransferDestination = KVTransferDestination.DEVICE
+                      ) -> None:
+        if self.receiver is None or self.conclude_state is not None:
+            return
+        if state_indices or decode_prefix_len:
+            self.abort_with("kvd does not move state buffers or decode-side prefixes yet")
+            return
+        try:
+            self.receiver.init(np.asarray(kv_indices), aux_index or 0)
+            self.bootstrap_infos = [self.bootstrap_addr]
+        except KvdError as exc:
+            self.abort_with(f"{type(exc).__name__}: {exc}")
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if self.receiver is None:
+            return int(KVPoll.Bootstrapping)
+        status = self.kv_mgr.board.get(self.bootstrap_room)
+        if status == UNKNOWN_ROOM:
+            self._fail("room unknown to kvd (kvd restarted?)")
+            return int(KVPoll.Failed)
+        if status in _TERMINAL:
+            self.conclude_state = status
+        return int(status)
+
+    def failure_exception(self) -> None:
+        raise KVTransferError(self.bootstrap_room,
+                              self.reason or self.kv_mgr.failure(self.bootstrap_room))
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Tell kvd (and through it the prefill) that this room is abandoned."""
+        if self.receiver is not None and not self.abort_notified:
+            with contextlib.suppress(KvdError):
+                self.receiver.abort("aborted by the SGLang decode scheduler")
+            self.abort_notified = bool(self.bootstrap_infos) or force_arm
+
+    def abort_with(self, reason: str) -> None:
+        self.ensure_abort_notified()
+        self._fail(reason)
+
+    def abort(self) -> None:
+        self.abort_with(self.reason or "aborted by the SGLang decode scheduler")
+
+    def is_abort_release_safe(self) -> bool:
+        return self.kv_mgr.is_abort_release_safe(self.bootstrap_room)
+
+    def clear(self) -> None:
+        """Forget the room in kvd. Call once its pages are releasable (SGLang does: after
+        Success, or after the deferred release); kvd refuses earlier, which is logged."""
+        if self.receiver is not None:
+            try:
+                self.kv_mgr.client.call(rpc.Clear(room=self.bootstrap_room))
+            except KvdError as exc:
+                log.warning("kvd: room %d not cleared: %s", self.bootstrap_room, exc)
+        self.kv_mgr.board.drop(self.bootstrap_room)
+
+
+class KvdKVBootstrapServer(BaseKVBootstrapServer):
+    """The bootstrap server is kvd's (prefill rank 0's kvd, ``serve_bootstrap = true``)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, int(port)
+        if not self.check(timeout=0.5):
+            log.warning("kvd: no bootstrap server answers at %s:%d yet; start prefill rank "
+                        "0's kvd with serve_bootstrap = true and http_port = %d",
+                        host, self.port, self.port)
+
+    def check(self, timeout: float = 2.0) -> bool:
+        """True if a kvd answers ``/health`` at ``host:port``."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+        try:
+            return httpx.get(f"http://{host}:{self.port}/health", timeout=timeout
+                             ).status_code == 200
+        except httpx.HTTPError:
+            return False

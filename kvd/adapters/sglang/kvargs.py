@@ -1,0 +1,91 @@
+"""SGLang ``KVArgs`` -> kvd ``RegisterKV``. PURE (no SGLang import: duck-typed ``args``).
+
+SGLang describes a rank's KV pool by raw pointers (``kv_data_ptrs``/``_lens``/
+``_item_lens``: MHA K buffers of every local layer, then V buffers; MLA one buffer per
+layer) plus aux (metadata) buffers. kvd maps memory from ``/dev/shm`` files only, so every
+pointer must lie in a mapping of such a file (:mod:`kvd.adapters.shmmaps`); the engine's
+pool must be allocated there. ``page_size``, ``kv_head_num``, ``total_kv_head_num``,
+``kv_layout`` ("nhd"/"hnd") and ``prefill_start_layer`` carry over; the element size
+comes from ``kv_cache_dtype_str`` and ``head_dim`` from the item length.
+
+Not supported (refused with the reason): draft KV buffers (speculative decoding),
+state buffers (Mamba/SWA/DSA pools) and device (GPU) pointers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvd.adapters.shmmaps import Mapping, NotSharedMemory, handle_for
+from kvd.protocol.rpc import RegisterKV, ShmHandle
+
+DTYPE_SIZES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2,
+               "half": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1,
+               "float8_e5m2": 1, "fp8": 1, "int8": 1, "uint8": 1}
+
+
+class KVArgsError(ValueError):
+    """SGLang KV args that kvd cannot register."""
+
+
+def dtype_size(name: str | None) -> int:
+    """Bytes per element of SGLang's ``kv_cache_dtype_str`` (``"bfloat16"``,
+    ``"torch.float16"``, ``"fp8_e4m3"``...). KVArgsError for an unknown name."""
+    key = (name or "").removeprefix("torch.").lower()
+    if key not in DTYPE_SIZES:
+        raise KVArgsError(f"unknown KV cache dtype {name!r}")
+    return DTYPE_SIZES[key]
+
+
+def _handles(ptrs: list[int], lens: list[int], maps: list[Mapping], shm_dir: str,
+             what: str) -> list[ShmHandle]:
+    try:
+        return [handle_for(int(p), int(n), maps, shm_dir) for p, n in zip(ptrs, lens,
+                                                                            strict=True)]
+    except NotSharedMemory as exc:
+        raise KVArgsError(f"{what}: {exc}") from exc
+    except ValueError as exc:
+        raise KVArgsError(f"{what}: pointer and length lists differ in length") from exc
+
+
+def _unsupported(args: Any) -> list[str]:
+    problems = []
+    if int(getattr(args, "num_draft_entries", 0) or 0):
+        problems.append("draft KV buffers (speculative decoding)")
+    if any(getattr(args, "state_data_ptrs", None) or []):
+        problems.append("state buffers (Mamba/SWA/DSA pools)")
+    return problems
+
+
+def registration(args: Any, is_mla: bool, maps: list[Mapping],
+                 shm_dir: str = "/dev/shm") -> RegisterKV:
+    """The :class:`RegisterKV` of SGLang ``args`` (a ``KVArgs``). Raises KVArgsError."""
+    problems = _unsupported(args)
+    if problems:
+        raise KVArgsError("kvd cannot move " + " and ".join(problems) + " yet")
+    ptrs, lens = list(args.kv_data_ptrs), list(args.kv_data_lens)
+    items = [int(n) for n in args.kv_item_lens]
+    per_layer = 1 if is_mla else 2
+    if not ptrs or len(ptrs) % per_layer:
+        raise KVArgsError(f"{len(ptrs)} KV buffers do not make whole layers "
+                          f"({'MLA' if is_mla else 'MHA: K and V per layer'})")
+    page_size = int(args.page_size)
+    heads = 1 if is_mla else int(args.kv_head_num)
+    size = dtype_size(getattr(args, "kv_cache_dtype_str", None))
+    head_dim, rest = divmod(items[0], page_size * heads * size)
+    if rest or head_dim < 1:
+        raise KVArgsError(f"item length {items[0]} is not page_size {page_size} x {heads} "
+                          f"heads x dtype {size} B x head_dim")
+    layout = (getattr(args, "kv_layout", None) or "nhd").upper()
+    if layout not in ("NHD", "HND"):
+        raise KVArgsError(f"KV layout {layout.lower()!r} is not one kvd plans (nhd, hnd)")
+    return RegisterKV(
+        kv_buffers=_handles(ptrs, lens, maps, shm_dir, "KV buffer"), kv_item_lens=items,
+        aux_buffers=_handles(list(args.aux_data_ptrs), list(args.aux_data_lens), maps, shm_dir,
+                             "aux buffer"),
+        aux_item_lens=[int(n) for n in args.aux_item_lens], page_size=page_size,
+        num_kv_heads=heads, head_dim=head_dim, dtype_size=size,
+        num_layers=len(ptrs) // per_layer,
+        layer_start=int(getattr(args, "prefill_start_layer", 0) or 0), is_mla=is_mla,
+        layout=layout,
+        total_kv_heads=1 if is_mla else int(getattr(args, "total_kv_head_num", 0) or heads))
