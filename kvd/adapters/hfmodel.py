@@ -83,10 +83,14 @@ def _convert(gguf_path: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
     model: Any = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent),
                                                       dtype=torch.float32, **kwargs)
-    model = model.float().eval()
-    model.hf_quantizer = None  # the "quantized with gguf" marker: weights are plain now
+    # The "quantized with gguf" marker: the weights are plain float32 now. Clear it before
+    # anything else (some transformers versions refuse .float() on a "quantized" model).
+    model.hf_quantizer = None
+    if getattr(model, "is_quantized", False):
+        model.is_quantized = False
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    model = model.to(torch.float32).eval()
     model.config.dtype = torch.float32
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
