@@ -44,7 +44,9 @@ class ReceiverRoom:
     targets: list[tuple[Target, str]] | None = None
     successes: set[str] = field(default_factory=set)
     quiesced: set[str] = field(default_factory=set)
+    retried: set[str] = field(default_factory=set)
     pages_sent: bool = False
+    created: float = field(default_factory=time.monotonic)
 
     def releasable(self, now: float, release_timeout: float) -> bool:
         """May the engine reuse this room's pages? Only once it ended and no prefill rank
@@ -130,11 +132,15 @@ class BootstrapClient:
         return self.ranks[key]
 
 
+HEALTH_MEMORY_S = 600.0  # how long an unused prefill address's heartbeat state is kept
+
+
 @dataclass
 class PeerHealth:
     """Heartbeat state of one prefill bootstrap address."""
 
     misses: int = 0
+    last_used: float = 0.0
     instance_id: str | None = None
     epoch: int | None = None
     last_ok: float = 0.0
@@ -157,11 +163,17 @@ class DecodeSide:
         """Probe every prefill bootstrap address in use, every ``heartbeat_interval`` s."""
         while True:
             await asyncio.sleep(self.core.settings.heartbeat_interval)
+            now = time.monotonic()
             addrs = {r.bootstrap_addr for r in self.rooms.values() if not r.state.done}
             addrs |= set(self.bootstrap.info) | {a for a, h in self.health.items() if h.down}
+            for addr in addrs:
+                self.health.setdefault(addr, PeerHealth()).last_used = now
             await asyncio.gather(*(self.probe(a) for a in addrs))
-            for addr in set(self.health) - addrs:
-                del self.health[addr]
+            # Forget an address only after it has been unused for a while: its instance id
+            # is how a restart between two heartbeats is recognised.
+            for addr, h in list(self.health.items()):
+                if now - h.last_used > HEALTH_MEMORY_S:
+                    del self.health[addr]
 
     async def probe(self, addr: str) -> None:
         """One heartbeat of ``addr``'s ``/health`` (bounded by the heartbeat interval)."""
@@ -178,11 +190,14 @@ class DecodeSide:
             return
         if h.down:
             log.info("prefill %s is back after %d missed heartbeats", addr, h.misses)
+        prev_ok = h.last_ok
         h.misses, h.down, h.last_ok = 0, False, time.monotonic()
         instance, epoch = data.get("instance_id"), data.get("bootstrap_epoch")
         if h.instance_id is not None and instance != h.instance_id:
+            # Rooms created while the old instance was last seen alive were bound to it;
+            # rooms created since may already be bound to the new one: leave those.
             self.peer_lost(addr, f"prefill {addr} restarted (instance {h.instance_id} -> "
-                                 f"{instance})")
+                                 f"{instance})", created_before=prev_ok)
         elif h.epoch is not None and epoch != h.epoch:
             self._forget(addr)  # a rank re-registered: refresh endpoints for new rooms
         h.instance_id, h.epoch = instance, epoch
@@ -205,17 +220,20 @@ class DecodeSide:
                 self.core.control.drop(ep)
         return endpoints
 
-    def peer_lost(self, addr: str, reason: str) -> None:
+    def peer_lost(self, addr: str, reason: str, created_before: float | None = None) -> None:
         """Fail every unfinished room fed by ``addr``; drop its cached endpoints and sockets.
 
         Each failed room that had sent its pages is also aborted on the prefill side
         (queued behind its RoomPages, so a frozen prefill that resumes drops them) before
-        the sockets are closed.
+        the sockets are closed. With ``created_before`` (monotonic s) only rooms created by
+        then are failed (a restart: newer rooms may be bound to the new instance).
         """
         log.warning("%s", reason)
         aborts = []
         for room, r in list(self.rooms.items()):
-            if r.bootstrap_addr == addr and not r.state.done:
+            if r.bootstrap_addr != addr or r.state.done:
+                continue
+            if created_before is None or r.created <= created_before:
                 self._fail(room, r, f"room {room}: {reason}")
                 if r.pages_sent and r.targets:
                     aborts += [(ep, room) for _, ep in r.targets]
@@ -310,7 +328,15 @@ class DecodeSide:
                 self.core.notify()  # a waiter may be waiting for releasable pages
         if r.state.done:
             return
-        if msg.status == KVPoll.Failed:
+        if msg.status == KVPoll.Failed and msg.unregistered and msg.endpoint not in r.retried:
+            # The prefill rank lost our registration (it restarted, or the registration went
+            # into a connection that was dying): register again and resend once.
+            r.retried.add(msg.endpoint)
+            self.registered.discard(msg.endpoint)
+            log.info("room %d: prefill %s does not know this rank: registering again",
+                     msg.room, msg.endpoint)
+            self.core.spawn(self._resend(msg.room, r, msg.endpoint), f"resend-{msg.room}")
+        elif msg.status == KVPoll.Failed:
             self._fail(msg.room, r, msg.reason or f"room {msg.room}: failed on {msg.endpoint}")
         elif msg.status == KVPoll.Success:
             if msg.aux and not self._write_aux(msg.room, r, msg.aux):
@@ -320,6 +346,20 @@ class DecodeSide:
                 self.core.counters.rooms_succeeded += 1
                 self.core.events.room_done("decode", msg.room, "success", peer=msg.endpoint)
                 self.core.notify()
+
+    async def _resend(self, room: int, r: ReceiverRoom, endpoint: str) -> None:
+        try:
+            await self._ensure_registered(endpoint)
+        except KvdError as exc:
+            self._fail(room, r, f"room {room}: {exc}")
+            return
+        for t, ep in r.targets or []:
+            if ep == endpoint and not r.state.done and r.dst_pages is not None:
+                msg = control.RoomPages(room, self.core.control.endpoint, self.core.instance_id,
+                                        r.dst_pages, r.aux_index, t.required_dst_info_num,
+                                        t.is_dummy)
+                if not await self.core.send(endpoint, msg):
+                    self._fail(room, r, f"room {room}: cannot reach prefill rank {endpoint}")
 
     def _write_aux(self, room: int, r: ReceiverRoom, aux: list[bytes]) -> bool:
         """Write aux received over the control plane into the room's slot; a payload that

@@ -238,8 +238,11 @@ class PrefillSide:
             await asyncio.sleep(delay)  # fault injection (tests): a slow aux path
         await self.core.send(endpoint, msg)
 
-    def _refuse(self, msg: control.RoomPages, reason: str) -> None:
-        self._status_to(msg.endpoint, msg.room, KVPoll.Failed, reason, quiesced=True)
+    def _refuse(self, msg: control.RoomPages, reason: str, unregistered: bool = False) -> None:
+        status = control.RoomStatus(msg.room, int(KVPoll.Failed), reason,
+                                    self.core.control.endpoint, self.core.instance_id,
+                                    quiesced=True, unregistered=unregistered)
+        self.core.spawn(self.core.send(msg.endpoint, status), f"status-{msg.room}")
 
     def _take_pending(self, room: int) -> list[tuple[control.RoomPages, float]]:
         entries = self.pending.pop(room, [])
@@ -263,9 +266,11 @@ class PrefillSide:
         if msg.endpoint in r.dsts or (r.required is not None and len(r.dsts) >= r.required):
             return self._refuse(msg, f"room {room}: duplicate room (already bound to "
                                      f"{r.peers}; refused {msg.endpoint})")
-        if peer is None or peer.args is None or peer.rejected:
-            reason = peer.rejected if peer else "decode rank not registered with this prefill"
-            return self._refuse(msg, f"room {room}: {reason}")
+        if peer is None:  # e.g. this kvd restarted: the decode rank registers again, retries
+            return self._refuse(msg, f"room {room}: decode rank {msg.endpoint} not registered "
+                                     f"with this prefill", unregistered=True)
+        if peer.args is None or peer.rejected:
+            return self._refuse(msg, f"room {room}: {peer.rejected}")
         try:
             pages = unpack_indices(msg.dst_pages)
             check_page_range(pages, peer.args.num_pages, f"room {room} destination")

@@ -85,6 +85,7 @@ class RoomStatus(msgspec.Struct, tag="room_status", frozen=True):
     instance_id: str
     quiesced: bool = True
     aux: list[bytes] = []       # aux_transport = "control": the aux slot's bytes, per buffer
+    unregistered: bool = False  # the prefill rank does not know the sender: register again
 
 
 class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):

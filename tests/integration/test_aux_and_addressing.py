@@ -29,7 +29,7 @@ def test_k09_aux_slot_reuse_over_the_control_plane(tmp_path: Path) -> None:
                       d_engine_opts={"aux_slots": 4, "aux_item_len": 16})
     p, d = pair.p_engine, pair.d_engine
     d.aux[:] = 0  # the engine starts with empty slots
-    free_slots = list(range(4))
+    free_slots, src_slots = list(range(4)), list(range(16))
     slots_lock = threading.Condition()
     mismatches: list[int] = []
     local = threading.local()
@@ -44,9 +44,9 @@ def test_k09_aux_slot_reuse_over_the_control_plane(tmp_path: Path) -> None:
         with slots_lock:
             slots_lock.wait_for(lambda: free_slots)
             slot = free_slots.pop()
+            src_slot = src_slots.pop()  # the prefill engine's own slot, exclusive as well
         try:
             assert not d.aux[slot].any()  # a freed slot reads as empty
-            src_slot = room % 16
             p.aux[src_slot, :8] = np.frombuffer(np.int64(room).tobytes(), np.uint8)
             p.aux[src_slot, 8:] = np.frombuffer(np.int64(room % 50_000).tobytes(), np.uint8)
             r = Receiver(dc, room, pair.bootstrap)
@@ -64,6 +64,7 @@ def test_k09_aux_slot_reuse_over_the_control_plane(tmp_path: Path) -> None:
             d.aux[slot] = 0
             with slots_lock:
                 free_slots.append(slot)
+                src_slots.append(src_slot)
                 slots_lock.notify()
 
     try:

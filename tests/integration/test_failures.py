@@ -489,3 +489,27 @@ def test_k02_slow_bootstrap_registration_retries_until_it_completes(tmp_path: Pa
         boot.kill(signal.SIGCONT)
         for x in (prefill, decode, boot):
             x.stop()
+
+
+def test_prefill_restart_between_heartbeats_re_registers_and_room_succeeds(tmp_path: Path) -> None:
+    """The decode side still believes it is registered with a restarted prefill (no heartbeat
+    has run yet): the prefill answers "unregistered", the decode registers again, resends,
+    and the room succeeds without failing."""
+    http_port, zmq_port = free_port(), free_port()
+    p_opts = {"http_port": http_port, "zmq_port": zmq_port}
+    pair = start_pair(tmp_path, p_opts=p_opts, d_opts={"heartbeat_interval": 120.0})
+    d = pair.d_engine
+    try:
+        transfer_room(pair.p_engine, d, pair.bootstrap, 1, [1], [2], chunk=1)
+        assert wait_rooms(d.client, [1]) == [KVPoll.Success]
+        pair.prefill.kill(signal.SIGKILL)
+        pair.prefill.proc.wait(5)
+        pair.p_engine.close()
+        pair.prefill = start_daemon("prefill", tmp_path, serve_bootstrap=True, **p_opts)
+        pair.p_engine = EngineStandIn(pair.prefill.socket, seed=1)
+        transfer_room(pair.p_engine, d, pair.bootstrap, 2, [3, 4], [5, 6], chunk=1)
+        assert wait_rooms(d.client, [2], timeout=20) == [KVPoll.Success]
+        assert d.pages_equal(pair.p_engine, [3, 4], [5, 6])
+        assert "does not know this rank: registering again" in pair.decode.log.read_text()
+    finally:
+        stop_pair(pair)
