@@ -47,6 +47,7 @@ class ReceiverRoom:
     retried: set[str] = field(default_factory=set)
     pages_sent: bool = False
     created: float = field(default_factory=time.monotonic)
+    release_seen: bool = False
 
     def releasable(self, now: float, release_timeout: float) -> bool:
         """May the engine reuse this room's pages? Only once it ended and no prefill rank
@@ -468,8 +469,9 @@ class DecodeSide:
             if limit is not None and now - r.state.since > limit:
                 self._fail(room, r, f"room {room}: timed out in {r.state.status.name} after "
                                     f"{limit:.1f}s (prefill {r.bootstrap_addr})")
-            elif r.state.status == KVPoll.Failed and r.pages_sent:
-                wake |= r.releasable(now, s.release_timeout)
+            elif r.state.status == KVPoll.Failed and r.pages_sent and not r.release_seen and \
+                    r.releasable(now, s.release_timeout):
+                r.release_seen = wake = True  # wake waiters once, when the pages free up
             if r.state.done and now - r.state.since > s.finished_room_ttl and \
                     r.releasable(now, s.release_timeout):
                 del self.rooms[room]

@@ -246,8 +246,10 @@ class PrefillSide:
 
     def _take_pending(self, room: int) -> list[tuple[control.RoomPages, float]]:
         entries = self.pending.pop(room, [])
-        self.pending_by_peer.subtract(m.endpoint for m, _ in entries)
-        self.pending_by_peer += Counter()  # drop zero counts
+        for m, _ in entries:
+            self.pending_by_peer[m.endpoint] -= 1
+            if self.pending_by_peer[m.endpoint] <= 0:
+                del self.pending_by_peer[m.endpoint]
         return entries
 
     def _drop_pending(self, room: int, endpoint: str) -> None:

@@ -49,6 +49,14 @@ class _Room:
         self.room = room
         self.lost = ""  # set once kvd was unreachable: the room is Failed for good
 
+    @classmethod
+    def attach(cls, client: KvdClient, room: int) -> Any:
+        """A handle on a room that already exists in kvd (no RPC): poll, wait, abort, clear
+        it from another thread or connection than the one that created it."""
+        obj = cls.__new__(cls)
+        _Room.__init__(obj, client, room)
+        return obj
+
     def _call(self, call: rpc.Call) -> Any:
         if self.lost:
             return None
@@ -107,6 +115,9 @@ class _Room:
 
 class Sender(_Room):
     """Prefill side of room ``room``. Raises RoomError if the room is already active."""
+
+    num_pages = 0  # pages announced by init(); a handle from attach() starts at 0
+    sent = 0
 
     def __init__(self, client: KvdClient, room: int) -> None:
         super().__init__(client, room)

@@ -11,6 +11,7 @@ import pytest
 from kvd.client import KVPoll, Receiver, Sender
 from kvd.errors import KVTransferError, ProtocolError, RoomError
 from kvd.protocol import rpc
+from kvd.protocol.codec import pack_indices
 from kvd.refengine.standin import transfer_room, wait_rooms
 from tests.conftest import PdPair, signed
 
@@ -83,7 +84,7 @@ def test_malformed_engine_frame_answers_protocol_error_and_keeps_serving(
 
 def test_pack_rejects_float_page_indices() -> None:
     with pytest.raises(ProtocolError):
-        Sender.send.__globals__["pack_indices"](np.array([1.5]))
+        pack_indices(np.array([1.5]))
 
 
 def test_route_and_health_answer(pd_pair: PdPair) -> None:

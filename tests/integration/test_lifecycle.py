@@ -46,15 +46,10 @@ def test_sigterm_drains_fails_the_rest_unlinks_socket_and_exits_0(tmp_path: Path
         states = _poll_until(d.client, [1, 2], {KVPoll.Success, KVPoll.Failed}, 5)
         assert states == [KVPoll.Success, KVPoll.Failed]
         assert d.pages_equal(p, [1, 2], [3, 4])
-        assert "shutting down" in Receiver.failure_reason(_recv(d, 2))
+        assert "shutting down" in Receiver.attach(d.client, 2).failure_reason()
     finally:
         stop_pair(pair)
 
-
-def _recv(engine: EngineStandIn, room: int) -> Receiver:
-    r = Receiver.__new__(Receiver)
-    r.client, r.room, r.lost = engine.client, room, ""
-    return r
 
 
 def test_draining_daemon_refuses_new_rooms(tmp_path: Path) -> None:
@@ -169,7 +164,7 @@ def test_k19_frozen_or_dead_prefill_bounds_every_send(tmp_path: Path, fault: str
         assert wait_rooms(d.client, [ok_room]) == [KVPoll.Success]
         states = _poll_until(d.client, rooms, {KVPoll.Failed}, 10)
         assert states == [KVPoll.Failed] * len(rooms)
-        reason = Receiver.failure_reason(_recv(d, rooms[-1]))
+        reason = Receiver.attach(d.client, rooms[-1]).failure_reason()
         assert pair.bootstrap in reason
         assert httpx.get(f"http://{pair.decode.http_addr}/health", timeout=1).status_code == 200
         if fault == "sigstop":

@@ -158,6 +158,18 @@ class _Board:
         self.releasable = set(res.get("releasable", rooms))
 
 
+def _poll_board(side: Any) -> int:
+    """A sender's or receiver's KVPoll from the manager's shared poll board (no RPC of its
+    own); a room kvd no longer knows is Failed; terminal states are remembered."""
+    status = side.kv_mgr.board.get(side.bootstrap_room)
+    if status == UNKNOWN_ROOM:
+        side._fail("room unknown to kvd (kvd restarted?)")
+        return int(KVPoll.Failed)
+    if status in _TERMINAL:
+        side.conclude_state = status
+    return int(status)
+
+
 class KvdKVManager(BaseKVManager):
     """One engine rank's link to its kvd: registration, room statuses, prefill info."""
 
@@ -252,13 +264,7 @@ class KvdKVSender(BaseKVSender):
     def poll(self) -> int:
         if self.conclude_state is not None:
             return self.conclude_state
-        status = self.kv_mgr.board.get(self.bootstrap_room)
-        if status == UNKNOWN_ROOM:
-            self._fail("room unknown to kvd (kvd restarted?)")
-            return int(KVPoll.Failed)
-        if status in _TERMINAL:
-            self.conclude_state = status
-        return int(status)
+        return _poll_board(self)
 
     def failure_exception(self) -> None:
         reason = self.reason or self.kv_mgr.failure(self.bootstrap_room)
@@ -331,13 +337,7 @@ class KvdKVReceiver(BaseKVReceiver):
             return self.conclude_state
         if self.receiver is None:
             return int(KVPoll.Bootstrapping)
-        status = self.kv_mgr.board.get(self.bootstrap_room)
-        if status == UNKNOWN_ROOM:
-            self._fail("room unknown to kvd (kvd restarted?)")
-            return int(KVPoll.Failed)
-        if status in _TERMINAL:
-            self.conclude_state = status
-        return int(status)
+        return _poll_board(self)
 
     def failure_exception(self) -> None:
         raise KVTransferError(self.bootstrap_room,
