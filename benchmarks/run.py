@@ -90,7 +90,7 @@ class KvdPath:
 
 
 def _raw_receiver(nbytes: int, item: int, conn: Any) -> None:
-    from kvd.transfer.engine import MooncakeEngine
+    from kvd.transfer.backends.mooncake import MooncakeEngine
 
     engine = MooncakeEngine("127.0.0.1")
     buf = np.zeros(nbytes, dtype=np.uint8)
@@ -110,7 +110,7 @@ class RawPath:
     """The same descriptors through two raw Mooncake engines in separate processes."""
 
     def __init__(self, lay: dict[str, int], src: np.ndarray, dst: np.ndarray) -> None:
-        from kvd.transfer.engine import MooncakeEngine
+        from kvd.transfer.backends.mooncake import MooncakeEngine
 
         per_buf, nbufs, item = lay["num_pages"] * lay["item_len"], 2 * lay["layers"], \
             lay["item_len"]

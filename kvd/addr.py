@@ -43,3 +43,8 @@ def http_url(addr: str, path: str) -> str:
     """``http://`` URL for ``path`` on the server at ``addr`` (host:port)."""
     host, port = parse_hostport(addr)
     return f"http://{join_hostport(host, port)}{path}"
+
+
+def format_host(host: str) -> str:
+    """Host as it appears before ``:port`` (IPv6 literals in brackets)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

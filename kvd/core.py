@@ -23,7 +23,7 @@ from kvd.protocol import control
 from kvd.protocol.control import ControlMessage, KVArgsWire
 from kvd.protocol.rpc import RegisterKV
 from kvd.security import Authenticator
-from kvd.transfer.engine import TransferEngine
+from kvd.transfer.backends.base import TransferEngine
 from kvd.transfer.executor import TransferExecutor
 from kvd.transfer.faults import FaultPlan
 from kvd.transfer.kvargs import RankArgs

@@ -35,7 +35,8 @@ from kvd.protocol import control, rpc
 from kvd.rooms import UNKNOWN_ROOM, KVPoll
 from kvd.security import Authenticator
 from kvd.status import DaemonOps
-from kvd.transfer.engine import MooncakeEngine, TransferEngine
+from kvd.transfer.backends.base import TransferEngine
+from kvd.transfer.backends.mooncake import MooncakeEngine
 from kvd.transfer.executor import TransferExecutor
 from kvd.transfer.faults import FaultInjector, FaultPlan
 

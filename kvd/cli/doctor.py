@@ -31,7 +31,7 @@ MOONCAKE_FIX = ("install exactly one Mooncake build: pip install 'kvd[cpu]' "
                 "(mooncake-transfer-engine-non-cuda) or 'kvd[cuda]'; and the Debian packages "
                 "libibverbs1 librdmacm1 libnuma1")
 _PROBE = ("import os, sys\n"
-          "from kvd.transfer.engine import MooncakeEngine\n"
+          "from kvd.transfer.backends.mooncake import MooncakeEngine\n"
           "e = MooncakeEngine(sys.argv[1])\n"
           "print(e.session_id, flush=True)\n"
           "os._exit(0)  # skip the engine's ~1 s teardown\n")

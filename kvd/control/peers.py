@@ -14,8 +14,8 @@ import logging
 import zmq
 import zmq.asyncio
 
+from kvd.addr import format_host
 from kvd.errors import KvdError
-from kvd.transfer.engine import format_host
 
 log = logging.getLogger(__name__)
 

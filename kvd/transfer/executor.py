@@ -13,7 +13,7 @@ import asyncio
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
-from kvd.transfer.engine import TransferEngine
+from kvd.transfer.backends.base import TransferEngine
 from kvd.transfer.plan import Descriptors
 
 

@@ -1,7 +1,7 @@
 """Fault injection around the real transfer engine, for tests and drills only.
 
 A :class:`FaultPlan` (JSON in the ``fault_injection`` setting) is consulted before
-every native batch submission of :class:`~kvd.transfer.engine.MooncakeEngine`.
+every native batch submission of :class:`~kvd.transfer.backends.mooncake.MooncakeEngine`.
 It can delay submissions, refuse the first N submissions of every batch
 (transient "queue full"), or fail chosen batches permanently. Batches are
 numbered from 0 in submission order, per daemon. The real engine still moves

@@ -1,8 +1,8 @@
-"""The fence around the Mooncake Transfer Engine: the ONLY module that imports ``mooncake``.
+"""The ``mooncake`` transfer backend: the ONLY module that imports ``mooncake``.
 
-:class:`TransferEngine` is the small interface the rest of kvd uses;
-:class:`MooncakeEngine` implements it with the real engine (``tcp`` protocol,
-``P2PHANDSHAKE`` metadata: no etcd, no RDMA NIC needed). Mooncake's integer
+:class:`MooncakeEngine` implements :class:`~kvd.transfer.backends.base.TransferEngine`
+with the real engine (``tcp`` protocol, ``P2PHANDSHAKE`` metadata: no etcd, no RDMA
+NIC needed). Mooncake's integer
 return codes become :class:`~kvd.errors.TransportError` here.
 
 Facts this module relies on (measured on the CPU machines, see design.md):
@@ -19,43 +19,12 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Protocol
 
+from kvd.addr import format_host
 from kvd.errors import TransportError
 from kvd.transfer.plan import Descriptors
 
 log = logging.getLogger(__name__)
-
-
-class TransferEngine(Protocol):
-    """What kvd needs from a transfer engine. All methods block; sizes in bytes."""
-
-    @property
-    def session_id(self) -> str:
-        """This engine's ``host:rpc_port``, the name peers write to."""
-        ...
-
-    def register(self, addr: int, length: int) -> None:
-        """Register ``[addr, addr+length)`` for transfers; raises TransportError."""
-        ...
-
-    def unregister(self, addr: int) -> None:
-        """Undo :meth:`register` for the region starting at ``addr``."""
-        ...
-
-    def write(self, peer_session: str, desc: Descriptors, deadline: float | None = None) -> None:
-        """Write every descriptor to ``peer_session``; returns once all bytes landed.
-
-        Refused sub-batches are retried until ``deadline`` (``time.monotonic()``
-        seconds) or the engine's own retry budget, whichever is first. Raises
-        TransportError if any sub-batch still fails (its bytes may have partly landed).
-        """
-        ...
-
-
-def format_host(host: str) -> str:
-    """Host as it appears before ``:port`` (IPv6 literals in brackets)."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 class MooncakeEngine:

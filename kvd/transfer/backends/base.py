@@ -1,0 +1,39 @@
+"""The interface every transfer backend implements (``mooncake``, ``fake``, ...).
+
+A backend moves bytes from this process's registered memory to a peer's
+registered memory. Peers are named by an opaque address string that the
+backend hands out (:attr:`TransferEngine.session_id`) and that travels on the
+wire unchanged; nothing outside the backend parses it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvd.transfer.plan import Descriptors
+
+
+class TransferEngine(Protocol):
+    """What kvd needs from a transfer backend. All methods block; sizes in bytes."""
+
+    @property
+    def session_id(self) -> str:
+        """This backend's address, the opaque name peers write to."""
+        ...
+
+    def register(self, addr: int, length: int) -> None:
+        """Register ``[addr, addr+length)`` for transfers; raises TransportError."""
+        ...
+
+    def unregister(self, addr: int) -> None:
+        """Undo :meth:`register` for the region starting at ``addr``."""
+        ...
+
+    def write(self, peer_session: str, desc: Descriptors, deadline: float | None = None) -> None:
+        """Write every descriptor to ``peer_session``; returns once all bytes landed.
+
+        Refused sub-batches are retried until ``deadline`` (``time.monotonic()``
+        seconds) or the backend's own retry budget, whichever is first. Raises
+        TransportError if any sub-batch still fails (its bytes may have partly landed).
+        """
+        ...
