@@ -158,8 +158,9 @@ class Settings(BaseSettings):
         help="how long a refused transfer batch is retried (never past the room's deadline)")
     release_timeout: float = _setting(
         10.0, gt=0, unit="s",
-        help="decode: a failed room's pages become releasable after this even without the "
-             "prefill side's confirmation that no write is in flight")
+        help="decode: a failed room's pages become releasable this long after the write "
+             "deadline it gave the prefill ranks (which stop writing then), even without "
+             "their confirmation that no write is in flight")
     drain_timeout: float = _setting(
         10.0, ge=0, unit="s", help="SIGTERM: in-flight rooms may finish for this long")
     finished_room_ttl: float = _setting(
@@ -183,6 +184,12 @@ class Settings(BaseSettings):
                               help="decode ranks a prefill rank accepts registrations from")
     max_rooms_per_peer: int = _setting(
         100_000, ge=1, unit="rooms", help="rooms in flight or buffered per decode peer")
+    peer_ttl: float = _setting(
+        600.0, gt=0, unit="s", help="a peer with no message and no room for this long is "
+                                    "forgotten (its registration, socket and heartbeats)")
+    engine_reconnect_grace: float = _setting(
+        10.0, ge=0, unit="s", help="an engine whose connection dropped keeps its registration "
+                                   "and rooms this long, waiting for it to reconnect")
     log_level: LogLevel = _setting("INFO", help="DEBUG, INFO, WARNING, ERROR or CRITICAL")
     log_format: Literal["text", "json"] = _setting(
         "text", help="text lines, or one JSON object per line")

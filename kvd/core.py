@@ -8,7 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine, Mapping
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +41,22 @@ class Counters:
     rooms_succeeded: int = 0
     rooms_failed: int = 0
     protocol_errors: int = 0
+    stale_messages: int = 0
+    loop_errors: int = 0
     auth_failures: int = 0
     session_failures: int = 0
     session_recoveries: int = 0
     heartbeat_misses: int = 0
+
+
+@dataclass
+class Outbox:
+    """Control messages waiting for one peer, sent in order by one task."""
+
+    endpoint: str
+    queue: deque[tuple[ControlMessage, Callable[[str], None] | None]] = field(
+        default_factory=deque)
+    task: asyncio.Task[None] | None = None
 
 
 @dataclass
@@ -64,6 +78,8 @@ class Core:
     _auth_logged: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     events: RoomEvents = field(default_factory=RoomEvents)  # metrics + recent failures hooks
+    clock: Callable[[], float] = time.monotonic
+    outboxes: dict[str, Outbox] = field(default_factory=dict)
 
     def notify(self) -> None:
         """Wake every :meth:`wait_changed` caller (a room reached Success or Failed)."""
@@ -92,13 +108,68 @@ class Core:
             log.error("task %s crashed", task.get_name(), exc_info=task.exception())
 
     async def send(self, endpoint: str, msg: ControlMessage) -> bool:
-        """Send a control message; returns False (logged) if the peer is unreachable."""
+        """Send a control message now; returns False (logged) if the peer is unreachable."""
         try:
             await self.control.send(endpoint, self.auth.seal(control.encode(msg)))
             return True
         except PeerSendError as exc:
             log.warning("%s", exc)
             return False
+
+    def post(self, endpoint: str, msg: ControlMessage,
+             on_fail: Callable[[str], None] | None = None) -> None:
+        """Queue ``msg`` for ``endpoint``; messages to one peer leave in order. If it
+        cannot be delivered within the send timeout, ``on_fail(reason)`` is called (on
+        the loop) — also when the daemon stops first: a queued message never vanishes
+        silently."""
+        box = self.outboxes.get(endpoint)
+        if box is None:
+            box = self.outboxes[endpoint] = Outbox(endpoint)
+        box.queue.append((msg, on_fail))
+        if box.task is None:
+            box.task = self.spawn(self._drain(box), f"outbox-{endpoint}")
+
+    async def _drain(self, box: Outbox) -> None:
+        try:
+            while box.queue:
+                msg = box.queue[0][0]
+                try:
+                    await self.control.send(box.endpoint, self.auth.seal(control.encode(msg)))
+                except PeerSendError as exc:
+                    log.warning("%s (%d queued messages dropped)", exc, len(box.queue))
+                    self._fail_queue(box, str(exc))
+                    return
+                box.queue.popleft()
+        finally:
+            self._fail_queue(box, f"control send to {box.endpoint} abandoned (kvd stopping)")
+            box.task = None
+            if self.outboxes.get(box.endpoint) is box:
+                del self.outboxes[box.endpoint]
+
+    @staticmethod
+    def _fail_queue(box: Outbox, reason: str) -> None:
+        while box.queue:
+            _, on_fail = box.queue.popleft()
+            if on_fail is not None:
+                on_fail(reason)
+
+    def supervise(self, body: Callable[[], Awaitable[None]], name: str,
+                  interval: float) -> asyncio.Task[Any]:
+        """Run ``body()`` every ``interval`` s for the daemon's life. An unexpected
+        exception is logged and counted (``loop_errors``) and the loop goes on (K31)."""
+
+        async def loop() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                try:
+                    await body()
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    self.counters.loop_errors += 1
+                    log.exception("%s: unexpected error (the loop goes on)", name)
+
+        return self.spawn(loop(), name)
 
     def register_local(self, req: RegisterKV) -> RankArgs:
         """Map the engine's buffers, register them with the transfer engine, build KV args.

@@ -14,6 +14,7 @@ import json
 import logging
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -26,14 +27,12 @@ from kvd.bootstrap.table import BootstrapTable
 from kvd.config import Settings, effective_transfer_host, read_secret
 from kvd.control.peers import ControlPlane
 from kvd.core import Core
-from kvd.decode import DecodeSide
 from kvd.engine_rpc.server import Connection, EngineRpcServer
-from kvd.errors import ConfigError, RoomError
+from kvd.errors import ConfigError, RegistrationError, RoomError
 from kvd.memory import MemoryMap
-from kvd.prefill import PrefillSide
-from kvd.protocol import control, rpc
-from kvd.rooms import UNKNOWN_ROOM, KVPoll
+from kvd.protocol import rpc
 from kvd.security import Authenticator
+from kvd.side import Side, make_side
 from kvd.status import DaemonOps
 from kvd.transfer.backends.base import TransferEngine
 from kvd.transfer.backends.mooncake import MooncakeEngine
@@ -46,22 +45,37 @@ SWEEP_INTERVAL = 0.1
 
 
 class Daemon:
-    """One kvd: serves one engine rank in ``settings.role``."""
+    """One kvd: serves one engine rank in ``settings.role``.
 
-    def __init__(self, settings: Settings, engine: TransferEngine | None = None) -> None:
+    ``engine``, ``control``, ``http_client`` and ``clock`` replace the real transfer
+    engine, ZMQ control plane, HTTP client and monotonic clock (the in-process test
+    tier passes fakes); ``startup(listen=False)`` opens no HTTP or engine socket.
+    """
+
+    def __init__(self, settings: Settings, engine: TransferEngine | None = None,
+                 control: ControlPlane | None = None,
+                 http_client: httpx.AsyncClient | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self._engine = engine
+        self._control = control
+        self._http_client = http_client
+        self.clock = clock
         self.stop_event = asyncio.Event()
         self.started_at = time.time()
         self.table = BootstrapTable() if settings.serve_bootstrap else None
         self.core: Core | None = None
-        self.prefill: PrefillSide | None = None
-        self.decode: DecodeSide | None = None
+        self.side: Side | None = None
+        self.ops: DaemonOps | None = None
         self.http_server: HttpServer | None = None
         self.bootstrap_server: HttpServer | None = None
         self.rpc_server: EngineRpcServer | None = None
         self.draining = False
         self.engine_conn: int | None = None
+        self.engine_id = ""
+        self._registered_call: rpc.RegisterKV | None = None
+        self._release: asyncio.TimerHandle | None = None
+        self._releasing: asyncio.Task[None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -79,23 +93,40 @@ class Daemon:
             await self.shutdown()
         return 0
 
-    async def startup(self) -> None:
+    async def startup(self, listen: bool = True) -> None:
         """Open every listener; raises ConfigError/TransportError if one cannot start."""
         s = self.settings
         auth = self._authenticator()  # before anything opens: no secret, no daemon
         engine = self._engine or self._make_engine()
-        ctl = ControlPlane(s.control_send_timeout, max_frame=s.max_frame_bytes)
-        ctl.bind(s.host, s.zmq_port)
-        http = httpx.AsyncClient(timeout=s.http_timeout,
-                                 limits=httpx.Limits(max_keepalive_connections=32))
+        ctl = self._control or ControlPlane(s.control_send_timeout, max_frame=s.max_frame_bytes)
+        if not ctl.endpoint:
+            ctl.bind(s.host, s.zmq_port)
+        http = self._http_client or httpx.AsyncClient(
+            timeout=s.http_timeout, limits=httpx.Limits(max_keepalive_connections=32))
         executor = TransferExecutor(engine, s.transfer_threads, s.transfer_queue_size)
         self.core = Core(s, engine, executor, ctl,
                          MemoryMap(s.shm_dir), http, auth=auth,
                          faults=FaultPlan.model_validate_json(s.fault_injection)
-                         if s.fault_injection else None)
+                         if s.fault_injection else None, clock=self.clock)
+        self.side = make_side(s.role, self.core)
+        self.ops = DaemonOps(self)
+        if listen:
+            await self._listen(auth)
+        self.core.spawn(self._recv_loop(), "control-recv")
+        self.core.spawn(self._sweep_loop(), "sweeper")
+        if listen:
+            self.core.spawn(notify.watchdog_loop(), "watchdog")
+        self.side.start()
+        if listen:
+            self._announce()
+
+    async def _listen(self, auth: Authenticator) -> None:
+        """The REST listener (and a separate bootstrap one), then the engine socket."""
+        s = self.settings
+        assert self.ops is not None
         separate = s.serve_bootstrap and s.bootstrap_port is not None
         sock = bind_socket(s.http_host, s.http_port)
-        app = create_app(self.health, None if separate else self.table, DaemonOps(self),
+        app = create_app(self.health, None if separate else self.table, self.ops,
                          auth=auth, on_auth_failure=self._http_auth_failed)
         self.http_server = HttpServer(app, sock)
         await self.http_server.start()
@@ -103,19 +134,9 @@ class Daemon:
             await self._start_bootstrap_listener(auth)
         elif s.serve_bootstrap and s.bootstrap_addr is None:
             s.bootstrap_addr = join_hostport(s.http_host, self.http_server.port)
-        if s.role == "prefill":
-            self.prefill = PrefillSide(self.core)
-        else:
-            self.decode = DecodeSide(self.core)
         self.rpc_server = EngineRpcServer(s.engine_socket, self.dispatch, s.max_frame_bytes,
                                           s.engine_socket_group)
         await self.rpc_server.start()
-        self.core.spawn(self._recv_loop(), "control-recv")
-        self.core.spawn(self._sweep_loop(), "sweeper")
-        self.core.spawn(notify.watchdog_loop(), "watchdog")
-        if self.decode is not None:
-            self.core.spawn(self.decode.heartbeat_loop(), "heartbeats")
-        self._announce()
 
     async def _start_bootstrap_listener(self, auth: Authenticator) -> None:
         """/route (and /health) on their own listener: bootstrap_host:bootstrap_port."""
@@ -164,35 +185,27 @@ class Daemon:
                  "engine_socket": str(self.settings.engine_socket),
                  "bootstrap_addr": self.settings.bootstrap_addr}
         print(json.dumps(ready), flush=True)
-        log.info("kvd %s ready: %s", self.settings.role, ready)
+        log.info("kvd %s ready: %s", self.settings.role, json.dumps(ready))
         notify.notify(f"READY=1\nSTATUS=kvd {self.settings.role} on port {ready['http_port']}")
-
-    def _rooms(self) -> dict[int, Any]:
-        if self.prefill is not None:
-            return self.prefill.rooms
-        return self.decode.rooms if self.decode is not None else {}
 
     async def drain(self) -> None:
         """SIGTERM: refuse new rooms, let in-flight rooms finish for up to ``drain_timeout``
         s, fail the rest with a reason, and deregister from the bootstrap server."""
-        core, s = self.core, self.settings
-        if core is None:
+        core, side, s = self.core, self.side, self.settings
+        if core is None or side is None:
             return
         self.draining = True
-        log.info("draining: %d rooms in flight", self._unfinished())
-        deadline = time.monotonic() + s.drain_timeout
-        while self._unfinished() and time.monotonic() < deadline:
-            await core.wait_changed(deadline - time.monotonic())
-        for room in [k for k, r in self._rooms().items() if not r.state.done]:
-            self._side_abort(room, "kvd shutting down")
-        pending = [t for t in core.tasks if t.get_name().startswith(("status-", "abort-"))]
+        log.info("draining: %d rooms in flight", len(side.unfinished()))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + s.drain_timeout
+        while side.unfinished() and loop.time() < deadline:
+            await core.wait_changed(deadline - loop.time())
+        for room in side.unfinished():
+            side.abort(room, "kvd shutting down")
+        pending = [t for t in core.tasks if t.get_name().startswith("outbox-")]
         if pending:
             await asyncio.wait(pending, timeout=1.0)
-        if self.prefill is not None and self.prefill.bootstrap_registered:
-            await self.prefill.deregister_from_bootstrap()
-
-    def _unfinished(self) -> int:
-        return sum(1 for r in self._rooms().values() if not r.state.done)
+        await side.drain_done()
 
     async def shutdown(self) -> None:
         """Close listeners, cancel tasks, wait for transfers, release memory."""
@@ -204,11 +217,13 @@ class Daemon:
                 await server.stop()
         if core is None:
             return
-        for task in list(core.tasks):
-            task.cancel()
-        await asyncio.gather(*core.tasks, return_exceptions=True)
+        while core.tasks:  # a cancelled task may spawn a last one (a failure report)
+            for task in list(core.tasks):
+                task.cancel()
+            await asyncio.gather(*core.tasks, return_exceptions=True)
         await asyncio.get_running_loop().run_in_executor(None, core.executor.shutdown)
-        await core.http_client.aclose()
+        if self._http_client is None:
+            await core.http_client.aclose()
         core.control.close()
         core.unregister_all()
         core.memory.close()
@@ -217,179 +232,128 @@ class Daemon:
     # ---- loops --------------------------------------------------------------------------
 
     async def _recv_loop(self) -> None:
-        assert self.core is not None
+        assert self.core is not None and self.side is not None
         while True:
             frame = await self.core.control.recv()
             msg = self.core.decode_control(frame)
             if msg is not None:
-                self._on_control(msg)
-
-    def _on_control(self, msg: control.ControlMessage) -> None:
-        if self.prefill is not None:
-            if isinstance(msg, control.RegisterRank):
-                self.prefill.on_register_rank(msg)
-            elif isinstance(msg, control.RoomPages):
-                self.prefill.on_room_pages(msg)
-            elif isinstance(msg, control.RoomAbort):
-                self.prefill.on_room_abort(msg)
-            else:
-                log.warning("prefill kvd ignores %s", type(msg).__name__)
-        elif self.decode is not None:
-            if isinstance(msg, control.RoomStatus):
-                self.decode.on_room_status(msg)
-            elif isinstance(msg, control.RoomAbort):
-                self.decode.on_room_abort(msg)
-            else:
-                log.warning("decode kvd ignores %s", type(msg).__name__)
+                try:
+                    self.side.on_control(msg)
+                except Exception:  # a bug must not stop the control plane (K31)
+                    self.core.counters.loop_errors += 1
+                    log.exception("control message %s failed", type(msg).__name__)
 
     async def _sweep_loop(self) -> None:
+        assert self.core is not None and self.side is not None
         while True:
             await asyncio.sleep(SWEEP_INTERVAL)
-            now = time.monotonic()
-            if self.prefill is not None:
-                self.prefill.sweep(now)
-            if self.decode is not None:
-                self.decode.sweep(now)
+            try:
+                self.side.tick()
+            except Exception:
+                self.core.counters.loop_errors += 1
+                log.exception("sweep failed (the loop goes on)")
 
     # ---- engine RPC ---------------------------------------------------------------------
 
     async def dispatch(self, call: rpc.Call, conn: Connection) -> Any:
         """Run one engine call; kvd errors propagate to the RPC server as error replies."""
-        assert self.core is not None
+        assert self.core is not None and self.side is not None
+        side = self.side
         match call:
             case rpc.RegisterKV():
-                args = self.core.register_local(call)
-                self.engine_conn = conn.id
-                conn.on_close.append(lambda: self._engine_disconnected(conn.id))
-                if self.decode is not None:
-                    self.decode.registered.clear()  # new buffers: re-register with prefills
-                if self.prefill is not None:
-                    self.prefill.revalidate_peers()
-                    if not self.prefill.bootstrap_registered:
-                        self.core.spawn(self.prefill.register_with_bootstrap(), "bootstrap-put")
-                return {"num_pages": args.num_pages, "num_aux_slots": args.num_aux_slots,
-                        "session_id": self.core.engine.session_id}
+                return await self._register(call, conn)
             case rpc.Poll():
-                return self._poll(call.rooms)
+                return side.poll(call.rooms)
             case rpc.Wait():
-                return await self._wait(call.rooms, call.timeout)
+                return await side.wait(call.rooms, call.timeout)
             case rpc.Info():
                 return self.health()
             case rpc.Abort():
-                self._side_abort(call.room, call.reason)
+                side.abort(call.room, call.reason, call.bootstrap_addr, call.dp_rank)
                 return None
             case rpc.Clear():
-                self._side_clear(call.room)
+                side.clear(call.room)
                 return None
         if self.draining and isinstance(call, rpc.SenderCreate | rpc.ReceiverCreate):
             raise RoomError(f"room {call.room}: kvd is draining (shutting down); "
                             f"no new rooms")
-        if self.prefill is not None:
-            return self._prefill_call(self.prefill, call)
-        assert self.decode is not None
-        return self._decode_call(self.decode, call)
+        return side.call(call)
 
-    def _prefill_call(self, side: PrefillSide, call: rpc.Call) -> Any:
-        match call:
-            case rpc.SenderCreate():
-                side.create(call.room)
-            case rpc.SenderInit():
-                side.init(call.room, call.num_pages, call.aux_index)
-            case rpc.SenderSend():
-                side.send(call.room, call.pages, call.is_last)
-            case _:
-                raise RoomError(f"{type(call).__name__} is not available on a prefill kvd")
-        return None
+    async def _register(self, call: rpc.RegisterKV, conn: Connection) -> rpc.RegisterResult:
+        """The engine's KV pool. The same engine (``engine_id``, same buffers)
+        reconnecting within ``engine_reconnect_grace`` keeps its registration and
+        rooms (K27). Raises RegistrationError while another engine is connected."""
+        core, side = self.core, self.side
+        assert core is not None and side is not None
+        if core.local is not None and call.engine_id and call.engine_id == self.engine_id \
+                and call == self._registered_call and self._releasing is None:
+            self._attach(conn)
+            log.info("engine %s reconnected: registration and rooms kept", call.engine_id)
+        else:
+            if core.local is not None and self.engine_conn is not None:
+                raise RegistrationError("an engine is already registered with this kvd")
+            if core.local is not None or self._releasing is not None:
+                await self._release_now()  # an engine that left, in its grace period
+            args = core.register_local(call)
+            self.engine_id, self._registered_call = call.engine_id, call
+            self._attach(conn)
+            side.engine_registered(args)
+        local = core.local
+        assert local is not None
+        return rpc.RegisterResult(num_pages=local.num_pages, num_aux_slots=local.num_aux_slots,
+                                  session_id=core.engine.session_id)
 
-    def _decode_call(self, side: DecodeSide, call: rpc.Call) -> Any:
-        match call:
-            case rpc.ReceiverCreate():
-                side.create(call.room, call.bootstrap_addr, call.dp_rank)
-            case rpc.ReceiverInit():
-                side.init(call.room, call.dst_pages, call.aux_index)
-            case _:
-                raise RoomError(f"{type(call).__name__} is not available on a decode kvd")
-        return None
-
-    def _poll(self, rooms: list[int]) -> dict[str, Any]:
-        table: dict[int, Any] = (self.prefill.rooms if self.prefill is not None
-                                 else self.decode.rooms if self.decode is not None else {})
-        statuses, reasons, stats, releasable = [], {}, {}, []
-        for room in rooms:
-            r = table.get(room)
-            if self.decode is None or self.decode.releasable(room):
-                releasable.append(room)
-            if r is None:
-                statuses.append(UNKNOWN_ROOM)
-                continue
-            statuses.append(int(r.state.status))
-            if r.state.status == KVPoll.Failed:
-                reasons[room] = r.state.reason
-            if self.prefill is not None and (st := self.prefill.stats(room)) is not None:
-                stats[room] = st
-        return {"statuses": statuses, "reasons": reasons, "stats": stats,
-                "releasable": releasable}
-
-    async def _wait(self, rooms: list[int], seconds: float) -> dict[str, Any]:
-        assert self.core is not None
-        deadline = time.monotonic() + min(max(seconds, 0.0), 3600.0)
-        while True:
-            result = self._poll(rooms)
-            releasable = set(result["releasable"])
-            pending = [room for room, s in zip(rooms, result["statuses"], strict=True)
-                       if s not in (UNKNOWN_ROOM, KVPoll.Success, KVPoll.Failed)
-                       or room not in releasable]
-            remaining = deadline - time.monotonic()
-            if not pending or remaining <= 0:
-                return result
-            await self.core.wait_changed(remaining)
-
-    def _side_abort(self, room: int, reason: str) -> None:
-        if self.prefill is not None:
-            self.prefill.abort(room, reason)
-        if self.decode is not None:
-            self.decode.abort(room, reason)
+    def _attach(self, conn: Connection) -> None:
+        if self._release is not None:
+            self._release.cancel()
+            self._release = None
+        self.engine_conn = conn.id
+        conn.on_close.append(lambda: self._engine_disconnected(conn.id))
 
     def _engine_disconnected(self, conn_id: int) -> None:
-        """The engine that registered KV buffers went away: fail its rooms and release its
-        memory before anything could write into it (sync callback from the RPC server)."""
+        """The engine's connection dropped: keep its rooms for the reconnect grace period,
+        then fail them and release its memory (sync callback from the RPC server)."""
         if self.core is None or conn_id != self.engine_conn or self.core.local is None:
             return
         self.engine_conn = None
-        log.warning("engine disconnected: failing %d rooms and unregistering its memory",
-                    self._unfinished())
-        for room in list(self._rooms()):
-            self._side_abort(room, "engine disconnected")
-        self.core.spawn(self._release_engine(), "release-engine")
-
-    async def _release_engine(self) -> None:
-        assert self.core is not None
-        if self.prefill is not None:  # our own writes read this memory: let them return
-            pumps = [r.pump for r in self.prefill.rooms.values() if r.pump and not r.pump.done()]
-            if pumps:
-                await asyncio.wait(pumps)
-            self.prefill.rooms.clear()
+        grace = self.settings.engine_reconnect_grace if self.engine_id else 0.0
+        core = self.core
+        if grace > 0:
+            log.info("engine connection dropped: waiting %.1fs for it to reconnect", grace)
+            self._release = asyncio.get_running_loop().call_later(
+                grace, lambda: core.spawn(self._release_now(), "release-engine"))
         else:
-            assert self.decode is not None
-            self.decode.rooms.clear()
-        self.core.release_local(self.settings.release_timeout)
+            core.spawn(self._release_now(), "release-engine")
 
-    def _side_clear(self, room: int) -> None:
-        if self.prefill is not None:
-            self.prefill.clear(room)
-        if self.decode is not None:
-            self.decode.clear(room)
+    async def _release_now(self) -> None:
+        """Fail the engine's rooms, wait until nothing reads its memory, release it.
+        Concurrent callers share one release."""
+        if self._release is not None:
+            self._release.cancel()
+            self._release = None
+        if self._releasing is None:
+            if self.core is None or self.side is None or self.core.local is None:
+                return
+            self._releasing = asyncio.ensure_future(self._release_engine(self.core, self.side))
+        try:
+            await asyncio.shield(self._releasing)
+        finally:
+            if self._releasing is not None and self._releasing.done():
+                self._releasing = None
+
+    async def _release_engine(self, core: Core, side: Side) -> None:
+        log.warning("engine disconnected: failing %d rooms and unregistering its memory",
+                    len(side.unfinished()))
+        self._registered_call, self.engine_id = None, ""
+        await side.engine_released()
+        core.release_local(self.settings.release_timeout)
 
     # ---- status -------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
         """Liveness JSON: role, instance id, uptime (s), room counts, totals."""
-        core = self.core
-        rooms = (self.prefill.rooms if self.prefill else self.decode.rooms if self.decode
-                 else {})
-        by_state: dict[str, int] = {}
-        for r in rooms.values():
-            by_state[r.state.status.name] = by_state.get(r.state.status.name, 0) + 1
+        core, side = self.core, self.side
+        snap = side.snapshot() if side is not None else None
         return {"status": "ok", "role": self.settings.role,
                 "instance_id": self.settings.instance_id,
                 "uptime_s": round(time.time() - self.started_at, 3),
@@ -397,22 +361,17 @@ class Daemon:
                 "draining": self.draining,
                 "bootstrap_epoch": self.table.epoch if self.table is not None else None,
                 "tables": self.table_sizes(),
-                "rooms": by_state,
+                "rooms": {k: v for k, v in snap.by_state.items() if v} if snap else {},
                 "counters": vars(core.counters) if core else {}}
-
 
     def table_sizes(self) -> dict[str, int]:
         """Sizes of every per-room and per-peer table (leak checks)."""
-        core = self.core
+        core, side = self.core, self.side
         sizes = {"tasks": len(core.tasks) if core else 0,
-                 "control_sockets": len(core.control._push) if core else 0}
-        if self.prefill is not None:
-            sizes |= {"rooms": len(self.prefill.rooms), "pending": len(self.prefill.pending),
-                      "peers": len(self.prefill.peers)}
-        if self.decode is not None:
-            sizes |= {"rooms": len(self.decode.rooms), "registered": len(self.decode.registered),
-                      "health": len(self.decode.health),
-                      "rank_cache": len(self.decode.bootstrap.ranks)}
+                 "control_sockets": len(core.control._push) if core else 0,
+                 "outboxes": len(core.outboxes) if core else 0}
+        if side is not None:
+            sizes |= side.snapshot().tables
         return sizes
 
 

@@ -1,12 +1,10 @@
-"""Decode side of a daemon: receivers, bootstrap lookups, prefill registration.
+"""The decode side of a daemon: performs what :class:`kvd.rooms.receiver.ReceiverRooms`
+decides — bootstrap lookups, registering this rank's KV args with prefill ranks,
+control messages, aux copies — and heartbeats the prefill instances in use.
 
-Room R on a decode rank: ``Bootstrapping`` while kvd resolves the prefill
-ranks it needs (parallel info and rank endpoints from the bootstrap server,
-cached per address) and registers its KV args with each of them once;
-then ``WaitingForInput`` (as in SGLang's receiver) while the engine gives its
-destination pages (``receiver.init``), kvd sends them to every target and the
-prefill side writes; ``Success`` when every target reported Success (their
-last chunk and the aux data have landed by then).
+Prefill instances are named by their bootstrap address. Lookups are cached per
+address; a heartbeat that sees a new instance id (a restart) or a new bootstrap
+epoch drops the cache, so new rooms resolve and register again.
 """
 
 from __future__ import annotations
@@ -14,54 +12,31 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import time
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
 from kvd.addr import http_url, join_hostport, parse_hostport
 from kvd.bootstrap.table import ParallelInfo, RankInfo
-from kvd.control.routing import Target, resolve_targets
+from kvd.control.routing import Target as RouteTarget
+from kvd.control.routing import resolve_targets
 from kvd.core import Core
-from kvd.errors import BootstrapError, KvdError, LayoutError, RegistrationError, RoomError
-from kvd.protocol import control
-from kvd.protocol.codec import unpack_indices
-from kvd.rooms import KVPoll, RoomState
-from kvd.transfer.plan import check_page_range
+from kvd.errors import BootstrapError, KvdError, RegistrationError, RoomError
+from kvd.protocol import control, rpc
+from kvd.rooms.effects import AbortUnknown, Effect, Resolve, Send, WriteAux
+from kvd.rooms.receiver import ReceiverRooms, Target
+from kvd.rooms.state import FailureKind, KVPoll, RoomFailure
+from kvd.schemas import Peer, Room
+from kvd.side import RoomView, Side, Snapshot, not_available
+from kvd.transfer.kvargs import RankArgs
 
 log = logging.getLogger("kvd.decode")
 
 
-@dataclass
-class ReceiverRoom:
-    """Decode-side state of one room."""
-
-    state: RoomState
-    bootstrap_addr: str
-    dp_rank: int | None
-    dst_pages: bytes | None = None
-    aux_index: int = 0
-    targets: list[tuple[Target, str]] | None = None
-    successes: set[str] = field(default_factory=set)
-    quiesced: set[str] = field(default_factory=set)
-    retried: set[str] = field(default_factory=set)
-    pages_sent: bool = False
-    created: float = field(default_factory=time.monotonic)
-    release_seen: bool = False
-
-    def releasable(self, now: float, release_timeout: float) -> bool:
-        """May the engine reuse this room's pages? Only once it ended and no prefill rank
-        can still write into them: every target confirmed (``quiesced``), or the pages
-        never left this rank, or ``release_timeout`` s passed since it failed."""
-        if self.state.status == KVPoll.Success:
-            return True
-        if self.state.status != KVPoll.Failed:
-            return False
-        if not self.pages_sent or self.targets is None:
-            return True
-        if {ep for _, ep in self.targets} <= self.quiesced:
-            return True
-        return now - self.state.since > release_timeout
+class Unreachable(KvdError):
+    """A prefill rank does not take control messages."""
 
 
 class BootstrapClient:
@@ -79,11 +54,13 @@ class BootstrapClient:
         self.ranks: dict[tuple[str, int, int, int], RankInfo] = {}
         self._inflight: dict[tuple[object, ...], asyncio.Future[dict[str, object]]] = {}
 
-    def forget(self, addr: str) -> None:
-        """Drop everything cached for bootstrap ``addr`` (peer died or restarted)."""
+    def forget(self, addr: str) -> set[str]:
+        """Drop everything cached for bootstrap ``addr``; returns its rank endpoints."""
         self.info.pop(addr, None)
+        endpoints = set()
         for key in [k for k in self.ranks if k[0] == addr]:
-            del self.ranks[key]
+            endpoints.add(endpoint_of(self.ranks.pop(key)))
+        return endpoints
 
     async def _get_shared(self, addr: str, params: dict[str, int]) -> dict[str, object]:
         key = (addr, *sorted(params.items()))
@@ -95,7 +72,8 @@ class BootstrapClient:
         return await asyncio.shield(fut)
 
     async def _get(self, addr: str, params: dict[str, int]) -> dict[str, object]:
-        url, deadline, delay = http_url(addr, "/route"), time.monotonic() + self.budget, 0.05
+        loop = asyncio.get_running_loop()
+        url, deadline, delay = http_url(addr, "/route"), loop.time() + self.budget, 0.05
         last = ""
         while True:
             try:
@@ -110,7 +88,7 @@ class BootstrapClient:
                 last = f"bootstrap unreachable ({type(exc).__name__})"
             except ValueError as exc:  # a 200 whose body is not JSON
                 raise BootstrapError(f"bootstrap {addr} sent a malformed answer: {exc}") from exc
-            if time.monotonic() + delay > deadline:
+            if loop.time() + delay > deadline:
                 raise BootstrapError(f"bootstrap {addr}: {last} after {self.budget:.0f}s")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
@@ -123,7 +101,7 @@ class BootstrapClient:
             self.info[addr] = ParallelInfo.model_validate(data)
         return self.info[addr]
 
-    async def rank(self, addr: str, t: Target) -> RankInfo:
+    async def rank(self, addr: str, t: RouteTarget) -> RankInfo:
         """Where prefill rank (tp, dp, pp) listens (cached)."""
         key = (addr, t.tp_rank, t.dp_group, t.pp_rank)
         if key not in self.ranks:
@@ -133,347 +111,359 @@ class BootstrapClient:
         return self.ranks[key]
 
 
-HEALTH_MEMORY_S = 600.0  # how long an unused prefill address's heartbeat state is kept
+def endpoint_of(rank: RankInfo) -> str:
+    """The control endpoint of a prefill rank from its bootstrap entry."""
+    return f"tcp://{join_hostport(rank.rank_ip.strip('[]'), rank.rank_port)}"
 
 
 @dataclass
 class PeerHealth:
-    """Heartbeat state of one prefill bootstrap address."""
+    """Heartbeat state of one prefill bootstrap address (times: monotonic s)."""
 
+    last_used: float
     misses: int = 0
-    last_used: float = 0.0
     instance_id: str | None = None
     epoch: int | None = None
     last_ok: float = 0.0
+    last_error: str = ""
     down: bool = False
 
 
-class DecodeSide:
-    """Receivers of one decode rank. Every method runs on the daemon's loop."""
+class DecodeSide(Side):
+    """Receivers of one decode rank."""
+
+    role = "decode"
 
     def __init__(self, core: Core) -> None:
-        self.core = core
-        self.rooms: dict[int, ReceiverRoom] = {}
+        super().__init__(core)
+        self.rooms = ReceiverRooms(core.control.endpoint, core.instance_id, self.timeouts)
         self.bootstrap = BootstrapClient(core, core.settings.bootstrap_retry_budget)
-        self.registered: set[str] = set()
+        self.registered: dict[str, str] = {}  # prefill endpoint -> instance registered with
+        self._registering: dict[tuple[str, str], asyncio.Future[None]] = {}
         self.health: dict[str, PeerHealth] = {}
 
-    # ---- heartbeats ---------------------------------------------------------------------
+    # ---- engine calls -----------------------------------------------------------------
 
-    async def heartbeat_loop(self) -> None:
-        """Probe every prefill bootstrap address in use, every ``heartbeat_interval`` s."""
-        while True:
-            await asyncio.sleep(self.core.settings.heartbeat_interval)
-            now = time.monotonic()
-            addrs = {r.bootstrap_addr for r in self.rooms.values() if not r.state.done}
-            addrs |= set(self.bootstrap.info) | {a for a, h in self.health.items() if h.down}
-            for addr in addrs:
-                self.health.setdefault(addr, PeerHealth()).last_used = now
-            await asyncio.gather(*(self.probe(a) for a in addrs))
-            # Forget an address only after it has been unused for a while: its instance id
-            # is how a restart between two heartbeats is recognised.
-            for addr, h in list(self.health.items()):
-                if now - h.last_used > HEALTH_MEMORY_S:
-                    del self.health[addr]
+    def call(self, call: rpc.Call) -> Any:
+        now = self.core.clock()
+        match call:
+            case rpc.ReceiverCreate():
+                parse_hostport(call.bootstrap_addr)
+                if self.core.local is None:
+                    raise RegistrationError("no engine has registered KV buffers with this kvd")
+                effects = self.rooms.create(call.room, call.bootstrap_addr, call.dp_rank, now)
+                self._used(call.bootstrap_addr, now)
+                self.core.events.room_started(self.role, call.room, call.bootstrap_addr)
+            case rpc.ReceiverInit():
+                effects = self.rooms.init(call.room, call.dst_pages, call.aux_index, now)
+            case _:
+                raise not_available(call, self.role)
+        self.run(effects)
+        return None
+
+    def view(self, room: int) -> RoomView | None:
+        p = self.rooms.poll(room, self.core.clock())
+        return None if p is None else RoomView(p.status, p.failure, p.releasable)
+
+    def abort(self, room: int, reason: str, bootstrap_addr: str | None = None,
+              dp_rank: int | None = None) -> None:
+        self.run(self.rooms.abort(room, reason, self.core.clock(), bootstrap_addr, dp_rank))
+
+    def clear(self, room: int) -> None:
+        self.run(self.rooms.clear(room, self.core.clock()))
+
+    def unfinished(self) -> list[int]:
+        return [k for k, r in self.rooms.rooms.items() if not r.done]
+
+    # ---- control messages -------------------------------------------------------------
+
+    def on_control(self, msg: control.ControlMessage) -> None:
+        if isinstance(msg, control.RoomStatus):
+            self.run(self.rooms.on_status(msg, self.core.clock()))
+        else:
+            self.core.counters.protocol_errors += 1
+            log.warning("decode kvd ignores %s from %s", type(msg).__name__,
+                        getattr(msg, "endpoint", "?"))
+
+    # ---- effects ----------------------------------------------------------------------
+
+    def perform(self, eff: Effect) -> None:
+        match eff:
+            case Send():
+                self.core.post(eff.to, eff.msg, self._on_send_fail(eff))
+            case Resolve():
+                self.core.spawn(self._resolve(eff), f"resolve-{eff.room}")
+            case AbortUnknown():
+                self.core.spawn(self._abort_unknown(eff), f"abort-{eff.room}")
+            case WriteAux():
+                self._write_aux(eff)
+            case _:
+                raise TypeError(f"decode cannot perform {eff!r}")
+
+    def _on_send_fail(self, eff: Send) -> Callable[[str], None] | None:
+        room = eff.room
+        if room is None:
+            return None
+
+        def failed(reason: str) -> None:
+            failure = RoomFailure(FailureKind.UNREACHABLE, f"room {room}: cannot reach prefill "
+                                  f"rank {eff.to}: {reason}", self.role)
+            self.run(self.rooms.send_failed(room, eff.inc, eff.to, failure, self.core.clock()))
+
+        return failed
+
+    async def _resolve(self, eff: Resolve) -> None:
+        """Targets of a room; reports ``resolved`` or ``resolve_failed`` exactly once."""
+        failure: RoomFailure | None = RoomFailure(
+            FailureKind.ABORTED, f"room {eff.room}: lookup cancelled (kvd stopping)", self.role)
+        targets: list[Target] = []
+        try:
+            h = self.health.get(eff.bootstrap_addr)
+            if h is not None and h.down:
+                failure = RoomFailure(FailureKind.HEARTBEAT, f"room {eff.room}: prefill "
+                                      f"{eff.bootstrap_addr} is down ({h.misses} heartbeats "
+                                      f"missed)", self.role)
+                return
+            targets = await self._targets(eff.room, eff.bootstrap_addr, eff.dp_rank)
+            failure = None
+        except KvdError as exc:
+            failure = RoomFailure(_kind_of(exc), f"room {eff.room}: {exc}", self.role)
+        finally:
+            now = self.core.clock()
+            self.run(self.rooms.resolved(eff.room, eff.inc, targets, now) if failure is None
+                     else self.rooms.resolve_failed(eff.room, eff.inc, failure, now))
+
+    async def _targets(self, room: int, addr: str, dp_rank: int | None) -> list[Target]:
+        s, local = self.core.settings, self.core.local
+        if local is None:
+            raise RegistrationError("the engine released its KV buffers")
+        info = await self.bootstrap.parallel_info(addr)
+        routes = resolve_targets(room, s.attn_tp_rank, s.attn_tp_size, info.prefill_attn_tp_size,
+                                 info.prefill_dp_size, info.prefill_pp_size, local.wire.is_mla,
+                                 dp_rank)
+        out = []
+        for t in routes:
+            rank = await self.bootstrap.rank(addr, t)
+            endpoint, instance = endpoint_of(rank), rank.instance_id or ""
+            await self._ensure_registered(endpoint, instance)
+            out.append(Target(endpoint, instance, t.required_dst_info_num, t.is_dummy))
+        return out
+
+    async def _ensure_registered(self, endpoint: str, instance: str) -> None:
+        """Register this rank's KV args with prefill rank ``endpoint`` (its instance
+        ``instance``) once; concurrent rooms share the one message."""
+        if self.registered.get(endpoint) == instance:
+            return
+        key = (endpoint, instance)
+        fut = self._registering.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(self._register(endpoint, instance))
+            self._registering[key] = fut
+            fut.add_done_callback(lambda _: self._registering.pop(key, None))
+        await asyncio.shield(fut)
+
+    async def _register(self, endpoint: str, instance: str) -> None:
+        local, s = self.core.local, self.core.settings
+        if local is None:
+            raise RegistrationError("the engine released its KV buffers")
+        msg = control.RegisterRank(self.core.instance_id, self.core.control.endpoint,
+                                   s.attn_tp_rank, s.attn_tp_size, local.wire)
+        if not await self.core.send(endpoint, msg):
+            raise Unreachable(f"cannot reach prefill rank {endpoint}")
+        self.registered[endpoint] = instance
+
+    async def _abort_unknown(self, eff: AbortUnknown) -> None:
+        """Tell the prefill ranks of a room this daemon does not know (K34)."""
+        try:
+            targets = await self._targets(eff.room, eff.bootstrap_addr, eff.dp_rank)
+        except KvdError as exc:
+            log.warning("room %d: abort could not reach the prefill ranks of %s: %s", eff.room,
+                        eff.bootstrap_addr, exc, extra={"room": eff.room})
+            return
+        for t in targets:
+            self.core.post(t.endpoint, control.RoomAbort(
+                room=eff.room, inc=0, kind=eff.failure.kind.value, reason=eff.failure.reason,
+                endpoint=self.core.control.endpoint, instance_id=self.core.instance_id))
+
+    def _write_aux(self, eff: WriteAux) -> None:
+        local = self.core.local
+        if local is None:
+            return
+        for ptr, data in zip(local.aux_ptrs, eff.payload, strict=True):
+            ctypes.memmove(int(ptr) + eff.aux_index * len(data), data, len(data))
+
+    # ---- heartbeats -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.core.supervise(self.heartbeat_round, "heartbeats",
+                            self.core.settings.heartbeat_interval)
+
+    def _used(self, addr: str, now: float) -> None:
+        h = self.health.get(addr)
+        if h is None:
+            self.health[addr] = PeerHealth(last_used=now)
+        else:
+            h.last_used = now
+
+    async def heartbeat_round(self) -> None:
+        """Probe every prefill bootstrap address in use; forget those unused for
+        ``peer_ttl`` (no probes, no sockets, no log lines for them any more, K31)."""
+        now = self.core.clock()
+        live = {r.bootstrap_addr for r in self.rooms.rooms.values() if not r.done}
+        for addr in live:
+            self._used(addr, now)
+        for addr, h in list(self.health.items()):
+            if addr not in live and now - h.last_used > self.core.settings.peer_ttl:
+                self._forget(addr)
+                del self.health[addr]
+        await asyncio.gather(*(self._guarded(self.probe, addr) for addr in list(self.health)))
+
+    async def _guarded(self, probe: Callable[[str], Awaitable[None]], addr: str) -> None:
+        try:
+            await probe(addr)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # an HTTP client bug must not stop the other probes
+            self.core.counters.loop_errors += 1
+            log.exception("heartbeat of %s failed unexpectedly", addr)
+            h = self.health.get(addr)
+            if h is not None:
+                self._missed(addr, h, f"{type(exc).__name__}: {exc}")
 
     async def probe(self, addr: str) -> None:
         """One heartbeat of ``addr``'s ``/health`` (bounded by the heartbeat interval)."""
         s = self.core.settings
-        h = self.health.setdefault(addr, PeerHealth())
+        h = self.health.get(addr)
+        if h is None:
+            return
         try:
             resp = await self.core.http("GET", http_url(addr, "/health"),
                                         limit_s=min(s.http_timeout, s.heartbeat_interval))
             data = resp.json() if resp.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            data = None
+            error = "" if resp.status_code == 200 else f"HTTP {resp.status_code}"
+        except (httpx.HTTPError, ValueError) as exc:
+            data, error = None, f"{type(exc).__name__}"
         if not isinstance(data, dict):
-            self._missed(addr, h)
+            self._missed(addr, h, error or "malformed /health answer")
             return
+        self._answered(addr, h, data)
+
+    def _answered(self, addr: str, h: PeerHealth, data: dict[str, Any]) -> None:
         if h.down:
             log.info("prefill %s is back after %d missed heartbeats", addr, h.misses)
-        prev_ok = h.last_ok
-        h.misses, h.down, h.last_ok = 0, False, time.monotonic()
+        prev_ok, now = h.last_ok, self.core.clock()
+        h.misses, h.down, h.last_ok, h.last_error = 0, False, now, ""
         instance, epoch = data.get("instance_id"), data.get("bootstrap_epoch")
         if h.instance_id is not None and instance != h.instance_id:
             # Rooms created while the old instance was last seen alive were bound to it;
             # rooms created since may already be bound to the new one: leave those.
-            self.peer_lost(addr, f"prefill {addr} restarted (instance {h.instance_id} -> "
-                                 f"{instance})", created_before=prev_ok)
+            failure = RoomFailure(FailureKind.PEER, f"prefill {addr} restarted (instance "
+                                  f"{h.instance_id} -> {instance})", self.role)
+            self.run(self.rooms.peer_lost(addr, failure, now, created_before=prev_ok))
+            self._forget(addr, drop_sockets=False)
         elif h.epoch is not None and epoch != h.epoch:
-            self._forget(addr)  # a rank re-registered: refresh endpoints for new rooms
+            self._forget(addr, drop_sockets=False)  # a rank re-registered: refresh endpoints
         h.instance_id, h.epoch = instance, epoch
 
-    def _missed(self, addr: str, h: PeerHealth) -> None:
+    def _missed(self, addr: str, h: PeerHealth, error: str) -> None:
         h.misses += 1
+        h.last_error = error
         self.core.counters.heartbeat_misses += 1
         self.core.events.heartbeat_missed(addr)
         if h.misses >= self.core.settings.heartbeat_max_failures and not h.down:
             h.down = True
-            self.peer_lost(addr, f"prefill {addr} unreachable: {h.misses} heartbeats missed")
+            failure = RoomFailure(FailureKind.HEARTBEAT, f"prefill {addr} unreachable: "
+                                  f"{h.misses} heartbeats missed ({error})", self.role)
+            log.warning("%s", failure.reason)
+            self.run(self.rooms.peer_lost(addr, failure, self.core.clock()))
+            self._forget(addr, drop_sockets=False)
 
-    def _forget(self, addr: str, drop_sockets: bool = True) -> set[str]:
-        endpoints = {f"tcp://{join_hostport(info.rank_ip.strip('[]'), info.rank_port)}"
-                     for key, info in self.bootstrap.ranks.items() if key[0] == addr}
-        self.bootstrap.forget(addr)
-        for ep in endpoints:
-            self.registered.discard(ep)
+    def _forget(self, addr: str, drop_sockets: bool = True) -> None:
+        for ep in self.bootstrap.forget(addr):
+            self.registered.pop(ep, None)
             if drop_sockets:
                 self.core.control.drop(ep)
-        return endpoints
 
-    def peer_lost(self, addr: str, reason: str, created_before: float | None = None) -> None:
-        """Fail every unfinished room fed by ``addr``; drop its cached endpoints and sockets.
+    # ---- lifecycle --------------------------------------------------------------------
 
-        Each failed room that had sent its pages is also aborted on the prefill side
-        (queued behind its RoomPages, so a frozen prefill that resumes drops them) before
-        the sockets are closed. With ``created_before`` (monotonic s) only rooms created by
-        then are failed (a restart: newer rooms may be bound to the new instance).
-        """
-        log.warning("%s", reason)
-        aborts = []
-        for room, r in list(self.rooms.items()):
-            if r.bootstrap_addr != addr or r.state.done:
-                continue
-            if created_before is None or r.created <= created_before:
-                self._fail(room, r, f"room {room}: {reason}")
-                if r.pages_sent and r.targets:
-                    aborts += [(ep, room) for _, ep in r.targets]
-        endpoints = self._forget(addr, drop_sockets=False)
-        self.core.spawn(self._abandon(endpoints, aborts, reason), f"abandon-{addr}")
+    def tick(self) -> None:
+        self.run(self.rooms.tick(self.core.clock()))
 
-    async def _abandon(self, endpoints: set[str], aborts: list[tuple[str, int]],
-                       reason: str) -> None:
-        for endpoint, room in aborts:
-            msg = control.RoomAbort(room, f"room {room}: {reason}", self.core.control.endpoint,
-                                    self.core.instance_id)
-            if not await self.core.send(endpoint, msg):
-                break  # the peer does not take messages: the rest would time out too
-        for ep in endpoints:
-            if ep not in self.registered:  # not re-registered meanwhile
-                self.core.control.drop(ep)
+    def engine_registered(self, args: RankArgs) -> None:
+        """New local buffers: register them again with every prefill rank."""
+        self.registered.clear()
+        self.rooms.num_pages, self.rooms.num_aux_slots = args.num_pages, args.num_aux_slots
+        self.rooms.aux_sizes = tuple(int(n) for n in args.aux_item_lens)
 
-    # ---- engine calls -------------------------------------------------------------------
+    async def drain_done(self) -> None:
+        """Nothing to deregister: a decode rank is not in any bootstrap table."""
 
-    def create(self, room: int, bootstrap_addr: str, dp_rank: int | None) -> None:
-        """``Receiver(room, bootstrap_addr)``; raises RoomError if the room is active."""
-        old = self.rooms.get(room)
-        if old is not None and not old.state.done:
-            raise RoomError(f"room {room} already active")
-        parse_hostport(bootstrap_addr)
-        if self.core.local is None:
-            raise RegistrationError("no engine has registered KV buffers with this kvd")
-        r = ReceiverRoom(RoomState(room), bootstrap_addr, dp_rank)
-        self.rooms[room] = r
-        self.core.events.room_started("decode", room, bootstrap_addr)
-        self.core.spawn(self._bootstrap(room, r), f"bootstrap-{room}")
+    async def engine_released(self) -> None:
+        for room in self.unfinished():
+            self.abort(room, "engine disconnected")
+        self.rooms.rooms.clear()  # its memory is unregistered: nothing can land in it
+        self.rooms.num_pages = self.rooms.num_aux_slots = 0
 
-    def init(self, room: int, dst_pages: bytes, aux_index: int) -> None:
-        """``receiver.init``: destination pages and aux slot; sent once targets are known."""
-        r = self._room(room)
-        local = self.core.local
-        assert local is not None
-        pages = unpack_indices(dst_pages)
-        try:
-            check_page_range(pages, local.num_pages, f"room {room} destination")
-            if local.num_aux_slots and not 0 <= aux_index < local.num_aux_slots:
-                raise LayoutError(f"aux_index {aux_index} outside [0, {local.num_aux_slots})")
-        except LayoutError as exc:
-            raise RoomError(f"room {room}: {exc}") from exc
-        if r.dst_pages is not None:
-            raise RoomError(f"room {room}: init called twice")
-        r.dst_pages, r.aux_index = dst_pages, aux_index
-        if r.targets is not None and not r.state.done:
-            self.core.spawn(self._send_pages(room, r), f"pages-{room}")
+    # ---- status -----------------------------------------------------------------------
 
-    def abort(self, room: int, reason: str) -> None:
-        """Fail the room and tell its prefill ranks."""
-        r = self.rooms.get(room)
-        if r is None or r.state.done:
-            return
-        self._fail(room, r, f"room {room} aborted on decode: {reason}")
-        msg = control.RoomAbort(room, f"room {room} aborted on decode: {reason}",
-                                self.core.control.endpoint, self.core.instance_id)
-        for _, endpoint in r.targets or []:
-            self.core.spawn(self.core.send(endpoint, msg), f"abort-{room}")
+    def snapshot(self) -> Snapshot:
+        now, started = self.core.clock(), self.core.events.started
+        by_state = {s.name: 0 for s in KVPoll}
+        rooms = []
+        for room, r in self.rooms.rooms.items():
+            by_state[r.status.name] += 1
+            peer = ",".join(t.endpoint for t in r.targets or ()) or r.bootstrap_addr
+            rooms.append(Room(room=room, state=r.status.name,
+                              age_s=round(now - started.get(room, r.created), 3),
+                              state_age_s=round(now - r.since, 3), peer=peer,
+                              reason=r.failure.reason if r.failure else "",
+                              kind=r.failure.kind.value if r.failure else ""))
+        tables = {**self.rooms.table_sizes(), "registered": len(self.registered),
+                  "health": len(self.health), "rank_cache": len(self.bootstrap.ranks)}
+        return Snapshot(self.role, rooms, self._peers(now), by_state, 0, tables,
+                        dict(self.rooms.dropped))
 
-    def releasable(self, room: int) -> bool:
-        """True if the room's pages may be reused (see :meth:`ReceiverRoom.releasable`)."""
-        r = self.rooms.get(room)
-        return r is None or r.releasable(time.monotonic(), self.core.settings.release_timeout)
+    def _peers(self, now: float) -> list[Peer]:
+        """One row per prefill rank endpoint; a bootstrap address with none gets its own."""
+        rows: dict[str, Peer] = {}
+        for (addr, tp, dp, pp), info in self.bootstrap.ranks.items():
+            ep = endpoint_of(info)
+            rows[ep] = Peer(endpoint=ep, kind="prefill", bootstrap=addr,
+                            state="registered" if ep in self.registered else "resolved",
+                            heartbeat=_heartbeat(self.health.get(addr)),
+                            instance_id=info.instance_id or "",
+                            detail=f"tp {tp} dp {dp} pp {pp}; "
+                                   f"{_health_detail(self.health.get(addr), now)}")
+        known = {p.bootstrap for p in rows.values()}
+        for addr in (set(self.bootstrap.info) | set(self.health)) - known:
+            h = self.health.get(addr)
+            rows[addr] = Peer(endpoint=addr, kind="prefill", bootstrap=addr, state="bootstrap",
+                              heartbeat=_heartbeat(h), detail=_health_detail(h, now),
+                              instance_id=(h.instance_id or "") if h else "")
+        return sorted(rows.values(), key=lambda p: (p.bootstrap, p.endpoint))
 
-    def clear(self, room: int) -> None:
-        """Forget a room. An unfinished one is aborted first; a room whose pages a prefill
-        rank may still write is NOT forgotten: RoomError says to retry (case K06)."""
-        if room not in self.rooms:
-            return
-        self.abort(room, "cleared before it finished")
-        if not self.releasable(room):
-            raise RoomError(f"room {room}: pages not releasable yet (a prefill write may be "
-                            f"in flight); wait for the room, then clear")
-        del self.rooms[room]
 
-    # ---- control messages ---------------------------------------------------------------
+def _heartbeat(h: PeerHealth | None) -> str:
+    if h is None or (h.misses == 0 and not h.last_ok):
+        return "unknown"
+    if h.down:
+        return "down"
+    return f"missed {h.misses}" if h.misses else "ok"
 
-    def on_room_status(self, msg: control.RoomStatus) -> None:
-        """A prefill rank's final word on a room; late or unknown reports are ignored
-        (they never re-create a room), except that they may confirm quiescence."""
-        r = self.rooms.get(msg.room)
-        if r is None:
-            return
-        if r.targets is None or msg.endpoint not in {ep for _, ep in r.targets}:
-            log.warning("room %d: status from unexpected peer %s ignored", msg.room, msg.endpoint)
-            return
-        if msg.quiesced or msg.status == KVPoll.Success:
-            r.quiesced.add(msg.endpoint)
-            if r.state.done:
-                self.core.notify()  # a waiter may be waiting for releasable pages
-        if r.state.done:
-            return
-        if msg.status == KVPoll.Failed and msg.unregistered and msg.endpoint not in r.retried:
-            # The prefill rank lost our registration (it restarted, or the registration went
-            # into a connection that was dying): register again and resend once.
-            r.retried.add(msg.endpoint)
-            self.registered.discard(msg.endpoint)
-            log.info("room %d: prefill %s does not know this rank: registering again",
-                     msg.room, msg.endpoint)
-            self.core.spawn(self._resend(msg.room, r, msg.endpoint), f"resend-{msg.room}")
-        elif msg.status == KVPoll.Failed:
-            self._fail(msg.room, r, msg.reason or f"room {msg.room}: failed on {msg.endpoint}")
-        elif msg.status == KVPoll.Success:
-            if msg.aux and not self._write_aux(msg.room, r, msg.aux):
-                return
-            r.successes.add(msg.endpoint)
-            if len(r.successes) == len(r.targets) and r.state.advance(KVPoll.Success):
-                self.core.counters.rooms_succeeded += 1
-                self.core.events.room_done("decode", msg.room, "success", peer=msg.endpoint)
-                self.core.notify()
 
-    async def _resend(self, room: int, r: ReceiverRoom, endpoint: str) -> None:
-        try:
-            await self._ensure_registered(endpoint)
-        except KvdError as exc:
-            self._fail(room, r, f"room {room}: {exc}")
-            return
-        for t, ep in r.targets or []:
-            if ep == endpoint and not r.state.done and r.dst_pages is not None:
-                msg = control.RoomPages(room, self.core.control.endpoint, self.core.instance_id,
-                                        r.dst_pages, r.aux_index, t.required_dst_info_num,
-                                        t.is_dummy)
-                if not await self.core.send(endpoint, msg):
-                    self._fail(room, r, f"room {room}: cannot reach prefill rank {endpoint}")
+def _health_detail(h: PeerHealth | None, now: float) -> str:
+    if h is None:
+        return ""
+    last = f"last ok {now - h.last_ok:.1f}s ago" if h.last_ok else "never answered"
+    return f"{last}; last error: {h.last_error}" if h.last_error else last
 
-    def _write_aux(self, room: int, r: ReceiverRoom, aux: list[bytes]) -> bool:
-        """Write aux received over the control plane into the room's slot; a payload that
-        does not match the registered aux buffers fails only this room."""
-        local = self.core.local
-        if local is None:
-            return False
-        sizes = [int(n) for n in local.aux_item_lens]
-        if [len(a) for a in aux] != sizes or not 0 <= r.aux_index < local.num_aux_slots:
-            self._fail(room, r, f"room {room}: aux payload of {[len(a) for a in aux]} bytes "
-                                f"does not match the aux slots ({sizes} bytes)")
-            return False
-        for ptr, n, data in zip(local.aux_ptrs, sizes, aux, strict=True):
-            ctypes.memmove(int(ptr) + r.aux_index * n, data, n)
-        return True
 
-    def on_room_abort(self, msg: control.RoomAbort) -> None:
-        """The prefill side aborted the room."""
-        r = self.rooms.get(msg.room)
-        if r is not None:
-            self._fail(msg.room, r, msg.reason)
-
-    # ---- internals ----------------------------------------------------------------------
-
-    def _room(self, room: int) -> ReceiverRoom:
-        r = self.rooms.get(room)
-        if r is None:
-            raise RoomError(f"unknown room {room}")
-        return r
-
-    def _fail(self, room: int, r: ReceiverRoom, reason: str) -> None:
-        if r.state.fail(reason):
-            self.core.counters.rooms_failed += 1
-            self.core.events.room_done("decode", room, "failed", reason, peer=r.bootstrap_addr)
-            self.core.notify()
-            log.warning("%s", reason)
-
-    async def _bootstrap(self, room: int, r: ReceiverRoom) -> None:
-        health = self.health.get(r.bootstrap_addr)
-        if health is not None and health.down:
-            self._fail(room, r, f"room {room}: prefill {r.bootstrap_addr} is down "
-                                f"({health.misses} heartbeats missed)")
-            return
-        try:
-            targets = await self._resolve(room, r)
-        except KvdError as exc:
-            self._fail(room, r, f"room {room}: {exc}")
-            return
-        if r.state.done:
-            return
-        r.targets = targets
-        r.state.advance(KVPoll.WaitingForInput)
-        if r.dst_pages is not None:
-            await self._send_pages(room, r)
-
-    async def _resolve(self, room: int, r: ReceiverRoom) -> list[tuple[Target, str]]:
-        s, addr = self.core.settings, r.bootstrap_addr
-        info = await self.bootstrap.parallel_info(addr)
-        local = self.core.local
-        assert local is not None
-        targets = resolve_targets(room, s.attn_tp_rank, s.attn_tp_size, info.prefill_attn_tp_size,
-                                  info.prefill_dp_size, info.prefill_pp_size, local.wire.is_mla,
-                                  r.dp_rank)
-        out = []
-        for t in targets:
-            rank = await self.bootstrap.rank(addr, t)
-            endpoint = f"tcp://{join_hostport(rank.rank_ip.strip('[]'), rank.rank_port)}"
-            await self._ensure_registered(endpoint)
-            out.append((t, endpoint))
-        return out
-
-    async def _ensure_registered(self, endpoint: str) -> None:
-        if endpoint in self.registered:
-            return
-        local, s = self.core.local, self.core.settings
-        assert local is not None
-        self.registered.add(endpoint)  # before the await: concurrent rooms must not re-send
-        msg = control.RegisterRank(self.core.instance_id, self.core.control.endpoint,
-                                   s.attn_tp_rank, s.attn_tp_size, local.wire)
-        if not await self.core.send(endpoint, msg):
-            self.registered.discard(endpoint)
-            raise BootstrapError(f"cannot reach prefill rank {endpoint}")
-
-    async def _send_pages(self, room: int, r: ReceiverRoom) -> None:
-        if r.pages_sent or r.targets is None or r.dst_pages is None:
-            return
-        r.pages_sent = True
-        for t, endpoint in r.targets:
-            msg = control.RoomPages(room, self.core.control.endpoint, self.core.instance_id,
-                                    r.dst_pages, r.aux_index, t.required_dst_info_num, t.is_dummy)
-            if not await self.core.send(endpoint, msg):
-                self._fail(room, r, f"room {room}: cannot reach prefill rank {endpoint}")
-                return
-        # Like SGLang's receiver, the room stays WaitingForInput until the prefill side
-        # reports: the waiting_timeout covers the whole transfer.
-
-    def sweep(self, now: float) -> None:
-        """Deadlines for Bootstrapping, WaitingForInput and Transferring; release deadlines;
-        finished rooms the engine never cleared."""
-        s = self.core.settings
-        limits = {KVPoll.Bootstrapping: s.bootstrap_timeout, KVPoll.WaitingForInput:
-                  s.waiting_timeout, KVPoll.Transferring: s.transfer_timeout}
-        wake = False
-        for room, r in list(self.rooms.items()):
-            limit = limits.get(r.state.status)
-            if limit is not None and now - r.state.since > limit:
-                self._fail(room, r, f"room {room}: timed out in {r.state.status.name} after "
-                                    f"{limit:.1f}s (prefill {r.bootstrap_addr})")
-            elif r.state.status == KVPoll.Failed and r.pages_sent and not r.release_seen and \
-                    r.releasable(now, s.release_timeout):
-                r.release_seen = wake = True  # wake waiters once, when the pages free up
-            if r.state.done and now - r.state.since > s.finished_room_ttl and \
-                    r.releasable(now, s.release_timeout):
-                del self.rooms[room]
-        if wake:
-            self.core.notify()
+def _kind_of(exc: KvdError) -> FailureKind:
+    """The failure kind of an error raised while resolving a room's targets."""
+    if isinstance(exc, Unreachable):
+        return FailureKind.UNREACHABLE
+    if isinstance(exc, RegistrationError):
+        return FailureKind.REGISTRATION
+    if isinstance(exc, RoomError):
+        return FailureKind.ABORTED
+    return FailureKind.BOOTSTRAP

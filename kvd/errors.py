@@ -85,9 +85,11 @@ class KvdUnreachable(RpcError):
 
 
 class KVTransferError(KvdError):
-    """A room ended in ``KVPoll.Failed``; carries the room id and the reason."""
+    """A room ended in ``KVPoll.Failed``; carries the room id, the failure ``kind`` (a
+    :class:`~kvd.rooms.state.FailureKind` value, e.g. ``"timeout"``) and the reason."""
 
-    def __init__(self, room: int, reason: str) -> None:
+    def __init__(self, room: int, reason: str, kind: str = "") -> None:
         super().__init__(f"room {room}: {reason}")
         self.room = room
         self.reason = reason
+        self.kind = kind

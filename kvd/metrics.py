@@ -35,7 +35,6 @@ Metric names (all prefixed ``kvd_``)::
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -53,6 +52,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from kvd.logs import remember_peer
+from kvd.rooms.state import RoomFailure
 
 log = logging.getLogger("kvd.rooms")
 
@@ -64,24 +64,9 @@ MAX_PEER_LABELS = 64
 FAILURE_HISTORY = 100
 MAX_TRACKED_ROOMS = 100_000
 
-#: Failure categories, first match wins; anything else is "other".
-_REASONS: list[tuple[str, re.Pattern[str]]] = [
-    ("timeout", re.compile(r"timed out|timeout", re.I)),
-    ("heartbeat", re.compile(r"heartbeat", re.I)),
-    ("aborted", re.compile(r"abort|cleared before", re.I)),
-    ("duplicate", re.compile(r"duplicate room", re.I)),
-    ("unreachable", re.compile(r"cannot reach|unreachable", re.I)),
-    ("bootstrap", re.compile(r"bootstrap", re.I)),
-    ("registration", re.compile(r"not registered|heterogeneous|refused|incompatible", re.I)),
-    ("layout", re.compile(r"mismatch|outside|bounds|aux_index|page", re.I)),
-    ("transport", re.compile(r"batch write|transfer engine|rc=", re.I)),
-    ("peer", re.compile(r"failed on", re.I)),
-]
-
-
-def classify_failure(reason: str) -> str:
-    """A bounded label for a failure reason (``timeout``, ``aborted``, ... or ``other``)."""
-    return next((name for name, pat in _REASONS if pat.search(reason)), OTHER)
+def classify_failure(failure: RoomFailure) -> str:
+    """The bounded label of a failure: its :class:`FailureKind` value."""
+    return failure.kind.value
 
 
 class PeerLabels:
@@ -253,25 +238,25 @@ class RoomEvents:
         if peer:
             remember_peer(room, peer)
 
-    def room_done(self, side: str, room: int, status: str, reason: str = "", nbytes: int = 0,
-                  seconds: float | None = None, peer: str | Iterable[str] = "") -> None:
-        """A room ended: ``status`` is ``success`` or ``failed``; ``nbytes``/``seconds``
-        are what this side moved and how long its writes took (None: not measured);
-        ``peer`` one endpoint or several (joined with commas)."""
+    def room_done(self, side: str, room: int, failure: RoomFailure | None, nbytes: int = 0,
+                  seconds: float | None = None, peer: str = "") -> None:
+        """A room ended: Success when ``failure`` is None; ``nbytes``/``seconds`` are what
+        this side moved and how long its writes took (None: not measured); ``peer`` one
+        endpoint or several (joined with commas)."""
         began = self.started.pop(room, None)
-        peer = peer if isinstance(peer, str) else ",".join(peer)
         m = self.metrics
-        m.rooms_finished.labels(status).inc()
+        m.rooms_finished.labels("success" if failure is None else "failed").inc()
         if peer:
             remember_peer(room, peer)
-        if status == "success":
+        if failure is None:
             self._observe(began, nbytes, seconds)
             self.rate.add(rooms=1)
             log.debug("room done", extra={"room": room, "peer": peer or "-"})
         else:
-            category = classify_failure(reason)
+            category = classify_failure(failure)
             m.failures.labels(category).inc()
-            self.failures.append(Failure(time.time(), side, room, peer, reason, category))
+            self.failures.append(Failure(time.time(), side, room, peer, failure.reason,
+                                         category))
 
     def _observe(self, began: float | None, nbytes: int, seconds: float | None) -> None:
         m = self.metrics

@@ -26,8 +26,8 @@ from kvd.bootstrap.table import (
     RankInfo,
 )
 from kvd.errors import AuthError
+from kvd.schemas import Readiness, Room, Status
 from kvd.security import HEADER, Authenticator
-from kvd.status import Readiness, Room, Status
 
 log = logging.getLogger(__name__)
 

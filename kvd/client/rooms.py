@@ -25,20 +25,20 @@ def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
     never hangs on a dead daemon.
     """
     try:
-        result = client.call(rpc.Poll(rooms=list(rooms)))
+        result: rpc.PollResult = client.call(rpc.Poll(rooms=list(rooms)))
     except KvdUnreachable:
         return [KVPoll.Failed] * len(rooms)
-    return [_status(s) for s in result["statuses"]]
+    return [_status(s) for s in result.statuses]
 
 
 def wait_many(client: KvdClient, rooms: list[int], timeout: float) -> list[KVPoll | int]:
     """Block (in kvd, one RPC) until every room ended — and, on decode, its pages are
     releasable — or ``timeout`` s passed; returns their KVPoll (Failed if kvd is gone)."""
     try:
-        result = client.call(rpc.Wait(rooms=list(rooms), timeout=timeout))
+        result = client.wait(list(rooms), timeout)
     except KvdUnreachable:
         return [KVPoll.Failed] * len(rooms)
-    return [_status(s) for s in result["statuses"]]
+    return [_status(s) for s in result.statuses]
 
 
 class _Room:
@@ -70,37 +70,46 @@ class _Room:
         """Current KVPoll of this room (``UNKNOWN_ROOM`` once cleared; ``Failed`` for good
         once kvd was unreachable — a restarted kvd does not know the room)."""
         result = self._call(rpc.Poll(rooms=[self.room]))
-        return KVPoll.Failed if result is None else _status(result["statuses"][0])
+        return KVPoll.Failed if result is None else _status(result.statuses[0])
 
     def wait(self, timeout: float) -> KVPoll | int:
         """Block until the room ends (and, on decode, its pages are releasable) or
-        ``timeout`` s pass; returns its KVPoll."""
+        ``timeout`` s pass; returns its KVPoll. Longer than the client's RPC timeout
+        is fine: the client waits in several calls."""
         result = self._call(rpc.Wait(rooms=[self.room], timeout=timeout))
-        return KVPoll.Failed if result is None else _status(result["statuses"][0])
+        return KVPoll.Failed if result is None else _status(result.statuses[0])
 
     def releasable(self) -> bool:
         """May the engine reuse this room's pages? (Always True on prefill.)"""
         result = self._call(rpc.Poll(rooms=[self.room]))
-        return result is None or self.room in result["releasable"]
+        return result is None or self.room in result.releasable
+
+    def failure(self) -> tuple[str, str]:
+        """``(kind, reason)`` of the room's failure (``kind`` a FailureKind value;
+        ``("", "room is not failed")`` otherwise)."""
+        result: rpc.PollResult | None = self._call(rpc.Poll(rooms=[self.room]))
+        if result is None:
+            return "unreachable", self.lost
+        return (result.kinds.get(self.room, ""),
+                result.reasons.get(self.room, "room is not failed"))
 
     def failure_reason(self) -> str:
         """Why the room failed (call after ``poll() == Failed``): names the room, the
         peer and the phase."""
-        result: dict[str, Any] | None = self._call(rpc.Poll(rooms=[self.room]))
-        if result is None:
-            return self.lost
-        reasons = {int(k): v for k, v in result.get("reasons", {}).items()}
-        return str(reasons.get(self.room, "room is not failed"))
+        return self.failure()[1]
 
     def failure_exception(self) -> None:
-        """Raise the room's failure as :class:`KVTransferError` (room + reason), as SGLang's
-        ``KVSender/KVReceiver.failure_exception`` does."""
-        raise KVTransferError(self.room, self.failure_reason())
+        """Raise the room's failure as :class:`KVTransferError` (room, kind, reason), as
+        SGLang's ``KVSender/KVReceiver.failure_exception`` does."""
+        kind, reason = self.failure()
+        raise KVTransferError(self.room, reason, kind)
 
     def abort(self, reason: str = "aborted by engine") -> None:
         """Fail the room on both sides with ``reason``; on decode, its pages stay
         unreleasable until the prefill side confirms no write is in flight."""
-        self._call(rpc.Abort(room=self.room, reason=reason))
+        self._call(rpc.Abort(room=self.room, reason=reason,
+                             bootstrap_addr=getattr(self, "bootstrap_addr", None),
+                             dp_rank=getattr(self, "dp_rank", None)))
 
     def clear(self, timeout: float = 30.0) -> None:
         """Forget the room (an unfinished one is aborted). On decode, if a prefill write may
@@ -153,6 +162,7 @@ class Receiver(_Room):
     def __init__(self, client: KvdClient, room: int, bootstrap_addr: str,
                  dp_rank: int | None = None) -> None:
         super().__init__(client, room)
+        self.bootstrap_addr, self.dp_rank = bootstrap_addr, dp_rank
         client.call(rpc.ReceiverCreate(room=room, bootstrap_addr=bootstrap_addr,
                                        dp_rank=dp_rank))
 

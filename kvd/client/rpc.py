@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import secrets
 import socket
 import threading
+import time
 from typing import Any
+
+import msgspec
 
 from kvd import errors
 from kvd.errors import KvdUnreachable, ProtocolError, RpcError
@@ -19,19 +23,32 @@ def _error_from_reply(reply: rpc.Reply) -> Exception:
     return RpcError(reply.error, reply.kind)
 
 
+#: Typed results of the calls that have one (the others answer None or a dict).
+RESULT_TYPES: dict[type, type] = {rpc.Poll: rpc.PollResult, rpc.Wait: rpc.PollResult,
+                                  rpc.RegisterKV: rpc.RegisterResult}
+
+#: A server-side wait never runs longer than this fraction of the client's timeout:
+#: a long ``wait`` is several calls, never a transport timeout (K27).
+WAIT_SHARE = 0.5
+
+
 class KvdClient:
     """A connection to the local kvd's engine socket.
 
     Thread-safe (one call at a time). ``timeout`` bounds each call in seconds.
     Raises :class:`KvdUnreachable` when kvd is not there (the next call
     reconnects), and the kvd error named by a failed reply otherwise. After a
-    reconnect to a restarted kvd, the engine's last ``RegisterKV`` is sent again
-    first, so the new daemon knows the engine's buffers.
+    reconnect (kvd restarted, or the connection dropped) the engine's last
+    ``RegisterKV`` is sent again first, with this client's ``engine_id``, so the
+    same daemon keeps the engine's rooms and a new one learns its buffers.
+    Results: :class:`~kvd.protocol.rpc.PollResult` for ``Poll``/``Wait``,
+    :class:`~kvd.protocol.rpc.RegisterResult` for ``RegisterKV``.
     """
 
     def __init__(self, path: str, timeout: float = 30.0) -> None:
         self.path = str(path)
         self.timeout = timeout
+        self.engine_id = secrets.token_hex(8)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
         self._next_id = 0
@@ -53,7 +70,11 @@ class KvdClient:
         return self._sock
 
     def call(self, call: rpc.Call) -> Any:
-        """Send one request and return its result."""
+        """Send one request and return its (typed) result."""
+        if isinstance(call, rpc.Wait):
+            return self.wait(call.rooms, call.timeout)
+        if isinstance(call, rpc.RegisterKV) and not call.engine_id:
+            call = msgspec.structs.replace(call, engine_id=self.engine_id)
         with self._lock:
             if self._replay and self._registration is not None and \
                     not isinstance(call, rpc.RegisterKV):
@@ -63,7 +84,25 @@ class KvdClient:
             result = self._roundtrip(call)
             if isinstance(call, rpc.RegisterKV):
                 self._registration, self._replay = call, False
-            return result
+        kind = RESULT_TYPES.get(type(call))
+        return msgspec.convert(result, kind, strict=False) if kind is not None else result
+
+    def wait(self, rooms: list[int], timeout: float) -> rpc.PollResult:
+        """``Wait`` for up to ``timeout`` s, as several calls each shorter than the
+        transport timeout; returns the last answer."""
+        deadline = time.monotonic() + max(timeout, 0.0)
+        while True:
+            remaining = deadline - time.monotonic()
+            chunk = max(min(remaining, self.timeout * WAIT_SHARE), 0.0)
+            with self._lock:
+                if self._replay and self._registration is not None:
+                    self._roundtrip(self._registration)
+                    self.reconnects += 1
+                    self._replay = False
+                raw = self._roundtrip(rpc.Wait(rooms=list(rooms), timeout=chunk))
+            result = msgspec.convert(raw, rpc.PollResult, strict=False)
+            if remaining <= chunk or not _pending(rooms, result):
+                return result
 
     def _roundtrip(self, call: rpc.Call) -> Any:
         self._next_id += 1
@@ -111,3 +150,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
             raise ConnectionError("kvd closed the connection")
         buf += chunk
     return bytes(buf)
+
+
+def _pending(rooms: list[int], result: rpc.PollResult) -> bool:
+    """Is any room still in flight (or, on decode, its pages not releasable)?"""
+    free = set(result.releasable)
+    return any(s in (1, 2, 3) or room not in free
+               for room, s in zip(rooms, result.statuses, strict=True))

@@ -6,6 +6,10 @@ is checked before the body is parsed.
 Version history:
   1 — first release (control: RegisterRank, RoomPages, RoomStatus, RoomAbort;
       rpc: Request/Reply envelopes).
+  2 — room incarnations: RoomPages/RoomStatus/RoomAbort carry ``inc``; RoomStatus
+      and RoomAbort carry a failure ``kind``; RoomPages carries ``write_within``;
+      RoomStatus loses ``unregistered`` (a prefill never answers an unregistered
+      endpoint); RPC replies are typed per call.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy.typing as npt
 from kvd.errors import ProtocolError
 
 MAGIC = b"KVD"
-VERSION = 1
+VERSION = 2
 HEADER_LEN = len(MAGIC) + 1
 #: Default upper bound on a frame (bytes); daemons pass their configured limit.
 DEFAULT_MAX_FRAME = 64 << 20

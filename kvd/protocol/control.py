@@ -2,8 +2,9 @@
 
 Flow for room R (equal names to SGLang's connector where they exist):
 decode kvd -> prefill kvd: :class:`RegisterRank` once per (decode rank,
-prefill rank), then :class:`RoomPages` per room; prefill kvd -> decode kvd:
-:class:`RoomStatus` when the room ends; either side: :class:`RoomAbort`.
+prefill rank), then :class:`RoomPages` per room and :class:`RoomAbort` when the
+decode ends a room; prefill kvd -> decode kvd: :class:`RoomStatus` when the room
+ends (and again, quiesced, once a write in flight returned).
 """
 
 from __future__ import annotations
@@ -53,45 +54,61 @@ class RegisterRank(msgspec.Struct, tag="register_rank", frozen=True):
 
 
 class RoomPages(msgspec.Struct, tag="room_pages", frozen=True):
-    """Destination of room R on one decode rank.
+    """Destination of room R, incarnation ``inc``, on one decode rank.
 
-    ``dst_pages`` is int32 little-endian bytes (see :func:`codec.pack_indices`);
-    ``required_dst_info_num`` is how many decode ranks will send RoomPages for R
-    to this prefill rank (mirrors SGLang's field of the same name).
+    ``inc`` is the decode receiver's incarnation: every message about this
+    attempt of R carries it, so a late message of an earlier attempt that reused
+    the room id is recognised (case K26). ``dst_pages`` is int32 little-endian
+    bytes (see :func:`codec.pack_indices`); ``required_dst_info_num`` is how many
+    decode ranks will send RoomPages for R to this prefill rank (SGLang's field of
+    the same name). ``write_within`` (s, > 0): the prefill rank must not start a
+    write for this destination later than this after receiving the message; the
+    decode treats the pages as releasable ``release_timeout`` after that bound.
     """
 
     room: int
+    inc: int
     endpoint: str
     instance_id: str
     dst_pages: bytes
     aux_index: int
+    write_within: float
     required_dst_info_num: int = 1
     is_dummy: bool = False
 
 
 class RoomStatus(msgspec.Struct, tag="room_status", frozen=True):
-    """Prefill rank reports the final status of room R to one decode rank.
+    """Prefill rank reports the final status of room R incarnation ``inc`` to one
+    decode rank.
 
     ``quiesced`` is True when no write for R is in flight on the prefill rank
     any more: only then may the decode engine reuse R's pages. A Failed status
     may be sent first with ``quiesced=False`` (fast failure) and again with
-    ``quiesced=True`` once the in-flight write returned.
+    ``quiesced=True`` once the in-flight write returned. ``kind`` is a
+    :class:`~kvd.rooms.state.FailureKind` value (Failed only).
     """
 
     room: int
+    inc: int
     status: int
+    kind: str
     reason: str
     endpoint: str               # the reporting prefill kvd's ZMQ endpoint
     instance_id: str
     quiesced: bool = True
     aux: list[bytes] = []       # aux_transport = "control": the aux slot's bytes, per buffer
-    unregistered: bool = False  # the prefill rank does not know the sender: register again
 
 
 class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):
-    """Either side aborts room R; the receiver fails it with ``reason``."""
+    """A decode rank ends room R incarnation ``inc`` (0: whatever incarnation the
+    prefill rank holds or will hold — the decode does not know it, e.g. after a
+    restart). The prefill rank stops the room, answers with a quiesced
+    :class:`RoomStatus`, and remembers an abort for a room it has not created yet.
+    """
 
     room: int
+    inc: int
+    kind: str
     reason: str
     endpoint: str
     instance_id: str

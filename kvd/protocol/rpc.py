@@ -44,6 +44,7 @@ class RegisterKV(msgspec.Struct, tag="register_kv", frozen=True):
     is_mla: bool = False
     layout: str = "NHD"
     total_kv_heads: int = 0
+    engine_id: str = ""         # the same engine after a reconnect keeps its rooms
 
 
 class SenderCreate(msgspec.Struct, tag="sender_create", frozen=True):
@@ -91,8 +92,13 @@ class Wait(msgspec.Struct, tag="wait", frozen=True):
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
+    """End a room. On decode, ``bootstrap_addr`` (and ``dp_rank``) let kvd tell the
+    prefill ranks even when it does not know the room (e.g. it restarted)."""
+
     room: int
     reason: str = "aborted by engine"
+    bootstrap_addr: str | None = None
+    dp_rank: int | None = None
 
 
 class Clear(msgspec.Struct, tag="clear", frozen=True):
@@ -113,10 +119,29 @@ class Request(msgspec.Struct, frozen=True):
 
 
 class PollResult(msgspec.Struct, frozen=True):
-    """``statuses[i]`` is the KVPoll value of ``rooms[i]``; reasons only for Failed rooms."""
+    """Answer to :class:`Poll` and :class:`Wait`.
+
+    ``statuses[i]`` is the KVPoll value of ``rooms[i]`` (``UNKNOWN_ROOM`` = -1 for a
+    room kvd does not know); ``reasons``/``kinds`` (a FailureKind value) only for
+    Failed rooms; ``releasable`` lists the rooms whose pages the engine may reuse
+    (every room on prefill; on decode only once no prefill write can land);
+    ``stats`` maps a finished prefill room to ``(bytes moved, seconds in writes)``.
+    """
 
     statuses: list[int]
     reasons: dict[int, str] = {}
+    kinds: dict[int, str] = {}
+    releasable: list[int] = []
+    stats: dict[int, tuple[int, float]] = {}
+
+
+class RegisterResult(msgspec.Struct, frozen=True):
+    """Answer to :class:`RegisterKV`: pages and aux slots every buffer holds, and this
+    kvd's transfer address (opaque)."""
+
+    num_pages: int
+    num_aux_slots: int
+    session_id: str
 
 
 class Reply(msgspec.Struct, frozen=True):

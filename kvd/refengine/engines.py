@@ -146,7 +146,7 @@ class PrefillEngine:
             for (_, pages, _), sender in zip(held, senders, strict=True):
                 sender.send(pages[i:i + chunk_pages])
         states = [_wait(s, 60.0) for s in senders]
-        stats = [client.call(_poll(room))["stats"].get(room) or [0, 0.0]
+        stats = [client.call(_poll(room)).stats.get(room) or (0, 0.0)
                  for _, client in self.ranks]
         reasons = [s.failure_reason() for s, st in zip(senders, states, strict=True)
                    if st == KVPoll.Failed]

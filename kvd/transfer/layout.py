@@ -387,3 +387,26 @@ def _check_no_wrap(ptrs: Addrs, items: Addrs, pages: Pages, what: str) -> None:
     top = max(p + last * n for p, n in zip(ptrs.tolist(), items.tolist(), strict=True))
     if top > _U64_MAX + 1:
         raise LayoutError(f"{what} page {last - 1} would address past 2**64")
+
+
+def check_coverage(src: RankLayout, dst: RankLayout, pp_rank: int, pp_size: int) -> None:
+    """Refuse a pair where some layer the decode will read is written by nobody (K25).
+
+    A prefill stage writes its layers ``[src.layer_start, src.layer_end)``; the
+    stages of one prefill instance together must cover every decode layer. One
+    stage can check its own edge: the first stage must start at the decode's first
+    layer and the last stage must end at its last (with ``pp_size`` 1, both).
+    Heads are covered by :func:`check_pair` (every decode head is held by the
+    prefill ranks that feed it); pages by the room's index-length check.
+    Raises :class:`RegistrationError` naming the uncovered layers.
+    """
+    problems = []
+    if pp_rank == 0 and src.layer_start != dst.layer_start:
+        problems.append(f"decode layers [{dst.layer_start}, {src.layer_start}) are not "
+                        f"written by any prefill stage")
+    if pp_rank == pp_size - 1 and src.layer_end != dst.layer_end:
+        problems.append(f"decode layers [{src.layer_end}, {dst.layer_end}) are not written "
+                        f"by any prefill stage (prefill has {src.num_layers} layers, decode "
+                        f"{dst.num_layers})")
+    if problems:
+        raise RegistrationError("layer coverage: " + "; ".join(problems))

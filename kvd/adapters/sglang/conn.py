@@ -151,11 +151,10 @@ class _Board:
                 self.status[room], self.reasons[room] = int(KVPoll.Failed), str(exc)
             self.releasable.update(rooms)
             return
-        self.status.update(zip(rooms, (int(s) for s in res["statuses"]), strict=True))
-        self.reasons.update({int(k): v for k, v in res.get("reasons", {}).items()})
-        self.stats.update({int(k): (int(v[0]), float(v[1]))
-                           for k, v in res.get("stats", {}).items()})
-        self.releasable = set(res.get("releasable", rooms))
+        self.status.update(zip(rooms, (int(s) for s in res.statuses), strict=True))
+        self.reasons.update(res.reasons)
+        self.stats.update(res.stats)
+        self.releasable = set(res.releasable)
 
 
 def _poll_board(side: Any) -> int:

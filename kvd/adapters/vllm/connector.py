@@ -472,11 +472,9 @@ class _Worker:
             res = self.client.call(call)
         except KvdUnreachable as exc:
             return {room: _Status(KVPoll.Failed, f"kvd unreachable: {exc}") for room in rooms}
-        reasons = {int(k): v for k, v in res.get("reasons", {}).items()}
-        stats = {int(k): (int(v[0]), float(v[1])) for k, v in res.get("stats", {}).items()}
-        releasable = set(res.get("releasable", rooms))
+        reasons, stats, releasable = res.reasons, res.stats, set(res.releasable)
         out = {}
-        for room, s in zip(rooms, res["statuses"], strict=True):
+        for room, s in zip(rooms, res.statuses, strict=True):
             done = (s in _DONE or s < 0) and room in releasable
             state = (KVPoll.Success if s == KVPoll.Success else KVPoll.Failed) if done else None
             out[room] = _Status(state, reasons.get(room, "room unknown to kvd" if s < 0 else ""),

@@ -1,0 +1,144 @@
+"""What a room state machine asks its daemon to do. PURE value types.
+
+A machine method returns a list of effects; the daemon performs them in
+order and feeds the results back as events (``write_done``, ``send_failed``,
+``resolved``, ``resolve_failed``). Effects never carry a callback: the event
+that reports an effect's result names the room and its incarnation, so a late
+result of an old incarnation is recognised and cannot decide a newer one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvd.protocol.control import ControlMessage
+from kvd.rooms.state import KVPoll, RoomFailure
+from kvd.transfer.plan import Pages
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``msg`` to the peer control endpoint ``to`` (instance ``to_instance``).
+
+    When ``room`` is set and the send fails, the daemon reports
+    ``send_failed(room, inc, to, failure)`` (a room must not wait for its
+    deadline because its message was never delivered)."""
+
+    to: str
+    to_instance: str
+    msg: ControlMessage
+    room: int | None = None
+    inc: int = 0
+
+
+@dataclass(frozen=True)
+class Report:
+    """Prefill: tell decode rank ``to`` the final word on ``room`` incarnation ``inc``.
+
+    ``quiesced`` is True when no write for the room is in flight on this rank;
+    ``aux_index`` (Success only, aux over the control plane) names the local aux
+    slot whose bytes ride along."""
+
+    to: str
+    to_instance: str
+    room: int
+    inc: int
+    status: KVPoll
+    failure: RoomFailure | None
+    quiesced: bool
+    aux_index: int | None = None
+
+
+@dataclass(frozen=True)
+class WriteDest:
+    """One destination of a chunk: its pages (``dst_pages``, int64 page indices of the
+    same length as the chunk; empty for an MLA dummy) and the peer's registration
+    (``peer``: opaque to the machine, what the daemon plans with)."""
+
+    endpoint: str
+    dst_pages: Pages
+    aux_index: int
+    is_dummy: bool
+    peer: Any
+
+
+@dataclass(frozen=True)
+class Write:
+    """Prefill: write one chunk of ``room`` (attempt ``attempt``) to every destination.
+
+    ``src_pages``: int64 source page indices. ``is_last``: the chunk that carries aux
+    (local slot ``aux_index``). ``deadline``: monotonic s; no sub-batch may start
+    after it. The daemon answers with ``write_done(room, attempt, ...)`` exactly once,
+    whatever happens to the task that performs it."""
+
+    room: int
+    attempt: int
+    src_pages: Pages
+    dests: tuple[WriteDest, ...]
+    is_last: bool
+    aux_index: int | None
+    deadline: float
+
+
+@dataclass(frozen=True)
+class Resolve:
+    """Decode: find the prefill ranks of ``room`` (bootstrap lookup, registration of this
+    rank's KV args with each); answered by ``resolved`` or ``resolve_failed``."""
+
+    room: int
+    inc: int
+    bootstrap_addr: str
+    dp_rank: int | None
+
+
+@dataclass(frozen=True)
+class AbortUnknown:
+    """Decode: the engine aborted a room this daemon does not know (e.g. it restarted):
+    resolve the prefill ranks of ``bootstrap_addr`` and send them an abort that applies
+    to any incarnation (K34)."""
+
+    room: int
+    bootstrap_addr: str
+    dp_rank: int | None
+    failure: RoomFailure
+
+
+@dataclass(frozen=True)
+class WriteAux:
+    """Decode: copy an aux payload received over the control plane into local slot
+    ``aux_index`` (one bytes object per aux buffer, sizes already checked)."""
+
+    room: int
+    aux_index: int
+    payload: tuple[bytes, ...]
+
+
+@dataclass(frozen=True)
+class ForgetPeer:
+    """Drop everything held for peer ``endpoint`` outside the machine (its socket)."""
+
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class Ended:
+    """A room reached Success or Failed (for metrics and logs; emitted once per
+    incarnation). ``nbytes``/``seconds``: bytes moved and time inside writes."""
+
+    room: int
+    inc: int
+    status: KVPoll
+    failure: RoomFailure | None
+    peer: str
+    created: float
+    nbytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Something a ``wait`` may be waiting for changed (a room ended, pages freed up)."""
+
+
+Effect = Send | Report | Write | Resolve | AbortUnknown | WriteAux | ForgetPeer | Ended | Wake

@@ -1,0 +1,391 @@
+"""The decode side of the room protocol (receivers) as a pure state machine.
+
+A room on a decode rank moves ``Bootstrapping`` (resolving the prefill ranks
+it needs) → ``WaitingForInput`` (as SGLang's receiver: the engine gives its
+destination pages, kvd sends them to every target, the prefill ranks write)
+→ ``Success`` once every target reported Success for this incarnation (their
+last chunk and aux have landed by then); any state may move to ``Failed``.
+
+Rules this module guarantees (tested in ``tests/unit/rooms``):
+
+* **Incarnations.** Each ``Receiver(room)`` is a new incarnation (``inc``); every
+  message about it carries ``inc``, and a status naming another incarnation or
+  coming from another instance of the target than the one resolved is dropped
+  and counted (K26, K28).
+* **Success** only when every target reported Success for this incarnation.
+* **Any end cancels every writer.** Whatever ends a room here (a target's
+  failure, a deadline, bad aux, the engine, a lost peer), every target that has
+  not itself reported the end gets a :class:`~kvd.protocol.control.RoomAbort`
+  (K22, K29), including targets resolved after the room ended (K34).
+* **Release safety.** A room's pages become releasable only when it succeeded,
+  when they never left this rank, when every target they were sent to confirmed
+  that no write is in flight (``quiesced``), or ``release`` seconds after the write
+  bound every target was given (``RoomPages.write_within``), which the prefill side
+  enforces too (K06, K22). ``clear`` refuses a room whose pages are not releasable.
+* **Termination.** Every non-terminal room has a deadline (:class:`Timeouts`);
+  :meth:`ReceiverRooms.tick` fails it when passed, whatever happened to the tasks
+  performing its effects; a failed send fails its room at once (K32).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvd.errors import ProtocolError, RoomError
+from kvd.protocol import control
+from kvd.protocol.codec import unpack_indices
+from kvd.rooms.effects import AbortUnknown, Effect, Ended, Resolve, Send, Wake, WriteAux
+from kvd.rooms.state import TERMINAL, FailureKind, KVPoll, RoomFailure, Timeouts
+
+ORIGIN = "decode"
+
+
+@dataclass(frozen=True)
+class Target:
+    """A prefill rank a room needs: its control endpoint and instance, how many decode
+    ranks it feeds for the room, and whether it is an MLA dummy (sends no KV)."""
+
+    endpoint: str
+    instance: str
+    required: int = 1
+    is_dummy: bool = False
+
+
+@dataclass
+class ReceiverRoom:
+    """Decode-side state of one incarnation of one room (times: monotonic s)."""
+
+    room: int
+    inc: int
+    bootstrap_addr: str
+    dp_rank: int | None
+    created: float
+    since: float
+    status: KVPoll = KVPoll.Bootstrapping
+    failure: RoomFailure | None = None
+    dst_pages: bytes | None = None
+    aux_index: int = 0
+    targets: tuple[Target, ...] | None = None
+    sent: set[str] = field(default_factory=set)        # RoomPages handed to a send
+    successes: set[str] = field(default_factory=set)
+    quiesced: set[str] = field(default_factory=set)    # confirmed: no write in flight
+    told: set[str] = field(default_factory=set)        # know the room ended
+    write_deadline: float | None = None
+    release_seen: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL
+
+    def releasable(self, now: float, timeouts: Timeouts) -> bool:
+        """May the engine reuse this room's pages? See the module docstring."""
+        if self.status == KVPoll.Success:
+            return True
+        if self.status != KVPoll.Failed:
+            return False
+        if not self.sent or self.sent <= self.quiesced:
+            return True
+        bound = self.write_deadline if self.write_deadline is not None else self.since
+        return now >= max(bound, self.since) + timeouts.release
+
+    def deadline(self, timeouts: Timeouts) -> float | None:
+        limit = timeouts.limit(self.status)
+        return None if limit is None else self.since + limit
+
+
+@dataclass(frozen=True)
+class Poll:
+    """What the engine sees of a room."""
+
+    status: KVPoll
+    failure: RoomFailure | None
+    releasable: bool
+
+
+class ReceiverRooms:
+    """Every receiver of one decode rank.
+
+    ``endpoint``/``instance`` name this daemon on the control plane. Engine events:
+    :meth:`create`, :meth:`init`, :meth:`abort`, :meth:`clear`. Results:
+    :meth:`resolved`, :meth:`resolve_failed`, :meth:`send_failed`. Peer events:
+    :meth:`on_status`, :meth:`peer_lost`. Time: :meth:`tick`. Each returns the
+    effects to perform, in order; engine events raise :class:`RoomError` for calls
+    the engine got wrong. ``num_pages``, ``num_aux_slots`` and ``aux_sizes`` (bytes
+    per aux item, per buffer) describe the local pool once the engine registered.
+    """
+
+    def __init__(self, endpoint: str, instance: str, timeouts: Timeouts | None = None,
+                 first_inc: int = 1) -> None:
+        self.endpoint = endpoint
+        self.instance = instance
+        self.timeouts = timeouts or Timeouts()
+        self.num_pages = 0
+        self.num_aux_slots = 0
+        self.aux_sizes: tuple[int, ...] = ()
+        self.rooms: dict[int, ReceiverRoom] = {}
+        self.dropped: Counter[str] = Counter()
+        self._incs = itertools.count(first_inc)
+
+    # ---- engine events ----------------------------------------------------------------
+
+    def create(self, room: int, bootstrap_addr: str, dp_rank: int | None,
+               now: float) -> list[Effect]:
+        """``Receiver(room, bootstrap_addr)``: a new incarnation. Raises RoomError if the
+        room is in flight, or if its previous incarnation's pages are not releasable."""
+        old = self.rooms.get(room)
+        if old is not None and not old.done:
+            raise RoomError(f"room {room} already active on this decode rank (duplicate room)")
+        if old is not None and not old.releasable(now, self.timeouts):
+            raise RoomError(f"room {room}: the previous attempt's pages are not releasable "
+                            f"yet (a prefill write may be in flight); wait for it, clear it, "
+                            f"then create the room again")
+        r = ReceiverRoom(room, next(self._incs), bootstrap_addr, dp_rank, now, now)
+        self.rooms[room] = r
+        return [Resolve(room, r.inc, bootstrap_addr, dp_rank)]
+
+    def init(self, room: int, dst_pages: bytes, aux_index: int, now: float) -> list[Effect]:
+        """``receiver.init``: destination pages (int32 LE bytes) and aux slot. Raises
+        RoomError for an unknown room, a second init, or an index out of range."""
+        r = self._room(room)
+        try:
+            pages = unpack_indices(dst_pages)
+        except ProtocolError as exc:
+            raise RoomError(f"room {room}: {exc}") from exc
+        if pages.size and int(pages.max()) >= self.num_pages:
+            raise RoomError(f"room {room} destination: page index {int(pages.max())} outside "
+                            f"[0, {self.num_pages})")
+        if self.num_aux_slots and not 0 <= aux_index < self.num_aux_slots:
+            raise RoomError(f"room {room}: aux_index {aux_index} outside "
+                            f"[0, {self.num_aux_slots})")
+        if r.dst_pages is not None:
+            raise RoomError(f"room {room}: init called twice")
+        r.dst_pages, r.aux_index = dst_pages, aux_index
+        out: list[Effect] = []
+        self._send_pages(r, now, out)
+        return out
+
+    def abort(self, room: int, reason: str, now: float, bootstrap_addr: str | None = None,
+              dp_rank: int | None = None) -> list[Effect]:
+        """The engine ends the room (Failed, aborted; every target is told). For a room
+        this rank does not know, an abort naming ``bootstrap_addr`` still reaches the
+        prefill ranks (K34)."""
+        r = self.rooms.get(room)
+        out: list[Effect] = []
+        failure = RoomFailure(FailureKind.ABORTED, f"room {room} aborted on decode: {reason}",
+                              ORIGIN)
+        if r is None:
+            if bootstrap_addr:
+                out.append(AbortUnknown(room, bootstrap_addr, dp_rank, failure))
+            return out
+        self._fail(r, failure, now, out)
+        return out
+
+    def clear(self, room: int, now: float) -> list[Effect]:
+        """Forget a room (an unfinished one is aborted first). Raises RoomError, and
+        keeps the room, while its pages are not releasable (K06)."""
+        r = self.rooms.get(room)
+        if r is None:
+            return []
+        out = [] if r.done else self.abort(room, "cleared before it finished", now)
+        if not r.releasable(now, self.timeouts):
+            raise RoomError(f"room {room}: pages not releasable yet (a prefill write may be "
+                            f"in flight); wait for the room, then clear")
+        del self.rooms[room]
+        return out
+
+    # ---- results ----------------------------------------------------------------------
+
+    def resolved(self, room: int, inc: int, targets: list[Target], now: float) -> list[Effect]:
+        """The prefill ranks of ``room`` are known and this rank is registered with each."""
+        r = self._current(room, inc)
+        out: list[Effect] = []
+        if r is None or r.targets is not None:
+            return out
+        r.targets = tuple(targets)
+        if r.done:  # ended while resolving: the prefill ranks must hear it (K34)
+            self._abort_targets(r, out)
+            return out
+        r.status, r.since = KVPoll.WaitingForInput, now
+        self._send_pages(r, now, out)
+        return out
+
+    def resolve_failed(self, room: int, inc: int, failure: RoomFailure,
+                       now: float) -> list[Effect]:
+        """The bootstrap lookup or the registration failed."""
+        r = self._current(room, inc)
+        out: list[Effect] = []
+        if r is not None:
+            self._fail(r, failure, now, out)
+        return out
+
+    def send_failed(self, room: int, inc: int, endpoint: str, failure: RoomFailure,
+                    now: float) -> list[Effect]:
+        """A control message for the room could not be delivered to ``endpoint``: the
+        room fails now, not at its deadline (K32)."""
+        r = self._current(room, inc)
+        out: list[Effect] = []
+        if r is not None and not r.done:
+            r.told.add(endpoint)  # it did not take our messages; do not queue more
+            self._fail(r, failure, now, out)
+        return out
+
+    # ---- peer events ------------------------------------------------------------------
+
+    def on_status(self, msg: control.RoomStatus, now: float) -> list[Effect]:
+        """A prefill rank's final word (or quiescence confirmation) on the room."""
+        out: list[Effect] = []
+        r = self._current(msg.room, msg.inc)
+        if r is None:
+            self.dropped["stale"] += 1
+            return out
+        target = next((t for t in r.targets or () if t.endpoint == msg.endpoint), None)
+        if target is None:
+            self.dropped["unbound"] += 1
+            return out
+        if target.instance != msg.instance_id:
+            self.dropped["stale_instance"] += 1
+            return out
+        status = KVPoll(msg.status) if msg.status in (0, 4) else None
+        if status is None:
+            self.dropped["malformed"] += 1
+            return out
+        if msg.quiesced or status == KVPoll.Success:
+            self._confirm(r, msg.endpoint, now, out)
+        if r.done:
+            return out
+        r.told.add(msg.endpoint)
+        if status == KVPoll.Failed:
+            kind = FailureKind.parse(msg.kind)
+            reason = msg.reason or f"room {r.room}: failed on {msg.endpoint}"
+            self._fail(r, RoomFailure(kind, reason, "prefill"), now, out)
+            return out
+        if msg.aux and not self._aux(r, msg, now, out):
+            return out
+        r.successes.add(msg.endpoint)
+        if {t.endpoint for t in r.targets or ()} <= r.successes:
+            r.status, r.since = KVPoll.Success, now
+            out.append(Ended(r.room, r.inc, KVPoll.Success, None, self._peer(r), r.created))
+            out.append(Wake())
+        return out
+
+    def peer_lost(self, bootstrap_addr: str, failure: RoomFailure, now: float,
+                  created_before: float | None = None) -> list[Effect]:
+        """Fail every unfinished room fed by ``bootstrap_addr`` (created by
+        ``created_before``, monotonic s, when given: after a restart, newer rooms may be
+        bound to the new instance). Its prefill ranks are still told (queued behind the
+        pages), so a frozen prefill that resumes drops them."""
+        out: list[Effect] = []
+        for r in list(self.rooms.values()):
+            if r.bootstrap_addr != bootstrap_addr or r.done:
+                continue
+            if created_before is None or r.created <= created_before:
+                self._fail(r, failure, now, out)
+        return out
+
+    # ---- time and reads ---------------------------------------------------------------
+
+    def tick(self, now: float) -> list[Effect]:
+        """Deadlines; wake waiters when a failed room's pages free up; drop finished
+        rooms the engine never cleared."""
+        out: list[Effect] = []
+        for r in list(self.rooms.values()):
+            deadline = r.deadline(self.timeouts)
+            if deadline is not None and now > deadline:
+                limit = self.timeouts.limit(r.status) or 0.0
+                self._fail(r, RoomFailure(FailureKind.TIMEOUT, f"room {r.room}: timed out in "
+                                          f"{r.status.name} after {now - r.since:.1f}s (limit "
+                                          f"{limit:.1f}s; prefill {r.bootstrap_addr})", ORIGIN),
+                           now, out)
+                continue
+            if not r.done:
+                continue
+            releasable = r.releasable(now, self.timeouts)
+            if releasable and not r.release_seen and r.status == KVPoll.Failed:
+                r.release_seen = True
+                out.append(Wake())
+            if releasable and now - r.since > self.timeouts.finished_ttl:
+                del self.rooms[r.room]
+        return out
+
+    def poll(self, room: int, now: float) -> Poll | None:
+        """The room's status for the engine, or None if this rank does not know it."""
+        r = self.rooms.get(room)
+        if r is None:
+            return None
+        return Poll(r.status, r.failure, r.releasable(now, self.timeouts))
+
+    def table_sizes(self) -> dict[str, int]:
+        return {"rooms": len(self.rooms)}
+
+    # ---- internals --------------------------------------------------------------------
+
+    def _room(self, room: int) -> ReceiverRoom:
+        r = self.rooms.get(room)
+        if r is None:
+            raise RoomError(f"unknown room {room} on this decode rank")
+        return r
+
+    def _current(self, room: int, inc: int) -> ReceiverRoom | None:
+        r = self.rooms.get(room)
+        return r if r is not None and r.inc == inc else None
+
+    @staticmethod
+    def _peer(r: ReceiverRoom) -> str:
+        return ",".join(t.endpoint for t in r.targets or ()) or r.bootstrap_addr
+
+    def _send_pages(self, r: ReceiverRoom, now: float, out: list[Effect]) -> None:
+        if r.done or r.targets is None or r.dst_pages is None or r.sent:
+            return
+        deadline = r.deadline(self.timeouts)
+        assert deadline is not None
+        r.write_deadline = deadline
+        for t in r.targets:
+            msg = control.RoomPages(room=r.room, inc=r.inc, endpoint=self.endpoint,
+                                    instance_id=self.instance, dst_pages=r.dst_pages,
+                                    aux_index=r.aux_index, write_within=deadline - now,
+                                    required_dst_info_num=t.required, is_dummy=t.is_dummy)
+            r.sent.add(t.endpoint)
+            out.append(Send(t.endpoint, t.instance, msg, r.room, r.inc))
+
+    def _confirm(self, r: ReceiverRoom, endpoint: str, now: float, out: list[Effect]) -> None:
+        was = r.releasable(now, self.timeouts)
+        r.quiesced.add(endpoint)
+        if r.done and not was and r.releasable(now, self.timeouts):
+            r.release_seen = True
+            out.append(Wake())
+
+    def _aux(self, r: ReceiverRoom, msg: control.RoomStatus, now: float,
+             out: list[Effect]) -> bool:
+        """Aux over the control plane: sizes must match the local aux buffers exactly."""
+        sizes = [len(a) for a in msg.aux]
+        if sizes != list(self.aux_sizes) or not 0 <= r.aux_index < self.num_aux_slots:
+            self._fail(r, RoomFailure(FailureKind.LAYOUT, f"room {r.room}: aux payload of "
+                                      f"{sizes} bytes does not match the aux slots "
+                                      f"({list(self.aux_sizes)} bytes)", ORIGIN), now, out)
+            return False
+        out.append(WriteAux(r.room, r.aux_index, tuple(msg.aux)))
+        return True
+
+    def _fail(self, r: ReceiverRoom, failure: RoomFailure, now: float,
+              out: list[Effect]) -> None:
+        """Failed is sticky; every target that does not know yet is told."""
+        if r.done:
+            return
+        r.status, r.since, r.failure = KVPoll.Failed, now, failure
+        self._abort_targets(r, out)
+        out.append(Ended(r.room, r.inc, KVPoll.Failed, failure, self._peer(r), r.created))
+        out.append(Wake())
+
+    def _abort_targets(self, r: ReceiverRoom, out: list[Effect]) -> None:
+        assert r.failure is not None
+        for t in r.targets or ():
+            if t.endpoint in r.told:
+                continue
+            r.told.add(t.endpoint)
+            msg = control.RoomAbort(room=r.room, inc=r.inc, kind=r.failure.kind.value,
+                                    reason=r.failure.reason, endpoint=self.endpoint,
+                                    instance_id=self.instance)
+            out.append(Send(t.endpoint, t.instance, msg))
+

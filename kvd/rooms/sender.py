@@ -1,0 +1,697 @@
+"""The prefill side of the room protocol (senders) as a pure state machine.
+
+A room on a prefill rank moves ``Bootstrapping`` (waiting for the destination
+pages of every decode rank that targets this rank) → ``WaitingForInput``
+(waiting for the engine's first chunk) → ``Transferring`` (chunks being
+written) → ``Success``; any state may move to ``Failed``. Failed is sticky;
+Success and Failed are terminal.
+
+Rules this module guarantees (tested in ``tests/unit/rooms``):
+
+* **Incarnations.** A room is bound, per decode rank, to the incarnation that
+  rank chose (``RoomPages.inc``); messages naming another incarnation, or sent
+  by another instance of the peer than the one that registered, never change it
+  (K26, K28). Engine-side re-creation of a room id makes a new *attempt*; write
+  results name their attempt, so an old write cannot decide a new attempt.
+* **Release safety.** No write starts for a room that ended, nor for a
+  destination after its ``write_within`` bound (K22). Every destination hears
+  the final status; a failure while a write is in flight is reported twice:
+  at once (``quiesced=False``) and again when the write returned (``quiesced``).
+* **Termination.** Every non-terminal room has a deadline (:class:`Timeouts`);
+  :meth:`SenderRooms.tick` fails it when passed, whatever happened to the tasks
+  that perform its effects (K32).
+* **Early and late messages.** Pages for a room the engine has not created yet are
+  buffered (bounded per peer and in bytes, S13); an abort that arrives first is kept
+  and applied when the room appears (K34); an ended room leaves a tombstone that
+  answers late decode ranks with the original outcome (K21, K30).
+* **Binding.** Only a registered decode rank can bind, and only a rank bound to a
+  room (or one that routing says feeds this rank, before it bound) may abort it
+  (K29, S11). Messages from unregistered endpoints are dropped and counted, never
+  answered: kvd does not connect to an endpoint it learned only from a message.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvd.control.routing import resolve_targets
+from kvd.errors import RegistrationError, RoomError
+from kvd.protocol import control
+from kvd.protocol.codec import unpack_indices
+from kvd.rooms.effects import Effect, Ended, ForgetPeer, Report, Wake, Write, WriteDest
+from kvd.rooms.state import TERMINAL, FailureKind, KVPoll, RoomFailure, Timeouts
+from kvd.rooms.tombstones import Bounded
+from kvd.transfer.plan import Pages
+
+ORIGIN = "prefill"
+
+
+@dataclass(frozen=True)
+class RankPosition:
+    """This prefill rank's place in its instance (attention TP/DP, PP)."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what peers can make this rank hold (counts, bytes, seconds)."""
+
+    max_peers: int = 256
+    max_rooms_per_peer: int = 100_000
+    max_pending_bytes: int = 64 << 20
+    peer_ttl: float = 600.0
+    tombstones: int = 65_536
+
+
+@dataclass
+class DecodePeer:
+    """A decode rank that registered its KV args with this prefill rank.
+
+    ``payload`` is opaque here (the daemon's planning data for this peer);
+    ``rejected`` is set when the pair's KV args were refused (K12, K25, K30)."""
+
+    endpoint: str
+    instance: str
+    tp_rank: int
+    tp_size: int
+    is_mla: bool
+    num_pages: int
+    num_aux_slots: int
+    rejected: RoomFailure | None
+    payload: Any
+    last_seen: float
+
+
+@dataclass
+class Dest:
+    """Room R on one decode rank: its incarnation, pages and write bound (monotonic s)."""
+
+    peer: DecodePeer
+    inc: int
+    pages: Pages
+    aux_index: int
+    is_dummy: bool
+    write_deadline: float
+
+
+@dataclass
+class SenderRoom:
+    """Prefill-side state of one attempt of one room (times are monotonic s)."""
+
+    room: int
+    attempt: int
+    created: float
+    since: float
+    status: KVPoll = KVPoll.Bootstrapping
+    failure: RoomFailure | None = None
+    num_pages: int | None = None
+    aux_index: int | None = None
+    required: int | None = None
+    dests: dict[str, Dest] = field(default_factory=dict)
+    chunks: deque[tuple[Pages, bool]] = field(default_factory=deque)
+    offset: int = 0
+    writing: bool = False
+    last_sent: bool = False  # the chunk with is_last was handed to a write
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.status in TERMINAL
+
+    @property
+    def peers(self) -> str:
+        """Decode endpoints of the room, for messages."""
+        return ", ".join(self.dests) or "no decode rank yet"
+
+    def deadline(self, timeouts: Timeouts) -> float | None:
+        """When the current state times out (None once terminal)."""
+        limit = timeouts.limit(self.status)
+        if limit is None:
+            return None
+        own = self.since + limit
+        if self.dests:  # past a decode's write bound the room can never succeed
+            own = min(own, min(d.write_deadline for d in self.dests.values()))
+        return own
+
+
+@dataclass(frozen=True)
+class EarlyAbort:
+    """An abort (or refusal) that reached this rank before the engine created the room."""
+
+    endpoint: str
+    inc: int
+    failure: RoomFailure
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """What is left of an ended room after the engine cleared it."""
+
+    room: int
+    status: KVPoll
+    failure: RoomFailure | None
+    bound: dict[str, int]  # decode endpoint -> incarnation it was bound to
+
+
+@dataclass(frozen=True)
+class Pending:
+    """Destination pages that arrived before the room (monotonic arrival time)."""
+
+    msg: control.RoomPages
+    pages: Pages
+    at: float
+
+
+@dataclass(frozen=True)
+class Poll:
+    """What the engine sees of a room."""
+
+    status: KVPoll
+    failure: RoomFailure | None
+    nbytes: int
+    seconds: float
+
+
+class SenderRooms:
+    """Every sender of one prefill rank, and the decode ranks it knows.
+
+    Engine events: :meth:`create`, :meth:`init`, :meth:`send`, :meth:`abort`,
+    :meth:`clear`. Peer events: :meth:`on_register`, :meth:`on_pages`,
+    :meth:`on_abort`. Results: :meth:`write_done`. Time: :meth:`tick`. Each
+    returns the effects to perform, in order. Engine events raise
+    :class:`RoomError` for calls the engine got wrong; peer events never raise.
+    ``num_pages``/``num_aux_slots`` describe the local KV pool (0 until the engine
+    registered).
+    """
+
+    def __init__(self, timeouts: Timeouts | None = None, position: RankPosition | None = None,
+                 limits: Limits | None = None) -> None:
+        self.timeouts = timeouts or Timeouts()
+        self.position = position or RankPosition()
+        self.limits = limits or Limits()
+        self.num_pages = 0
+        self.num_aux_slots = 0
+        self.peers: dict[str, DecodePeer] = {}
+        self.rooms: dict[int, SenderRoom] = {}
+        self.retired: dict[tuple[int, int], SenderRoom] = {}  # ended attempts still writing
+        self.pending: dict[int, list[Pending]] = {}
+        self.pending_by_peer: Counter[str] = Counter()
+        self.pending_bytes = 0
+        self.early: Bounded[int, list[EarlyAbort]] = Bounded(self.timeouts.bootstrap,
+                                                              self.limits.tombstones)
+        self.tombstones: Bounded[int, Tombstone] = Bounded(self.timeouts.tombstone,
+                                                           self.limits.tombstones)
+        self.dropped: Counter[str] = Counter()  # stale / unbound / unregistered messages
+        self._attempts = 0
+
+    # ---- engine events ----------------------------------------------------------------
+
+    def create(self, room: int, now: float) -> list[Effect]:
+        """``Sender(room)``: a new attempt. Raises RoomError if the room is in flight."""
+        old = self.rooms.get(room)
+        if old is not None and not old.done:
+            raise RoomError(f"room {room} already active on this prefill rank")
+        out: list[Effect] = []
+        if old is not None:
+            self._retire(old, now)
+        self._attempts += 1
+        r = SenderRoom(room, self._attempts, created=now, since=now)
+        self.rooms[room] = r
+        for early in self.early.pop(room) or []:  # already answered when it arrived
+            self._fail(r, early.failure, now, out)
+        for p in self._take_pending(room):
+            self._bind(r, p.msg, p.pages, now, out)
+        return out
+
+    def init(self, room: int, num_pages: int, aux_index: int, now: float) -> list[Effect]:
+        """``sender.init``: the room's total pages and its aux slot (validated against the
+        local pool). Raises RoomError for an unknown room or an index out of range."""
+        r = self._room(room)
+        if not 0 <= num_pages <= self.num_pages:
+            raise RoomError(f"room {room}: num_pages {num_pages} outside [0, {self.num_pages}]")
+        if self.num_aux_slots and not 0 <= aux_index < self.num_aux_slots:
+            raise RoomError(f"room {room}: aux_index {aux_index} outside "
+                            f"[0, {self.num_aux_slots})")
+        r.num_pages, r.aux_index = num_pages, aux_index
+        return []
+
+    def send(self, room: int, pages: Pages, is_last: bool, now: float) -> list[Effect]:
+        """``sender.send``: queue one chunk of source pages (int64).
+
+        A chunk for a room that already ended is dropped (the engine learns the outcome
+        from ``poll``: aborts race with sends). A page outside the local pool fails the
+        room and raises RoomError."""
+        r = self._room(room)
+        if r.done:
+            return []
+        out: list[Effect] = []
+        if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
+            reason = (f"room {room}: source page index outside [0, {self.num_pages}) "
+                      f"(got {int(pages.min())}..{int(pages.max())})")
+            self._fail(r, RoomFailure(FailureKind.LAYOUT, reason, ORIGIN), now, out)
+            raise RoomError(reason)
+        r.chunks.append((pages, is_last))
+        self._kick(r, now, out)
+        return out
+
+    def abort(self, room: int, reason: str, now: float) -> list[Effect]:
+        """The engine aborts the room: Failed (aborted) on both sides; no chunk is
+        scheduled any more. Unknown or ended rooms: nothing happens."""
+        r = self.rooms.get(room)
+        out: list[Effect] = []
+        if r is not None:
+            failure = RoomFailure(FailureKind.ABORTED,
+                                  f"room {room} aborted on prefill ({r.peers}): {reason}", ORIGIN)
+            self._fail(r, failure, now, out)
+        return out
+
+    def clear(self, room: int, now: float) -> list[Effect]:
+        """Forget a room (an unfinished one is aborted first). A write in flight keeps
+        running and reports quiescence to the decode side when it returns."""
+        r = self.rooms.get(room)
+        if r is None:
+            return []
+        out = [] if r.done else self.abort(room, "cleared before it finished", now)
+        self._retire(r, now)
+        return out
+
+    # ---- peer events ------------------------------------------------------------------
+
+    def on_register(self, msg: control.RegisterRank, num_pages: int, num_aux_slots: int,
+                    rejected: RoomFailure | None, payload: Any, now: float) -> list[Effect]:
+        """A decode rank's KV args, already checked by the daemon (``rejected`` says why
+        not). A new instance at a known endpoint is a restart: rooms bound to the old
+        instance fail and are never written again (K28). Past ``max_peers`` live peers
+        the registration is dropped (counted)."""
+        out: list[Effect] = []
+        old = self.peers.get(msg.endpoint)
+        if old is None and len(self.peers) >= self.limits.max_peers:
+            self.dropped["max_peers"] += 1
+            return out
+        if old is not None and old.instance != msg.instance_id:
+            self._peer_restarted(old, now, out)
+        self.peers[msg.endpoint] = DecodePeer(
+            msg.endpoint, msg.instance_id, msg.attn_tp_rank, msg.attn_tp_size,
+            msg.kv_args.is_mla, num_pages, num_aux_slots, rejected, payload, now)
+        return out
+
+    def on_pages(self, msg: control.RoomPages, now: float) -> list[Effect]:
+        """Destination pages of room ``msg.room`` on decode rank ``msg.endpoint``."""
+        out: list[Effect] = []
+        peer = self._peer(msg.endpoint, msg.instance_id, now)
+        if peer is None:
+            return out
+        try:
+            pages = unpack_indices(msg.dst_pages)
+        except Exception:  # ProtocolError: a malformed field fails only this room
+            pages = None
+        r = self.rooms.get(msg.room)
+        if r is None:
+            self._pages_before_room(peer, msg, pages, now, out)
+            return out
+        if pages is None:
+            failure = RoomFailure(FailureKind.LAYOUT, f"room {msg.room}: malformed page "
+                                  f"indices from {msg.endpoint}", ORIGIN)
+            out.append(self._answer(peer, msg, failure))
+            return out
+        self._bind(r, msg, pages, now, out)
+        return out
+
+    def on_abort(self, msg: control.RoomAbort, now: float) -> list[Effect]:
+        """A decode rank ends the room (its incarnation ``msg.inc``; 0 means any)."""
+        out: list[Effect] = []
+        peer = self._peer(msg.endpoint, msg.instance_id, now)
+        if peer is None:
+            return out
+        failure = RoomFailure(FailureKind.parse(msg.kind), msg.reason, "decode")
+        r = self.rooms.get(msg.room)
+        d = r.dests.get(msg.endpoint) if r is not None else None
+        if r is not None and d is not None:
+            if msg.inc not in (0, d.inc):
+                self.dropped["stale"] += 1
+                return out
+            self._fail(r, failure, now, out)
+            if not r.writing:  # _fail told the others; confirm to this one too
+                out.append(self._report(r, msg.endpoint, d.inc))
+            return out
+        if not self._routes_here(peer, msg.room):
+            self.dropped["unbound"] += 1
+            return out
+        self._drop_pending(msg.room, msg.endpoint)
+        inc = msg.inc
+        if r is not None:  # the room exists but this decode rank never bound: it never will
+            self._fail(r, failure, now, out)
+        else:
+            early = self.early.get(msg.room) or []
+            if len(early) < 16:
+                self.early.put(msg.room, [*early, EarlyAbort(msg.endpoint, inc, failure)], now)
+        out.append(Report(msg.endpoint, peer.instance, msg.room, inc, KVPoll.Failed, failure,
+                          quiesced=True))
+        return out
+
+    # ---- results and time -------------------------------------------------------------
+
+    def write_done(self, room: int, attempt: int, failure: RoomFailure | None, nbytes: int,
+                   seconds: float, now: float) -> list[Effect]:
+        """The write of the room's current chunk returned (``failure`` None: every byte
+        landed). Exactly one call per :class:`Write` effect."""
+        out: list[Effect] = []
+        r = self.rooms.get(room)
+        if r is None or r.attempt != attempt:
+            r = self.retired.pop((room, attempt), None)
+            if r is None:
+                return out
+        r.writing = False
+        r.nbytes += nbytes
+        r.seconds += seconds
+        if r.done:  # ended while the write was in flight: now it is quiet
+            self._report_all(r, out)
+            return out
+        if failure is not None:
+            self._fail(r, failure, now, out)
+            return out
+        if r.last_sent:
+            self._succeed(r, now, out)
+        else:
+            self._kick(r, now, out)
+        return out
+
+    def tick(self, now: float) -> list[Effect]:
+        """Deadlines: fail rooms past their state's deadline; expire buffered pages,
+        early aborts, tombstones, unclaimed finished rooms and idle peers."""
+        out: list[Effect] = []
+        for r in list(self.rooms.values()):
+            deadline = r.deadline(self.timeouts)
+            if deadline is not None and now > deadline:
+                self._fail(r, self._timeout(r, now), now, out)
+            elif r.done and not r.writing and now - r.since > self.timeouts.finished_ttl:
+                self._retire(r, now)
+        self._expire_pending(now, out)
+        self.early.expire(now)
+        self.tombstones.expire(now)
+        self._forget_idle_peers(now, out)
+        return out
+
+    # ---- reads ------------------------------------------------------------------------
+
+    def poll(self, room: int) -> Poll | None:
+        """The room's status for the engine, or None if this rank does not know it."""
+        r = self.rooms.get(room)
+        if r is None:
+            return None
+        return Poll(r.status, r.failure, r.nbytes, r.seconds)
+
+    def table_sizes(self) -> dict[str, int]:
+        """Sizes of every per-room and per-peer table (leak checks)."""
+        return {"rooms": len(self.rooms), "retired": len(self.retired),
+                "pending": len(self.pending), "pending_bytes": self.pending_bytes,
+                "early_aborts": len(self.early), "tombstones": len(self.tombstones),
+                "peers": len(self.peers)}
+
+    # ---- internals: binding -----------------------------------------------------------
+
+    def _room(self, room: int) -> SenderRoom:
+        r = self.rooms.get(room)
+        if r is None:
+            raise RoomError(f"unknown room {room} on this prefill rank")
+        return r
+
+    def _peer(self, endpoint: str, instance: str, now: float) -> DecodePeer | None:
+        """The registered peer that sent a message, or None (dropped, counted)."""
+        peer = self.peers.get(endpoint)
+        if peer is None:
+            self.dropped["unregistered"] += 1
+            return None
+        if peer.instance != instance:
+            self.dropped["stale_instance"] += 1
+            return None
+        peer.last_seen = now
+        return peer
+
+    def _routes_here(self, peer: DecodePeer, room: int) -> bool:
+        """Could ``peer`` target this rank for ``room``? (TP and PP; the decode may name
+        any DP group explicitly, so DP is not checked.)"""
+        pos = self.position
+        try:
+            targets = resolve_targets(room, peer.tp_rank, peer.tp_size, pos.tp_size, 1,
+                                      pos.pp_size, peer.is_mla, 0)
+        except RegistrationError:
+            return False
+        return any(t.tp_rank == pos.tp_rank and t.pp_rank == pos.pp_rank for t in targets)
+
+    def _pages_before_room(self, peer: DecodePeer, msg: control.RoomPages,
+                           pages: Pages | None, now: float, out: list[Effect]) -> None:
+        tomb = self.tombstones.get(msg.room)
+        if tomb is not None and tomb.bound.get(msg.endpoint, msg.inc) == msg.inc and (
+                msg.endpoint in tomb.bound or not tomb.bound):
+            failure = tomb.failure or RoomFailure(
+                FailureKind.DUPLICATE, f"room {msg.room}: already ended (Success) on prefill",
+                ORIGIN)
+            out.append(self._answer(peer, msg, failure))
+            return
+        for early in self.early.get(msg.room) or []:
+            if early.endpoint == msg.endpoint and early.inc in (0, msg.inc):
+                out.append(self._answer(peer, msg, early.failure))
+                return
+        if peer.rejected is not None:  # K30: refuse now, and fail the room when it appears
+            out.append(self._answer(peer, msg, peer.rejected))
+            self.early.put(msg.room, [*(self.early.get(msg.room) or []),
+                                      EarlyAbort(msg.endpoint, msg.inc, peer.rejected)], now)
+            return
+        size = len(msg.dst_pages)
+        if pages is None or self.pending_by_peer[msg.endpoint] >= self.limits.max_rooms_per_peer \
+                or self.pending_bytes + size > self.limits.max_pending_bytes:
+            failure = RoomFailure(FailureKind.REGISTRATION if pages is not None
+                                  else FailureKind.LAYOUT,
+                                  f"room {msg.room}: refused, {msg.endpoint} has "
+                                  f"{self.pending_by_peer[msg.endpoint]} rooms ("
+                                  f"{self.pending_bytes} bytes) waiting for a sender on this "
+                                  f"prefill rank" if pages is not None else
+                                  f"room {msg.room}: malformed page indices", ORIGIN)
+            out.append(self._answer(peer, msg, failure))
+            return
+        self.pending.setdefault(msg.room, []).append(Pending(msg, pages, now))
+        self.pending_by_peer[msg.endpoint] += 1
+        self.pending_bytes += size
+
+    def _bind(self, r: SenderRoom, msg: control.RoomPages, pages: Pages, now: float,
+              out: list[Effect]) -> None:
+        """Add a destination to a live (or ended) room, or answer why not."""
+        peer = self.peers[msg.endpoint]
+        existing = r.dests.get(msg.endpoint)
+        if r.done:
+            if existing is not None and existing.inc == msg.inc:
+                out.append(self._report(r, msg.endpoint, msg.inc))  # a duplicate: say again
+            else:
+                out.append(self._answer(peer, msg, r.failure or RoomFailure(
+                    FailureKind.DUPLICATE, f"room {r.room}: already ended (Success) on "
+                    f"prefill for {r.peers}", ORIGIN)))
+            return
+        if existing is not None or (r.required is not None and len(r.dests) >= r.required):
+            out.append(self._answer(peer, msg, RoomFailure(
+                FailureKind.DUPLICATE, f"room {r.room}: duplicate room (already bound to "
+                f"{r.peers}; refused {msg.endpoint})", ORIGIN)))
+            return
+        problem = self._check_dest(peer, msg, pages)
+        if problem is not None:
+            out.append(self._answer(peer, msg, problem))
+            self._fail(r, problem, now, out)
+            return
+        r.dests[msg.endpoint] = Dest(peer, msg.inc, pages, msg.aux_index, msg.is_dummy,
+                                     now + msg.write_within)
+        r.required = msg.required_dst_info_num
+        if len(r.dests) >= r.required and r.status == KVPoll.Bootstrapping:
+            self._advance(r, KVPoll.WaitingForInput, now)
+            self._kick(r, now, out)
+
+    def _check_dest(self, peer: DecodePeer, msg: control.RoomPages,
+                    pages: Pages) -> RoomFailure | None:
+        room = msg.room
+        if peer.rejected is not None:
+            return peer.rejected
+        if msg.write_within <= 0:
+            return RoomFailure(FailureKind.TIMEOUT, f"room {room}: the decode's write "
+                               f"deadline already passed", ORIGIN)
+        if msg.required_dst_info_num < 1:
+            return RoomFailure(FailureKind.LAYOUT, f"room {room}: required_dst_info_num "
+                               f"{msg.required_dst_info_num} < 1", ORIGIN)
+        if pages.size and int(pages.max()) >= peer.num_pages:
+            return RoomFailure(FailureKind.LAYOUT, f"room {room} destination: page index "
+                               f"{int(pages.max())} outside the decode pool of "
+                               f"{peer.num_pages} pages", ORIGIN)
+        if not 0 <= msg.aux_index < max(peer.num_aux_slots, 1) or (
+                peer.num_aux_slots == 0 and msg.aux_index):
+            return RoomFailure(FailureKind.LAYOUT, f"room {room}: aux_index {msg.aux_index} "
+                               f"outside the decode rank's {peer.num_aux_slots} slots", ORIGIN)
+        return None
+
+    # ---- internals: the chunk pump ----------------------------------------------------
+
+    def _kick(self, r: SenderRoom, now: float, out: list[Effect]) -> None:
+        """Start writing the next chunk if the room can."""
+        if r.writing or not r.chunks or r.status not in (KVPoll.WaitingForInput,
+                                                          KVPoll.Transferring):
+            return
+        if now > min(d.write_deadline for d in r.dests.values()):
+            self._fail(r, RoomFailure(FailureKind.TIMEOUT, f"room {r.room}: the decode's "
+                                      f"write deadline passed before chunk at page "
+                                      f"{r.offset} (decode: {r.peers})", ORIGIN), now, out)
+            return
+        pages, is_last = r.chunks.popleft()
+        dests = []
+        for endpoint, d in r.dests.items():
+            dst = d.pages[r.offset:r.offset + pages.size]
+            if not d.is_dummy and (dst.size != pages.size or (
+                    is_last and r.offset + pages.size != d.pages.size)):
+                remaining = max(d.pages.size - r.offset, 0)
+                self._fail(r, RoomFailure(FailureKind.LAYOUT, f"room {r.room}: index length "
+                                          f"mismatch {pages.size} vs {remaining} (decode "
+                                          f"{endpoint})", ORIGIN), now, out)
+                return
+            dests.append(WriteDest(endpoint, dst, d.aux_index, d.is_dummy, d.peer.payload))
+        r.offset += int(pages.size)
+        if r.status != KVPoll.Transferring:
+            self._advance(r, KVPoll.Transferring, now)
+        deadline = min(r.since + self.timeouts.transfer,
+                       min(d.write_deadline for d in r.dests.values()))
+        r.writing = True
+        if is_last:
+            r.last_sent = True
+            r.chunks.clear()  # nothing after the last chunk is ever written
+        out.append(Write(r.room, r.attempt, pages, tuple(dests), is_last,
+                         r.aux_index if is_last else None, deadline))
+
+    # ---- internals: endings -----------------------------------------------------------
+
+    def _advance(self, r: SenderRoom, status: KVPoll, now: float) -> None:
+        r.status, r.since = status, now
+
+    def _succeed(self, r: SenderRoom, now: float, out: list[Effect]) -> None:
+        self._advance(r, KVPoll.Success, now)
+        self._report_all(r, out)
+        out.append(Ended(r.room, r.attempt, KVPoll.Success, None, r.peers, r.created,
+                         r.nbytes, r.seconds))
+        out.append(Wake())
+
+    def _fail(self, r: SenderRoom, failure: RoomFailure, now: float, out: list[Effect]) -> None:
+        """Failed is sticky: the first failure wins; every destination is told."""
+        if r.done:
+            return
+        self._advance(r, KVPoll.Failed, now)
+        r.failure = failure
+        r.chunks.clear()
+        self._report_all(r, out)
+        out.append(Ended(r.room, r.attempt, KVPoll.Failed, failure, r.peers, r.created,
+                         r.nbytes, r.seconds))
+        out.append(Wake())
+
+    def _report_all(self, r: SenderRoom, out: list[Effect]) -> None:
+        """The room's status to every destination still registered as the instance the
+        room is bound to (a restarted decode does not know the room)."""
+        for endpoint, d in r.dests.items():
+            if self.peers.get(endpoint) is d.peer:
+                out.append(self._report(r, endpoint, d.inc))
+
+    def _report(self, r: SenderRoom, endpoint: str, inc: int) -> Report:
+        d = r.dests.get(endpoint)
+        peer = d.peer if d is not None else self.peers[endpoint]
+        aux = r.aux_index if r.status == KVPoll.Success and d is not None and \
+            not d.is_dummy else None
+        return Report(endpoint, peer.instance, r.room, inc, r.status, r.failure,
+                      quiesced=not r.writing, aux_index=aux)
+
+    def _answer(self, peer: DecodePeer, msg: control.RoomPages, failure: RoomFailure) -> Report:
+        """Refuse ``msg`` (nothing was or will be written for it)."""
+        return Report(peer.endpoint, peer.instance, msg.room, msg.inc, KVPoll.Failed, failure,
+                      quiesced=True)
+
+    def _timeout(self, r: SenderRoom, now: float) -> RoomFailure:
+        limit = self.timeouts.limit(r.status) or 0.0
+        return RoomFailure(FailureKind.TIMEOUT, f"room {r.room}: timed out in {r.status.name} "
+                           f"after {now - r.since:.1f}s on prefill (limit {limit:.1f}s; decode: "
+                           f"{r.peers})", ORIGIN)
+
+    def _retire(self, r: SenderRoom, now: float) -> None:
+        """Move an ended attempt out of the engine-visible table into a tombstone (and,
+        while a write is in flight, into ``retired`` so its result finds it)."""
+        if self.rooms.get(r.room) is r:
+            del self.rooms[r.room]
+        if r.writing:
+            self.retired[(r.room, r.attempt)] = r
+        self.tombstones.put(r.room, Tombstone(r.room, r.status, r.failure,
+                                              {ep: d.inc for ep, d in r.dests.items()}), now)
+
+    def _peer_restarted(self, old: DecodePeer, now: float, out: list[Effect]) -> None:
+        failure = RoomFailure(FailureKind.PEER, f"decode rank {old.endpoint} restarted "
+                              f"(instance {old.instance} is gone)", ORIGIN)
+        del self.peers[old.endpoint]  # reports skip destinations bound to the old instance
+        for r in list(self.rooms.values()):
+            d = r.dests.get(old.endpoint)
+            if d is not None and d.peer is old:
+                self._fail(r, failure, now, out)
+        self._drop_pending_of(old.endpoint)
+        self.dropped["restarted_peer"] += 1
+
+    # ---- internals: buffers -----------------------------------------------------------
+
+    def _take_pending(self, room: int) -> list[Pending]:
+        entries = self.pending.pop(room, [])
+        for p in entries:
+            self._unbuffer(p)
+        return entries
+
+    def _unbuffer(self, p: Pending) -> None:
+        self.pending_by_peer[p.msg.endpoint] -= 1
+        if self.pending_by_peer[p.msg.endpoint] <= 0:
+            del self.pending_by_peer[p.msg.endpoint]
+        self.pending_bytes -= len(p.msg.dst_pages)
+
+    def _drop_pending(self, room: int, endpoint: str) -> None:
+        entries = self.pending.pop(room, [])
+        kept = []
+        for p in entries:
+            if p.msg.endpoint == endpoint:
+                self._unbuffer(p)
+            else:
+                kept.append(p)
+        if kept:
+            self.pending[room] = kept
+
+    def _drop_pending_of(self, endpoint: str) -> None:
+        for room in [k for k, v in self.pending.items() if any(p.msg.endpoint == endpoint
+                                                                for p in v)]:
+            self._drop_pending(room, endpoint)
+
+    def _expire_pending(self, now: float, out: list[Effect]) -> None:
+        limit = self.timeouts.bootstrap
+        for room in [k for k, v in self.pending.items() if any(now - p.at > limit for p in v)]:
+            for p in self._take_pending(room):
+                if now - p.at <= limit:
+                    self.pending.setdefault(room, []).append(p)
+                    self.pending_by_peer[p.msg.endpoint] += 1
+                    self.pending_bytes += len(p.msg.dst_pages)
+                    continue
+                peer = self.peers.get(p.msg.endpoint)
+                if peer is not None and peer.instance == p.msg.instance_id:
+                    out.append(self._answer(peer, p.msg, RoomFailure(
+                        FailureKind.TIMEOUT, f"room {room}: no sender appeared on this "
+                        f"prefill rank within {limit:.1f}s", ORIGIN)))
+
+    def _forget_idle_peers(self, now: float, out: list[Effect]) -> None:
+        """Peers unused for ``peer_ttl`` (no message, no room bound) are forgotten (S08)."""
+        bound = {ep for r in self.rooms.values() if not r.done for ep in r.dests}
+        bound |= {ep for r in self.retired.values() for ep in r.dests}
+        for endpoint, peer in list(self.peers.items()):
+            if endpoint not in bound and now - peer.last_seen > self.limits.peer_ttl and \
+                    endpoint not in self.pending_by_peer:
+                del self.peers[endpoint]
+                out.append(ForgetPeer(endpoint))

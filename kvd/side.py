@@ -1,0 +1,209 @@
+"""One interface for the two roles: the daemon holds one :class:`Side`.
+
+A side owns its role's pure room machine (:mod:`kvd.rooms.sender` or
+:mod:`kvd.rooms.receiver`) and performs the effects it returns: control
+messages, transfer writes, bootstrap lookups, aux copies, wake-ups, metrics.
+Everything runs on the daemon's loop; blocking transfer work goes through the
+executor. The daemon never asks which role it has: it calls the methods
+below, and :func:`make_side` picks the class once, by name.
+
+Status and metrics read :meth:`Side.snapshot`, never a side's tables.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvd.core import Core
+from kvd.errors import RoomError
+from kvd.protocol import control, rpc
+from kvd.rooms.effects import Effect, Ended, ForgetPeer, Wake
+from kvd.rooms.state import UNKNOWN_ROOM, KVPoll, RoomFailure, Timeouts
+from kvd.schemas import Peer, Room
+from kvd.transfer.kvargs import RankArgs
+
+log = logging.getLogger("kvd.rooms")
+
+#: Longest single ``Wait`` the server honours (s); clients loop for longer waits.
+MAX_WAIT_S = 3600.0
+
+
+@dataclass
+class Snapshot:
+    """What status and metrics may read of a side (values, not live tables)."""
+
+    role: str
+    rooms: list[Room]
+    peers: list[Peer]
+    by_state: dict[str, int]
+    queue_depth: int
+    tables: dict[str, int]
+    dropped: dict[str, int]
+    bootstrap_registered: bool | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RoomView:
+    """One room as the engine sees it: status, failure, releasable, (bytes, seconds)."""
+
+    status: KVPoll
+    failure: RoomFailure | None
+    releasable: bool
+    stats: tuple[int, float] | None = None
+
+
+class Side(abc.ABC):
+    """A daemon's role. Subclasses: :class:`kvd.prefill.PrefillSide`,
+    :class:`kvd.decode.DecodeSide`."""
+
+    role: ClassVar[str]
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+        s = core.settings
+        self.timeouts = Timeouts(bootstrap=s.bootstrap_timeout, waiting=s.waiting_timeout,
+                                 transfer=s.transfer_timeout, release=s.release_timeout,
+                                 tombstone=s.finished_room_ttl, finished_ttl=s.finished_room_ttl)
+
+    # ---- engine calls -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def call(self, call: rpc.Call) -> Any:
+        """A role-specific engine call (create/init/send); raises RoomError otherwise."""
+
+    @abc.abstractmethod
+    def view(self, room: int) -> RoomView | None:
+        """The engine's view of ``room`` (None: unknown)."""
+
+    @abc.abstractmethod
+    def abort(self, room: int, reason: str, bootstrap_addr: str | None = None,
+              dp_rank: int | None = None) -> None:
+        """The engine aborts ``room``."""
+
+    @abc.abstractmethod
+    def clear(self, room: int) -> None:
+        """The engine forgets ``room`` (RoomError while its pages are not releasable)."""
+
+    def poll(self, rooms: Iterable[int]) -> rpc.PollResult:
+        """Statuses of many rooms in one answer (unknown rooms: ``UNKNOWN_ROOM``,
+        releasable)."""
+        statuses, reasons, kinds, stats, releasable = [], {}, {}, {}, []
+        for room in rooms:
+            v = self.view(room)
+            if v is None:
+                statuses.append(UNKNOWN_ROOM)
+                releasable.append(room)
+                continue
+            statuses.append(int(v.status))
+            if v.releasable:
+                releasable.append(room)
+            if v.failure is not None:
+                reasons[room] = v.failure.reason
+                kinds[room] = v.failure.kind.value
+            if v.stats is not None:
+                stats[room] = v.stats
+        return rpc.PollResult(statuses=statuses, reasons=reasons, kinds=kinds, stats=stats,
+                              releasable=releasable)
+
+    async def wait(self, rooms: list[int], seconds: float) -> rpc.PollResult:
+        """Until every room ended (and its pages are releasable) or ``seconds`` passed
+        (capped at :data:`MAX_WAIT_S`)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(max(seconds, 0.0), MAX_WAIT_S)
+        while True:
+            result = self.poll(rooms)
+            free = set(result.releasable)
+            pending = [r for r, s in zip(rooms, result.statuses, strict=True)
+                       if s not in (UNKNOWN_ROOM, KVPoll.Success, KVPoll.Failed) or r not in free]
+            remaining = deadline - loop.time()
+            if not pending or remaining <= 0:
+                return result
+            await self.core.wait_changed(remaining)
+
+    # ---- peers and time ---------------------------------------------------------------
+
+    @abc.abstractmethod
+    def on_control(self, msg: control.ControlMessage) -> None:
+        """A control message from a peer (already authenticated and decoded)."""
+
+    @abc.abstractmethod
+    def tick(self) -> None:
+        """Deadlines (called by the daemon's sweep)."""
+
+    # ---- lifecycle --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start the side's background loops."""
+
+    @abc.abstractmethod
+    def engine_registered(self, args: RankArgs) -> None:
+        """The engine registered its KV pool (again)."""
+
+    @abc.abstractmethod
+    async def engine_released(self) -> None:
+        """The engine is gone: fail its rooms; return once nothing reads its memory."""
+
+    @abc.abstractmethod
+    def unfinished(self) -> list[int]:
+        """Rooms that have not ended."""
+
+    @abc.abstractmethod
+    async def drain_done(self) -> None:
+        """SIGTERM, after in-flight rooms had their chance: final clean-ups."""
+
+    @abc.abstractmethod
+    def snapshot(self) -> Snapshot:
+        """Values for status and metrics."""
+
+    # ---- effects ----------------------------------------------------------------------
+
+    def run(self, effects: list[Effect]) -> None:
+        """Perform effects in order (role-specific ones in :meth:`perform`)."""
+        for eff in effects:
+            match eff:
+                case Wake():
+                    self.core.notify()
+                case Ended():
+                    self._ended(eff)
+                case ForgetPeer():
+                    self.core.control.drop(eff.endpoint)
+                case _:
+                    self.perform(eff)
+
+    @abc.abstractmethod
+    def perform(self, eff: Effect) -> None:
+        """A role-specific effect."""
+
+    def _ended(self, eff: Ended) -> None:
+        events = self.core.events
+        if eff.status == KVPoll.Success:
+            self.core.counters.rooms_succeeded += 1
+            events.room_done(self.role, eff.room, None, eff.nbytes, eff.seconds, eff.peer)
+            return
+        assert eff.failure is not None
+        self.core.counters.rooms_failed += 1
+        events.room_done(self.role, eff.room, eff.failure, eff.nbytes, eff.seconds, eff.peer)
+        log.warning("%s", eff.failure.reason,
+                    extra={"room": eff.room, "peer": eff.peer or "-",
+                           "kind": eff.failure.kind.value})
+
+
+def not_available(call: rpc.Call, role: str) -> RoomError:
+    """The error for an engine call the other role serves."""
+    return RoomError(f"{type(call).__name__} is not available on a {role} kvd")
+
+
+def make_side(role: str, core: Core) -> Side:
+    """The side for ``role`` (``prefill`` or ``decode``)."""
+    from kvd.decode import DecodeSide
+    from kvd.prefill import PrefillSide
+
+    sides: dict[str, type[Side]] = {"prefill": PrefillSide, "decode": DecodeSide}
+    return sides[role](core)
