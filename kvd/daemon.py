@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+from fastapi import FastAPI
 
 from kvd import __version__, logs, notify
 from kvd.addr import join_hostport
@@ -49,18 +50,21 @@ class Daemon:
 
     ``engine``, ``control``, ``http_client`` and ``clock`` replace the real transfer
     engine, ZMQ control plane, HTTP client and monotonic clock (the in-process test
-    tier passes fakes); ``startup(listen=False)`` opens no HTTP or engine socket.
+    tier passes fakes); ``startup(listen=False)`` opens no HTTP or engine socket;
+    ``sweep_interval`` None leaves deadlines to explicit ``side.tick()`` calls.
     """
 
     def __init__(self, settings: Settings, engine: TransferEngine | None = None,
                  control: ControlPlane | None = None,
                  http_client: httpx.AsyncClient | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 sweep_interval: float | None = SWEEP_INTERVAL) -> None:
         self.settings = settings
         self._engine = engine
         self._control = control
         self._http_client = http_client
         self.clock = clock
+        self.sweep_interval = sweep_interval
         self.stop_event = asyncio.Event()
         self.started_at = time.time()
         self.table = BootstrapTable() if settings.serve_bootstrap else None
@@ -113,7 +117,8 @@ class Daemon:
         if listen:
             await self._listen(auth)
         self.core.spawn(self._recv_loop(), "control-recv")
-        self.core.spawn(self._sweep_loop(), "sweeper")
+        if self.sweep_interval is not None:
+            self.core.spawn(self._sweep_loop(self.sweep_interval), "sweeper")
         if listen:
             self.core.spawn(notify.watchdog_loop(), "watchdog")
         self.side.start()
@@ -126,9 +131,7 @@ class Daemon:
         assert self.ops is not None
         separate = s.serve_bootstrap and s.bootstrap_port is not None
         sock = bind_socket(s.http_host, s.http_port)
-        app = create_app(self.health, None if separate else self.table, self.ops,
-                         auth=auth, on_auth_failure=self._http_auth_failed)
-        self.http_server = HttpServer(app, sock)
+        self.http_server = HttpServer(self.app(with_route=not separate), sock)
         await self.http_server.start()
         if separate:
             await self._start_bootstrap_listener(auth)
@@ -137,6 +140,12 @@ class Daemon:
         self.rpc_server = EngineRpcServer(s.engine_socket, self.dispatch, s.max_frame_bytes,
                                           s.engine_socket_group)
         await self.rpc_server.start()
+
+    def app(self, with_route: bool = True) -> FastAPI:
+        """The REST app: /health, the operations API, and /route when serving bootstrap."""
+        assert self.core is not None and self.ops is not None
+        return create_app(self.health, self.table if with_route else None, self.ops,
+                          auth=self.core.auth, on_auth_failure=self._http_auth_failed)
 
     async def _start_bootstrap_listener(self, auth: Authenticator) -> None:
         """/route (and /health) on their own listener: bootstrap_host:bootstrap_port."""
@@ -243,10 +252,10 @@ class Daemon:
                     self.core.counters.loop_errors += 1
                     log.exception("control message %s failed", type(msg).__name__)
 
-    async def _sweep_loop(self) -> None:
+    async def _sweep_loop(self, interval: float) -> None:
         assert self.core is not None and self.side is not None
         while True:
-            await asyncio.sleep(SWEEP_INTERVAL)
+            await asyncio.sleep(interval)
             try:
                 self.side.tick()
             except Exception:

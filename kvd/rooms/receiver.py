@@ -33,11 +33,12 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvd.errors import ProtocolError, RoomError
+from kvd.errors import LayoutError, ProtocolError, RoomError
 from kvd.protocol import control
 from kvd.protocol.codec import unpack_indices
 from kvd.rooms.effects import AbortUnknown, Effect, Ended, Resolve, Send, Wake, WriteAux
 from kvd.rooms.state import TERMINAL, FailureKind, KVPoll, RoomFailure, Timeouts
+from kvd.transfer.plan import check_page_range
 
 ORIGIN = "decode"
 
@@ -153,9 +154,10 @@ class ReceiverRooms:
             pages = unpack_indices(dst_pages)
         except ProtocolError as exc:
             raise RoomError(f"room {room}: {exc}") from exc
-        if pages.size and int(pages.max()) >= self.num_pages:
-            raise RoomError(f"room {room} destination: page index {int(pages.max())} outside "
-                            f"[0, {self.num_pages})")
+        try:
+            check_page_range(pages, self.num_pages, f"room {room} destination")
+        except LayoutError as exc:
+            raise RoomError(str(exc)) from exc
         if self.num_aux_slots and not 0 <= aux_index < self.num_aux_slots:
             raise RoomError(f"room {room}: aux_index {aux_index} outside "
                             f"[0, {self.num_aux_slots})")

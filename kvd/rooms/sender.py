@@ -37,13 +37,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.control.routing import resolve_targets
-from kvd.errors import RegistrationError, RoomError
+from kvd.errors import LayoutError, RegistrationError, RoomError
 from kvd.protocol import control
 from kvd.protocol.codec import unpack_indices
 from kvd.rooms.effects import Effect, Ended, ForgetPeer, Report, Wake, Write, WriteDest
 from kvd.rooms.state import TERMINAL, FailureKind, KVPoll, RoomFailure, Timeouts
 from kvd.rooms.tombstones import Bounded
-from kvd.transfer.plan import Pages
+from kvd.transfer.plan import Pages, check_page_range
 
 ORIGIN = "prefill"
 
@@ -254,11 +254,11 @@ class SenderRooms:
         if r.done:
             return []
         out: list[Effect] = []
-        if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
-            reason = (f"room {room}: source page index outside [0, {self.num_pages}) "
-                      f"(got {int(pages.min())}..{int(pages.max())})")
-            self._fail(r, RoomFailure(FailureKind.LAYOUT, reason, ORIGIN), now, out)
-            raise RoomError(reason)
+        try:
+            check_page_range(pages, self.num_pages, f"room {room} source")
+        except LayoutError as exc:
+            self._fail(r, RoomFailure(FailureKind.LAYOUT, str(exc), ORIGIN), now, out)
+            raise RoomError(str(exc)) from exc
         r.chunks.append((pages, is_last))
         self._kick(r, now, out)
         return out
@@ -524,10 +524,10 @@ class SenderRooms:
         if msg.required_dst_info_num < 1:
             return RoomFailure(FailureKind.LAYOUT, f"room {room}: required_dst_info_num "
                                f"{msg.required_dst_info_num} < 1", ORIGIN)
-        if pages.size and int(pages.max()) >= peer.num_pages:
-            return RoomFailure(FailureKind.LAYOUT, f"room {room} destination: page index "
-                               f"{int(pages.max())} outside the decode pool of "
-                               f"{peer.num_pages} pages", ORIGIN)
+        try:
+            check_page_range(pages, peer.num_pages, f"room {room} destination")
+        except LayoutError as exc:
+            return RoomFailure(FailureKind.LAYOUT, str(exc), ORIGIN)
         if not 0 <= msg.aux_index < max(peer.num_aux_slots, 1) or (
                 peer.num_aux_slots == 0 and msg.aux_index):
             return RoomFailure(FailureKind.LAYOUT, f"room {room}: aux_index {msg.aux_index} "

@@ -14,6 +14,7 @@ from kvd.metrics import (
     StateSample,
     classify_failure,
 )
+from kvd.rooms.state import FailureKind, RoomFailure
 
 
 def scrape(events: RoomEvents) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -34,10 +35,10 @@ def test_rooms_move_counters_and_histograms() -> None:
     for room in (1, 2, 3):
         ev.room_started("prefill", room)
         ev.chunks_sent([("tcp://d:1", 1000), ("tcp://d:2", 0)])  # dummy write: skipped
-        ev.room_done("prefill", room, "success", "", 1000, 0.002, ["tcp://d:1"])
+        ev.room_done("prefill", room, None, 1000, 0.002, "tcp://d:1")
     ev.room_started("prefill", 4)
-    ev.room_done("prefill", 4, "failed", "room 4: timed out in Bootstrapping after 1.0s",
-                 peer="tcp://d:1")
+    ev.room_done("prefill", 4, RoomFailure(FailureKind.TIMEOUT, "room 4: timed out in "
+                                           "Bootstrapping after 1.0s"), peer="tcp://d:1")
     s = scrape(ev)
     assert value(s, "kvd_rooms_finished_total", status="success") == 3
     assert value(s, "kvd_rooms_finished_total", status="failed") == 1
@@ -56,7 +57,7 @@ def test_rooms_move_counters_and_histograms() -> None:
 def test_decode_rooms_have_latency_but_no_transfer_time() -> None:
     ev = RoomEvents()
     ev.room_started("decode", 9, "10.0.0.1:8998")
-    ev.room_done("decode", 9, "success", peer="tcp://p:1")
+    ev.room_done("decode", 9, None, peer="tcp://p:1")
     s = scrape(ev)
     assert value(s, "kvd_room_latency_seconds_count") == 1
     assert value(s, "kvd_room_transfer_seconds_count") == 0
@@ -65,7 +66,8 @@ def test_decode_rooms_have_latency_but_no_transfer_time() -> None:
 def test_recent_failures_are_bounded_and_newest_first() -> None:
     ev = RoomEvents()
     for room in range(FAILURE_HISTORY + 10):
-        ev.room_done("decode", room, "failed", f"room {room} aborted on decode: x", peer="p")
+        ev.room_done("decode", room, RoomFailure(FailureKind.ABORTED,
+                                                 f"room {room} aborted on decode: x"), peer="p")
     recent = ev.recent_failures(5)
     assert [f["room"] for f in recent] == [FAILURE_HISTORY + 9 - i for i in range(5)]
     assert recent[0]["category"] == "aborted" and recent[0]["peer"] == "p"
@@ -88,22 +90,16 @@ def test_peer_labels_are_bounded() -> None:
     assert value(s, "kvd_heartbeat_misses_total", peer=OTHER) == 10  # same label budget
 
 
-def test_failure_reasons_fall_into_few_categories() -> None:
-    cases = {
-        "room 5: timed out in WaitingForInput after 300.0s on prefill": "timeout",
-        "room 5 aborted on decode: cleared before it finished": "aborted",
-        "room 5: prefill 1.2.3.4:8998 unreachable: 2 heartbeats missed": "heartbeat",
-        "room 5: duplicate room (already Success on prefill)": "duplicate",
-        "room 5: cannot reach prefill rank tcp://1.2.3.4:5": "unreachable",
-        "room 5: bootstrap 1.2.3.4:8998 answered 404 not found": "bootstrap",
-        "room 5: decode rank not registered with this prefill": "registration",
-        "room 5: index length mismatch 3 vs 4": "layout",
-        "room 5: batch write of 10 entries to x failed after 3 retries: rc=-1": "transport",
-        "room 5: failed on tcp://1.2.3.4:5": "peer",
-        "something new": OTHER,
-    }
-    for reason, category in cases.items():
-        assert classify_failure(reason) == category, reason
+def test_failure_category_is_the_kind_set_where_it_happened() -> None:
+    """No category is recovered from text: a reason that mentions a timeout but was a
+    transport failure counts as transport (K23)."""
+    for kind in FailureKind:
+        failure = RoomFailure(kind, "room 5: timed out ... heartbeat ... rc=-1 (misleading)")
+        assert classify_failure(failure) == kind.value
+    ev = RoomEvents()
+    ev.room_done("prefill", 1, RoomFailure(FailureKind.TRANSPORT, "timed out, unreachable"))
+    assert value(scrape(ev), "kvd_room_failures_total", reason="transport") == 1
+    assert value(scrape(ev), "kvd_room_failures_total", reason="timeout") == 0
 
 
 def test_state_collector_reports_gauges_at_scrape_time() -> None:
@@ -126,7 +122,7 @@ def test_state_collector_reports_gauges_at_scrape_time() -> None:
 
 def test_registries_are_per_daemon() -> None:
     a, b = RoomEvents(), RoomEvents()
-    a.room_done("prefill", 1, "success")
+    a.room_done("prefill", 1, None)
     assert value(scrape(a), "kvd_rooms_finished_total", status="success") == 1
     assert value(scrape(b), "kvd_rooms_finished_total", status="success") == 0
 

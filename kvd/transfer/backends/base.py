@@ -8,9 +8,15 @@ wire unchanged; nothing outside the backend parses it.
 
 from __future__ import annotations
 
+import itertools
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 from kvd.transfer.plan import Descriptors
+
+#: ``(peer, batch_no, attempt) -> forced rc or None`` (fault injection, tests only).
+SubmitHook = Callable[[str, int, int], int | None]
 
 
 class TransferEngine(Protocol):
@@ -37,3 +43,23 @@ class TransferEngine(Protocol):
         TransportError if any sub-batch still fails (its bytes may have partly landed).
         """
         ...
+
+
+def submit_with_retry(submit: Callable[[int], int], budget: float, deadline: float | None,
+                      backoff: float = 0.001) -> tuple[int, int]:
+    """Call ``submit(attempt)`` until it returns 0 (accepted), retrying a refusal (a full
+    queue answers like a dead peer) with backoff from ``backoff`` doubling up to 50 ms,
+    for at most ``budget`` seconds and never past ``deadline`` (monotonic s). Returns
+    ``(rc, attempts)``; rc is the last refusal's code when it gave up.
+    """
+    stop = time.monotonic() + budget
+    if deadline is not None:
+        stop = min(stop, deadline)
+    delay, rc = backoff, 0
+    for attempt in itertools.count():
+        rc = submit(attempt)
+        if rc == 0 or time.monotonic() + delay > stop:
+            return rc, attempt + 1
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    raise AssertionError("unreachable")

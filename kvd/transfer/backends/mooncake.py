@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 from kvd.addr import format_host
 from kvd.errors import TransportError
+from kvd.transfer.backends.base import submit_with_retry
 from kvd.transfer.plan import Descriptors
 
 log = logging.getLogger(__name__)
@@ -89,22 +90,15 @@ class MooncakeEngine:
     def _write_batch(self, peer: str, batch: Descriptors, deadline: float | None) -> None:
         src, dst, ln = batch.src.tolist(), batch.dst.tolist(), batch.length.tolist()
         batch_no, start = next(self._batch_no), time.monotonic()
-        stop = start + self.retry_budget
-        if deadline is not None:
-            stop = min(stop, deadline)
-        delay = self.retry_backoff
-        for attempt in itertools.count():
-            rc = self._submit(peer, batch_no, attempt, src, dst, ln)
-            if rc == 0:
-                if attempt:
-                    log.info("batch %d to %s accepted after %d retries", batch_no, peer,
-                             attempt)
-                return
-            if time.monotonic() + delay > stop:
-                break
-            self.retried += 1
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+        rc, attempts = submit_with_retry(
+            lambda attempt: self._submit(peer, batch_no, attempt, src, dst, ln),
+            self.retry_budget, deadline, self.retry_backoff)
+        self.retried += attempts - 1
+        if rc == 0:
+            if attempts > 1:
+                log.info("batch %d to %s accepted after %d retries", batch_no, peer,
+                         attempts - 1)
+            return
         raise TransportError(
             f"batch of {len(src)} entries to {peer} refused (queue full or peer unreachable) "
-            f"for {time.monotonic() - start:.1f}s after {attempt + 1} attempts: rc={rc}", rc)
+            f"for {time.monotonic() - start:.1f}s after {attempts} attempts: rc={rc}", rc)

@@ -1,0 +1,350 @@
+"""Tier 2: kvd daemons on one event loop over fakes.
+
+Every daemon is a real :class:`kvd.daemon.Daemon` (real sides, room machines,
+planner, executor and authentication) with its outside world replaced:
+
+* the transfer backend is :class:`kvd.transfer.backends.fake.FakeEngine`
+  (bytes really move between in-process shared-memory pools, bounds checked;
+  writes can be held or refused per destination);
+* the control plane is a :class:`Bus` of in-memory queues (peers can be frozen,
+  killed or cut off);
+* HTTP (bootstrap lookups, registration, heartbeats) goes through
+  :class:`Router`, an httpx transport that calls each daemon's ASGI app
+  directly (addresses can be made unreachable or hung);
+* time is a :class:`FakeClock` the test advances; deadlines run when the test
+  calls :meth:`Node.tick` (there is no sweep loop).
+
+Engine calls go straight to :meth:`Daemon.dispatch`. Nothing sleeps except
+:func:`settle`, which polls until the daemons are idle within a generous bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from pydantic import SecretStr
+
+from kvd.addr import join_hostport
+from kvd.config import Settings
+from kvd.control.peers import PeerSendError
+from kvd.daemon import Daemon
+from kvd.engine_rpc.server import Connection
+from kvd.protocol import rpc
+from kvd.protocol.codec import pack_indices
+from kvd.refengine.standin import StandInPool
+from kvd.rooms.state import KVPoll
+from kvd.transfer.backends.fake import FakeFabric
+
+SECRET = "inproc-test-secret-0123456789abcdef"
+LOOPS = ("control-recv", "sweeper", "watchdog", "heartbeats", "bootstrap-check")
+
+
+class FakeClock:
+    """Monotonic seconds that move only when the test says so."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Bus:
+    """The in-memory control network: one :class:`LocalControl` per daemon."""
+
+    def __init__(self) -> None:
+        self.sockets: dict[str, LocalControl] = {}
+        self.frozen: set[str] = set()      # messages to it wait (a SIGSTOPped process)
+        self.dead: set[str] = set()        # sends to it fail (nobody listens)
+        self.drop: Callable[[str, str, bytes], bool] | None = None  # (src, dst, frame)
+        self._ports = itertools.count(41000)
+
+    def control(self) -> LocalControl:
+        return LocalControl(self)
+
+    def freeze(self, endpoint: str) -> None:
+        self.frozen.add(endpoint)
+
+    def thaw(self, endpoint: str) -> None:
+        self.frozen.discard(endpoint)
+        sock = self.sockets.get(endpoint)
+        if sock is not None:
+            for frame in sock.held:
+                sock.queue.put_nowait(frame)
+            sock.held.clear()
+
+    def idle(self) -> bool:
+        return all(s.queue.empty() for s in self.sockets.values()
+                   if s.endpoint not in self.frozen)
+
+
+class LocalControl:
+    """The ZMQ control plane's interface over :class:`Bus` queues."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+        self.endpoint = ""
+        self.queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self.held: list[bytes] = []
+        self._push: dict[str, object] = {}
+        self.sent: list[tuple[str, bytes]] = []
+
+    def bind(self, host: str, port: int) -> str:
+        self.endpoint = f"tcp://{join_hostport(host, port or next(self.bus._ports))}"
+        self.bus.sockets[self.endpoint] = self
+        return self.endpoint
+
+    async def recv(self) -> bytes:
+        return await self.queue.get()
+
+    async def send(self, endpoint: str, frame: bytes) -> None:
+        peer = self.bus.sockets.get(endpoint)
+        if peer is None or endpoint in self.bus.dead:
+            raise PeerSendError(f"control send to {endpoint} failed: timed out after 5.0s")
+        self.sent.append((endpoint, frame))
+        if self.bus.drop is not None and self.bus.drop(self.endpoint, endpoint, frame):
+            return
+        if endpoint in self.bus.frozen:
+            peer.held.append(frame)
+        else:
+            peer.queue.put_nowait(frame)
+
+    def drop(self, endpoint: str) -> None:
+        self._push.pop(endpoint, None)
+
+    def close(self) -> None:
+        if self.bus.sockets.get(self.endpoint) is self:
+            del self.bus.sockets[self.endpoint]
+
+
+class Router(httpx.AsyncBaseTransport):
+    """HTTP to in-process daemons by ``host:port``; addresses can be down or hung."""
+
+    def __init__(self) -> None:
+        self.apps: dict[str, httpx.ASGITransport] = {}
+        self.down: set[str] = set()
+        self.hung: set[str] = set()
+        self.requests: list[str] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        addr = join_hostport(request.url.host, request.url.port or 80)
+        self.requests.append(f"{request.method} {addr}{request.url.path}")
+        if addr in self.hung:
+            raise httpx.ReadTimeout("timed out (hung bootstrap)", request=request)
+        app = self.apps.get(addr)
+        if app is None or addr in self.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        return await app.handle_async_request(request)
+
+
+@dataclass
+class Engine:
+    """A stand-in engine rank in process: pools plus async calls into its daemon."""
+
+    node: Node
+    pool: StandInPool
+    conn: Connection
+
+    async def call(self, call: rpc.Call) -> Any:
+        return await self.node.daemon.dispatch(call, self.conn)
+
+    async def sender(self, room: int, pages: list[int], aux: int = 0,
+                     chunks: int = 1, send: bool = True) -> None:
+        """``Sender(room)``, ``init`` and (``send``) its pages in ``chunks`` chunks."""
+        await self.call(rpc.SenderCreate(room=room))
+        await self.call(rpc.SenderInit(room=room, num_pages=len(pages), aux_index=aux))
+        if send:
+            await self.send(room, pages, chunks)
+
+    async def send(self, room: int, pages: list[int], chunks: int = 1) -> None:
+        step = max(1, -(-len(pages) // chunks))
+        for i in range(0, len(pages), step):
+            part = pages[i:i + step]
+            await self.call(rpc.SenderSend(room=room, pages=pack_indices(part),
+                                           is_last=i + step >= len(pages)))
+
+    async def receiver(self, room: int, pages: list[int] | None, bootstrap: str,
+                       aux: int = 0, dp_rank: int | None = None) -> None:
+        await self.call(rpc.ReceiverCreate(room=room, bootstrap_addr=bootstrap, dp_rank=dp_rank))
+        if pages is not None:
+            await self.init(room, pages, aux)
+
+    async def init(self, room: int, pages: list[int], aux: int = 0) -> None:
+        await self.call(rpc.ReceiverInit(room=room, dst_pages=pack_indices(pages),
+                                         aux_index=aux))
+
+    async def poll(self, room: int) -> rpc.PollResult:
+        return await self.call(rpc.Poll(rooms=[room]))
+
+    async def status(self, room: int) -> int:
+        return (await self.poll(room)).statuses[0]
+
+    async def failure(self, room: int) -> tuple[str, str]:
+        res = await self.poll(room)
+        return res.kinds.get(room, ""), res.reasons.get(room, "")
+
+    async def releasable(self, room: int) -> bool:
+        return room in (await self.poll(room)).releasable
+
+    def disconnect(self) -> None:
+        """The engine's connection drops."""
+        for cb in self.conn.on_close:
+            cb()
+
+
+@dataclass
+class Node:
+    """One in-process daemon and its address."""
+
+    daemon: Daemon
+    http_addr: str
+    cluster: Cluster
+    engines: list[Engine] = field(default_factory=list)
+
+    @property
+    def endpoint(self) -> str:
+        assert self.daemon.core is not None
+        return self.daemon.core.control.endpoint
+
+    @property
+    def session(self) -> str:
+        assert self.daemon.core is not None
+        return self.daemon.core.engine.session_id
+
+    def tick(self) -> None:
+        assert self.daemon.side is not None
+        self.daemon.side.tick()
+
+    async def engine(self, seed: int = 0, **pool: Any) -> Engine:
+        """Register a stand-in engine (pools in the cluster's shm dir)."""
+        opts = {"num_layers": 2, "num_pages": 32, "item_len": 1024, "aux_slots": 8,
+                "aux_item_len": 16, "page_size": 4, "head_dim": 64} | pool
+        sp = StandInPool(seed=seed, shm_dir=str(self.cluster.shm_dir), **opts)
+        self.cluster.pools.append(sp)
+        eng = Engine(self, sp, Connection(next(self.cluster._conns)))
+        await eng.call(sp.registration)
+        self.engines.append(eng)
+        return eng
+
+
+class Cluster:
+    """In-process daemons sharing one fake fabric, bus, router and clock."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.shm_dir = workdir / "shm"
+        self.shm_dir.mkdir(parents=True, exist_ok=True)
+        self.clock = FakeClock()
+        self.fabric = FakeFabric()
+        self.bus = Bus()
+        self.router = Router()
+        self.nodes: list[Node] = []
+        self.pools: list[StandInPool] = []
+        self._ports = itertools.count(18000)
+        self._conns = itertools.count(1)
+
+    async def node(self, role: str, bootstrap: Node | None = None, **settings: Any) -> Node:
+        """Start a daemon; a prefill serves bootstrap unless ``bootstrap`` names one."""
+        http_addr = f"127.0.0.1:{next(self._ports)}"
+        opts: dict[str, Any] = {
+            "role": role, "cluster_secret": SecretStr(SECRET),
+            "engine_socket": self.workdir / f"{role}-{len(self.nodes)}.sock",
+            "shm_dir": self.shm_dir, "heartbeat_interval": 1.0, "bootstrap_retry_budget": 2.0,
+            "release_timeout": 1.0}
+        if role == "prefill":
+            if bootstrap is None:
+                opts |= {"serve_bootstrap": True, "bootstrap_addr": http_addr}
+            else:
+                opts["bootstrap_addr"] = bootstrap.http_addr
+        opts |= settings
+        client = httpx.AsyncClient(transport=self.router, timeout=5.0)
+        d = Daemon(Settings(**opts), engine=self.fabric.engine(), control=self.bus.control(),
+                   http_client=client, clock=self.clock, sweep_interval=None)
+        await d.startup(listen=False)
+        self.router.apps[http_addr] = httpx.ASGITransport(app=d.app())
+        node = Node(d, http_addr, self)
+        self.nodes.append(node)
+        return node
+
+    def tick(self) -> None:
+        for n in self.nodes:
+            if n.endpoint not in self.bus.frozen:
+                n.tick()
+
+    async def advance(self, seconds: float) -> None:
+        """Move time, run every daemon's deadlines, let the effects play out."""
+        self.clock.advance(seconds)
+        self.tick()
+        await settle(self)
+
+    async def stop(self) -> None:
+        for gate in list(self.fabric.gates):
+            self.fabric.release(gate)
+        for n in self.nodes:
+            await n.daemon.shutdown()
+            await n.daemon.core.http_client.aclose() if n.daemon.core else None
+        for sp in self.pools:
+            sp.close()
+
+
+def busy_tasks(cluster: Cluster) -> list[asyncio.Task[Any]]:
+    """Tasks doing room work now (not the daemons' long-lived loops)."""
+    out = []
+    for n in cluster.nodes:
+        core = n.daemon.core
+        if core is None:
+            continue
+        out += [t for t in core.tasks if not t.done() and not t.get_name().startswith(LOOPS)]
+    return out
+
+
+async def settle(cluster: Cluster, timeout: float = 20.0) -> None:
+    """Poll until no message is queued and every room task finished (writes held by a
+    gate excepted), within a generous bound; raises AssertionError otherwise."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    quiet = 0
+    while loop.time() < deadline:
+        held = cluster.fabric.held
+        tasks = busy_tasks(cluster)
+        pending = [t for t in tasks if not (t.get_name().startswith("write-") and held)]
+        if cluster.bus.idle() and not pending:
+            quiet += 1
+            if quiet >= 3:
+                return
+        else:
+            quiet = 0
+        await asyncio.sleep(0 if quiet else 0.001)
+    raise AssertionError(f"not idle after {timeout}s: {[t.get_name() for t in busy_tasks(cluster)]}")
+
+
+async def until(predicate: Callable[[], Any], timeout: float = 20.0) -> None:
+    """Poll ``predicate`` (sync or async) until true, within a generous bound."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while loop.time() < deadline:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("condition not met within the bound")
+
+
+SUCCESS, FAILED, UNKNOWN = int(KVPoll.Success), int(KVPoll.Failed), -1
+
+
+def same_pages(dst: Engine, src: Engine, src_pages: list[int], dst_pages: list[int]) -> bool:
+    """Byte-for-byte: ``dst``'s pages equal ``src``'s pages in every KV buffer."""
+    return dst.pool.pages_equal(src.pool, np.asarray(src_pages), np.asarray(dst_pages))
