@@ -139,10 +139,12 @@ class Settings(BaseSettings):
         help="missed heartbeats before a prefill's rooms fail")
     transfer_threads: int = _setting(
         1, ge=1, le=64, unit="threads", validation_alias=_env("transfer_threads"),
-        help="transfer executor shards (one thread each)")
+        help="accepted for SGLang compatibility (THREAD_POOL_SIZE) and ignored: each "
+             "destination has its own transfer thread, so a frozen decode stalls no other")
     transfer_queue_size: int = _setting(
         4, ge=1, validation_alias=_env("transfer_queue_size"),
-        help="writes handed to each transfer shard at once (others wait on the loop)")
+        help="writes handed to one destination's transfer thread at once (others wait on "
+             "the loop)")
     max_batch_entries: int = _setting(
         512, ge=1, le=1024, unit="descriptors",
         help="descriptors per Mooncake batch call (the TCP transport refuses > 1024)")

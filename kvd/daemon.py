@@ -80,6 +80,7 @@ class Daemon:
         self._registered_call: rpc.RegisterKV | None = None
         self._release: asyncio.TimerHandle | None = None
         self._releasing: asyncio.Task[None] | None = None
+        self._stopped = False
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -217,8 +218,11 @@ class Daemon:
         await side.drain_done()
 
     async def shutdown(self) -> None:
-        """Close listeners, cancel tasks, wait for transfers, release memory."""
+        """Close listeners, cancel tasks, wait for transfers, release memory (once)."""
         core = self.core
+        if self._stopped:
+            return
+        self._stopped = True
         if self.rpc_server is not None:
             await self.rpc_server.stop()
         for server in (self.http_server, self.bootstrap_server):

@@ -97,7 +97,8 @@ class DaemonOps:
             role=s.role, version=__version__, instance_id=s.instance_id,
             uptime_s=time.time() - self.daemon.started_at, rooms_by_state=snap.by_state,
             queue_depth=snap.queue_depth, executor_busy=core.executor.busy,
-            executor_threads=s.transfer_threads, protocol_errors=core.counters.protocol_errors,
+            executor_threads=core.executor.threads,
+            protocol_errors=core.counters.protocol_errors,
             peers=len(snap.peers), engine_registered=core.local is not None,
             ready=self.readiness().ready)
 

@@ -343,8 +343,9 @@ class SenderRooms:
             if not r.writing:  # _fail told the others; confirm to this one too
                 out.append(self._report(r, msg.endpoint, d.inc))
             return out
-        if not self._routes_here(peer, msg.room):
-            self.dropped["unbound"] += 1
+        full = r is not None and r.required is not None and len(r.dests) >= r.required
+        if full or not self._routes_here(peer, msg.room):
+            self.dropped["unbound"] += 1  # not a party to this room, and cannot become one
             return out
         self._drop_pending(msg.room, msg.endpoint)
         inc = msg.inc

@@ -12,7 +12,8 @@ planner, executor and authentication) with its outside world replaced:
   :class:`Router`, an httpx transport that calls each daemon's ASGI app
   directly (addresses can be made unreachable or hung);
 * time is a :class:`FakeClock` the test advances; deadlines run when the test
-  calls :meth:`Node.tick` (there is no sweep loop).
+  calls :meth:`Node.tick` (there is no sweep loop) and heartbeats when it calls
+  :meth:`Node.heartbeat` (the heartbeat loop's period is an hour).
 
 Engine calls go straight to :meth:`Daemon.dispatch`. Nothing sleeps except
 :func:`settle`, which polls until the daemons are idle within a generous bound.
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 from pydantic import SecretStr
 
@@ -166,12 +168,15 @@ class Engine:
         if send:
             await self.send(room, pages, chunks)
 
-    async def send(self, room: int, pages: list[int], chunks: int = 1) -> None:
+    async def send(self, room: int, pages: list[int], chunks: int = 1,
+                   last: bool = True) -> None:
+        """``pages`` in ``chunks`` sends; the final one is the room's last unless
+        ``last`` is False."""
         step = max(1, -(-len(pages) // chunks))
         for i in range(0, len(pages), step):
             part = pages[i:i + step]
             await self.call(rpc.SenderSend(room=room, pages=pack_indices(part),
-                                           is_last=i + step >= len(pages)))
+                                           is_last=last and i + step >= len(pages)))
 
     async def receiver(self, room: int, pages: list[int] | None, bootstrap: str,
                        aux: int = 0, dp_rank: int | None = None) -> None:
@@ -201,6 +206,13 @@ class Engine:
         for cb in self.conn.on_close:
             cb()
 
+    async def reconnect(self) -> None:
+        """The connection drops and the engine connects again, registering again as a
+        reconnecting :class:`~kvd.client.KvdClient` does."""
+        self.disconnect()
+        self.conn = Connection(next(self.node.cluster._conns))
+        await self.call(self.pool.registration)
+
 
 @dataclass
 class Node:
@@ -221,15 +233,61 @@ class Node:
         assert self.daemon.core is not None
         return self.daemon.core.engine.session_id
 
+    @property
+    def side(self) -> Any:
+        return self.daemon.side
+
+    @property
+    def core(self) -> Any:
+        return self.daemon.core
+
     def tick(self) -> None:
         assert self.daemon.side is not None
         self.daemon.side.tick()
 
-    async def engine(self, seed: int = 0, **pool: Any) -> Engine:
+    async def heartbeat(self) -> None:
+        """One heartbeat round of a decode daemon."""
+        await self.side.heartbeat_round()
+        await settle(self.cluster)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """One sample of this daemon's /metrics."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = self.core.events.metrics.render().decode()
+        for fam in text_string_to_metric_families(text):
+            for sample in fam.samples:
+                if sample.name == name and all(sample.labels.get(k) == v
+                                               for k, v in labels.items()):
+                    return float(sample.value)
+        return 0.0
+
+    async def stop(self) -> None:
+        """Stop the daemon (its control endpoint stops taking messages)."""
+        session = self.session
+        await self.daemon.shutdown()
+        self.cluster.router.down.add(self.http_addr)
+        self.cluster.fabric.engines[session].closed = True
+
+    async def shard_engine(self, spec: Any, tp_rank: int = 0, tp_size: int = 1,
+                           **shard: Any) -> Engine:
+        """Register a TP/PP shard of ``spec`` (see :class:`ShardPool`)."""
+        from kvd.refengine.standin import ShardPool
+
+        sp = ShardPool(spec, tp_rank, tp_size, shm_dir=str(self.cluster.shm_dir), **shard)
+        self.cluster.shards.append(sp)
+        eng = Engine(self, sp, Connection(next(self.cluster._conns)))  # type: ignore[arg-type]
+        await eng.call(sp.registration)
+        self.engines.append(eng)
+        return eng
+
+    async def engine(self, seed: int = 0, engine_id: str = "", **pool: Any) -> Engine:
         """Register a stand-in engine (pools in the cluster's shm dir)."""
         opts = {"num_layers": 2, "num_pages": 32, "item_len": 1024, "aux_slots": 8,
                 "aux_item_len": 16, "page_size": 4, "head_dim": 64} | pool
         sp = StandInPool(seed=seed, shm_dir=str(self.cluster.shm_dir), **opts)
+        if engine_id:
+            sp.registration = msgspec.structs.replace(sp.registration, engine_id=engine_id)
         self.cluster.pools.append(sp)
         eng = Engine(self, sp, Connection(next(self.cluster._conns)))
         await eng.call(sp.registration)
@@ -250,17 +308,21 @@ class Cluster:
         self.router = Router()
         self.nodes: list[Node] = []
         self.pools: list[StandInPool] = []
+        self.shards: list[Any] = []
         self._ports = itertools.count(18000)
         self._conns = itertools.count(1)
 
-    async def node(self, role: str, bootstrap: Node | None = None, **settings: Any) -> Node:
-        """Start a daemon; a prefill serves bootstrap unless ``bootstrap`` names one."""
-        http_addr = f"127.0.0.1:{next(self._ports)}"
+    async def node(self, role: str, bootstrap: Node | None = None, http_addr: str | None = None,
+                   endpoint: str | None = None, **settings: Any) -> Node:
+        """Start a daemon; a prefill serves bootstrap unless ``bootstrap`` names one.
+        ``http_addr``/``endpoint`` reuse a stopped daemon's addresses (a restart)."""
+        http_addr = http_addr or f"127.0.0.1:{next(self._ports)}"
+        self.router.down.discard(http_addr)
         opts: dict[str, Any] = {
             "role": role, "cluster_secret": SecretStr(SECRET),
             "engine_socket": self.workdir / f"{role}-{len(self.nodes)}.sock",
-            "shm_dir": self.shm_dir, "heartbeat_interval": 1.0, "bootstrap_retry_budget": 2.0,
-            "release_timeout": 1.0}
+            "shm_dir": self.shm_dir, "heartbeat_interval": 3600.0, "http_timeout": 1.0,
+            "bootstrap_retry_budget": 0.5, "release_timeout": 1.0}
         if role == "prefill":
             if bootstrap is None:
                 opts |= {"serve_bootstrap": True, "bootstrap_addr": http_addr}
@@ -268,7 +330,11 @@ class Cluster:
                 opts["bootstrap_addr"] = bootstrap.http_addr
         opts |= settings
         client = httpx.AsyncClient(transport=self.router, timeout=5.0)
-        d = Daemon(Settings(**opts), engine=self.fabric.engine(), control=self.bus.control(),
+        control = self.bus.control()
+        if endpoint is not None:
+            host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+            control.bind(host.strip("[]"), int(port))
+        d = Daemon(Settings(**opts), engine=self.fabric.engine(), control=control,
                    http_client=client, clock=self.clock, sweep_interval=None)
         await d.startup(listen=False)
         self.router.apps[http_addr] = httpx.ASGITransport(app=d.app())
@@ -292,8 +358,9 @@ class Cluster:
             self.fabric.release(gate)
         for n in self.nodes:
             await n.daemon.shutdown()
-            await n.daemon.core.http_client.aclose() if n.daemon.core else None
-        for sp in self.pools:
+            if n.daemon.core is not None:
+                await n.daemon.core.http_client.aclose()
+        for sp in [*self.pools, *self.shards]:
             sp.close()
 
 
@@ -308,30 +375,33 @@ def busy_tasks(cluster: Cluster) -> list[asyncio.Task[Any]]:
     return out
 
 
-async def settle(cluster: Cluster, timeout: float = 20.0) -> None:
+async def settle(cluster: Cluster, bound: float = 20.0) -> None:
     """Poll until no message is queued and every room task finished (writes held by a
     gate excepted), within a generous bound; raises AssertionError otherwise."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + bound
     quiet = 0
     while loop.time() < deadline:
-        held = cluster.fabric.held
+        fabric = cluster.fabric
         tasks = busy_tasks(cluster)
-        pending = [t for t in tasks if not (t.get_name().startswith("write-") and held)]
-        if cluster.bus.idle() and not pending:
+        writes = [t for t in tasks if t.get_name().startswith("write-")]
+        others = len(tasks) - len(writes)
+        gated = fabric.running == fabric.held and len(writes) <= fabric.held
+        if cluster.bus.idle() and not others and gated:
             quiet += 1
             if quiet >= 3:
                 return
         else:
             quiet = 0
         await asyncio.sleep(0 if quiet else 0.001)
-    raise AssertionError(f"not idle after {timeout}s: {[t.get_name() for t in busy_tasks(cluster)]}")
+    names = [t.get_name() for t in busy_tasks(cluster)]
+    raise AssertionError(f"not idle after {bound}s: {names}")
 
 
-async def until(predicate: Callable[[], Any], timeout: float = 20.0) -> None:
+async def until(predicate: Callable[[], Any], bound: float = 20.0) -> None:
     """Poll ``predicate`` (sync or async) until true, within a generous bound."""
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + bound
     while loop.time() < deadline:
         value = predicate()
         if asyncio.iscoroutine(value):

@@ -41,7 +41,8 @@ class FakeFabric:
     hook: SubmitHook | None = None
     retry_budget: float = 0.2
     writes: list[tuple[str, str, int]] = field(default_factory=list)
-    held: int = 0  # writes waiting at a gate now
+    running: int = 0  # writes inside write() now (held ones included)
+    waiting: dict[str, int] = field(default_factory=dict)  # at a gate, by destination
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     _batches: itertools.count[int] = field(default_factory=itertools.count)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -57,6 +58,13 @@ class FakeFabric:
         gate = threading.Event()
         self.gates[address] = gate
         return gate
+
+    @property
+    def held(self) -> int:
+        """Writes waiting at a gate that is still closed."""
+        with self._lock:
+            return sum(n for a, n in self.waiting.items()
+                       if a in self.gates and not self.gates[a].is_set())
 
     def release(self, address: str) -> None:
         """Let writes to ``address`` through again."""
@@ -93,16 +101,26 @@ class FakeEngine:
     def write(self, peer_session: str, desc: Descriptors, deadline: float | None = None) -> None:
         fabric = self.fabric
         with fabric._lock:
+            fabric.running += 1
+        try:
+            self._write(peer_session, desc, deadline)
+        finally:
+            with fabric._lock:
+                fabric.running -= 1
+
+    def _write(self, peer_session: str, desc: Descriptors, deadline: float | None) -> None:
+        fabric = self.fabric
+        with fabric._lock:
             batch_no = next(fabric._batches)
         gate = fabric.gates.get(peer_session)
         if gate is not None:
             with fabric._lock:
-                fabric.held += 1
+                fabric.waiting[peer_session] = fabric.waiting.get(peer_session, 0) + 1
             try:
                 gate.wait()
             finally:
                 with fabric._lock:
-                    fabric.held -= 1
+                    fabric.waiting[peer_session] -= 1
         peer = fabric.engines.get(peer_session)
         if peer is None or peer.closed:
             raise TransportError(f"write to {peer_session}: no such peer", -1)
