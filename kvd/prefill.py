@@ -173,10 +173,12 @@ class PrefillSide(Side):
         failure: RoomFailure | None = RoomFailure(
             FailureKind.ABORTED, f"room {eff.room}: write cancelled (kvd stopping)", self.role)
         moved = 0
+        # The machine's clock may not be the backend's (time.monotonic): pass the bound on.
+        deadline = time.monotonic() + (eff.deadline - self.core.clock())
         try:
             plans = [(d, self._plan(eff, d)) for d in eff.dests]
             await asyncio.gather(*(self.core.executor.write(d.peer.args.wire.session_id, desc,
-                                                            eff.deadline)
+                                                            deadline)
                                    for d, desc in plans if len(desc)))
             moved = sum(desc.nbytes for _, desc in plans)
             self.core.counters.bytes_sent += moved

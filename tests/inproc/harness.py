@@ -45,7 +45,8 @@ from kvd.rooms.state import KVPoll
 from kvd.transfer.backends.fake import FakeFabric
 
 SECRET = "inproc-test-secret-0123456789abcdef"
-LOOPS = ("control-recv", "sweeper", "watchdog", "heartbeats", "bootstrap-check")
+LOOPS = ("control-recv", "sweeper", "watchdog", "heartbeats", "bootstrap-check",
+         "bootstrap-put")  # registration retries until the bootstrap answers
 
 
 class FakeClock:
