@@ -287,6 +287,11 @@ class Daemon:
             case rpc.Clear():
                 side.clear(call.room)
                 return None
+            case rpc.Release():
+                if conn.id == self.engine_conn:
+                    self.engine_conn = None
+                    await self._release_now()
+                return None
         if self.draining and isinstance(call, rpc.SenderCreate | rpc.ReceiverCreate):
             raise RoomError(f"room {call.room}: kvd is draining (shutting down); "
                             f"no new rooms")

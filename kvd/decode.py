@@ -351,15 +351,15 @@ class DecodeSide(Side):
     def _answered(self, addr: str, h: PeerHealth, data: dict[str, Any]) -> None:
         if h.down:
             log.info("prefill %s is back after %d missed heartbeats", addr, h.misses)
-        prev_ok, now = h.last_ok, self.core.clock()
+        now = self.core.clock()
         h.misses, h.down, h.last_ok, h.last_error = 0, False, now, ""
         instance, epoch = data.get("instance_id"), data.get("bootstrap_epoch")
         if h.instance_id is not None and instance != h.instance_id:
-            # Rooms created while the old instance was last seen alive were bound to it;
-            # rooms created since may already be bound to the new one: leave those.
+            # Every room in flight was resolved from the cache of the old instance: it is
+            # bound to a process that is gone. New rooms resolve and register again.
             failure = RoomFailure(FailureKind.PEER, f"prefill {addr} restarted (instance "
                                   f"{h.instance_id} -> {instance})", self.role)
-            self.run(self.rooms.peer_lost(addr, failure, now, created_before=prev_ok))
+            self.run(self.rooms.peer_lost(addr, failure, now))
             self._forget(addr, drop_sockets=False)
         elif h.epoch is not None and epoch != h.epoch:
             self._forget(addr, drop_sockets=False)  # a rank re-registered: refresh endpoints

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
 import threading
@@ -11,7 +12,7 @@ from typing import Any
 import msgspec
 
 from kvd import errors
-from kvd.errors import KvdUnreachable, ProtocolError, RpcError
+from kvd.errors import KvdError, KvdUnreachable, ProtocolError, RpcError
 from kvd.protocol import rpc
 
 
@@ -137,8 +138,13 @@ class KvdClient:
         return _recv_exact(sock, length)
 
     def close(self) -> None:
-        """Close the connection (a later call reconnects and re-registers)."""
+        """Say goodbye and close the connection: kvd fails this engine's rooms and releases
+        its memory at once (a dropped connection instead keeps them for the reconnect
+        grace period). A later call reconnects and registers again."""
         with self._lock:
+            if self._sock is not None and self._registration is not None:
+                with contextlib.suppress(KvdError):
+                    self._roundtrip(rpc.Release())
             self._drop()
 
 

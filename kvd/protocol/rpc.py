@@ -109,8 +109,13 @@ class Info(msgspec.Struct, tag="info", frozen=True):
     pass
 
 
+class Release(msgspec.Struct, tag="release", frozen=True):
+    """The engine is leaving on purpose (``KvdClient.close``): fail its rooms and release
+    its memory now, without the reconnect grace a dropped connection gets."""
+
+
 Call: TypeAlias = (RegisterKV | SenderCreate | SenderInit | SenderSend | ReceiverCreate
-                   | ReceiverInit | Poll | Wait | Abort | Clear | Info)
+                   | ReceiverInit | Poll | Wait | Abort | Clear | Info | Release)
 
 
 class Request(msgspec.Struct, frozen=True):

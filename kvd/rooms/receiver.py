@@ -272,17 +272,15 @@ class ReceiverRooms:
             out.append(Wake())
         return out
 
-    def peer_lost(self, bootstrap_addr: str, failure: RoomFailure, now: float,
-                  created_before: float | None = None) -> list[Effect]:
-        """Fail every unfinished room fed by ``bootstrap_addr`` (created by
-        ``created_before``, monotonic s, when given: after a restart, newer rooms may be
-        bound to the new instance). Its prefill ranks are still told (queued behind the
-        pages), so a frozen prefill that resumes drops them."""
+    def peer_lost(self, bootstrap_addr: str, failure: RoomFailure,
+                  now: float) -> list[Effect]:
+        """Fail every unfinished room fed by ``bootstrap_addr`` (it stopped answering, or
+        it restarted: rooms resolved before that are bound to an instance that is gone).
+        Its prefill ranks are still told (queued behind the pages), so a frozen prefill
+        that resumes drops them."""
         out: list[Effect] = []
         for r in list(self.rooms.values()):
-            if r.bootstrap_addr != bootstrap_addr or r.done:
-                continue
-            if created_before is None or r.created <= created_before:
+            if r.bootstrap_addr == bootstrap_addr and not r.done:
                 self._fail(r, failure, now, out)
         return out
 

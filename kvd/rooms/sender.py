@@ -455,8 +455,8 @@ class SenderRooms:
         if tomb is not None and tomb.bound.get(msg.endpoint, msg.inc) == msg.inc and (
                 msg.endpoint in tomb.bound or not tomb.bound):
             failure = tomb.failure or RoomFailure(
-                FailureKind.DUPLICATE, f"room {msg.room}: already ended (Success) on prefill",
-                ORIGIN)
+                FailureKind.DUPLICATE, f"room {msg.room}: duplicate room (already ended: "
+                f"Success on prefill)", ORIGIN)
             out.append(self._answer(peer, msg, failure))
             return
         for early in self.early.get(msg.room) or []:
@@ -494,8 +494,8 @@ class SenderRooms:
                 out.append(self._report(r, msg.endpoint, msg.inc))  # a duplicate: say again
             else:
                 out.append(self._answer(peer, msg, r.failure or RoomFailure(
-                    FailureKind.DUPLICATE, f"room {r.room}: already ended (Success) on "
-                    f"prefill for {r.peers}", ORIGIN)))
+                    FailureKind.DUPLICATE, f"room {r.room}: duplicate room (already ended: "
+                    f"Success on prefill for {r.peers})", ORIGIN)))
             return
         if existing is not None or (r.required is not None and len(r.dests) >= r.required):
             out.append(self._answer(peer, msg, RoomFailure(
