@@ -29,7 +29,7 @@ from kvd.core import Core
 from kvd.decode import DecodeSide
 from kvd.engine_rpc.server import Connection, EngineRpcServer
 from kvd.errors import ConfigError, RoomError
-from kvd.memory import MemoryMap
+from kvd.memory import Importer
 from kvd.prefill import PrefillSide
 from kvd.protocol import control, rpc
 from kvd.rooms import UNKNOWN_ROOM, KVPoll
@@ -90,7 +90,7 @@ class Daemon:
                                  limits=httpx.Limits(max_keepalive_connections=32))
         executor = TransferExecutor(engine, s.transfer_threads, s.transfer_queue_size)
         self.core = Core(s, engine, executor, ctl,
-                         MemoryMap(s.shm_dir), http, auth=auth,
+                         Importer(s.shm_dir), http, auth=auth,
                          faults=FaultPlan.model_validate_json(s.fault_injection)
                          if s.fault_injection else None)
         separate = s.serve_bootstrap and s.bootstrap_port is not None
@@ -258,7 +258,7 @@ class Daemon:
         assert self.core is not None
         match call:
             case rpc.RegisterKV():
-                args = self.core.register_local(call)
+                args = self.core.register_local(call, conn.fds, conn.uid)
                 self.engine_conn = conn.id
                 conn.on_close.append(lambda: self._engine_disconnected(conn.id))
                 if self.decode is not None:

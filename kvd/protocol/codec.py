@@ -6,6 +6,9 @@ is checked before the body is parsed.
 Version history:
   1 — first release (control: RegisterRank, RoomPages, RoomStatus, RoomAbort;
       rpc: Request/Reply envelopes).
+  2 — memory handles are a tagged union on ``kind`` (``shm``, ``fd`` passed with
+      SCM_RIGHTS, ``cuda_ipc``; :mod:`kvd.protocol.memory`); RegisterRank may carry the
+      decode rank's ExportedPool (``pool``) for the same-host ``local`` backend.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import numpy.typing as npt
 from kvd.errors import ProtocolError
 
 MAGIC = b"KVD"
-VERSION = 1
+VERSION = 2
 HEADER_LEN = len(MAGIC) + 1
 #: Default upper bound on a frame (bytes); daemons pass their configured limit.
 DEFAULT_MAX_FRAME = 64 << 20

@@ -14,25 +14,26 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from kvd.client import KvdClient, KVPoll, Receiver, RegisterKV, Sender, ShmPool, poll_many
+from kvd.client import FdPool, KvdClient, KVPoll, Receiver, RegisterKV, Sender, ShmPool, poll_many
 
 
 class EngineStandIn:
     """KV/aux pools for one engine rank plus its kvd client.
 
     ``kv[b]`` is a uint8 view ``[num_pages, item_len]`` of buffer ``b``;
-    ``aux`` a uint8 view ``[aux_slots, aux_item_len]``.
+    ``aux`` a uint8 view ``[aux_slots, aux_item_len]``. ``pool``: ``"shm"`` (a /dev/shm
+    file kvd opens by name) or ``"fd"`` (a sealed memfd passed with SCM_RIGHTS).
     """
 
     def __init__(self, socket: str, num_layers: int = 4, num_pages: int = 256,
                  item_len: int = 4096, aux_slots: int = 16, aux_item_len: int = 64,
                  seed: int = 0, page_size: int = 16, head_dim: int = 64,
-                 dtype_size: int = 2) -> None:
+                 dtype_size: int = 2, pool: str = "shm") -> None:
         self.client = KvdClient(socket)
         self.num_layers, self.num_pages, self.item_len = num_layers, num_pages, item_len
         n_bufs = 2 * num_layers
-        self.pool = ShmPool(ShmPool.size_for([num_pages * item_len] * n_bufs
-                                             + [aux_slots * aux_item_len]))
+        size = ShmPool.size_for([num_pages * item_len] * n_bufs + [aux_slots * aux_item_len])
+        self.pool: ShmPool | FdPool = FdPool(size) if pool == "fd" else ShmPool(size)
         views = [self.pool.alloc(num_pages * item_len) for _ in range(n_bufs)]
         aux_view, aux_handle = self.pool.alloc(aux_slots * aux_item_len)
         rng = np.random.default_rng(seed)
