@@ -18,6 +18,7 @@ keeps it in step with this module).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 import uuid
@@ -93,6 +94,28 @@ class Settings(BaseSettings):
         None, help="address of the transfer engine if not host; Mooncake's P2P handshake is "
                    "IPv4-only, so with host = ::1 the default is 127.0.0.1, and any other "
                    "IPv6 host needs an IPv4 transfer_host")
+    transfer_backend: Literal["mooncake", "local", "auto"] = _setting(
+        "mooncake", help="how KV bytes move: mooncake (the transfer engine, tcp or rdma), "
+                         "local (prefill and decode daemons on one host copy directly), or "
+                         "auto (local when a decode peer is on this host and its memory "
+                         "can be imported, else mooncake)")
+    transfer_protocol: Literal["tcp", "rdma"] = _setting(
+        "tcp", help="the Mooncake transport: tcp (any network, no setup) or rdma (needs an "
+                    "RDMA NIC; see transfer_devices)")
+    transfer_devices: str = _setting(
+        "auto", unit="NIC list",
+        help="RDMA NICs the transfer engine may use, comma separated (e.g. mlx5_0,mlx5_1), "
+             "or auto: the engine's topology discovery picks the NICs nearest each buffer")
+    transfer_bind_host: str | None = _setting(
+        None, help="address the transfer engine's listeners bind to (default: the transfer "
+                   "host); Mooncake itself binds every interface, kvd pins its listeners "
+                   "(docs/transfer.md); 0.0.0.0 keeps Mooncake's behaviour")
+    transfer_port_range: str | None = _setting(
+        None, unit="port-port",
+        help="ports of the transfer engine's two listeners (P2P handshake and TCP data), "
+             "e.g. 15000-15001, so a firewall or NetworkPolicy can name them; within "
+             "1024-65535 and outside 32768-60999 (Mooncake ignores such a range); default: "
+             "Mooncake's 15000-17000")
     aux_transport: Literal["mooncake", "control"] = _setting(
         "mooncake", help="how aux data travels: in the last transfer batch, or inside the "
                          "final status message over the control plane (TCP fallback)")
@@ -211,9 +234,60 @@ class Settings(BaseSettings):
                             f"(Mooncake's P2P handshake is IPv4-only)")
         if self.cluster_secret is not None and self.cluster_secret_file is not None:
             problems.append("set cluster_secret or cluster_secret_file, not both")
+        problems += _transfer_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """``"15000-15001"`` -> ``(15000, 15001)``; raises ValueError naming the rule broken.
+
+    Rules from Mooncake's ``ValidatePortRange`` (mooncake-transfer-engine/src/config.cpp):
+    ports 1024-65535 outside the ephemeral range 32768-60999, else it silently uses
+    15000-17000; and at least two ports, one per listener (handshake, TCP data).
+    """
+    lo_s, sep, hi_s = text.partition("-")
+    if not sep or not lo_s.strip().isdigit() or not hi_s.strip().isdigit():
+        raise ValueError(f"transfer_port_range {text!r} is not FIRST-LAST (e.g. 15000-15001)")
+    lo, hi = int(lo_s), int(hi_s)
+    if hi - lo < 1:
+        raise ValueError(f"transfer_port_range {text!r} needs at least two ports (the "
+                         f"handshake and the TCP data listener)")
+    for port in (lo, hi):
+        if not 1024 <= port <= 65535 or 32768 <= port <= 60999:
+            raise ValueError(f"transfer_port_range {text!r}: {port} is outside 1024-65535 or "
+                             f"inside 32768-60999 (Mooncake would ignore the range)")
+    if lo <= 32768 and hi >= 60999:
+        raise ValueError(f"transfer_port_range {text!r} spans the ephemeral range 32768-60999")
+    return lo, hi
+
+
+def _transfer_problems(s: Settings) -> list[str]:
+    problems = []
+    if s.transfer_port_range is not None:
+        try:
+            parse_port_range(s.transfer_port_range)
+        except ValueError as exc:
+            problems.append(str(exc))
+    devices = [d.strip() for d in s.transfer_devices.split(",")]
+    if s.transfer_devices.strip() != "auto" and (not all(devices) or "auto" in devices):
+        problems.append(f"transfer_devices {s.transfer_devices!r}: a comma-separated list of "
+                        f"NIC names, or auto")
+    if s.transfer_bind_host is not None:
+        try:
+            ipaddress.IPv4Address(s.transfer_bind_host)
+        except ValueError:
+            problems.append(f"transfer_bind_host {s.transfer_bind_host!r} must be an IPv4 "
+                            f"address (Mooncake's handshake listener is IPv4)")
+    return problems
+
+
+def transfer_devices(s: Settings) -> list[str]:
+    """The configured RDMA NICs, or ``[]`` for auto (topology discovery)."""
+    if s.transfer_devices.strip() == "auto":
+        return []
+    return [d.strip() for d in s.transfer_devices.split(",")]
 
 
 @dataclass(frozen=True)
@@ -389,6 +463,12 @@ def toml_template() -> str:
         else:
             out.append(f"#{name} = {_toml_literal(default)}")
     return "\n".join(out) + "\n"
+
+
+def effective_bind_host(settings: Settings) -> str:
+    """Where the transfer engine's listeners bind: ``transfer_bind_host``, else the
+    transfer host."""
+    return settings.transfer_bind_host or effective_transfer_host(settings)
 
 
 def effective_transfer_host(settings: Settings) -> str:

@@ -23,7 +23,7 @@ from kvd.addr import join_hostport
 from kvd.bootstrap.app import create_app
 from kvd.bootstrap.server import HttpServer, bind_socket
 from kvd.bootstrap.table import BootstrapTable
-from kvd.config import Settings, effective_transfer_host, read_secret
+from kvd.config import Settings, read_secret
 from kvd.control.peers import ControlPlane
 from kvd.core import Core
 from kvd.decode import DecodeSide
@@ -35,8 +35,8 @@ from kvd.protocol import control, rpc
 from kvd.rooms import UNKNOWN_ROOM, KVPoll
 from kvd.security import Authenticator
 from kvd.status import DaemonOps
+from kvd.transfer.backends import make_engine
 from kvd.transfer.backends.base import TransferEngine
-from kvd.transfer.backends.mooncake import MooncakeEngine
 from kvd.transfer.executor import TransferExecutor
 from kvd.transfer.faults import FaultInjector, FaultPlan
 
@@ -146,14 +146,12 @@ class Daemon:
                         "authenticated (insecure = true)")
         return Authenticator(secret, s.auth_max_skew)
 
-    def _make_engine(self) -> MooncakeEngine:
+    def _make_engine(self) -> TransferEngine:
         s, hook = self.settings, None
         if s.fault_injection:
             hook = FaultInjector(FaultPlan.model_validate_json(s.fault_injection))
             log.warning("FAULT INJECTION ACTIVE (testing only): %s", hook.plan)
-        return MooncakeEngine(effective_transfer_host(s), s.max_batch_entries,
-                              retry_budget=s.transient_retry_s,
-                              submit_hook=hook)
+        return make_engine(s, hook)
 
     def _announce(self) -> None:
         assert self.core is not None and self.http_server is not None

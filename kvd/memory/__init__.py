@@ -154,7 +154,7 @@ class EngineMemory:
         nothing. Raises the engine's TransportError after undoing what it did."""
         try:
             for b in self.buffers:
-                engine.register(b.address, b.length)
+                engine.register(b.address, b.length, b.device)
                 self.registered.append(b.address)
         except KvdError:
             self.unregister(engine)
