@@ -214,6 +214,28 @@ class Settings(BaseSettings):
                              description="names this daemon's life to its peers "
                              "(default: random per start)")
 
+    @field_validator("transfer_port_range")
+    @classmethod
+    def _port_range(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_port_range(v)  # ValueError -> reported with the other problems
+        return v
+
+    @field_validator("transfer_devices")
+    @classmethod
+    def _devices(cls, v: str) -> str:
+        names = [d.strip() for d in v.split(",")]
+        if v.strip() != "auto" and (not all(names) or "auto" in names):
+            raise ValueError("a comma-separated list of NIC names (e.g. mlx5_0,mlx5_1), or auto")
+        return v
+
+    @field_validator("transfer_bind_host")
+    @classmethod
+    def _bind_host(cls, v: str | None) -> str | None:
+        if v is not None:
+            ipaddress.IPv4Address(v)  # Mooncake's handshake listener is IPv4
+        return v
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, v: Any) -> Any:
@@ -234,7 +256,6 @@ class Settings(BaseSettings):
                             f"(Mooncake's P2P handshake is IPv4-only)")
         if self.cluster_secret is not None and self.cluster_secret_file is not None:
             problems.append("set cluster_secret or cluster_secret_file, not both")
-        problems += _transfer_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -261,26 +282,6 @@ def parse_port_range(text: str) -> tuple[int, int]:
     if lo <= 32768 and hi >= 60999:
         raise ValueError(f"transfer_port_range {text!r} spans the ephemeral range 32768-60999")
     return lo, hi
-
-
-def _transfer_problems(s: Settings) -> list[str]:
-    problems = []
-    if s.transfer_port_range is not None:
-        try:
-            parse_port_range(s.transfer_port_range)
-        except ValueError as exc:
-            problems.append(str(exc))
-    devices = [d.strip() for d in s.transfer_devices.split(",")]
-    if s.transfer_devices.strip() != "auto" and (not all(devices) or "auto" in devices):
-        problems.append(f"transfer_devices {s.transfer_devices!r}: a comma-separated list of "
-                        f"NIC names, or auto")
-    if s.transfer_bind_host is not None:
-        try:
-            ipaddress.IPv4Address(s.transfer_bind_host)
-        except ValueError:
-            problems.append(f"transfer_bind_host {s.transfer_bind_host!r} must be an IPv4 "
-                            f"address (Mooncake's handshake listener is IPv4)")
-    return problems
 
 
 def transfer_devices(s: Settings) -> list[str]:
