@@ -18,6 +18,7 @@ keeps it in step with this module).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import tomllib
 import uuid
@@ -93,6 +94,28 @@ class Settings(BaseSettings):
         None, help="address of the transfer engine if not host; Mooncake's P2P handshake is "
                    "IPv4-only, so with host = ::1 the default is 127.0.0.1, and any other "
                    "IPv6 host needs an IPv4 transfer_host")
+    transfer_backend: Literal["mooncake", "local", "auto"] = _setting(
+        "mooncake", help="how KV bytes move: mooncake (the transfer engine, tcp or rdma), "
+                         "local (prefill and decode daemons on one host copy directly), or "
+                         "auto (local when a decode peer is on this host and its memory "
+                         "can be imported, else mooncake)")
+    transfer_protocol: Literal["tcp", "rdma"] = _setting(
+        "tcp", help="the Mooncake transport: tcp (any network, no setup) or rdma (needs an "
+                    "RDMA NIC; see transfer_devices)")
+    transfer_devices: str = _setting(
+        "auto", unit="NIC list",
+        help="RDMA NICs the transfer engine may use, comma separated (e.g. mlx5_0,mlx5_1), "
+             "or auto: the engine's topology discovery picks the NICs nearest each buffer")
+    transfer_bind_host: str | None = _setting(
+        None, help="address the transfer engine's listeners bind to (default: the transfer "
+                   "host); Mooncake itself binds every interface, kvd pins its listeners "
+                   "(docs/transfer.md); 0.0.0.0 keeps Mooncake's behaviour")
+    transfer_port_range: str | None = _setting(
+        None, unit="port-port",
+        help="ports of the transfer engine's two listeners (P2P handshake and TCP data), "
+             "e.g. 15000-15001, so a firewall or NetworkPolicy can name them; within "
+             "1024-65535 and outside 32768-60999 (Mooncake ignores such a range); default: "
+             "Mooncake's 15000-17000")
     aux_transport: Literal["mooncake", "control"] = _setting(
         "mooncake", help="how aux data travels: in the last transfer batch, or inside the "
                          "final status message over the control plane (TCP fallback)")
@@ -200,6 +223,28 @@ class Settings(BaseSettings):
                              description="names this daemon's life to its peers "
                              "(default: random per start)")
 
+    @field_validator("transfer_port_range")
+    @classmethod
+    def _port_range(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_port_range(v)  # ValueError -> reported with the other problems
+        return v
+
+    @field_validator("transfer_devices")
+    @classmethod
+    def _devices(cls, v: str) -> str:
+        names = [d.strip() for d in v.split(",")]
+        if v.strip() != "auto" and (not all(names) or "auto" in names):
+            raise ValueError("a comma-separated list of NIC names (e.g. mlx5_0,mlx5_1), or auto")
+        return v
+
+    @field_validator("transfer_bind_host")
+    @classmethod
+    def _bind_host(cls, v: str | None) -> str | None:
+        if v is not None:
+            ipaddress.IPv4Address(v)  # Mooncake's handshake listener is IPv4
+        return v
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, v: Any) -> Any:
@@ -223,6 +268,36 @@ class Settings(BaseSettings):
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """``"15000-15001"`` -> ``(15000, 15001)``; raises ValueError naming the rule broken.
+
+    Rules from Mooncake's ``ValidatePortRange`` (mooncake-transfer-engine/src/config.cpp):
+    ports 1024-65535 outside the ephemeral range 32768-60999, else it silently uses
+    15000-17000; and at least two ports, one per listener (handshake, TCP data).
+    """
+    lo_s, sep, hi_s = text.partition("-")
+    if not sep or not lo_s.strip().isdigit() or not hi_s.strip().isdigit():
+        raise ValueError(f"transfer_port_range {text!r} is not FIRST-LAST (e.g. 15000-15001)")
+    lo, hi = int(lo_s), int(hi_s)
+    if hi - lo < 1:
+        raise ValueError(f"transfer_port_range {text!r} needs at least two ports (the "
+                         f"handshake and the TCP data listener)")
+    for port in (lo, hi):
+        if not 1024 <= port <= 65535 or 32768 <= port <= 60999:
+            raise ValueError(f"transfer_port_range {text!r}: {port} is outside 1024-65535 or "
+                             f"inside 32768-60999 (Mooncake would ignore the range)")
+    if lo <= 32768 and hi >= 60999:
+        raise ValueError(f"transfer_port_range {text!r} spans the ephemeral range 32768-60999")
+    return lo, hi
+
+
+def transfer_devices(s: Settings) -> list[str]:
+    """The configured RDMA NICs, or ``[]`` for auto (topology discovery)."""
+    if s.transfer_devices.strip() == "auto":
+        return []
+    return [d.strip() for d in s.transfer_devices.split(",")]
 
 
 @dataclass(frozen=True)
@@ -398,6 +473,12 @@ def toml_template() -> str:
         else:
             out.append(f"#{name} = {_toml_literal(default)}")
     return "\n".join(out) + "\n"
+
+
+def effective_bind_host(settings: Settings) -> str:
+    """Where the transfer engine's listeners bind: ``transfer_bind_host``, else the
+    transfer host."""
+    return settings.transfer_bind_host or effective_transfer_host(settings)
 
 
 def effective_transfer_host(settings: Settings) -> str:

@@ -25,18 +25,18 @@ from kvd.addr import join_hostport
 from kvd.bootstrap.app import create_app
 from kvd.bootstrap.server import HttpServer, bind_socket
 from kvd.bootstrap.table import BootstrapTable
-from kvd.config import Settings, effective_transfer_host, read_secret
+from kvd.config import Settings, read_secret
 from kvd.control.peers import ControlPlane
 from kvd.core import Core
 from kvd.engine_rpc.server import Connection, EngineRpcServer
 from kvd.errors import ConfigError, RegistrationError, RoomError
-from kvd.memory import MemoryMap
+from kvd.memory import Importer
 from kvd.protocol import rpc
 from kvd.security import Authenticator
 from kvd.side import Side, make_side
 from kvd.status import DaemonOps
+from kvd.transfer.backends import make_engine
 from kvd.transfer.backends.base import TransferEngine
-from kvd.transfer.backends.mooncake import MooncakeEngine
 from kvd.transfer.executor import TransferExecutor
 from kvd.transfer.faults import FaultInjector, FaultPlan
 
@@ -110,7 +110,7 @@ class Daemon:
             timeout=s.http_timeout, limits=httpx.Limits(max_keepalive_connections=32))
         executor = TransferExecutor(engine, s.transfer_threads, s.transfer_queue_size)
         self.core = Core(s, engine, executor, ctl,
-                         MemoryMap(s.shm_dir), http, auth=auth,
+                         Importer(s.shm_dir), http, auth=auth,
                          faults=FaultPlan.model_validate_json(s.fault_injection)
                          if s.fault_injection else None, clock=self.clock)
         self.side = make_side(s.role, self.core)
@@ -177,14 +177,12 @@ class Daemon:
                         "authenticated (insecure = true)")
         return Authenticator(secret, s.auth_max_skew)
 
-    def _make_engine(self) -> MooncakeEngine:
+    def _make_engine(self) -> TransferEngine:
         s, hook = self.settings, None
         if s.fault_injection:
             hook = FaultInjector(FaultPlan.model_validate_json(s.fault_injection))
             log.warning("FAULT INJECTION ACTIVE (testing only): %s", hook.plan)
-        return MooncakeEngine(effective_transfer_host(s), s.max_batch_entries,
-                              retry_budget=s.transient_retry_s,
-                              submit_hook=hook)
+        return make_engine(s, hook)
 
     def _announce(self) -> None:
         assert self.core is not None and self.http_server is not None
@@ -312,7 +310,7 @@ class Daemon:
                 raise RegistrationError("an engine is already registered with this kvd")
             if core.local is not None or self._releasing is not None:
                 await self._release_now()  # an engine that left, in its grace period
-            args = core.register_local(call)
+            args = core.register_local(call, conn.fds, conn.uid)
             self.engine_id, self._registered_call = call.engine_id, call
             self._attach(conn)
             side.engine_registered(args)

@@ -13,6 +13,8 @@ with ``raise ... from exc``, and carry the room and peer in their message::
     │   ├── IndexLengthMismatch  src/dst page counts disagree
     │   └── BoundsError          a descriptor would touch unregistered bytes
     ├── RegistrationError      KV args / memory handles refused
+    │   └── HandleError          a memory handle cannot be imported (file, fd, CUDA IPC)
+    │       └── CudaUnavailable    no CUDA bindings, driver or device for a cuda_ipc handle
     ├── RoomError              unknown room, duplicate room, wrong state
     ├── TransportError         the transfer engine failed (init, register, write)
     ├── BootstrapError         bootstrap registration or lookup failed
@@ -54,6 +56,14 @@ class BoundsError(LayoutError):
 
 class RegistrationError(KvdError):
     """KV args, memory handles or a rank registration were refused."""
+
+
+class HandleError(RegistrationError):
+    """A memory handle was refused: bad file, descriptor, range or CUDA IPC handle."""
+
+
+class CudaUnavailable(HandleError):
+    """A ``cuda_ipc`` handle cannot be imported here: no CUDA bindings, driver or device."""
 
 
 class RoomError(KvdError):

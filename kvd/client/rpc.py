@@ -37,6 +37,9 @@ class KvdClient:
     """A connection to the local kvd's engine socket.
 
     Thread-safe (one call at a time). ``timeout`` bounds each call in seconds.
+    ``fd`` memory handles (:class:`~kvd.protocol.memory.FdHandle`, e.g. from
+    :class:`~kvd.client.FdPool`) name descriptors of this process; they are sent with
+    the request (``SCM_RIGHTS``) and must stay open while registered.
     Raises :class:`KvdUnreachable` when kvd is not there (the next call
     reconnects), and the kvd error named by a failed reply otherwise. After a
     reconnect (kvd restarted, or the connection dropped) the engine's last
@@ -110,7 +113,13 @@ class KvdClient:
         req_id = self._next_id
         try:
             sock = self._connect()
-            sock.sendall(rpc.encode(rpc.Request(id=req_id, call=call)))
+            wire_call, fds = rpc.number_fds(call)
+            data = rpc.encode(rpc.Request(id=req_id, call=wire_call))
+            if fds:  # descriptors ride with the request's first bytes (SCM_RIGHTS)
+                sent = socket.send_fds(sock, [data], fds)
+                sock.sendall(data[sent:])
+            else:
+                sock.sendall(data)
             reply = rpc.decode_reply(self._read_frame(sock))
         except OSError as exc:
             self._drop()

@@ -15,24 +15,26 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvd.client import KvdClient, KVPoll, Receiver, RegisterKV, Sender, ShmPool, poll_many
+from kvd.client import FdPool, KvdClient, KVPoll, Receiver, RegisterKV, Sender, ShmPool, poll_many
 
 
 class StandInPool:
     """KV/aux pools for one engine rank and their registration (no connection).
 
     ``kv[b]`` is a uint8 view ``[num_pages, item_len]`` of buffer ``b``;
-    ``aux`` a uint8 view ``[aux_slots, aux_item_len]``.
+    ``aux`` a uint8 view ``[aux_slots, aux_item_len]``. ``pool``: ``"shm"`` (a /dev/shm
+    file kvd opens by name) or ``"fd"`` (a sealed memfd passed with SCM_RIGHTS).
     """
 
     def __init__(self, num_layers: int = 4, num_pages: int = 256, item_len: int = 4096,
                  aux_slots: int = 16, aux_item_len: int = 64, seed: int = 0,
                  page_size: int = 16, head_dim: int = 64, dtype_size: int = 2,
-                 shm_dir: str = "/dev/shm") -> None:
+                 shm_dir: str = "/dev/shm", pool: str = "shm") -> None:
         self.num_layers, self.num_pages, self.item_len = num_layers, num_pages, item_len
         n_bufs = 2 * num_layers
-        self.pool = ShmPool(ShmPool.size_for([num_pages * item_len] * n_bufs
-                                             + [aux_slots * aux_item_len]), shm_dir=shm_dir)
+        size = ShmPool.size_for([num_pages * item_len] * n_bufs + [aux_slots * aux_item_len])
+        self.pool: ShmPool | FdPool = (FdPool(size) if pool == "fd"
+                                       else ShmPool(size, shm_dir=shm_dir))
         views = [self.pool.alloc(num_pages * item_len) for _ in range(n_bufs)]
         aux_view, aux_handle = self.pool.alloc(aux_slots * aux_item_len)
         rng = np.random.default_rng(seed)

@@ -4,6 +4,11 @@ A backend moves bytes from this process's registered memory to a peer's
 registered memory. Peers are named by an opaque address string that the
 backend hands out (:attr:`TransferEngine.session_id`) and that travels on the
 wire unchanged; nothing outside the backend parses it.
+
+Backends that copy into a same-host peer's memory (``local``, ``auto``) also take
+the peer's exported pool (:class:`PeerAttach`): the daemon calls
+``attach_peer(address, pool)`` when a decode rank registers with an
+:class:`~kvd.protocol.memory.ExportedPool`, and ``detach_peer`` when it goes.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from kvd.protocol.memory import ExportedPool
 from kvd.transfer.plan import Descriptors
 
 #: ``(peer, batch_no, attempt) -> forced rc or None`` (fault injection, tests only).
@@ -27,8 +33,10 @@ class TransferEngine(Protocol):
         """This backend's address, the opaque name peers write to."""
         ...
 
-    def register(self, addr: int, length: int) -> None:
-        """Register ``[addr, addr+length)`` for transfers; raises TransportError."""
+    def register(self, addr: int, length: int, device: str = "cpu") -> None:
+        """Register ``[addr, addr+length)`` for transfers; ``device`` says where the bytes
+        live (``"cpu"`` or ``"cuda:N"``, :class:`kvd.memory.Buffer`); raises
+        TransportError."""
         ...
 
     def unregister(self, addr: int) -> None:
@@ -63,3 +71,15 @@ def submit_with_retry(submit: Callable[[int], int], budget: float, deadline: flo
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
     raise AssertionError("unreachable")
+class PeerAttach(Protocol):
+    """Backends that can write into a same-host peer's imported memory."""
+
+    def attach_peer(self, address: str, pool: ExportedPool) -> str:
+        """Import ``pool`` for peer ``address``; returns the backend that will carry its
+        writes (``"local"`` or ``"mooncake"``). Raises HandleError if a ``local``-only
+        backend cannot import it."""
+        ...
+
+    def detach_peer(self, address: str) -> None:
+        """Forget the peer's imported memory (after its writes returned)."""
+        ...
