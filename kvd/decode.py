@@ -24,6 +24,7 @@ from kvd.control.routing import Target as RouteTarget
 from kvd.control.routing import resolve_targets
 from kvd.core import Core
 from kvd.errors import BootstrapError, KvdError, RegistrationError, RoomError
+from kvd.hostid import host_identity
 from kvd.protocol import control, rpc
 from kvd.rooms.effects import AbortUnknown, Effect, Resolve, Send, WriteAux
 from kvd.rooms.receiver import ReceiverRooms, Target
@@ -266,8 +267,12 @@ class DecodeSide(Side):
         local, s = self.core.local, self.core.settings
         if local is None:
             raise RegistrationError("the engine released its KV buffers")
+        pool = None
+        mem = self.core.engine_memory
+        if s.transfer_backend != "mooncake" and mem is not None:  # a same-host prefill may copy
+            pool = mem.export(host_identity())
         msg = control.RegisterRank(self.core.instance_id, self.core.control.endpoint,
-                                   s.attn_tp_rank, s.attn_tp_size, local.wire)
+                                   s.attn_tp_rank, s.attn_tp_size, local.wire, pool)
         if not await self.core.send(endpoint, msg):
             raise Unreachable(f"cannot reach prefill rank {endpoint}")
         self.registered[endpoint] = instance

@@ -27,6 +27,7 @@ from kvd.rooms.sender import Limits, RankPosition, SenderRooms
 from kvd.rooms.state import FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
 from kvd.side import RoomView, Side, Snapshot, not_available
+from kvd.transfer.backends.base import PeerAttach
 from kvd.transfer.kvargs import RankArgs
 from kvd.transfer.layout import RankLayout, check_coverage, check_pair, plan_transfer
 from kvd.transfer.plan import Descriptors, check_plan_bounds, plan_aux
@@ -57,6 +58,7 @@ class PrefillSide(Side):
             Limits(max_peers=s.max_peers, max_rooms_per_peer=s.max_rooms_per_peer,
                    peer_ttl=s.peer_ttl))
         self._registrations: dict[str, control.RegisterRank] = {}
+        self._sessions: dict[str, str] = {}  # decode endpoint -> its transfer address
         self._layout: RankLayout | None = None
         self._writes: set[asyncio.Task[None]] = set()
         self.failing_sessions: dict[str, int] = {}
@@ -129,12 +131,40 @@ class PrefillSide(Side):
             s = self.core.settings
             check_coverage(self._local_layout(), layout, s.pp_rank, s.pp_size)
             _check_aux(local.wire, msg.kv_args)
+            self._attach(msg)
             plan = PeerPlan(args, layout)
         except KvdError as exc:
             rejected = RoomFailure(FailureKind.REGISTRATION, f"decode rank {msg.endpoint} "
                                    f"refused: {exc}", self.role)
             log.warning("refused decode rank %s: %s", msg.endpoint, exc)
         return self.rooms.on_register(msg, num_pages, num_slots, rejected, plan, now)
+
+    def _attach(self, msg: control.RegisterRank) -> None:
+        """Tell a backend that can copy on this host about the decode rank's exported pool
+        (``local``/``auto``); raises RegistrationError/HandleError when ``local`` is
+        required and the pool cannot be imported. A previous session of the same
+        endpoint is detached once the writes in flight now have returned."""
+        engine, session = self.core.engine, msg.kv_args.session_id
+        old = self._sessions.get(msg.endpoint)
+        if isinstance(engine, PeerAttach):
+            engine.attach_peer(session, msg.pool)
+            if old is not None and old != session:
+                self.core.spawn(self._detach_later(old), f"detach-{old}")
+        self._sessions[msg.endpoint] = session
+
+    async def _detach_later(self, session: str) -> None:
+        if self._writes:
+            await asyncio.wait(list(self._writes))
+        engine = self.core.engine
+        if isinstance(engine, PeerAttach) and session not in self._sessions.values():
+            engine.detach_peer(session)
+
+    def forget_peer(self, endpoint: str) -> None:
+        super().forget_peer(endpoint)
+        self._registrations.pop(endpoint, None)
+        session = self._sessions.pop(endpoint, None)
+        if session is not None:
+            self.core.spawn(self._detach_later(session), f"detach-{session}")
 
     # ---- effects ----------------------------------------------------------------------
 

@@ -173,9 +173,13 @@ class Side(abc.ABC):
                 case Ended():
                     self._ended(eff)
                 case ForgetPeer():
-                    self.core.control.drop(eff.endpoint)
+                    self.forget_peer(eff.endpoint)
                 case _:
                     self.perform(eff)
+
+    def forget_peer(self, endpoint: str) -> None:
+        """A peer the machine forgot: drop what is held for it outside the machine."""
+        self.core.control.drop(endpoint)
 
     @abc.abstractmethod
     def perform(self, eff: Effect) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from kvd.protocol.memory import ExportedPool
 from kvd.transfer.plan import Descriptors
@@ -71,13 +71,16 @@ def submit_with_retry(submit: Callable[[int], int], budget: float, deadline: flo
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
     raise AssertionError("unreachable")
+
+
+@runtime_checkable
 class PeerAttach(Protocol):
     """Backends that can write into a same-host peer's imported memory."""
 
-    def attach_peer(self, address: str, pool: ExportedPool) -> str:
+    def attach_peer(self, address: str, pool: ExportedPool | None) -> str:
         """Import ``pool`` for peer ``address``; returns the backend that will carry its
         writes (``"local"`` or ``"mooncake"``). Raises HandleError if a ``local``-only
-        backend cannot import it."""
+        backend cannot import it (or got no pool)."""
         ...
 
     def detach_peer(self, address: str) -> None:
