@@ -23,7 +23,7 @@ from kvd.bootstrap.table import ParallelInfo, RankInfo
 from kvd.control.routing import Target as RouteTarget
 from kvd.control.routing import resolve_targets
 from kvd.core import Core
-from kvd.errors import BootstrapError, KvdError, RegistrationError, RoomError
+from kvd.errors import BootstrapError, KvdError, PeerUnreachable, RegistrationError, RoomError
 from kvd.hostid import host_identity
 from kvd.protocol import control, rpc
 from kvd.rooms.effects import AbortUnknown, Effect, Resolve, Send, WriteAux
@@ -34,10 +34,6 @@ from kvd.side import RoomView, Side, Snapshot, not_available
 from kvd.transfer.kvargs import RankArgs
 
 log = logging.getLogger("kvd.decode")
-
-
-class Unreachable(KvdError):
-    """A prefill rank does not take control messages."""
 
 
 class BootstrapClient:
@@ -274,7 +270,7 @@ class DecodeSide(Side):
         msg = control.RegisterRank(self.core.instance_id, self.core.control.endpoint,
                                    s.attn_tp_rank, s.attn_tp_size, local.wire, pool)
         if not await self.core.send(endpoint, msg):
-            raise Unreachable(f"cannot reach prefill rank {endpoint}")
+            raise PeerUnreachable(f"cannot reach prefill rank {endpoint}")
         self.registered[endpoint] = instance
 
     async def _abort_unknown(self, eff: AbortUnknown) -> None:
@@ -465,7 +461,7 @@ def _health_detail(h: PeerHealth | None, now: float) -> str:
 
 def _kind_of(exc: KvdError) -> FailureKind:
     """The failure kind of an error raised while resolving a room's targets."""
-    if isinstance(exc, Unreachable):
+    if isinstance(exc, PeerUnreachable):
         return FailureKind.UNREACHABLE
     if isinstance(exc, RegistrationError):
         return FailureKind.REGISTRATION

@@ -17,9 +17,14 @@ with ``raise ... from exc``, and carry the room and peer in their message::
     │       └── CudaUnavailable    no CUDA bindings, driver or device for a cuda_ipc handle
     ├── RoomError              unknown room, duplicate room, wrong state
     ├── TransportError         the transfer engine failed (init, register, write)
+    ├── PeerUnreachable        a peer kvd did not take a control message in time
     ├── BootstrapError         bootstrap registration or lookup failed
+    │   ├── NotReady             fewer ranks registered than the instance needs (503)
+    │   ├── NotFound             no rank under the requested key (404)
+    │   └── Conflict             a registration contradicts the instance (409)
     ├── RpcError               engine <-> kvd RPC failed
     │   └── KvdUnreachable       the local kvd cannot be reached
+    ├── DaemonUnreachable      no kvd answered at an HTTP address (CLI)
     └── KVTransferError        a room ended Failed (what the engine sees)
 """
 
@@ -78,8 +83,24 @@ class TransportError(KvdError):
         self.code = code
 
 
+class PeerUnreachable(KvdError):
+    """A control message could not be handed to a peer kvd within the send timeout."""
+
+
 class BootstrapError(KvdError):
     """Registration with, or lookup on, the bootstrap server failed."""
+
+
+class NotReady(BootstrapError):
+    """Fewer ranks registered than the instance needs (HTTP 503)."""
+
+
+class NotFound(BootstrapError):
+    """No rank registered under the requested key (HTTP 404)."""
+
+
+class Conflict(BootstrapError):
+    """A registration contradicts the instance's sizes (HTTP 409)."""
 
 
 class RpcError(KvdError):
@@ -92,6 +113,10 @@ class RpcError(KvdError):
 
 class KvdUnreachable(RpcError):
     """The local kvd daemon's engine socket cannot be reached."""
+
+
+class DaemonUnreachable(KvdError):
+    """No kvd answered at the address (not running, wrong port, or not a kvd)."""
 
 
 class KVTransferError(KvdError):

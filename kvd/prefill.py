@@ -123,6 +123,7 @@ class PrefillSide(Side):
         plan: PeerPlan | None = None
         num_pages = num_slots = 0
         try:
+            self._check_session(msg)
             args = RankArgs.of(msg.kv_args)
             layout = RankLayout.from_wire(msg.kv_args, msg.attn_tp_rank, msg.attn_tp_size)
             num_pages, num_slots = args.num_pages, args.num_aux_slots
@@ -138,6 +139,18 @@ class PrefillSide(Side):
                                    f"refused: {exc}", self.role)
             log.warning("refused decode rank %s: %s", msg.endpoint, exc)
         return self.rooms.on_register(msg, num_pages, num_slots, rejected, plan, now)
+
+    def _check_session(self, msg: control.RegisterRank) -> None:
+        """A decode rank's transfer address must be its own (S11): never this rank's own
+        (it would make this rank write into its own pool), never one another registered
+        decode endpoint claims."""
+        session = msg.kv_args.session_id
+        if session == self.core.engine.session_id:
+            raise RegistrationError(f"transfer address {session} is this prefill rank's own")
+        other = next((ep for ep, sess in self._sessions.items()
+                      if sess == session and ep != msg.endpoint), None)
+        if other is not None:
+            raise RegistrationError(f"transfer address {session} is registered by {other}")
 
     def _attach(self, msg: control.RegisterRank) -> None:
         """Tell a backend that can copy on this host about the decode rank's exported pool

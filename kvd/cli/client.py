@@ -14,14 +14,12 @@ from typing import Any
 import httpx
 
 from kvd.addr import http_url, join_hostport
-from kvd.errors import ConfigError, KvdError
+from kvd.errors import ConfigError, DaemonUnreachable
 
 DEFAULT_ADDR = "127.0.0.1:8998"
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1", "": "127.0.0.1"}
 
 
-class DaemonUnreachable(KvdError):
-    """No kvd answered at the address (not running, wrong port, or not a kvd)."""
 
 
 def resolve_addr(addr: str | None, config: Path | None) -> str:

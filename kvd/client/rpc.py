@@ -11,17 +11,12 @@ from typing import Any
 
 import msgspec
 
-from kvd import errors
-from kvd.errors import KvdError, KvdUnreachable, ProtocolError, RpcError
+from kvd.errors import KvdError, KvdUnreachable, ProtocolError
 from kvd.protocol import rpc
 
 
 def _error_from_reply(reply: rpc.Reply) -> Exception:
-    cls = getattr(errors, reply.kind, None)
-    if isinstance(cls, type) and issubclass(cls, errors.KvdError) and cls not in (
-            errors.KVTransferError, errors.TransportError, errors.RpcError):
-        return cls(reply.error)
-    return RpcError(reply.error, reply.kind)
+    return rpc.error_from(reply.kind, reply.error)
 
 
 #: Typed results of the calls that have one (the others answer None or a dict).

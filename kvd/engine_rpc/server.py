@@ -245,7 +245,7 @@ class EngineRpcServer:
             rpc.check_fd_indices(req.call, len(conn.fds))
             result = await self.dispatch(req.call, conn)
         except KvdError as exc:
-            return rpc.Reply(id=req.id, ok=False, error=str(exc), kind=type(exc).__name__)
+            return rpc.Reply(id=req.id, ok=False, error=str(exc), kind=rpc.error_kind(exc))
         except Exception as exc:
             log.exception("engine call %s failed", type(req.call).__name__)
             return rpc.Reply(id=req.id, ok=False, error=f"internal error: {exc}",

@@ -12,6 +12,7 @@ from typing import Any, TypeAlias
 
 import msgspec
 
+from kvd import errors
 from kvd.errors import ProtocolError
 from kvd.protocol import codec
 from kvd.protocol.memory import CudaIpcHandle, FdHandle, MemoryHandle, ShmHandle
@@ -208,3 +209,24 @@ def check_fd_indices(call: Call, received: int) -> None:
         if isinstance(h, FdHandle) and not 0 <= h.fd < received:
             raise ProtocolError(f"fd handle names descriptor #{h.fd} but the request carried "
                                 f"{received} (send them with SCM_RIGHTS: KvdClient does)")
+
+
+#: The errors an engine call can raise, by the name on the wire: the one table both ends
+#: use. Anything else crosses as :class:`~kvd.errors.RpcError` naming its class.
+ERRORS: dict[str, type[errors.KvdError]] = {cls.__name__: cls for cls in (
+    errors.ConfigError, errors.ProtocolError, errors.AuthError, errors.LayoutError,
+    errors.IndexLengthMismatch, errors.BoundsError, errors.RegistrationError,
+    errors.HandleError, errors.CudaUnavailable, errors.RoomError, errors.BootstrapError)}
+
+
+def error_kind(exc: BaseException) -> str:
+    """The wire name of ``exc``: its nearest class in :data:`ERRORS`, else its own name
+    (which the client turns into an RpcError)."""
+    return next((c.__name__ for c in type(exc).__mro__ if c.__name__ in ERRORS),
+                type(exc).__name__)
+
+
+def error_from(kind: str, message: str) -> errors.KvdError:
+    """The exception an engine sees for a failed reply."""
+    cls = ERRORS.get(kind)
+    return cls(message) if cls is not None else errors.RpcError(message, kind)
