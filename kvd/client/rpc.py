@@ -75,12 +75,7 @@ class KvdClient:
         if isinstance(call, rpc.RegisterKV) and not call.engine_id:
             call = msgspec.structs.replace(call, engine_id=self.engine_id)
         with self._lock:
-            if self._replay and self._registration is not None and \
-                    not isinstance(call, rpc.RegisterKV):
-                self._roundtrip(self._registration)
-                self.reconnects += 1
-                self._replay = False
-            result = self._roundtrip(call)
+            result = self._exchange(call)
             if isinstance(call, rpc.RegisterKV):
                 self._registration, self._replay = call, False
         kind = RESULT_TYPES.get(type(call))
@@ -94,14 +89,28 @@ class KvdClient:
             remaining = deadline - time.monotonic()
             chunk = max(min(remaining, self.timeout * WAIT_SHARE), 0.0)
             with self._lock:
-                if self._replay and self._registration is not None:
-                    self._roundtrip(self._registration)
-                    self.reconnects += 1
-                    self._replay = False
-                raw = self._roundtrip(rpc.Wait(rooms=list(rooms), timeout=chunk))
+                raw = self._exchange(rpc.Wait(rooms=list(rooms), timeout=chunk))
             result = msgspec.convert(raw, rpc.PollResult, strict=False)
             if remaining <= chunk or not _pending(rooms, result):
                 return result
+
+    def _exchange(self, call: rpc.Call) -> Any:
+        """One call, registering again first after a reconnect. A connection that was
+        already open and turns out dead (kvd restarted since) is retried once on a fresh
+        one: the old daemon is gone, so the new one has not seen the request."""
+        for attempt in (0, 1):
+            reused = self._sock is not None
+            try:
+                if self._replay and self._registration is not None and \
+                        not isinstance(call, rpc.RegisterKV):
+                    self._roundtrip(self._registration)
+                    self.reconnects += 1
+                    self._replay = False
+                return self._roundtrip(call)
+            except KvdUnreachable:
+                if not reused or attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     def _roundtrip(self, call: rpc.Call) -> Any:
         self._next_id += 1
