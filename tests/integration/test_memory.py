@@ -95,7 +95,7 @@ def test_s12_failed_registration_leaves_nothing_mapped_or_registered(
         _refused(client, _reg([*kv, bad, bad], []))
         assert first.path not in _maps(decode)
         info = client.call(_reg([good.alloc(8192)[1] for _ in range(2)], []))
-        assert info["num_pages"] == 2
+        assert info.num_pages == 2
         maps = _maps(decode)
         assert good.path in maps and first.path not in maps
     finally:
@@ -116,7 +116,7 @@ def test_s01_only_the_described_buffers_are_registered_with_the_transfer_engine(
     src = np.full(4096, 0xAB, dtype=np.uint8)
     try:
         kv = [pool.alloc(8192)[1] for _ in range(2)]
-        session = client.call(_reg(kv, []))["session_id"]
+        session = client.call(_reg(kv, [])).session_id
         line = next(ln for ln in _maps(daemon).splitlines() if pool.path in ln)
         base = int(line.split("-")[0], 16)  # the daemon maps the whole file
         attacker.register(src.ctypes.data, src.nbytes)
