@@ -1,0 +1,303 @@
+"""Second-round cases (K21-K34) on real daemon processes, the real Mooncake TCP transport on
+loopback and real signals. The same cases run deterministically in
+``tests/inproc/test_k_second_round.py``; here they show what only real processes can:
+bytes through the real engine, SIGSTOP/SIGKILL, sockets, restarts on the same ports.
+
+No test asserts a wall-clock bound: waits are "poll until, within a generous bound" and
+short configured timeouts keep each test to a few seconds. Where a case says "within
+about a second" (not at a deadline), the test configures that deadline far beyond the
+poll bound, and checks the failure *kind*, which says what ended the room.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvd.client import KvdClient, KVPoll, Receiver, Sender
+from kvd.errors import RoomError
+from kvd.launch import DaemonProcess, start_daemon
+from kvd.protocol import rpc
+from kvd.refengine.standin import (
+    EngineStandIn,
+    ModelSpec,
+    ShardStandIn,
+    StandInPool,
+    transfer_room,
+    wait_rooms,
+)
+from tests.conftest import PdPair, free_port, health, signed, start_pair, stop_pair
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+T = TypeVar("T")
+DONE = (KVPoll.Success, KVPoll.Failed)
+BOUND = 15.0  # generous bound of every "poll until" (each case's own deadlines are shorter)
+
+
+# ---- helpers -------------------------------------------------------------------------------
+
+
+def until(probe: Callable[[], T], what: str, timeout: float = BOUND,
+          interval: float = 0.02) -> T:
+    """Poll ``probe()`` until it returns something truthy (returned); fail the test with
+    ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f}s: {what} (last: {value!r})")
+        time.sleep(interval)
+
+
+def ended(room: Receiver | Sender, timeout: float = BOUND) -> KVPoll | int:
+    """Poll ``room`` until it is Success or Failed (not waiting for its pages to be
+    releasable, as ``wait`` does); returns the state, failing the test after ``timeout``."""
+    until(lambda: room.poll() in DONE, f"room {room.room} ended", timeout)
+    return room.poll()
+
+
+def failures(daemon: DaemonProcess, reason: str) -> float:
+    """``kvd_room_failures_total{reason=...}`` scraped from ``daemon``'s /metrics."""
+    resp = signed("GET", f"http://{daemon.http_addr}/metrics")
+    assert resp.status_code == 200, resp.text
+    for fam in text_string_to_metric_families(resp.text):
+        for s in fam.samples:
+            if s.name == "kvd_room_failures_total" and s.labels.get("reason") == reason:
+                return float(s.value)
+    return 0.0
+
+
+def status(daemon: DaemonProcess) -> dict[str, Any]:
+    """``daemon``'s /v1/status JSON."""
+    resp = signed("GET", f"http://{daemon.http_addr}/v1/status")
+    assert resp.status_code == 200, resp.text
+    result: dict[str, Any] = resp.json()
+    return result
+
+
+def snapshot(engine: StandInPool | ShardStandIn) -> list[np.ndarray]:
+    """A copy of every KV buffer of a stand-in engine."""
+    bufs = engine.kv if isinstance(engine, StandInPool) else engine.buffers
+    return [b.copy() for b in bufs]
+
+
+def unchanged(engine: StandInPool | ShardStandIn, before: list[np.ndarray]) -> bool:
+    bufs = engine.kv if isinstance(engine, StandInPool) else engine.buffers
+    return all(np.array_equal(b, a) for b, a in zip(bufs, before, strict=True))
+
+
+def transfer_ports() -> str:
+    """Two consecutive free ports below the ephemeral range, for ``transfer_port_range``
+    (a restarted decode then gets the same transfer session address as before)."""
+    rng = np.random.default_rng()
+    for _ in range(200):
+        first = int(rng.integers(20000, 32000))
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", first))
+                b.bind(("127.0.0.1", first + 1))
+        except OSError:
+            continue
+        return f"{first}-{first + 1}"
+    raise AssertionError("no two free consecutive ports in 20000-32000")
+
+
+@pytest.fixture
+def stack() -> Iterator[contextlib.ExitStack]:
+    """Clean-ups run at teardown, last registered first (stop daemons, SIGCONT, ...)."""
+    with contextlib.ExitStack() as s:
+        yield s
+
+
+def pair(stack: contextlib.ExitStack, tmp: Path, p_opts: dict | None = None,
+         d_opts: dict | None = None, **engines: Any) -> PdPair:
+    """A P (serving bootstrap) + D pair stopped at teardown (``stop_pair`` reads the
+    current ``pair.prefill``/``pair.decode``, so a test may replace them)."""
+    pd = start_pair(tmp, p_opts=p_opts, d_opts=d_opts, **engines)
+    stack.callback(stop_pair, pd)
+    stack.callback(pd.decode.kill, signal.SIGCONT)  # a stopped daemon would not hear SIGTERM
+    stack.callback(pd.prefill.kill, signal.SIGCONT)
+    return pd
+
+
+def daemon(stack: contextlib.ExitStack, role: str, tmp: Path, **settings: Any) -> DaemonProcess:
+    d = start_daemon(role, tmp, **settings)
+    stack.callback(d.stop)
+    stack.callback(d.kill, signal.SIGCONT)
+    return d
+
+
+def engine(stack: contextlib.ExitStack, d: DaemonProcess, **pool: Any) -> EngineStandIn:
+    e = EngineStandIn(d.socket, **pool)
+    stack.callback(e.close)
+    return e
+
+
+def shard(stack: contextlib.ExitStack, d: DaemonProcess, spec: ModelSpec, *args: Any,
+          **kw: Any) -> ShardStandIn:
+    e = ShardStandIn(d.socket, spec, *args, **kw)
+    stack.callback(e.close)
+    return e
+
+
+@dataclass(frozen=True)
+class _Side:
+    role: str
+    daemon: DaemonProcess
+
+
+def _sides(pd: PdPair) -> tuple[_Side, _Side]:
+    return _Side("prefill", pd.prefill), _Side("decode", pd.decode)
+
+
+def _faults(**plan: object) -> str:
+    import json
+
+    return json.dumps(plan)
+
+
+# ---- K21: an abort reached before the peer is known ---------------------------------------
+
+
+def test_k21_abort_before_the_decode_came_is_delivered_with_its_reason(
+        room_pair: PdPair, room_ids: Iterator[int]) -> None:
+    """P's engine aborts and clears R before D exists for it: D's R fails with P's reason
+    (kind ``aborted``), not at its waiting timeout (the default, 300 s); aborted but not
+    cleared likewise, never ``duplicate``; the remembered outcome answers a later decode
+    incarnation too. Nothing is written."""
+    pd = room_pair
+    p, d = pd.p_engine, pd.d_engine
+    base = {(x.role, k): failures(x.daemon, k) for x in _sides(pd)
+            for k in ("aborted", "duplicate")}
+    room1, room2 = next(room_ids), next(room_ids)
+    dst = [200, 201, 202, 203]
+    before = [kv[dst].copy() for kv in d.kv]
+    s = Sender(p.client, room1)
+    s.abort("client gone")
+    s.clear()
+    r = Receiver(d.client, room1, pd.bootstrap)
+    r.init(dst[:2], 0)
+    assert ended(r) == KVPoll.Failed
+    kind, reason = r.failure()
+    assert kind == "aborted" and "client gone" in reason, (kind, reason)
+    # aborted on P but not cleared yet: the same answer, not "duplicate room"
+    s2 = Sender(p.client, room2)
+    s2.abort("client gone")
+    r2 = Receiver(d.client, room2, pd.bootstrap)
+    r2.init(dst[2:], 0)
+    assert ended(r2) == KVPoll.Failed
+    assert r2.failure() == ("aborted", s2.failure()[1])
+    assert r.wait(BOUND) == KVPoll.Failed and r.releasable()  # nothing was ever sent
+    assert all(np.array_equal(kv[dst], b) for kv, b in zip(d.kv, before, strict=True))
+
+    now = {(x.role, k): failures(x.daemon, k) - base[(x.role, k)] for x in _sides(pd)
+           for k in ("aborted", "duplicate")}
+    assert now == {("prefill", "aborted"): 2, ("prefill", "duplicate"): 0,
+                   ("decode", "aborted"): 2, ("decode", "duplicate"): 0}, now
+    # the tombstone answers a later incarnation of the room as well
+    r.clear()
+    r3 = Receiver(d.client, room1, pd.bootstrap)
+    r3.init([204], 0)
+    assert ended(r3) == KVPoll.Failed and r3.failure()[0] == "aborted"
+    for room in (room1, room2):
+        Receiver.attach(d.client, room).clear()
+    s2.clear()
+
+
+# ---- K22: a decode-side end must stop every prefill writer --------------------------------
+
+
+def test_k22a_a_decode_deadline_stops_the_prefill_writer(tmp_path: Path,
+                                                         stack: contextlib.ExitStack) -> None:
+    """D's waiting timeout ends R after chunk 1 landed; once D says the pages are
+    releasable the engine reuses them, and P's chunk 2 (sent later) writes nothing."""
+    pd = pair(stack, tmp_path, d_opts={"waiting_timeout": 2.0, "release_timeout": 0.5})
+    p, d = pd.p_engine, pd.d_engine
+    dst, src = [0, 1, 2, 3], [8, 9, 10, 11]
+    r = Receiver(d.client, 30, pd.bootstrap)
+    r.init(dst, 0)
+    s = Sender(p.client, 30)
+    s.init(4, 0)
+    until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound to D's pages")
+    s.send(src[:2])  # chunk 1: lands
+    until(lambda: d.pages_equal(p, src[:2], dst[:2]), "chunk 1 landed")
+    assert ended(r) == KVPoll.Failed  # D's waiting deadline
+    assert r.failure()[0] == "timeout", r.failure()
+    assert ended(s) == KVPoll.Failed  # told by D (and past D's write bound anyway)
+    until(r.releasable, "D's pages releasable")
+    for kv in d.kv:  # the engine reuses the pages for another request
+        kv[dst] = 0xAB
+    before = snapshot(d)
+    s.send(src[2:], is_last=True)  # chunk 2, after the end: must not land
+    # A later room to the same decode session is written on the same transfer thread, after
+    # anything chunk 2 could have started: once it succeeded, chunk 2 had its chance.
+    transfer_room(p, d, pd.bootstrap, 31, [20], [40], chunk=1)
+    assert wait_rooms(d.client, [31], timeout=BOUND) == [KVPoll.Success]
+    assert d.pages_equal(p, [20], [40])
+    for kv, b in zip(d.kv, before, strict=True):
+        b[40] = kv[40]
+    assert unchanged(d, before), "chunk 2 wrote into released pages"
+    assert s.poll() == KVPoll.Failed and r.poll() == KVPoll.Failed
+
+
+SPEC = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, page_size=4, num_pages=16)
+
+
+def test_k22b_a_late_prefill_rank_writes_nothing_after_another_aborted(
+        tmp_path: Path, stack: contextlib.ExitStack) -> None:
+    """Prefill TP 2 -> decode TP 1: rank 0 aborts R; rank 1 creates its sender later and
+    sends: it fails at once and writes nothing; D's pages are releasable once both ranks
+    confirmed, and later rooms through rank 1 land exactly."""
+    source = SPEC.global_kv(7)
+    p0 = daemon(stack, "prefill", tmp_path, serve_bootstrap=True, attn_tp_size=2,
+                attn_tp_rank=0)
+    p1 = daemon(stack, "prefill", tmp_path, bootstrap_addr=p0.http_addr, attn_tp_size=2,
+                attn_tp_rank=1)
+    d = daemon(stack, "decode", tmp_path, waiting_timeout=120.0)
+    e0 = shard(stack, p0, SPEC, 0, 2, source=source, seed=1)
+    e1 = shard(stack, p1, SPEC, 1, 2, source=source, seed=2)
+    de = shard(stack, d, SPEC, 0, 1, seed=3)
+    before = snapshot(de)
+    r = Receiver(de.client, 40, p0.http_addr)
+    r.init([0, 1], 0)
+    s0 = Sender(e0.client, 40)
+    until(lambda: s0.poll() == KVPoll.WaitingForInput, "rank 0 bound to D's pages")
+    s0.abort("rank 0 gave up")
+    assert ended(r) == KVPoll.Failed
+    kind, reason = r.failure()
+    assert kind == "aborted" and "rank 0 gave up" in reason, (kind, reason)
+    until(r.releasable, "D's pages releasable (both prefill ranks confirmed)")
+    time.sleep(1.0)  # rank 1's sender comes later
+    s1 = Sender(e1.client, 40)
+    assert s1.poll() == KVPoll.Failed  # the abort reached rank 1 before its sender existed
+    s1.init(2, 0)
+    s1.send([3, 4])
+    assert s1.poll() == KVPoll.Failed
+    # A later room through both ranks: rank 1's writes to D go on the same thread after
+    # anything room 40 could have started there.
+    senders = []
+    r2 = Receiver(de.client, 41, p0.http_addr)
+    r2.init([6, 7], 1)
+    for e in (e0, e1):
+        s = Sender(e.client, 41)
+        s.init(2, 1)
+        s.send([9, 10])
+        senders.append(s)
+    assert ended(r2) == KVPoll.Success
+    assert de.holds(source, [9, 10], [6, 7])
+    for buf, b in zip(de.buffers, before, strict=True):
+        b.reshape(SPEC.num_pages, -1)[[6, 7]] = buf.reshape(SPEC.num_pages, -1)[[6, 7]]
+    assert unchanged(de, before), "a prefill rank wrote into the aborted room's pages"
