@@ -115,38 +115,55 @@ def transfer_ports() -> str:
     raise AssertionError("no two free consecutive ports in 20000-32000")
 
 
+class Cleanup(contextlib.ExitStack):
+    """Clean-ups run at teardown, last registered first; every daemon registered with
+    :meth:`thaw` gets SIGCONT before any of them is stopped (a stopped daemon would not
+    hear SIGTERM, and its peers' shutdowns may wait on it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen: list[DaemonProcess] = []
+
+    def thaw(self, d: DaemonProcess) -> None:
+        self.frozen.append(d)
+
+    def __exit__(self, *exc: object) -> bool:
+        for d in self.frozen:
+            d.kill(signal.SIGCONT)
+        return bool(super().__exit__(*exc))
+
+
 @pytest.fixture
-def stack() -> Iterator[contextlib.ExitStack]:
-    """Clean-ups run at teardown, last registered first (stop daemons, SIGCONT, ...)."""
-    with contextlib.ExitStack() as s:
+def stack() -> Iterator[Cleanup]:
+    with Cleanup() as s:
         yield s
 
 
-def pair(stack: contextlib.ExitStack, tmp: Path, p_opts: dict | None = None,
+def pair(stack: Cleanup, tmp: Path, p_opts: dict | None = None,
          d_opts: dict | None = None, **engines: Any) -> PdPair:
     """A P (serving bootstrap) + D pair stopped at teardown (``stop_pair`` reads the
     current ``pair.prefill``/``pair.decode``, so a test may replace them)."""
     pd = start_pair(tmp, p_opts=p_opts, d_opts=d_opts, **engines)
     stack.callback(stop_pair, pd)
-    stack.callback(pd.decode.kill, signal.SIGCONT)  # a stopped daemon would not hear SIGTERM
-    stack.callback(pd.prefill.kill, signal.SIGCONT)
+    stack.thaw(pd.prefill)
+    stack.thaw(pd.decode)
     return pd
 
 
-def daemon(stack: contextlib.ExitStack, role: str, tmp: Path, **settings: Any) -> DaemonProcess:
+def daemon(stack: Cleanup, role: str, tmp: Path, **settings: Any) -> DaemonProcess:
     d = start_daemon(role, tmp, **settings)
     stack.callback(d.stop)
-    stack.callback(d.kill, signal.SIGCONT)
+    stack.thaw(d)
     return d
 
 
-def engine(stack: contextlib.ExitStack, d: DaemonProcess, **pool: Any) -> EngineStandIn:
+def engine(stack: Cleanup, d: DaemonProcess, **pool: Any) -> EngineStandIn:
     e = EngineStandIn(d.socket, **pool)
     stack.callback(e.close)
     return e
 
 
-def shard(stack: contextlib.ExitStack, d: DaemonProcess, spec: ModelSpec, *args: Any,
+def shard(stack: Cleanup, d: DaemonProcess, spec: ModelSpec, *args: Any,
           **kw: Any) -> ShardStandIn:
     e = ShardStandIn(d.socket, spec, *args, **kw)
     stack.callback(e.close)
@@ -221,7 +238,7 @@ def test_k21_abort_before_the_decode_came_is_delivered_with_its_reason(
 
 
 def test_k22a_a_decode_deadline_stops_the_prefill_writer(tmp_path: Path,
-                                                         stack: contextlib.ExitStack) -> None:
+                                                         stack: Cleanup) -> None:
     """D's waiting timeout ends R after chunk 1 landed; once D says the pages are
     releasable the engine reuses them, and P's chunk 2 (sent later) writes nothing."""
     pd = pair(stack, tmp_path, d_opts={"waiting_timeout": 2.0, "release_timeout": 0.5})
@@ -257,7 +274,7 @@ SPEC = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, page_size=4, num_pa
 
 
 def test_k22b_a_late_prefill_rank_writes_nothing_after_another_aborted(
-        tmp_path: Path, stack: contextlib.ExitStack) -> None:
+        tmp_path: Path, stack: Cleanup) -> None:
     """Prefill TP 2 -> decode TP 1: rank 0 aborts R; rank 1 creates its sender later and
     sends: it fails at once and writes nothing; D's pages are releasable once both ranks
     confirmed, and later rooms through rank 1 land exactly."""
@@ -301,3 +318,71 @@ def test_k22b_a_late_prefill_rank_writes_nothing_after_another_aborted(
     for buf, b in zip(de.buffers, before, strict=True):
         b.reshape(SPEC.num_pages, -1)[[6, 7]] = buf.reshape(SPEC.num_pages, -1)[[6, 7]]
     assert unchanged(de, before), "a prefill rank wrote into the aborted room's pages"
+
+
+# ---- K23: failure categories come from types, not text ------------------------------------
+
+
+def test_k23_a_refused_batch_counts_as_transport_on_both_sides(
+        tmp_path: Path, stack: Cleanup) -> None:
+    """The real engine's submission of one batch is refused on every try while the decode
+    is alive: the room fails as ``transport`` on P and D (kind, metric), never as
+    ``unreachable``; the session stays usable."""
+    pd = pair(stack, tmp_path, p_opts={"fault_injection": _faults(fail_batches=[0]),
+                                       "transient_retry_s": 0.2})
+    p, d = pd.p_engine, pd.d_engine
+    _send, r = transfer_room(p, d, pd.bootstrap, 50, [2], [1], chunk=1)
+    assert ended(r) == KVPoll.Failed
+    assert r.failure()[0] == "transport", r.failure()
+    assert ended(_send) == KVPoll.Failed and _send.failure() == r.failure()
+    for x in (pd.prefill, pd.decode):
+        assert failures(x, "transport") == 1
+        assert failures(x, "unreachable") == 0
+    transfer_room(p, d, pd.bootstrap, 51, [3], [4], chunk=1)
+    assert wait_rooms(d.client, [51], timeout=BOUND) == [KVPoll.Success]
+    assert d.pages_equal(p, [3], [4])
+
+
+# ---- K24: a frozen decode must not stall others -------------------------------------------
+
+
+def test_k24_a_frozen_decode_does_not_stall_another(tmp_path: Path, stack: Cleanup) -> None:
+    """One P, two decodes. P is writing a 32 MiB room into D1 when D1 is frozen (SIGSTOP):
+    a 1-page room to D2 (P's first transfer to it) still succeeds; D1's room fails by P's
+    transfer deadline; after SIGCONT a new room to D1 succeeds.
+
+    P already wrote to D1 once (its transfer session is open), as when D1 froze mid-room.
+    Batches to D1 are delayed 0.5 s by the fault wrapper so that D1 is frozen before the
+    bytes go; the room to D2 starts once the real engine is inside its write to D1."""
+    d1 = daemon(stack, "decode", tmp_path)
+    d2 = daemon(stack, "decode", tmp_path)
+    p = daemon(stack, "prefill", tmp_path, serve_bootstrap=True, transfer_timeout=3.0,
+               fault_injection=_faults(delay_s=0.5, peers=[d1.ready["session_id"]]))
+    pe = engine(stack, p, seed=1, num_pages=1024)
+    e1 = engine(stack, d1, seed=2, num_pages=1024)
+    e2 = engine(stack, d2, seed=3)
+    _s0, r0 = transfer_room(pe, e1, p.http_addr, 59, [1], [1], chunk=1)  # D1 is known
+    assert ended(r0) == KVPoll.Success
+    big = np.arange(1024)
+    assert sum(kv[big].nbytes for kv in pe.kv) == 32 << 20
+    r1 = Receiver(e1.client, 60, p.http_addr)
+    r1.init(big, 0)
+    s1 = Sender(pe.client, 60)
+    s1.init(1024, 0)
+    until(lambda: s1.poll() == KVPoll.WaitingForInput, "P bound to D1's pages")
+    s1.send(big)  # one 32 MiB chunk: its write starts now
+    d1.kill(signal.SIGSTOP)
+    time.sleep(1.0)  # the 0.5 s delay is over: the write to D1 is in the real engine
+    assert s1.poll() == KVPoll.Transferring
+    _s2, r2 = transfer_room(pe, e2, p.http_addr, 61, [4], [3], chunk=1)
+    assert ended(r2) == KVPoll.Success, r2.failure()
+    assert e2.pages_equal(pe, [4], [3])
+    assert ended(s1) == KVPoll.Failed  # by P's transfer deadline, D1 still frozen
+    assert s1.failure()[0] == "timeout", s1.failure()
+    d1.kill(signal.SIGCONT)
+    assert ended(r1) == KVPoll.Failed
+    assert r1.wait(BOUND) == KVPoll.Failed and r1.releasable()
+    r1.clear()
+    _s3, r3 = transfer_room(pe, e1, p.http_addr, 62, [7, 8], [5, 6], chunk=1)
+    assert ended(r3) == KVPoll.Success, r3.failure()
+    assert e1.pages_equal(pe, [7, 8], [5, 6])
