@@ -386,3 +386,115 @@ def test_k24_a_frozen_decode_does_not_stall_another(tmp_path: Path, stack: Clean
     _s3, r3 = transfer_room(pe, e1, p.http_addr, 62, [7, 8], [5, 6], chunk=1)
     assert ended(r3) == KVPoll.Success, r3.failure()
     assert e1.pages_equal(pe, [7, 8], [5, 6])
+
+
+# ---- K25: every byte the decode will read is written --------------------------------------
+
+
+def test_k25_a_layer_the_decode_reads_is_written_or_the_pair_is_refused(
+        tmp_path: Path, stack: Cleanup) -> None:
+    """P registers 4 layers, D 5: the pair is refused at registration, naming the layers;
+    the room never reports Success on either side and no byte lands in D's pool."""
+    pd = pair(stack, tmp_path, engine_opts={"num_layers": 4},
+              d_engine_opts={"num_layers": 5})
+    p, d = pd.p_engine, pd.d_engine
+    assert len(p.kv) == 8 and len(d.kv) == 10
+    before = snapshot(d)
+    s, r = transfer_room(p, d, pd.bootstrap, 70, [2, 3], [1, 2], chunk=2)
+    assert ended(r) == KVPoll.Failed and ended(s) == KVPoll.Failed
+    kind, reason = r.failure()
+    assert kind == "registration" and "layer" in reason, (kind, reason)
+    assert s.failure()[0] == "registration", s.failure()
+    assert r.wait(BOUND) == KVPoll.Failed and r.releasable()
+    assert unchanged(d, before)
+    peers = status(pd.prefill)["peers"]
+    assert [x["state"] for x in peers] == ["rejected"] and "layer" in peers[0]["detail"]
+
+
+# ---- K26: a room id reused by a retry -----------------------------------------------------
+
+
+def test_k26_a_retry_with_the_same_room_id_is_its_own_attempt(tmp_path: Path,
+                                                              stack: Cleanup) -> None:
+    """P's batches take 2 s. Attempt 1 of R is being written when D aborts it; the router
+    retries R at once with new pages. Attempt 2's receiver is refused with an explicit
+    error until attempt 1's write returned; then attempt 2 succeeds on both sides, its
+    bytes in its own pages, and attempt 1's late report never decides it."""
+    pd = pair(stack, tmp_path, p_opts={"fault_injection": _faults(delay_s=2.0)})
+    p, d = pd.p_engine, pd.d_engine
+    r1 = Receiver(d.client, 80, pd.bootstrap)
+    r1.init([0, 1, 2, 3], 0)
+    s1 = Sender(p.client, 80)
+    s1.init(4, 0)
+    until(lambda: s1.poll() == KVPoll.WaitingForInput, "P bound to attempt 1's pages")
+    s1.send([20, 21, 22, 23])  # a 2 s write starts
+    time.sleep(0.3)
+    r1.abort("router retries")
+    assert r1.poll() == KVPoll.Failed
+    time.sleep(0.2)
+    # the retry: the prefill engine creates the room again at once...
+    assert ended(s1) == KVPoll.Failed
+    s1.clear()
+    s2 = Sender(p.client, 80)
+    s2.init(4, 0)
+    # ... the decode side's new receiver is refused until attempt 1 has quiesced
+    with pytest.raises(RoomError, match="not releasable"):
+        Receiver(d.client, 80, pd.bootstrap)
+    assert not r1.releasable()
+    assert r1.wait(BOUND) == KVPoll.Failed and r1.releasable()  # attempt 1's write returned
+    r2 = Receiver(d.client, 80, pd.bootstrap)
+    r2.init([10, 11, 12, 13], 0)
+    s2.send([24, 25, 26, 27])
+    assert ended(r2) == KVPoll.Success, r2.failure()
+    assert ended(s2) == KVPoll.Success, s2.failure()
+    assert d.pages_equal(p, [24, 25, 26, 27], [10, 11, 12, 13])
+
+
+# ---- K27: a long wait is not a dead engine ------------------------------------------------
+
+
+class _Engine(StandInPool):
+    """A stand-in engine whose client has a short RPC timeout."""
+
+    def __init__(self, socket: str, timeout: float, **pool: Any) -> None:
+        super().__init__(**pool)
+        self.client = KvdClient(socket, timeout=timeout)
+        self.info = self.client.call(self.registration)
+
+    def close(self) -> None:
+        self.client.close()
+        super().close()
+
+
+def test_k27_a_long_wait_and_a_reconnect_keep_the_engine(tmp_path: Path,
+                                                         stack: Cleanup) -> None:
+    """An engine client with a 2 s RPC timeout waits 5 s on a room whose prefill is slow
+    while another room is in flight: ``wait`` answers the room's real state, the next
+    call works, the other room succeeds, kvd never sees the engine as gone. A dropped
+    connection and a reconnect of the same engine keep its registration and rooms."""
+    pd = pair(stack, tmp_path, p_opts={"fault_injection": _faults(delay_s=1.0)})
+    p = pd.p_engine
+    pd.d_engine.close()  # the decode engine of this test has a short RPC timeout
+    d = _Engine(pd.decode.socket, timeout=2.0, seed=5)
+    pd.d_engine = d  # type: ignore[assignment]  # closed by stop_pair
+    mark = len(pd.decode.log.read_text())  # the log from here on
+    slow = Receiver(d.client, 90, pd.bootstrap)  # its prefill engine has not started yet
+    slow.init([1, 2], 0)
+    _s2, r2 = transfer_room(p, d, pd.bootstrap, 91, [5, 6], [3, 4], chunk=1)  # in flight
+    assert slow.wait(5.0) == KVPoll.WaitingForInput  # longer than the client's timeout
+    assert r2.wait(BOUND) == KVPoll.Success  # the next call works
+    assert d.pages_equal(p, [5, 6], [3, 4])
+    # the connection drops (the engine's socket closes without a goodbye) and comes back
+    d.client._drop()
+    assert d.client.reconnects == 0
+    assert slow.poll() == KVPoll.WaitingForInput  # reconnects, replays its registration
+    assert d.client.reconnects == 1
+    s = Sender(p.client, 90)
+    s.init(2, 0)
+    s.send([7, 8])
+    assert slow.wait(BOUND) == KVPoll.Success
+    assert d.pages_equal(p, [7, 8], [1, 2])
+    assert health(pd.decode)["engine_registered"]
+    log = pd.decode.log.read_text()[mark:]
+    assert "reconnected: registration and rooms kept" in log
+    assert "engine disconnected" not in log
