@@ -498,3 +498,56 @@ def test_k27_a_long_wait_and_a_reconnect_keep_the_engine(tmp_path: Path,
     log = pd.decode.log.read_text()[mark:]
     assert "reconnected: registration and rooms kept" in log
     assert "engine disconnected" not in log
+
+
+# ---- K28: messages from an old instance of a peer -----------------------------------------
+
+
+def _restart(stack: Cleanup, old: DaemonProcess, tmp: Path, **settings: Any) -> DaemonProcess:
+    """SIGKILL ``old`` and start the same role again with ``settings`` (same ports)."""
+    old.kill(signal.SIGKILL)
+    old.proc.wait(10)
+    return daemon(stack, old.ready["role"], tmp, **settings)
+
+
+def test_k28_a_restarted_decode_is_never_written_for_its_old_rooms(
+        tmp_path: Path, stack: Cleanup) -> None:
+    """D gave P its pages for R1 and R2, then is SIGKILLed and restarted on the same
+    control, HTTP and transfer ports (the same transfer session address) with a fresh
+    engine. P's engine sends R2 before the new instance registered, and R1 after: both
+    fail on P (R1 as ``peer``) and no byte of either lands in the new D; the new D's own
+    room through the same session lands exactly."""
+    ports = {"zmq_port": free_port(), "http_port": free_port(),
+             "transfer_port_range": transfer_ports()}
+    pd = pair(stack, tmp_path, d_opts=ports)
+    p = pd.p_engine
+    senders = {}
+    for room, dst in ((100, [0, 1]), (102, [2, 3])):
+        Receiver(pd.d_engine.client, room, pd.bootstrap).init(dst, 0)
+        senders[room] = s = Sender(p.client, room)
+        s.init(2, 0)
+        until(lambda s=s: s.poll() == KVPoll.WaitingForInput, f"P bound R{room} to the old D")
+    old_session = pd.decode.ready["session_id"]
+    for _ in range(8):  # Mooncake takes the range's two ports in a random order
+        pd.decode = _restart(stack, pd.decode, tmp_path, **ports)
+        if pd.decode.ready["session_id"] == old_session:
+            break
+    assert pd.decode.ready["session_id"] == old_session  # the same transfer address
+    pd.d_engine.close()  # the old engine went with its daemon
+    pd.d_engine = d = engine(stack, pd.decode, seed=5)
+    before = snapshot(d)
+    senders[102].send([6, 7])  # P does not know yet that D restarted
+    assert ended(senders[102]) == KVPoll.Failed
+    r2 = Receiver(d.client, 101, pd.bootstrap)  # registers the new instance with P
+    r2.init([5], 0)
+    assert ended(senders[100]) == KVPoll.Failed
+    assert senders[100].failure()[0] == "peer", senders[100].failure()
+    senders[100].send([2, 3])  # after the new instance registered: must not land
+    s2 = Sender(p.client, 101)  # later on the same transfer session: the barrier
+    s2.init(1, 0)
+    s2.send([9])
+    assert ended(r2) == KVPoll.Success, r2.failure()
+    assert d.pages_equal(p, [9], [5])
+    for kv, b in zip(d.kv, before, strict=True):
+        b[5] = kv[5]
+    assert unchanged(d, before), "a room of the old instance was written into the new one"
