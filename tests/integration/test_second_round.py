@@ -80,6 +80,16 @@ def failures(daemon: DaemonProcess, reason: str) -> float:
     return 0.0
 
 
+def heartbeat_misses(daemon: DaemonProcess, peer: str) -> float:
+    """``kvd_heartbeat_misses_total{peer=...}`` scraped from ``daemon``'s /metrics."""
+    resp = signed("GET", f"http://{daemon.http_addr}/metrics")
+    for fam in text_string_to_metric_families(resp.text):
+        for s in fam.samples:
+            if s.name == "kvd_heartbeat_misses_total" and s.labels.get("peer") == peer:
+                return float(s.value)
+    return 0.0
+
+
 def status(daemon: DaemonProcess) -> dict[str, Any]:
     """``daemon``'s /v1/status JSON."""
     resp = signed("GET", f"http://{daemon.http_addr}/v1/status")
@@ -551,3 +561,165 @@ def test_k28_a_restarted_decode_is_never_written_for_its_old_rooms(
     for kv, b in zip(d.kv, before, strict=True):
         b[5] = kv[5]
     assert unchanged(d, before), "a room of the old instance was written into the new one"
+
+
+# ---- K29: an abort reaches every destination ----------------------------------------------
+
+
+def test_k29_an_abort_reaches_every_destination(tmp_path: Path, stack: Cleanup) -> None:
+    """Prefill TP 1 -> decode TP 2: decode rank 0 aborts R; decode rank 1's R fails with
+    rank 0's reason (not at its 120 s waiting timeout), and so does P's."""
+    source = SPEC.global_kv(3)
+    p = daemon(stack, "prefill", tmp_path, serve_bootstrap=True)
+    opts = {"attn_tp_size": 2, "waiting_timeout": 120.0}
+    d0 = daemon(stack, "decode", tmp_path, attn_tp_rank=0, **opts)
+    d1 = daemon(stack, "decode", tmp_path, attn_tp_rank=1, **opts)
+    pe = shard(stack, p, SPEC, 0, 1, source=source, seed=1)
+    e0 = shard(stack, d0, SPEC, 0, 2, seed=2)
+    e1 = shard(stack, d1, SPEC, 1, 2, seed=3)
+    r0 = Receiver(e0.client, 110, p.http_addr)
+    r0.init([0, 1], 0)
+    r1 = Receiver(e1.client, 110, p.http_addr)
+    r1.init([2, 3], 0)
+    s = Sender(pe.client, 110)
+    s.init(2, 0)
+    until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound to both decode ranks")
+    r0.abort("decode rank 0 gave up")
+    assert ended(r1) == KVPoll.Failed
+    kind, reason = r1.failure()
+    assert kind == "aborted" and "decode rank 0 gave up" in reason, (kind, reason)
+    assert ended(s) == KVPoll.Failed and "decode rank 0 gave up" in s.failure()[1]
+    for r in (r0, r1):  # nothing was written: both ranks may reuse their pages
+        assert r.wait(BOUND) == KVPoll.Failed and r.releasable()
+    # the next room through both ranks works
+    for r, dst in ((Receiver(e0.client, 111, p.http_addr), [4, 5]),
+                   (Receiver(e1.client, 111, p.http_addr), [6, 7])):
+        r.init(dst, 1)
+    s2 = Sender(pe.client, 111)
+    s2.init(2, 1)
+    s2.send([8, 9])
+    assert ended(s2) == KVPoll.Success, s2.failure()
+    until(lambda: e0.holds(source, [8, 9], [4, 5]) and e1.holds(source, [8, 9], [6, 7]),
+          "room 111's bytes on both decode ranks")
+
+
+def _forge(target: str, msg: object) -> None:
+    """Send ``msg`` sealed with the cluster secret to the control endpoint ``target`` (what
+    any holder of the secret can do)."""
+    import zmq
+
+    from kvd.launch import LAUNCH_SECRET
+    from kvd.protocol import control
+    from kvd.security import Authenticator
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 5000)
+    sock.connect(target)
+    sock.send(Authenticator(LAUNCH_SECRET.encode()).seal(control.encode(msg)))  # type: ignore[arg-type]
+    sock.close()
+    ctx.term()
+
+
+def test_k29_only_a_bound_decode_rank_may_abort(tmp_path: Path, stack: Cleanup) -> None:
+    """A registered decode rank that is not bound to R sends P an abort of R: dropped and
+    counted; R goes on and succeeds."""
+    from kvd.protocol import control
+
+    pd = pair(stack, tmp_path)
+    p, d = pd.p_engine, pd.d_engine
+    other = daemon(stack, "decode", tmp_path)
+    oe = engine(stack, other, seed=9)
+    transfer_room(p, oe, pd.bootstrap, 121, [1], [1], chunk=1)  # `other` registers with P
+    assert wait_rooms(oe.client, [121], timeout=BOUND) == [KVPoll.Success]
+    r = Receiver(d.client, 120, pd.bootstrap)
+    r.init([1], 0)
+    s = Sender(p.client, 120)
+    s.init(1, 0)
+    until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound R to D")
+    dropped = status(pd.prefill)["totals"].get("dropped_unbound", 0)
+    _forge(pd.prefill.ready["control_endpoint"], control.RoomAbort(
+        room=120, inc=0, kind="aborted", reason="not yours",
+        endpoint=other.ready["control_endpoint"], instance_id=other.ready["instance_id"]))
+    until(lambda: status(pd.prefill)["totals"].get("dropped_unbound", 0) == dropped + 1,
+          "P dropped the abort from a decode rank not bound to R")
+    assert s.poll() == KVPoll.WaitingForInput and r.poll() == KVPoll.WaitingForInput
+    s.send([2])
+    assert ended(r) == KVPoll.Success, r.failure()
+    assert d.pages_equal(p, [2], [1])
+
+
+# ---- K30: a refused pairing fails both sides fast -----------------------------------------
+
+
+def test_k30_a_refused_pairing_fails_both_sides_at_once(tmp_path: Path,
+                                                       stack: Cleanup) -> None:
+    """D's page size differs from P's: D's pages for R are refused, and R fails on D and
+    on P as ``registration`` (P's bootstrap timeout is the default 300 s); a sender created
+    after the refusal fails at once too."""
+    pd = pair(stack, tmp_path, engine_opts={"page_size": 16}, d_engine_opts={"page_size": 32})
+    p, d = pd.p_engine, pd.d_engine
+    s = Sender(p.client, 130)
+    r = Receiver(d.client, 130, pd.bootstrap)
+    r.init([1], 0)
+    assert ended(r) == KVPoll.Failed and ended(s) == KVPoll.Failed
+    assert r.failure()[0] == "registration" and s.failure()[0] == "registration", \
+        (r.failure(), s.failure())
+    assert "page" in r.failure()[1], r.failure()
+    r2 = Receiver(d.client, 131, pd.bootstrap)  # the sender comes after the refusal
+    r2.init([2], 0)
+    assert ended(r2) == KVPoll.Failed
+    s2 = Sender(p.client, 131)
+    assert s2.poll() == KVPoll.Failed and s2.failure()[0] == "registration"
+    assert failures(pd.prefill, "timeout") == 0 and failures(pd.decode, "timeout") == 0
+
+
+# ---- K31: background loops survive and forget ---------------------------------------------
+
+
+def test_k31_a_dead_prefill_is_forgotten_after_peer_ttl(tmp_path: Path,
+                                                        stack: Cleanup) -> None:
+    """D used two prefills; one dies: D's heartbeats see it down, and once its address has
+    been unused for ``peer_ttl`` D forgets it: no more probes (its miss counter stops), no
+    control socket, no log lines, no status row; the live prefill is still probed and its
+    rooms still work."""
+    # a probe's time limit is the heartbeat interval: 1 s keeps the live prefill's probes
+    # answered on a busy machine; peer_ttl leaves time to see the dead prefill down first
+    hb = {"heartbeat_interval": 1.0, "heartbeat_max_failures": 2, "peer_ttl": 6.0,
+          "waiting_timeout": 120.0}
+    pd = pair(stack, tmp_path, d_opts=hb)
+    p, d = pd.p_engine, pd.d_engine
+    gone = daemon(stack, "prefill", tmp_path, serve_bootstrap=True)
+    ge = engine(stack, gone, seed=4)
+    gone_addr = gone.http_addr
+    _s, r0 = transfer_room(p, d, pd.bootstrap, 140, [1], [1], chunk=1)
+    _g, g0 = transfer_room(ge, d, gone_addr, 141, [2], [2], chunk=1)
+    assert ended(r0) == KVPoll.Success and ended(g0) == KVPoll.Success
+    live = Receiver(d.client, 142, pd.bootstrap)  # keeps P in use
+    live.init([3], 0)
+
+    def rows() -> set[str]:
+        return {x["bootstrap"] for x in status(pd.decode)["peers"]}
+
+    assert rows() == {pd.bootstrap, gone_addr}
+    assert health(pd.decode)["tables"]["control_sockets"] == 2
+    gone.kill(signal.SIGKILL)
+    gone.proc.wait(10)
+    until(lambda: any(x["heartbeat"] == "down" for x in status(pd.decode)["peers"]),
+          "the dead prefill seen down")
+    until(lambda: rows() == {pd.bootstrap}, "the dead prefill forgotten")
+    h = health(pd.decode)
+    assert h["tables"]["health"] == 1
+    assert h["tables"]["control_sockets"] == 1, h["tables"]  # its socket is closed
+    misses = heartbeat_misses(pd.decode, gone_addr)
+    assert misses >= 2
+    lines = pd.decode.log.read_text().count(gone_addr)
+    time.sleep(3.0)  # three heartbeat periods
+    h = health(pd.decode)
+    assert heartbeat_misses(pd.decode, gone_addr) == misses  # no more probes of it
+    assert pd.decode.log.read_text().count(gone_addr) == lines  # no more log lines
+    assert [x["heartbeat"] for x in status(pd.decode)["peers"]] == ["ok"]  # P still probed
+    assert h["counters"]["loop_errors"] == 0
+    Sender(p.client, 142).init(1, 0)
+    Sender.attach(p.client, 142).send([5])
+    assert ended(live) == KVPoll.Success and d.pages_equal(p, [5], [3])
