@@ -224,13 +224,23 @@ class ReceiverRooms:
 
     def send_failed(self, room: int, inc: int, endpoint: str, failure: RoomFailure,
                     now: float) -> list[Effect]:
-        """A control message for the room could not be delivered to ``endpoint``: the
-        room fails now, not at its deadline (K32)."""
+        """The room's pages could not be delivered to ``endpoint`` (the send failed or was
+        abandoned; nothing reached the peer): the room fails now, not at its deadline
+        (K32), and that target cannot hold its pages back from being releasable."""
         r = self._current(room, inc)
         out: list[Effect] = []
-        if r is not None and not r.done:
+        if r is None:
+            return out
+        # Only RoomPages name their room: that message never left, so this target has no
+        # pages to write into and need not confirm anything before they are releasable.
+        r.sent.discard(endpoint)
+        if not r.done:
             r.told.add(endpoint)  # it did not take our messages; do not queue more
             self._fail(r, failure, now, out)
+        elif r.status == KVPoll.Failed and not r.release_seen and \
+                r.releasable(now, self.timeouts):
+            r.release_seen = True
+            out.append(Wake())
         return out
 
     # ---- peer events ------------------------------------------------------------------
