@@ -723,3 +723,117 @@ def test_k31_a_dead_prefill_is_forgotten_after_peer_ttl(tmp_path: Path,
     Sender(p.client, 142).init(1, 0)
     Sender.attach(p.client, 142).send([5])
     assert ended(live) == KVPoll.Success and d.pages_equal(p, [5], [3])
+
+
+# ---- K32: every room ends by its deadline, whatever happens to its tasks -------------------
+
+
+def test_k32_rooms_whose_messages_cannot_be_delivered_end_at_the_send_timeout(
+        tmp_path: Path, stack: Cleanup) -> None:
+    """P has just died (SIGKILL: its connections are closed); two new rooms send their
+    pages towards it: both fail with a reason naming P's control endpoint (kind
+    ``unreachable``), not at the 120 s waiting timeout (heartbeats are off: 120 s)."""
+    pd = pair(stack, tmp_path, d_opts={"control_send_timeout": 1.0,
+                                       "heartbeat_interval": 120.0,
+                                       "waiting_timeout": 120.0})
+    p, d = pd.p_engine, pd.d_engine
+    transfer_room(p, d, pd.bootstrap, 150, [1], [1], chunk=1)  # D registered with P
+    assert wait_rooms(d.client, [150], timeout=BOUND) == [KVPoll.Success]
+    endpoint = pd.prefill.ready["control_endpoint"]
+    pd.prefill.kill(signal.SIGKILL)
+    pd.prefill.proc.wait(10)
+    rooms = [Receiver(d.client, room, pd.bootstrap) for room in (151, 152)]
+    for i, r in enumerate(rooms):
+        r.init([2 + i], 0)
+    for r in rooms:
+        assert ended(r) == KVPoll.Failed
+        kind, reason = r.failure()
+        assert kind == "unreachable" and endpoint in reason, (kind, reason)
+        assert r.releasable()  # the pages never left
+    assert failures(pd.decode, "timeout") == 0
+
+
+# ---- K33: several samples of one request share a room -------------------------------------
+
+
+def test_k33_a_refused_second_receiver_never_inherits_the_first(
+        room_pair: PdPair, room_ids: Iterator[int]) -> None:
+    """Two receivers for one active room (two samples of one request): the second is
+    refused at creation, nothing is ever written to its pages and nothing reports on its
+    behalf; the first succeeds with its own bytes."""
+    p, d = room_pair.p_engine, room_pair.d_engine
+    room = next(room_ids)
+    first = Receiver(d.client, room, room_pair.bootstrap)
+    first.init([210, 211], 0)
+    second_pages = [212, 213]
+    before = [kv[second_pages].copy() for kv in d.kv]
+    with pytest.raises(RoomError, match="already active"):
+        Receiver(d.client, room, room_pair.bootstrap)
+    with pytest.raises(RoomError, match="init called twice"):  # nor may it give pages
+        d.client.call(rpc.ReceiverInit(room=room, dst_pages=np.asarray(
+            second_pages, "<i4").tobytes(), aux_index=0))
+    s = Sender(p.client, room)
+    s.init(2, 0)
+    s.send([7, 8])
+    assert ended(first) == KVPoll.Success
+    assert d.pages_equal(p, [7, 8], [210, 211])
+    assert all(np.array_equal(kv[second_pages], b) for kv, b in zip(d.kv, before, strict=True))
+    assert len(status(room_pair.decode)["recent_failures"]) == 0 or all(
+        f["room"] != room for f in status(room_pair.decode)["recent_failures"])
+    first.clear()
+    s.clear()
+
+
+# ---- K34: a cancellation that arrives before the room exists ------------------------------
+
+
+def test_k34_an_abort_before_the_sender_exists_fails_it_at_once(
+        room_pair: PdPair, room_ids: Iterator[int]) -> None:
+    """D's engine aborts R before P's engine created Sender(R): once the abort reached P,
+    Sender(R) is Failed at its creation with D's reason (P's bootstrap timeout is the
+    default 300 s)."""
+    p, d = room_pair.p_engine, room_pair.d_engine
+    room = next(room_ids)
+    r = Receiver(d.client, room, room_pair.bootstrap)
+    r.init([220], 0)
+    until(lambda: health(room_pair.prefill)["tables"]["pending"] >= 1,
+          "D's pages buffered on P")
+    base = health(room_pair.prefill)["tables"]["early_aborts"]
+    r.abort("prefix hit")
+    assert r.poll() == KVPoll.Failed
+    until(lambda: health(room_pair.prefill)["tables"]["early_aborts"] > base,
+          "the abort kept on P")
+    s = Sender(p.client, room)
+    assert s.poll() == KVPoll.Failed
+    kind, reason = s.failure()
+    assert kind == "aborted" and "prefix hit" in reason, (kind, reason)
+    assert r.wait(BOUND) == KVPoll.Failed and r.releasable()
+    r.clear()
+    s.clear()
+
+
+def test_k34_an_abort_from_a_restarted_decode_still_reaches_the_prefill(
+        tmp_path: Path, stack: Cleanup) -> None:
+    """D gave P its pages for R and is then SIGKILLed and restarted (same ports): it does
+    not know R, yet its engine's abort of R, naming the bootstrap address, reaches P, and
+    Sender(R) fails at once with that reason."""
+    ports = {"zmq_port": free_port(), "http_port": free_port()}
+    pd = pair(stack, tmp_path, d_opts=ports)
+    p = pd.p_engine
+    Receiver(pd.d_engine.client, 180, pd.bootstrap).init([1], 0)
+    until(lambda: health(pd.prefill)["tables"]["pending"] == 1, "D's pages buffered on P")
+    pd.decode = _restart(stack, pd.decode, tmp_path, **ports)
+    pd.d_engine.close()
+    pd.d_engine = d = engine(stack, pd.decode, seed=3)
+    d.client.call(rpc.Abort(room=180, reason="cancelled by the router",
+                            bootstrap_addr=pd.bootstrap))
+    until(lambda: health(pd.prefill)["tables"]["early_aborts"] == 1, "the abort kept on P")
+    s = Sender(p.client, 180)
+    assert s.poll() == KVPoll.Failed
+    kind, reason = s.failure()
+    assert kind == "aborted" and "cancelled by the router" in reason, (kind, reason)
+    assert health(pd.prefill)["tables"]["pending"] == 0  # the old instance's pages dropped
+    # the restarted decode's own rooms work
+    transfer_room(p, d, pd.bootstrap, 181, [4], [5], chunk=1)
+    assert wait_rooms(d.client, [181], timeout=BOUND) == [KVPoll.Success]
+    assert d.pages_equal(p, [4], [5])
