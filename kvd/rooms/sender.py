@@ -597,9 +597,11 @@ class SenderRooms:
 
     def _report_all(self, r: SenderRoom, out: list[Effect]) -> None:
         """The room's status to every destination still registered as the instance the
-        room is bound to (a restarted decode does not know the room)."""
+        room is bound to (a restarted decode does not know the room; the same instance
+        registering again, e.g. after a new bootstrap epoch, still does)."""
         for endpoint, d in r.dests.items():
-            if self.peers.get(endpoint) is d.peer:
+            peer = self.peers.get(endpoint)
+            if peer is not None and peer.instance == d.peer.instance:
                 out.append(self._report(r, endpoint, d.inc))
 
     def _report(self, r: SenderRoom, endpoint: str, inc: int) -> Report:
@@ -637,7 +639,7 @@ class SenderRooms:
         del self.peers[old.endpoint]  # reports skip destinations bound to the old instance
         for r in list(self.rooms.values()):
             d = r.dests.get(old.endpoint)
-            if d is not None and d.peer is old:
+            if d is not None and d.peer.instance == old.instance:
                 self._fail(r, failure, now, out)
         self._drop_pending_of(old.endpoint)
         self.dropped["restarted_peer"] += 1
