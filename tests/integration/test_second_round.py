@@ -563,6 +563,38 @@ def test_k28_a_restarted_decode_is_never_written_for_its_old_rooms(
     assert unchanged(d, before), "a room of the old instance was written into the new one"
 
 
+def test_k28_the_same_decode_registering_again_keeps_its_rooms(tmp_path: Path,
+                                                               stack: Cleanup) -> None:
+    """Another prefill rank re-registers with the bootstrap server (a new epoch): D drops
+    its lookups and registers again with P, the same instance as before. Rooms bound
+    before that are still D's: P's Success reaches D (P and D agree), not D's waiting
+    timeout."""
+    p = daemon(stack, "prefill", tmp_path, serve_bootstrap=True, attn_dp_size=2,
+               attn_dp_rank=0)
+    d = daemon(stack, "decode", tmp_path, heartbeat_interval=0.5, waiting_timeout=60.0)
+    pe, de = engine(stack, p, seed=1), engine(stack, d, seed=2)
+    route = f"http://{p.http_addr}/route"
+    dp1 = {"role": "Prefill", "attn_dp_size": 2, "attn_dp_rank": 1, "rank_ip": "127.0.0.1",
+           "rank_port": free_port(), "instance_id": "dp1", "page_size": 16}
+    assert signed("PUT", route, json=dp1).status_code == 200  # DP rank 1 (never used)
+    r = Receiver(de.client, 200, p.http_addr, dp_rank=0)
+    r.init([1], 0)
+    s = Sender(pe.client, 200)
+    s.init(1, 0)
+    until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound to D's pages")
+    until(lambda: [x["heartbeat"] for x in status(d)["peers"]] == ["ok"], "D probed P")
+    dp1["rank_port"] = free_port()  # DP rank 1 restarted elsewhere: a new epoch
+    assert signed("PUT", route, json=dp1).status_code == 200
+    until(lambda: health(d)["tables"]["rank_cache"] == 0, "D saw the new epoch")
+    _s2, r2 = transfer_room(pe, de, p.http_addr, 202, [3], [2], chunk=1)  # registers again
+    # (an even room: DP rank 0 by room routing)
+    assert ended(r2) == KVPoll.Success
+    s.send([4])
+    assert ended(s) == KVPoll.Success
+    assert ended(r) == KVPoll.Success, r.failure()
+    assert de.pages_equal(pe, [4, 3], [1, 2])
+
+
 # ---- K29: an abort reaches every destination ----------------------------------------------
 
 
