@@ -174,7 +174,7 @@ class DecodeSide(Side):
         self.run(self.rooms.abort(room, reason, self.core.clock(), bootstrap_addr, dp_rank))
 
     def clear(self, room: int) -> None:
-        self.run(self.rooms.clear(room, self.core.clock()))
+        self.run_call(lambda: self.rooms.clear(room, self.core.clock()))
 
     def unfinished(self) -> list[int]:
         return [k for k, r in self.rooms.rooms.items() if not r.done]

@@ -113,8 +113,9 @@ class ReceiverRooms:
     :meth:`resolved`, :meth:`resolve_failed`, :meth:`send_failed`. Peer events:
     :meth:`on_status`, :meth:`peer_lost`. Time: :meth:`tick`. Each returns the
     effects to perform, in order; engine events raise :class:`RoomError` for calls
-    the engine got wrong. ``num_pages``, ``num_aux_slots`` and ``aux_sizes`` (bytes
-    per aux item, per buffer) describe the local pool once the engine registered.
+    the engine got wrong (with the effects of whatever the call still changed).
+    ``num_pages``, ``num_aux_slots`` and ``aux_sizes`` (bytes per aux item, per buffer)
+    describe the local pool once the engine registered.
     """
 
     def __init__(self, endpoint: str, instance: str, timeouts: Timeouts | None = None,
@@ -186,14 +187,15 @@ class ReceiverRooms:
 
     def clear(self, room: int, now: float) -> list[Effect]:
         """Forget a room (an unfinished one is aborted first). Raises RoomError, and
-        keeps the room, while its pages are not releasable (K06)."""
+        keeps the room, while its pages are not releasable (K06); the error carries the
+        abort's effects (its prefill ranks must hear it, K22)."""
         r = self.rooms.get(room)
         if r is None:
             return []
         out = [] if r.done else self.abort(room, "cleared before it finished", now)
-        if not r.releasable(now, self.timeouts):
+        if not r.releasable(now, self.timeouts):  # the abort's effects still happen
             raise RoomError(f"room {room}: pages not releasable yet (a prefill write may be "
-                            f"in flight); wait for the room, then clear")
+                            f"in flight); wait for the room, then clear", out)
         del self.rooms[room]
         return out
 

@@ -188,7 +188,8 @@ class SenderRooms:
     :meth:`clear`. Peer events: :meth:`on_register`, :meth:`on_pages`,
     :meth:`on_abort`. Results: :meth:`write_done`. Time: :meth:`tick`. Each
     returns the effects to perform, in order. Engine events raise
-    :class:`RoomError` for calls the engine got wrong; peer events never raise.
+    :class:`RoomError` for calls the engine got wrong (with the effects of whatever the
+    call still changed, e.g. a room it failed); peer events never raise.
     ``num_pages``/``num_aux_slots`` describe the local KV pool (0 until the engine
     registered).
     """
@@ -258,7 +259,7 @@ class SenderRooms:
             check_page_range(pages, self.num_pages, f"room {room} source")
         except LayoutError as exc:
             self._fail(r, RoomFailure(FailureKind.LAYOUT, str(exc), ORIGIN), now, out)
-            raise RoomError(str(exc)) from exc
+            raise RoomError(str(exc), out) from exc  # the failure's effects still happen
         r.chunks.append((pages, is_last))
         self._kick(r, now, out)
         return out
