@@ -280,6 +280,30 @@ def test_k22a_a_decode_deadline_stops_the_prefill_writer(tmp_path: Path,
     assert s.poll() == KVPoll.Failed and r.poll() == KVPoll.Failed
 
 
+def test_k22_an_engine_dropping_an_unfinished_room_cancels_the_prefill_writer(
+        tmp_path: Path, stack: Cleanup) -> None:
+    """D's engine clears a room P is bound to (it drops the request): P hears the end at
+    once (its room fails, ``aborted``), confirms nothing is in flight, and D's pages are
+    releasable and the clear completes, far before the 120 s waiting timeout."""
+    pd = pair(stack, tmp_path, d_opts={"waiting_timeout": 120.0})
+    p, d = pd.p_engine, pd.d_engine
+    r = Receiver(d.client, 32, pd.bootstrap)
+    r.init([0, 1], 0)
+    s = Sender(p.client, 32)
+    s.init(2, 0)
+    until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound to D's pages")
+    r.clear(timeout=BOUND)  # refused until P confirmed, then done
+    assert r.poll() == -1  # cleared
+    assert ended(s) == KVPoll.Failed
+    kind, reason = s.failure()
+    assert kind == "aborted" and "cleared before it finished" in reason, (kind, reason)
+    assert failures(pd.decode, "aborted") == 1
+    s.send([2, 3])  # the prefill engine's chunks come late: nothing is written
+    transfer_room(p, d, pd.bootstrap, 33, [4], [5], chunk=1)  # the barrier
+    assert wait_rooms(d.client, [33], timeout=BOUND) == [KVPoll.Success]
+    assert not d.pages_equal(p, [2, 3], [0, 1])
+
+
 SPEC = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, page_size=4, num_pages=16)
 
 
@@ -351,6 +375,64 @@ def test_k23_a_refused_batch_counts_as_transport_on_both_sides(
     transfer_room(p, d, pd.bootstrap, 51, [3], [4], chunk=1)
     assert wait_rooms(d.client, [51], timeout=BOUND) == [KVPoll.Success]
     assert d.pages_equal(p, [3], [4])
+
+
+def test_k23_failure_categories_on_real_daemons(tmp_path: Path, stack: Cleanup) -> None:
+    """The categories the other tests of this file do not produce (``transport``,
+    ``aborted``, ``bootstrap``, ``layout``, ``duplicate``, ``timeout``, ``heartbeat``),
+    each from its own cause on one pair, each counted under its own label on the decode
+    (and on the prefill where it decided). (``registration``: K25, K30; ``peer``: K28;
+    ``unreachable``: K32.)"""
+    pd = pair(stack, tmp_path,
+              p_opts={"fault_injection": _faults(fail_batches=[0]), "transient_retry_s": 0.2},
+              d_opts={"waiting_timeout": 3.0, "heartbeat_interval": 1.0,
+                      "heartbeat_max_failures": 2, "bootstrap_retry_budget": 1.0,
+                      "http_timeout": 0.5})
+    p, d = pd.p_engine, pd.d_engine
+    got: dict[str, str] = {}
+    _s, r = transfer_room(p, d, pd.bootstrap, 1, [1], [1], chunk=1)  # batch 0 is refused
+    assert ended(r) == KVPoll.Failed
+    got["transport"] = r.failure()[0]
+    r = Receiver(d.client, 2, pd.bootstrap)
+    r.init([2], 0)
+    r.abort("the client went away")
+    got["aborted"] = r.failure()[0]
+    r = Receiver(d.client, 3, f"127.0.0.1:{free_port()}")  # nobody serves bootstrap there
+    assert ended(r) == KVPoll.Failed
+    got["bootstrap"] = r.failure()[0]
+    r = Receiver(d.client, 4, pd.bootstrap)
+    r.init([4], 0)
+    s = Sender(p.client, 4)
+    s.init(1, 0)
+    until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound to D's pages")
+    with pytest.raises(RoomError):
+        s.send([p.num_pages + 1])  # outside P's pool: fails the room (P decides)...
+    assert s.failure()[0] == "layout"
+    assert ended(r) == KVPoll.Failed  # ... and the decode hears it at once
+    got["layout"] = r.failure()[0]
+    s, r = transfer_room(p, d, pd.bootstrap, 5, [5], [5], chunk=1)
+    assert ended(r) == KVPoll.Success
+    r.clear()  # P still holds room 5 (Success): a new receiver for it is a duplicate
+    r = Receiver(d.client, 5, pd.bootstrap)
+    r.init([6], 0)
+    assert ended(r) == KVPoll.Failed
+    got["duplicate"] = r.failure()[0]
+    r = Receiver(d.client, 6, pd.bootstrap)  # P's engine never creates room 6
+    r.init([7], 0)
+    assert ended(r) == KVPoll.Failed
+    got["timeout"] = r.failure()[0]
+    for kind in ("layout", "transport"):
+        assert failures(pd.prefill, kind) == 1, kind
+    r = Receiver(d.client, 7, pd.bootstrap)
+    r.init([8], 0)
+    until(lambda: r.poll() == KVPoll.WaitingForInput, "room 7 sent its pages")
+    pd.prefill.kill(signal.SIGSTOP)  # heartbeats go unanswered
+    assert ended(r) == KVPoll.Failed
+    got["heartbeat"] = r.failure()[0]
+    assert got == {k: k for k in got}, got
+    for kind in got:
+        assert failures(pd.decode, kind) == 1, kind
+    assert failures(pd.decode, "unreachable") == 0
 
 
 # ---- K24: a frozen decode must not stall others -------------------------------------------
