@@ -13,7 +13,7 @@ import asyncio
 import ctypes
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -124,6 +124,9 @@ class PeerHealth:
     last_ok: float = 0.0
     last_error: str = ""
     down: bool = False
+    # control endpoints resolved from this address whose sockets a soft forget (down,
+    # restart, new epoch) kept: closed when the address itself is forgotten (K31)
+    endpoints: set[str] = field(default_factory=set)
 
 
 class DecodeSide(Side):
@@ -167,7 +170,7 @@ class DecodeSide(Side):
         self.run(self.rooms.abort(room, reason, self.core.clock(), bootstrap_addr, dp_rank))
 
     def clear(self, room: int) -> None:
-        self.run(self.rooms.clear(room, self.core.clock()))
+        self.run_call(lambda: self.rooms.clear(room, self.core.clock()))
 
     def unfinished(self) -> list[int]:
         return [k for k, r in self.rooms.rooms.items() if not r.done]
@@ -380,7 +383,15 @@ class DecodeSide(Side):
             self._forget(addr, drop_sockets=False)
 
     def _forget(self, addr: str, drop_sockets: bool = True) -> None:
-        for ep in self.bootstrap.forget(addr):
+        """Drop the lookups and registrations of bootstrap ``addr``; with ``drop_sockets``
+        also the control sockets to its ranks, including those an earlier forget without
+        it kept (a dead prefill's sockets must not outlive its address, K31)."""
+        endpoints = self.bootstrap.forget(addr)
+        h = self.health.get(addr)
+        if h is not None:
+            endpoints |= h.endpoints
+            h.endpoints = set() if drop_sockets else endpoints
+        for ep in endpoints:
             self.registered.pop(ep, None)
             if drop_sockets:
                 self.core.control.drop(ep)

@@ -30,6 +30,8 @@ with ``raise ... from exc``, and carry the room and peer in their message::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class KvdError(Exception):
     """Base of every error raised by kvd."""
@@ -72,7 +74,14 @@ class CudaUnavailable(HandleError):
 
 
 class RoomError(KvdError):
-    """A room operation is invalid: unknown room, room already active, wrong state."""
+    """A room operation is invalid: unknown room, room already active, wrong state.
+
+    ``effects``: what a room machine decided before it refused the call (e.g. the room
+    failed, its peers must hear it); the daemon performs them all the same."""
+
+    def __init__(self, message: str, effects: Sequence[object] = ()) -> None:
+        super().__init__(message)
+        self.effects = list(effects)
 
 
 class TransportError(KvdError):

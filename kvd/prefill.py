@@ -77,7 +77,9 @@ class PrefillSide(Side):
                 effects = self.rooms.init(call.room, call.num_pages, call.aux_index, now)
             case rpc.SenderSend():
                 pages = unpack_indices(call.pages)
-                effects = self.rooms.send(call.room, pages, call.is_last, now)
+                send = call  # a bad chunk fails the room (its peers hear it), then raises
+                self.run_call(lambda: self.rooms.send(send.room, pages, send.is_last, now))
+                return None
             case _:
                 raise not_available(call, self.role)
         self.run(effects)

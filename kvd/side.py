@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -163,6 +163,16 @@ class Side(abc.ABC):
         """Values for status and metrics."""
 
     # ---- effects ----------------------------------------------------------------------
+
+    def run_call(self, event: Callable[[], list[Effect]]) -> None:
+        """Perform the effects of an engine event; if the machine refused the call, perform
+        what it decided before refusing (``RoomError.effects``) and raise the error."""
+        try:
+            effects = event()
+        except RoomError as exc:
+            self.run(exc.effects)  # type: ignore[arg-type]
+            raise
+        self.run(effects)
 
     def run(self, effects: list[Effect]) -> None:
         """Perform effects in order (role-specific ones in :meth:`perform`)."""

@@ -113,8 +113,9 @@ class ReceiverRooms:
     :meth:`resolved`, :meth:`resolve_failed`, :meth:`send_failed`. Peer events:
     :meth:`on_status`, :meth:`peer_lost`. Time: :meth:`tick`. Each returns the
     effects to perform, in order; engine events raise :class:`RoomError` for calls
-    the engine got wrong. ``num_pages``, ``num_aux_slots`` and ``aux_sizes`` (bytes
-    per aux item, per buffer) describe the local pool once the engine registered.
+    the engine got wrong (with the effects of whatever the call still changed).
+    ``num_pages``, ``num_aux_slots`` and ``aux_sizes`` (bytes per aux item, per buffer)
+    describe the local pool once the engine registered.
     """
 
     def __init__(self, endpoint: str, instance: str, timeouts: Timeouts | None = None,
@@ -186,14 +187,15 @@ class ReceiverRooms:
 
     def clear(self, room: int, now: float) -> list[Effect]:
         """Forget a room (an unfinished one is aborted first). Raises RoomError, and
-        keeps the room, while its pages are not releasable (K06)."""
+        keeps the room, while its pages are not releasable (K06); the error carries the
+        abort's effects (its prefill ranks must hear it, K22)."""
         r = self.rooms.get(room)
         if r is None:
             return []
         out = [] if r.done else self.abort(room, "cleared before it finished", now)
-        if not r.releasable(now, self.timeouts):
+        if not r.releasable(now, self.timeouts):  # the abort's effects still happen
             raise RoomError(f"room {room}: pages not releasable yet (a prefill write may be "
-                            f"in flight); wait for the room, then clear")
+                            f"in flight); wait for the room, then clear", out)
         del self.rooms[room]
         return out
 
@@ -224,13 +226,23 @@ class ReceiverRooms:
 
     def send_failed(self, room: int, inc: int, endpoint: str, failure: RoomFailure,
                     now: float) -> list[Effect]:
-        """A control message for the room could not be delivered to ``endpoint``: the
-        room fails now, not at its deadline (K32)."""
+        """The room's pages could not be delivered to ``endpoint`` (the send failed or was
+        abandoned; nothing reached the peer): the room fails now, not at its deadline
+        (K32), and that target cannot hold its pages back from being releasable."""
         r = self._current(room, inc)
         out: list[Effect] = []
-        if r is not None and not r.done:
+        if r is None:
+            return out
+        # Only RoomPages name their room: that message never left, so this target has no
+        # pages to write into and need not confirm anything before they are releasable.
+        r.sent.discard(endpoint)
+        if not r.done:
             r.told.add(endpoint)  # it did not take our messages; do not queue more
             self._fail(r, failure, now, out)
+        elif r.status == KVPoll.Failed and not r.release_seen and \
+                r.releasable(now, self.timeouts):
+            r.release_seen = True
+            out.append(Wake())
         return out
 
     # ---- peer events ------------------------------------------------------------------

@@ -188,7 +188,8 @@ class SenderRooms:
     :meth:`clear`. Peer events: :meth:`on_register`, :meth:`on_pages`,
     :meth:`on_abort`. Results: :meth:`write_done`. Time: :meth:`tick`. Each
     returns the effects to perform, in order. Engine events raise
-    :class:`RoomError` for calls the engine got wrong; peer events never raise.
+    :class:`RoomError` for calls the engine got wrong (with the effects of whatever the
+    call still changed, e.g. a room it failed); peer events never raise.
     ``num_pages``/``num_aux_slots`` describe the local KV pool (0 until the engine
     registered).
     """
@@ -258,7 +259,7 @@ class SenderRooms:
             check_page_range(pages, self.num_pages, f"room {room} source")
         except LayoutError as exc:
             self._fail(r, RoomFailure(FailureKind.LAYOUT, str(exc), ORIGIN), now, out)
-            raise RoomError(str(exc)) from exc
+            raise RoomError(str(exc), out) from exc  # the failure's effects still happen
         r.chunks.append((pages, is_last))
         self._kick(r, now, out)
         return out
@@ -597,9 +598,11 @@ class SenderRooms:
 
     def _report_all(self, r: SenderRoom, out: list[Effect]) -> None:
         """The room's status to every destination still registered as the instance the
-        room is bound to (a restarted decode does not know the room)."""
+        room is bound to (a restarted decode does not know the room; the same instance
+        registering again, e.g. after a new bootstrap epoch, still does)."""
         for endpoint, d in r.dests.items():
-            if self.peers.get(endpoint) is d.peer:
+            peer = self.peers.get(endpoint)
+            if peer is not None and peer.instance == d.peer.instance:
                 out.append(self._report(r, endpoint, d.inc))
 
     def _report(self, r: SenderRoom, endpoint: str, inc: int) -> Report:
@@ -637,7 +640,7 @@ class SenderRooms:
         del self.peers[old.endpoint]  # reports skip destinations bound to the old instance
         for r in list(self.rooms.values()):
             d = r.dests.get(old.endpoint)
-            if d is not None and d.peer is old:
+            if d is not None and d.peer.instance == old.instance:
                 self._fail(r, failure, now, out)
         self._drop_pending_of(old.endpoint)
         self.dropped["restarted_peer"] += 1

@@ -345,6 +345,7 @@ async def test_k32_every_room_ends_when_its_messages_cannot_be_delivered(
         assert await de.status(room) == FAILED
         kind, reason = await de.failure(room)
         assert kind == "unreachable" and p.endpoint in reason
+        assert await de.releasable(room)  # its pages never left: no release wait
 
 
 async def test_k33_a_refused_second_receiver_never_inherits_the_first(cluster: Cluster) -> None:
