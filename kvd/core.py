@@ -17,6 +17,7 @@ import httpx
 from kvd.config import Settings
 from kvd.control.peers import ControlPlane, PeerSendError
 from kvd.errors import AuthError, ProtocolError, RegistrationError
+from kvd.logs import fields
 from kvd.memory import MemoryMap
 from kvd.metrics import RoomEvents
 from kvd.protocol import control
@@ -97,7 +98,7 @@ class Core:
             await self.control.send(endpoint, self.auth.seal(control.encode(msg)))
             return True
         except PeerSendError as exc:
-            log.warning("%s", exc)
+            log.warning("%s", exc, extra=fields(peer=endpoint))
             return False
 
     def register_local(self, req: RegisterKV) -> RankArgs:

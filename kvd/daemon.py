@@ -164,7 +164,7 @@ class Daemon:
                  "engine_socket": str(self.settings.engine_socket),
                  "bootstrap_addr": self.settings.bootstrap_addr}
         print(json.dumps(ready), flush=True)
-        log.info("kvd %s ready: %s", self.settings.role, ready)
+        log.info("kvd %s ready", self.settings.role, extra=logs.fields(**ready))
         notify.notify(f"READY=1\nSTATUS=kvd {self.settings.role} on port {ready['http_port']}")
 
     def _rooms(self) -> dict[int, Any]:
@@ -222,7 +222,8 @@ class Daemon:
             frame = await self.core.control.recv()
             msg = self.core.decode_control(frame)
             if msg is not None:
-                self._on_control(msg)
+                with logs.log_context(**logs.message_context(msg)):
+                    self._on_control(msg)
 
     def _on_control(self, msg: control.ControlMessage) -> None:
         if self.prefill is not None:
@@ -420,5 +421,5 @@ def serve(settings: Settings) -> int:
     """Run a daemon on a fresh uvloop loop until SIGTERM/SIGINT; returns the exit code."""
     import uvloop
 
-    logs.setup(settings.log_level, settings.log_format)
+    logs.setup(settings.log_level, settings.log_format, capture_native=True)
     return uvloop.run(Daemon(settings).run())

@@ -52,7 +52,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvd.logs import remember_peer
+from kvd.logs import fields
 
 log = logging.getLogger("kvd.rooms")
 
@@ -250,8 +250,6 @@ class RoomEvents:
         if len(self.started) >= MAX_TRACKED_ROOMS:
             self.started.pop(next(iter(self.started)))
         self.started[room] = time.monotonic()
-        if peer:
-            remember_peer(room, peer)
 
     def room_done(self, side: str, room: int, status: str, reason: str = "", nbytes: int = 0,
                   seconds: float | None = None, peer: str | Iterable[str] = "") -> None:
@@ -262,12 +260,10 @@ class RoomEvents:
         peer = peer if isinstance(peer, str) else ",".join(peer)
         m = self.metrics
         m.rooms_finished.labels(status).inc()
-        if peer:
-            remember_peer(room, peer)
         if status == "success":
             self._observe(began, nbytes, seconds)
             self.rate.add(rooms=1)
-            log.debug("room done", extra={"room": room, "peer": peer or "-"})
+            log.debug("room done", extra=fields(room=room, peer=peer or None))
         else:
             category = classify_failure(reason)
             m.failures.labels(category).inc()

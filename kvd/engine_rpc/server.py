@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvd.errors import ConfigError, KvdError, ProtocolError
+from kvd.logs import log_context, message_context
 from kvd.protocol import rpc
 
 log = logging.getLogger(__name__)
@@ -158,7 +159,10 @@ class EngineRpcServer:
             log.warning("malformed engine frame: %s", exc)
             return rpc.Reply(id=0, ok=False, error=str(exc), kind="ProtocolError")
         try:
-            result = await self.dispatch(req.call, conn)
+            # the call's room (and a receiver's bootstrap address) label every line logged
+            # while it runs, and every task it starts
+            with log_context(**message_context(req.call)):
+                result = await self.dispatch(req.call, conn)
         except KvdError as exc:
             return rpc.Reply(id=req.id, ok=False, error=str(exc), kind=type(exc).__name__)
         except Exception as exc:
