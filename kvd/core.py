@@ -32,6 +32,18 @@ from kvd.transfer.kvargs import RankArgs
 log = logging.getLogger("kvd")
 
 
+def http_client(settings: Settings) -> httpx.AsyncClient:
+    """The daemon's HTTP client (bootstrap lookups and registration, heartbeats).
+
+    ``trust_env=False``: kvd<->kvd traffic stays inside the cluster, so ``HTTP_PROXY``,
+    ``ALL_PROXY``, ``NO_PROXY``, ``.netrc`` and ``SSL_CERT_*`` from the environment are
+    not used (a proxy set for the engine's model downloads must not carry heartbeats).
+    Timeouts: ``http_timeout`` seconds per request.
+    """
+    return httpx.AsyncClient(timeout=settings.http_timeout, trust_env=False,
+                             limits=httpx.Limits(max_keepalive_connections=32))
+
+
 @dataclass
 class Counters:
     """Daemon-wide totals (bytes, rooms)."""

@@ -16,8 +16,6 @@ import signal
 import time
 from typing import Any
 
-import httpx
-
 from kvd import __version__, logs, notify
 from kvd.addr import join_hostport
 from kvd.bootstrap.app import create_app
@@ -25,7 +23,7 @@ from kvd.bootstrap.server import HttpServer, bind_socket
 from kvd.bootstrap.table import BootstrapTable
 from kvd.config import Settings, effective_transfer_host, read_secret
 from kvd.control.peers import ControlPlane
-from kvd.core import Core
+from kvd.core import Core, http_client
 from kvd.decode import DecodeSide
 from kvd.engine_rpc.server import Connection, EngineRpcServer
 from kvd.errors import ConfigError, RoomError
@@ -86,8 +84,7 @@ class Daemon:
         engine = self._engine or self._make_engine()
         ctl = ControlPlane(s.control_send_timeout, max_frame=s.max_frame_bytes)
         ctl.bind(s.host, s.zmq_port)
-        http = httpx.AsyncClient(timeout=s.http_timeout,
-                                 limits=httpx.Limits(max_keepalive_connections=32))
+        http = http_client(s)
         executor = TransferExecutor(engine, s.transfer_threads, s.transfer_queue_size)
         self.core = Core(s, engine, executor, ctl,
                          MemoryMap(s.shm_dir), http, auth=auth,

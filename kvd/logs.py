@@ -183,8 +183,8 @@ class NativeStderr:
     is gone. It ignores SIGINT/SIGTERM (a terminal's Ctrl-C or systemd's stop reach the
     whole group) and exits at end of file.
 
-    Python's own handler must write to :attr:`stream` (the original stderr), not to
-    fd 2, or its lines would go through the shipper as native text.
+    Python's own writes go to :attr:`stream` (the original stderr; ``sys.stderr`` is
+    pointed at it too), not to fd 2, or they would go through the shipper as native text.
     """
 
     def __init__(self, level: str, fmt: str) -> None:
@@ -235,19 +235,27 @@ def _log_uncaught(kind: type[BaseException], exc: BaseException,
 CHATTY = ("httpx", "httpcore")
 
 
+def configured() -> bool:
+    """True once :func:`setup` installed kvd's handler on the root logger."""
+    return any(isinstance(h.formatter, TextFormatter | JsonFormatter)
+               for h in logging.getLogger().handlers)
+
+
 def setup(level: str = "INFO", fmt: str = "text", stream: TextIO | None = None,
           capture_native: bool = False) -> None:
     """Send every log record to ``stream`` (stderr) as ``fmt`` (text or json) at ``level``.
 
     ``capture_native`` (the daemon sets it): also turn what native libraries write to
-    fd 2 into records (:class:`NativeStderr`), and log uncaught exceptions as one
-    record. Calling setup again replaces the previous handler.
+    fd 2 into records (:class:`NativeStderr`), and log uncaught exceptions and
+    warnings as records. Calling setup again replaces the previous handler.
     """
     global _native
     root = logging.getLogger()
     if capture_native and _native is None and stream is None:
         _native = NativeStderr(level, fmt)
+        sys.stderr = _native.stream
         sys.excepthook = _log_uncaught
+        logging.captureWarnings(True)  # warnings become records too
     out = stream or (_native.stream if _native is not None else sys.stderr)
     handler = logging.StreamHandler(out)
     handler.addFilter(ContextFilter())

@@ -4,6 +4,7 @@ metrics, systemd notifications and JSON logs."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd.client import KVPoll, Receiver, Sender
-from kvd.launch import start_daemon
+from kvd.launch import LAUNCH_SECRET, start_daemon
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
 from tests.conftest import PdPair
 
@@ -27,10 +28,11 @@ KVD = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "kvd.cli.ma
 ROOM_BYTES = 10 * 8 * 4096 + 64  # 10 pages x 8 buffers x item_len, plus one aux slot
 
 
-def kvd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run the ``kvd`` command line."""
+def kvd(*args: str, timeout: float = 60,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the ``kvd`` command line (``env``: added to this process's environment)."""
     return subprocess.run([*KVD, *args], capture_output=True, text=True, timeout=timeout,
-                          check=False)
+                          check=False, env={**os.environ, **(env or {})})
 
 
 def get(addr: str, path: str) -> httpx.Response:
@@ -228,3 +230,87 @@ def test_systemd_notify_watchdog_json_logs_and_not_running(
     gone = kvd("status", "-a", daemon.http_addr)
     assert gone.returncode == 1 and gone.stdout == ""
     assert gone.stderr.count("\n") == 1 and "no kvd daemon answering" in gone.stderr
+
+
+def test_a_second_serve_on_a_live_socket_is_refused_and_deletes_nothing(tmp_path: Path) -> None:
+    first = start_daemon("decode", tmp_path)
+    engine = None
+    try:
+        second = kvd("serve", "--role", "decode", "--engine-socket", first.socket,
+                     env={"KVD_CLUSTER_SECRET": LAUNCH_SECRET})
+        assert second.returncode == 2
+        assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
+        assert f"locked by pid {first.proc.pid}" in second.stderr
+        engine = EngineStandIn(first.socket, num_pages=4, num_layers=1)  # still served
+        assert Path(first.socket).exists()
+    finally:
+        if engine is not None:
+            engine.close()
+        assert first.stop() == 0
+    assert not Path(first.socket).exists()  # the first one removes its own socket
+
+
+_ACTIVATE = ("import os, sys\n"
+             "os.dup2(int(sys.argv[1]), 3)  # where systemd puts the first passed socket\n"
+             "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='1',\n"
+             "                  LISTEN_FDNAMES='engine')\n"
+             "os.execv(sys.argv[2], sys.argv[2:])  # same pid: LISTEN_PID stays right\n")
+
+
+def test_systemd_socket_activation(tmp_path: Path) -> None:
+    """kvd serves the socket it inherits (as from kvd@.socket), never unlinks it, and an
+    engine that connects while kvd restarts is served by the next kvd (the backlog)."""
+    path = tmp_path / "activated.sock"
+    listener = socket.socket(socket.AF_UNIX)  # systemd's copy of the socket
+    listener.bind(str(path))
+    listener.listen()
+    fd = listener.fileno()
+    opts = {"engine_socket": str(path), "prefix": [sys.executable, "-c", _ACTIVATE, str(fd)],
+            "pass_fds": (fd,)}
+    daemon = start_daemon("decode", tmp_path, **opts)
+    engine = None
+    try:
+        engine = EngineStandIn(str(path), num_pages=4, num_layers=1)
+        assert get(daemon.http_addr, "/ready").status_code == 200
+        engine.close()
+        engine = None
+        assert daemon.stop() == 0
+        assert path.exists()  # systemd's socket: kvd leaves it
+        waiting = socket.socket(socket.AF_UNIX)
+        waiting.connect(str(path))  # accepted into the backlog while no kvd runs
+        waiting.close()
+        daemon = start_daemon("decode", tmp_path, **opts)
+        engine = EngineStandIn(str(path), num_pages=4, num_layers=1)
+        assert get(daemon.http_addr, "/ready").status_code == 200
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.stop()
+        listener.close()
+
+
+def test_daemons_ignore_proxy_settings(tmp_path: Path, room_ids) -> None:
+    """A dead proxy in the daemons' environment: bootstrap lookups and heartbeats (httpx)
+    still go straight to the peer."""
+    from tests.conftest import start_pair, stop_pair
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    env = {v: dead for v in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "ALL_PROXY",
+                             "all_proxy")}
+    env |= {"NO_PROXY": "", "no_proxy": ""}
+    pair = start_pair(tmp_path, p_opts={"env": env},
+                      d_opts={"env": env, "heartbeat_interval": 0.2})
+    try:
+        room = next(room_ids)
+        transfer_room(pair.p_engine, pair.d_engine, pair.bootstrap, room, np.arange(4),
+                      np.arange(4), chunk=2)
+        assert wait_rooms(pair.d_engine.client, [room]) == [KVPoll.Success]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # heartbeats too (they also use httpx)
+            peers = get(pair.decode.http_addr, "/v1/status").json()["peers"]
+            if any(p["heartbeat"] == "ok" for p in peers):
+                break
+            time.sleep(0.1)
+        assert any(p["heartbeat"] == "ok" for p in peers), peers
+    finally:
+        stop_pair(pair)

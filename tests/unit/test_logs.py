@@ -164,7 +164,8 @@ _NATIVE_CHILD = textwrap.dedent("""
                  b"E1130 20:09:24.665266  6011 transfer_metadata.cpp:1098] Local segment "
                  b"descriptor not found\\n", b"plain native text\\n"):
         libc.write(2, line, len(line))
-    print("python stderr", file=sys.stderr)
+    import warnings
+    warnings.warn("python warning", UserWarning, stacklevel=1)
     logging.getLogger("kvd").info("kvd ready", extra=logs.fields(http_port=1))
     if sys.argv[1] == "crash":
         raise RuntimeError("boom")
@@ -193,7 +194,8 @@ def test_native_stderr_becomes_json_records(how: str, rc: int) -> None:
     assert rdma["source"] == "topology.cpp:201"
     assert by_msg["Local segment descriptor not found"]["level"] == "INFO"  # benign
     assert by_msg["plain native text"]["level"] == "WARNING"
-    assert by_msg["python stderr"]["logger"] == "kvd.native"
+    (warned,) = [r for r in records if "python warning" in r["msg"]]
+    assert warned["logger"] == "py.warnings" and warned["level"] == "WARNING"
     assert by_msg["kvd ready"]["http_port"] == 1
     if how == "crash":
         crash = by_msg["uncaught exception"]
