@@ -111,6 +111,7 @@ class Core:
             return True
         except PeerSendError as exc:
             log.warning("%s", exc, extra=fields(peer=endpoint))
+            self.events.peer_error(endpoint, str(exc))
             return False
 
     def register_local(self, req: RegisterKV) -> RankArgs:
@@ -161,7 +162,9 @@ class Core:
     def decode_control(self, frame: bytes) -> ControlMessage | None:
         """Parse an inbound control frame; None (logged, counted) if malformed."""
         try:
-            return control.decode(self.auth.open(frame), self.settings.max_frame_bytes)
+            msg = control.decode(self.auth.open(frame), self.settings.max_frame_bytes)
+            self.events.peer_message(msg.endpoint)  # (bounded: a forged name cannot grow it)
+            return msg
         except AuthError as exc:
             self.counters.auth_failures += 1
             self._log_auth_once(str(exc).split(" (")[0], exc)

@@ -7,7 +7,11 @@ and the metrics scrape are coroutines on that loop), so it reads without locks.
 
 A decode kvd heartbeats each prefill bootstrap address; a peer's
 ``heartbeat`` is ``ok``, ``missed N``, ``down`` or ``unknown`` (not probed
-yet). A prefill kvd is heartbeated, not heartbeating: ``n/a``.
+yet), and ``last_heartbeat`` the time of the last answered one. A prefill kvd
+is heartbeated, not heartbeating (``n/a``): its liveness view of a decode peer
+is ``last_message``, when that peer's last control message arrived. Both sides
+report each peer's ``last_error`` (a failed room, send or heartbeat) and its
+time. Times are unix seconds.
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ class Peer(BaseModel):
     heartbeat: str
     bootstrap: str = ""
     detail: str = ""
+    last_message: float | None = None  # unix s: last control message from this peer
+    last_heartbeat: float | None = None  # unix s: last answered heartbeat (decode side)
+    last_error: str = ""
+    last_error_time: float | None = None
 
 
 class Room(BaseModel):
@@ -131,11 +139,26 @@ class DaemonOps:
         """Decode peers (on prefill) or prefill peers (on decode)."""
         d = self.daemon
         if d.prefill is not None:
-            return [Peer(endpoint=p.endpoint, kind="decode", instance_id=p.instance_id,
+            rows = [Peer(endpoint=p.endpoint, kind="decode", instance_id=p.instance_id,
                          state="rejected" if p.rejected else "registered", heartbeat="n/a",
                          detail=p.rejected or f"attn_tp {p.attn_tp_rank}/{p.attn_tp_size}")
                     for p in d.prefill.peers.values()]
-        return _decode_peers(d.decode) if d.decode is not None else []
+        else:
+            rows = _decode_peers(d.decode) if d.decode is not None else []
+        return [self._with_records(p) for p in rows]
+
+    def _with_records(self, peer: Peer) -> Peer:
+        """Add what :class:`~kvd.metrics.RoomEvents` saw of the peer: its last message, and
+        its last error under its endpoint or its bootstrap address, whichever is newer."""
+        events = self.core.events
+        own = events.peer_record(peer.endpoint)
+        records = [own, events.peer_record(peer.bootstrap)] if peer.bootstrap else [own]
+        errors = [r for r in records if r.last_error_time is not None]
+        latest = max(errors, key=lambda r: r.last_error_time or 0.0) if errors else None
+        return peer.model_copy(update={
+            "last_message": own.last_message,
+            "last_error": latest.last_error if latest else "",
+            "last_error_time": latest.last_error_time if latest else None})
 
     def room_peer(self, r: Any) -> str:
         """Where a room goes (prefill: decode endpoints) or comes from (decode)."""
@@ -194,12 +217,17 @@ class DaemonOps:
             queue_depth=self.queue_depth(), executor_busy=core.executor.busy,
             executor_threads=s.transfer_threads, protocol_errors=core.counters.protocol_errors,
             peers=len(self.peers()), engine_registered=core.local is not None,
-            ready=self.readiness().ready)
+            ready=self.readiness().ready, auth_failures=core.counters.auth_failures)
 
     def metrics(self) -> bytes:
         """Prometheus text for ``/metrics``."""
         return self.core.events.metrics.render()
 
+
+
+def _wall(monotonic_s: float) -> float | None:
+    """A ``time.monotonic()`` instant as unix seconds (None for 0: never)."""
+    return round(time.time() - (time.monotonic() - monotonic_s), 3) if monotonic_s else None
 
 
 def _heartbeat(h: PeerHealth | None) -> str:
@@ -215,9 +243,10 @@ def _decode_peers(side: DecodeSide) -> list[Peer]:
     rows: dict[str, Peer] = {}
     for (addr, tp, dp, pp), info in side.bootstrap.ranks.items():
         ep = f"tcp://{join_hostport(info.rank_ip.strip('[]'), info.rank_port)}"
+        h = side.health.get(addr)
         rows[ep] = Peer(endpoint=ep, kind="prefill", bootstrap=addr,
                         state="registered" if ep in side.registered else "resolved",
-                        heartbeat=_heartbeat(side.health.get(addr)),
+                        heartbeat=_heartbeat(h), last_heartbeat=_wall(h.last_ok) if h else None,
                         instance_id=info.instance_id or "",
                         detail=f"tp {tp} dp {dp} pp {pp}")
     for ep in side.registered - rows.keys():
@@ -226,5 +255,6 @@ def _decode_peers(side: DecodeSide) -> list[Peer]:
     for addr in (set(side.bootstrap.info) | set(side.health)) - known:
         h = side.health.get(addr)
         rows[addr] = Peer(endpoint=addr, kind="prefill", bootstrap=addr, state="bootstrap",
-                          heartbeat=_heartbeat(h), instance_id=(h.instance_id or "") if h else "")
+                          heartbeat=_heartbeat(h), instance_id=(h.instance_id or "") if h else "",
+                          last_heartbeat=_wall(h.last_ok) if h else None)
     return sorted(rows.values(), key=lambda p: (p.bootstrap, p.endpoint))

@@ -87,6 +87,10 @@ def test_status_rooms_peers_against_running_daemons(pd_pair: PdPair, room_ids) -
                    if x["endpoint"] == pd_pair.prefill.ready["control_endpoint"]]
         assert peer["kind"] == "prefill" and peer["bootstrap"] == pd_pair.bootstrap
         assert peer["heartbeat"] in ("unknown", "ok")
+        assert peer["last_message"] is not None  # the Success status of `done`
+        assert peer["heartbeat"] == "unknown" or peer["last_heartbeat"] is not None
+        shown = kvd("peers", "-a", pd_pair.decode.http_addr)
+        assert shown.returncode == 0 and "last heard" in shown.stdout and " ago" in shown.stdout
         assert peer["instance_id"] == pd_pair.prefill.ready["instance_id"]
     finally:
         recv.abort("test over")
@@ -96,7 +100,7 @@ def test_status_rooms_peers_against_running_daemons(pd_pair: PdPair, room_ids) -
 def test_metrics_move_after_rooms(pd_pair: PdPair, room_ids) -> None:
     p, d = pd_pair.p_engine, pd_pair.d_engine
     p_addr, d_addr = pd_pair.prefill.http_addr, pd_pair.decode.http_addr
-    decode_peer = pd_pair.decode.ready["control_endpoint"]
+    decode_peer = "127.0.0.1"  # the decode's host: its ZMQ port changes with every restart
     p0, d0 = scrape(p_addr), scrape(d_addr)
     rooms = [next(room_ids) for _ in range(3)]
     for i, room in enumerate(rooms):
@@ -131,7 +135,9 @@ def test_metrics_move_after_rooms(pd_pair: PdPair, room_ids) -> None:
 
     for states in (p1, d1):
         assert {dict(k[1])["state"] for k in states if k[0] == "kvd_rooms"} == \
-            {s.name for s in KVPoll}
+            {"failed", "bootstrapping", "waiting_for_input", "transferring", "success"}
+        assert not [k for k in states if k[0].endswith("_created")]
+        assert ("kvd_auth_failures_total", ()) in states
         assert states[("kvd_ready", ())] == 1
         assert ("kvd_executor_busy", ()) in states and ("kvd_transfer_queue_depth", ()) in states
 
@@ -139,6 +145,19 @@ def test_metrics_move_after_rooms(pd_pair: PdPair, room_ids) -> None:
     failure = next(f for f in status["recent_failures"] if f["room"] == bad)
     assert "metrics test" in failure["reason"] and failure["category"] == "aborted"
     assert status["totals"]["rooms_succeeded"] >= 3
+    # the prefill's liveness view of its decode: when it last heard from it, its last error
+    (decode,) = [x for x in status["peers"]
+                 if x["endpoint"] == pd_pair.decode.ready["control_endpoint"]]
+    assert decode["last_message"] is not None and time.time() - decode["last_message"] < 60
+    assert "metrics test" in decode["last_error"] and decode["last_error_time"] is not None
+
+
+def test_auth_failures_are_counted(pd_pair: PdPair) -> None:
+    addr = pd_pair.prefill.http_addr
+    before = scrape(addr)
+    unsigned = get(addr, "/route?engine_rank=-1&target_dp_group=-1&target_pp_rank=-1")
+    assert unsigned.status_code == 401
+    assert delta(scrape(addr), before, "kvd_auth_failures_total") == 1
 
 
 def test_ready_health_and_openapi(pd_pair: PdPair) -> None:
