@@ -108,6 +108,9 @@ class Settings(BaseSettings):
                              help="kvd<->kvd control port (0: any free)")
     engine_socket: Path = _setting(Path("/tmp/kvd.sock"), unit="path",
                                    help="Unix socket the engine connects to (mode 0600)")
+    http_docs: bool = _setting(
+        False, help="interactive API docs at /docs and /redoc (the browser loads their "
+                    "scripts from a CDN: off by default; /openapi.json is always served)")
     serve_bootstrap: bool = _setting(False, help="serve SGLang's /route API (on the REST "
                                      "listener, or on bootstrap_host:bootstrap_port if set)")
     bootstrap_host: str | None = _setting(

@@ -93,7 +93,7 @@ class Daemon:
         separate = s.serve_bootstrap and s.bootstrap_port is not None
         sock = bind_socket(s.http_host, s.http_port)
         app = create_app(self.health, None if separate else self.table, DaemonOps(self),
-                         auth=auth, on_auth_failure=self._http_auth_failed)
+                         auth=auth, on_auth_failure=self._http_auth_failed, docs=s.http_docs)
         self.http_server = HttpServer(app, sock)
         await self.http_server.start()
         if separate:

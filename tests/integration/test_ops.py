@@ -172,7 +172,7 @@ def test_ready_health_and_openapi(pd_pair: PdPair) -> None:
     spec = get(pd_pair.prefill.http_addr, "/openapi.json").json()
     assert {"/health", "/ready", "/metrics", "/v1/status", "/v1/rooms", "/route"} <= \
         set(spec["paths"])
-    assert get(pd_pair.prefill.http_addr, "/docs").status_code == 200
+    assert get(pd_pair.prefill.http_addr, "/docs").status_code == 404  # http_docs = false
 
 
 def test_config_show_and_doctor_as_a_user(pd_pair: PdPair, tmp_path: Path) -> None:
