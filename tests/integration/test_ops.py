@@ -333,3 +333,20 @@ def test_daemons_ignore_proxy_settings(tmp_path: Path, room_ids) -> None:
         assert any(p["heartbeat"] == "ok" for p in peers), peers
     finally:
         stop_pair(pair)
+
+
+def test_readme_engine_example_runs(tmp_path: Path) -> None:
+    """examples/engine_minimal.py (the README's engine snippet, kept identical by
+    tests/unit/test_readme.py) against a prefill and a decode daemon."""
+    prefill = start_daemon("prefill", tmp_path, serve_bootstrap=True)
+    decode = start_daemon("decode", tmp_path)
+    try:
+        example = Path(__file__).resolve().parents[2] / "examples" / "engine_minimal.py"
+        run = subprocess.run([sys.executable, str(example), prefill.socket, decode.socket,
+                              prefill.http_addr], capture_output=True, text=True, timeout=120,
+                             check=False)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "room 42: 4 pages x 4 buffers moved, equal" in run.stdout
+    finally:
+        prefill.stop()
+        decode.stop()
