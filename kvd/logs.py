@@ -16,6 +16,14 @@ Per-record fields win over context fields; an inner :func:`log_context` wins
 over an outer one. ``None`` values are dropped. Field values must be
 JSON-serialisable (others are written with ``str``).
 
+Where context is set today: every engine RPC runs inside
+``log_context(**message_context(call))`` (:mod:`kvd.engine_rpc.server`: the call's
+room, and a receiver's bootstrap address as peer), every inbound control message
+likewise (``Daemon._recv_loop``: room and the sender's endpoint), so tasks spawned
+while handling them carry both. Code that acts on rooms outside those paths (deadline
+sweeps, heartbeats failing a prefill's rooms) wraps each room's handling in
+``with log_context(room=r, peer=p):``; a per-room task may call :func:`bind` first.
+
 Text: ``2026-01-01 12:00:00,000 WARNING kvd.prefill room=12 peer=tcp://h:p: message k=v``
 (``room``/``peer`` before the message, other fields after it).
 JSON: ``{"ts", "level", "logger", "room", "peer", <other fields>, "msg", "exc"}``.
