@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from kvd.config import Settings, load_settings
+from kvd.config import Settings, load_settings, parse_port_range
 from tests.unit.deploy import engine_commands as ec
 
 kv_utils = pytest.importorskip(
@@ -155,10 +155,6 @@ def _sidecar_settings(spec: dict[str, Any], c: dict[str, Any], tmp_path: Path,
     return load_settings(path)
 
 
-def _env(c: dict[str, Any], name: str) -> str | None:
-    return next((e.get("value") for e in c.get("env", []) if e["name"] == name), None)
-
-
 @pytest.mark.parametrize(("where", "spec"), [p for p in ec.pod_specs() if _sidecars(p[1])],
                          ids=_ids)
 def test_sidecars_fit_their_pod(where: str, spec: dict[str, Any], tmp_path: Path,
@@ -186,8 +182,8 @@ def test_sidecars_fit_their_pod(where: str, spec: dict[str, Any], tmp_path: Path
         assert mounts["dshm"] == shared["dshm"] == str(s.shm_dir)
         ports = {p["containerPort"] for p in c["ports"]}
         assert {s.http_port, s.zmq_port} <= ports and 0 not in (s.http_port, s.zmq_port)
-        lo, hi = int(_env(c, "MC_MIN_RPC_PORT") or 0), int(_env(c, "MC_MAX_RPC_PORT") or 0)
-        assert 0 < lo < hi, f"{c['name']}: a fixed transfer port range for the policy"
+        assert s.transfer_port_range, f"{c['name']}: a fixed transfer port range for the policy"
+        lo, hi = parse_port_range(s.transfer_port_range)
         transfer_ranges.append(range(lo, hi + 1))
         assert s.host == "10.1.2.3"  # KVD_HOST: the pod IP, what peers reach
     all_ports = [p for s in settings for p in (s.http_port, s.zmq_port)]
@@ -232,7 +228,8 @@ def test_network_policy_lets_kvd_peers_in(where: str, spec: dict[str, Any], tmp_
     for c in _sidecars(spec):
         s = _sidecar_settings(spec, c, tmp_path, monkeypatch)
         peer = "decode" if s.role == "prefill" else "prefill"
-        lo, hi = int(_env(c, "MC_MIN_RPC_PORT") or 0), int(_env(c, "MC_MAX_RPC_PORT") or 0)
+        assert s.transfer_port_range, f"{where} {c['name']}: no transfer_port_range"
+        lo, hi = parse_port_range(s.transfer_port_range)
         for port in (s.http_port, s.zmq_port, lo, hi):
             assert _policy_allows(s.role, port, peer), f"{where} {c['name']}: port {port}"
         assert not _policy_allows(s.role, s.zmq_port, "router")  # only kvd peers
