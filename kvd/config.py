@@ -18,6 +18,7 @@ keeps it in step with this module).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import tomllib
@@ -58,6 +59,10 @@ SGLANG_ALIASES = {
 }
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+#: Longest AF_UNIX socket path, in bytes: ``sun_path`` is 108 bytes on Linux, including
+#: the terminating NUL that most clients add (unix(7)).
+MAX_UNIX_PATH = 107
 
 
 def env_names(field: str) -> list[str]:
@@ -126,6 +131,9 @@ class Settings(BaseSettings):
                              help="kvd<->kvd control port (0: any free)")
     engine_socket: Path = _setting(Path("/tmp/kvd.sock"), unit="path",
                                    help="Unix socket the engine connects to (mode 0600)")
+    http_docs: bool = _setting(
+        False, help="interactive API docs at /docs and /redoc (the browser loads their "
+                    "scripts from a CDN: off by default; /openapi.json is always served)")
     serve_bootstrap: bool = _setting(False, help="serve SGLang's /route API (on the REST "
                                      "listener, or on bootstrap_host:bootstrap_port if set)")
     bootstrap_host: str | None = _setting(
@@ -245,6 +253,16 @@ class Settings(BaseSettings):
             ipaddress.IPv4Address(v)  # Mooncake's handshake listener is IPv4
         return v
 
+    @field_validator("engine_socket")
+    @classmethod
+    def _socket_path_fits(cls, v: Path) -> Path:
+        n = len(os.fsencode(v))
+        if n > MAX_UNIX_PATH:
+            raise ValueError(f"{n} bytes is too long for a Unix socket path (at most "
+                             f"{MAX_UNIX_PATH}): choose a shorter one, e.g. "
+                             f"/run/kvd/<rank>.sock or $XDG_RUNTIME_DIR/kvd/<rank>.sock")
+        return v
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, v: Any) -> Any:
@@ -263,7 +281,8 @@ class Settings(BaseSettings):
         if self.transfer_host is None and ":" in self.host and self.host.strip("[]") != "::1":
             problems.append(f"host {self.host} is IPv6: set transfer_host to an IPv4 address "
                             f"(Mooncake's P2P handshake is IPv4-only)")
-        if self.cluster_secret is not None and self.cluster_secret_file is not None:
+        if self.cluster_secret is not None and self.cluster_secret.get_secret_value() and \
+                self.cluster_secret_file is not None:
             problems.append("set cluster_secret or cluster_secret_file, not both")
         if problems:
             raise ValueError("; ".join(problems))
@@ -376,7 +395,8 @@ def _describe(exc: ValidationError, sources: dict[str, Source]) -> str:
         loc = [_field_of(str(p)) for p in e["loc"]]
         name = ".".join(loc) or "settings"
         where = f" [{sources[loc[0]]}]" if loc and loc[0] in sources else ""
-        value = f" = {e['input']!r}" if loc and e["type"] != "missing" else ""
+        shown = str(e["input"]) if isinstance(e["input"], Path) else repr(e["input"])
+        value = f" = {shown}" if loc and e["type"] != "missing" else ""
         lines.append(f"  {name}{value}{where}: {e['msg']}")
     return "invalid kvd configuration:\n" + "\n".join(lines)
 
@@ -489,22 +509,66 @@ def effective_transfer_host(settings: Settings) -> str:
     return "127.0.0.1" if settings.host.strip("[]") == "::1" else settings.host
 
 
+MIN_SECRET_BYTES = 16
+NO_SECRET = ("no cluster secret: set KVD_CLUSTER_SECRET or cluster_secret_file (kvd secret "
+             "FILE writes a new one), or insecure = true to run without authentication")
+
+
 def read_secret(settings: Settings) -> bytes | None:
     """The cluster secret (bytes) from the settings or their secret file; None if unset.
 
-    Raises :class:`ConfigError` if the file cannot be read or the secret is shorter
-    than 16 bytes.
+    The file's first line is the secret (surrounding whitespace ignored). Raises
+    :class:`ConfigError` if the file cannot be read, is empty, or the secret is shorter
+    than :data:`MIN_SECRET_BYTES`.
     """
+    path = settings.cluster_secret_file
     if settings.cluster_secret is not None and settings.cluster_secret.get_secret_value():
-        secret = settings.cluster_secret.get_secret_value().strip().encode()
-    elif settings.cluster_secret_file is not None:
+        secret, origin = settings.cluster_secret.get_secret_value().strip(), "cluster_secret"
+    elif path is not None:
         try:
-            secret = settings.cluster_secret_file.read_text().splitlines()[0].strip().encode()
-        except (OSError, IndexError) as exc:
-            raise ConfigError(f"cannot read cluster_secret_file "
-                              f"{settings.cluster_secret_file}: {exc}") from exc
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = getattr(exc, "strerror", None) or str(exc)
+            raise ConfigError(f"cannot read cluster_secret_file {path}: {why}") from exc
+        secret, origin = (text.splitlines() or [""])[0].strip(), f"cluster_secret_file {path}"
+        if not secret:
+            raise ConfigError(f"cluster_secret_file {path} is empty (the secret is its first "
+                              f"line): kvd secret {path} --force writes a new one")
     else:
         return None
-    if len(secret) < 16:
-        raise ConfigError("the cluster secret must be at least 16 bytes")
+    if len(secret.encode()) < MIN_SECRET_BYTES:
+        raise ConfigError(f"the cluster secret ({origin}) is {len(secret.encode())} bytes; it "
+                          f"must be at least {MIN_SECRET_BYTES} (kvd secret FILE makes one)")
+    return secret.encode()
+
+
+def require_secret(settings: Settings) -> bytes | None:
+    """:func:`read_secret`, and a :class:`ConfigError` when there is none and
+    ``insecure`` is not set (the daemon refuses to start without one)."""
+    secret = read_secret(settings)
+    if secret is None and not settings.insecure:
+        raise ConfigError(NO_SECRET)
     return secret
+
+
+def write_secret_file(path: Path, replace: bool = False) -> None:
+    """Write a new random secret (64 hex characters, 256 bits) and a newline to ``path``,
+    mode 0600, created atomically (a reader never sees a partial file).
+
+    Raises ``FileExistsError`` if ``path`` exists and not ``replace``; ``OSError`` if it
+    cannot be written.
+    """
+    import secrets
+    import tempfile
+
+    if path.exists() and not replace:
+        raise FileExistsError(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(32) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

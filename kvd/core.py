@@ -20,6 +20,7 @@ import httpx
 from kvd.config import Settings
 from kvd.control.peers import ControlPlane, PeerSendError
 from kvd.errors import AuthError, ProtocolError, RegistrationError
+from kvd.logs import fields
 from kvd.memory import EngineMemory, Importer, import_engine
 from kvd.metrics import RoomEvents
 from kvd.protocol import control
@@ -32,6 +33,18 @@ from kvd.transfer.faults import FaultPlan
 from kvd.transfer.kvargs import RankArgs
 
 log = logging.getLogger("kvd")
+
+
+def http_client(settings: Settings) -> httpx.AsyncClient:
+    """The daemon's HTTP client (bootstrap lookups and registration, heartbeats).
+
+    ``trust_env=False``: kvd<->kvd traffic stays inside the cluster, so ``HTTP_PROXY``,
+    ``ALL_PROXY``, ``NO_PROXY``, ``.netrc`` and ``SSL_CERT_*`` from the environment are
+    not used (a proxy set for the engine's model downloads must not carry heartbeats).
+    Timeouts: ``http_timeout`` seconds per request.
+    """
+    return httpx.AsyncClient(timeout=settings.http_timeout, trust_env=False,
+                             limits=httpx.Limits(max_keepalive_connections=32))
 
 
 @dataclass
@@ -114,7 +127,8 @@ class Core:
             await self.control.send(endpoint, self.auth.seal(control.encode(msg)))
             return True
         except PeerSendError as exc:
-            log.warning("%s", exc)
+            log.warning("%s", exc, extra=fields(peer=endpoint))
+            self.events.peer_error(endpoint, str(exc))
             return False
 
     def post(self, endpoint: str, msg: ControlMessage,
@@ -137,7 +151,9 @@ class Core:
                 try:
                     await self.control.send(box.endpoint, self.auth.seal(control.encode(msg)))
                 except PeerSendError as exc:
-                    log.warning("%s (%d queued messages dropped)", exc, len(box.queue))
+                    log.warning("%s (%d queued messages dropped)", exc, len(box.queue),
+                                extra=fields(peer=box.endpoint))
+                    self.events.peer_error(box.endpoint, str(exc))
                     self._fail_queue(box, str(exc))
                     return
                 box.queue.popleft()
@@ -225,7 +241,9 @@ class Core:
     def decode_control(self, frame: bytes) -> ControlMessage | None:
         """Parse an inbound control frame; None (logged, counted) if malformed."""
         try:
-            return control.decode(self.auth.open(frame), self.settings.max_frame_bytes)
+            msg = control.decode(self.auth.open(frame), self.settings.max_frame_bytes)
+            self.events.peer_message(msg.endpoint)  # (bounded: a forged name cannot grow it)
+            return msg
         except AuthError as exc:
             self.counters.auth_failures += 1
             self._log_auth_once(str(exc).split(" (")[0], exc)

@@ -27,7 +27,7 @@ from kvd.bootstrap.server import HttpServer, bind_socket
 from kvd.bootstrap.table import BootstrapTable
 from kvd.config import Settings, read_secret
 from kvd.control.peers import ControlPlane
-from kvd.core import Core
+from kvd.core import Core, http_client
 from kvd.engine_rpc.server import Connection, EngineRpcServer
 from kvd.errors import ConfigError, RegistrationError, RoomError
 from kvd.memory import Importer
@@ -106,8 +106,7 @@ class Daemon:
         ctl = self._control or ControlPlane(s.control_send_timeout, max_frame=s.max_frame_bytes)
         if not ctl.endpoint:
             ctl.bind(s.host, s.zmq_port)
-        http = self._http_client or httpx.AsyncClient(
-            timeout=s.http_timeout, limits=httpx.Limits(max_keepalive_connections=32))
+        http = self._http_client or http_client(s)
         executor = TransferExecutor(engine, s.transfer_threads, s.transfer_queue_size)
         self.core = Core(s, engine, executor, ctl,
                          Importer(s.shm_dir), http, auth=auth,
@@ -146,7 +145,8 @@ class Daemon:
         """The REST app: /health, the operations API, and /route when serving bootstrap."""
         assert self.core is not None and self.ops is not None
         return create_app(self.health, self.table if with_route else None, self.ops,
-                          auth=self.core.auth, on_auth_failure=self._http_auth_failed)
+                          auth=self.core.auth, on_auth_failure=self._http_auth_failed,
+                          docs=self.settings.http_docs)
 
     async def _start_bootstrap_listener(self, auth: Authenticator) -> None:
         """/route (and /health) on their own listener: bootstrap_host:bootstrap_port."""
@@ -193,7 +193,7 @@ class Daemon:
                  "engine_socket": str(self.settings.engine_socket),
                  "bootstrap_addr": self.settings.bootstrap_addr}
         print(json.dumps(ready), flush=True)
-        log.info("kvd %s ready: %s", self.settings.role, json.dumps(ready))
+        log.info("kvd %s ready", self.settings.role, extra=logs.fields(**ready))
         notify.notify(f"READY=1\nSTATUS=kvd {self.settings.role} on port {ready['http_port']}")
 
     async def drain(self) -> None:
@@ -248,11 +248,12 @@ class Daemon:
             frame = await self.core.control.recv()
             msg = self.core.decode_control(frame)
             if msg is not None:
-                try:
-                    self.side.on_control(msg)
-                except Exception:  # a bug must not stop the control plane (K31)
-                    self.core.counters.loop_errors += 1
-                    log.exception("control message %s failed", type(msg).__name__)
+                with logs.log_context(**logs.message_context(msg)):
+                    try:
+                        self.side.on_control(msg)
+                    except Exception:  # a bug must not stop the control plane (K31)
+                        self.core.counters.loop_errors += 1
+                        log.exception("control message %s failed", type(msg).__name__)
 
     async def _sweep_loop(self, interval: float) -> None:
         assert self.core is not None and self.side is not None
@@ -395,5 +396,5 @@ def serve(settings: Settings) -> int:
     """Run a daemon on a fresh uvloop loop until SIGTERM/SIGINT; returns the exit code."""
     import uvloop
 
-    logs.setup(settings.log_level, settings.log_format)
+    logs.setup(settings.log_level, settings.log_format, capture_native=True)
     return uvloop.run(Daemon(settings).run())

@@ -25,6 +25,7 @@ from kvd.control.routing import resolve_targets
 from kvd.core import Core
 from kvd.errors import BootstrapError, KvdError, PeerUnreachable, RegistrationError, RoomError
 from kvd.hostid import host_identity
+from kvd.logs import fields
 from kvd.protocol import control, rpc
 from kvd.rooms.effects import AbortUnknown, Effect, Resolve, Send, WriteAux
 from kvd.rooms.receiver import ReceiverRooms, Target
@@ -282,7 +283,8 @@ class DecodeSide(Side):
             targets = await self._targets(eff.room, eff.bootstrap_addr, eff.dp_rank)
         except KvdError as exc:
             log.warning("room %d: abort could not reach the prefill ranks of %s: %s", eff.room,
-                        eff.bootstrap_addr, exc, extra={"room": eff.room})
+                        eff.bootstrap_addr, exc,
+                        extra=fields(room=eff.room, peer=eff.bootstrap_addr))
             return
         for t in targets:
             self.core.post(t.endpoint, control.RoomAbort(
@@ -329,7 +331,7 @@ class DecodeSide(Side):
             raise
         except Exception as exc:  # an HTTP client bug must not stop the other probes
             self.core.counters.loop_errors += 1
-            log.exception("heartbeat of %s failed unexpectedly", addr)
+            log.exception("heartbeat of %s failed unexpectedly", addr, extra=fields(peer=addr))
             h = self.health.get(addr)
             if h is not None:
                 self._missed(addr, h, f"{type(exc).__name__}: {exc}")
@@ -354,7 +356,8 @@ class DecodeSide(Side):
 
     def _answered(self, addr: str, h: PeerHealth, data: dict[str, Any]) -> None:
         if h.down:
-            log.info("prefill %s is back after %d missed heartbeats", addr, h.misses)
+            log.info("prefill %s is back after %d missed heartbeats", addr, h.misses,
+                     extra=fields(peer=addr))
         now = self.core.clock()
         h.misses, h.down, h.last_ok, h.last_error = 0, False, now, ""
         instance, epoch = data.get("instance_id"), data.get("bootstrap_epoch")
@@ -373,12 +376,12 @@ class DecodeSide(Side):
         h.misses += 1
         h.last_error = error
         self.core.counters.heartbeat_misses += 1
-        self.core.events.heartbeat_missed(addr)
+        self.core.events.heartbeat_missed(addr, f"heartbeat unanswered: {error}")
         if h.misses >= self.core.settings.heartbeat_max_failures and not h.down:
             h.down = True
             failure = RoomFailure(FailureKind.HEARTBEAT, f"prefill {addr} unreachable: "
                                   f"{h.misses} heartbeats missed ({error})", self.role)
-            log.warning("%s", failure.reason)
+            log.warning("%s", failure.reason, extra=fields(peer=addr))
             self.run(self.rooms.peer_lost(addr, failure, self.core.clock()))
             self._forget(addr, drop_sockets=False)
 
@@ -432,27 +435,38 @@ class DecodeSide(Side):
                               kind=r.failure.kind.value if r.failure else ""))
         tables = {**self.rooms.table_sizes(), "registered": len(self.registered),
                   "health": len(self.health), "rank_cache": len(self.bootstrap.ranks)}
-        return Snapshot(self.role, rooms, self._peers(now), by_state, 0, tables,
+        return Snapshot(self.role, rooms, self._peers(), by_state, 0, tables,
                         dict(self.rooms.dropped))
 
-    def _peers(self, now: float) -> list[Peer]:
+    def _peers(self) -> list[Peer]:
         """One row per prefill rank endpoint; a bootstrap address with none gets its own."""
         rows: dict[str, Peer] = {}
         for (addr, tp, dp, pp), info in self.bootstrap.ranks.items():
             ep = endpoint_of(info)
+            h = self.health.get(addr)
             rows[ep] = Peer(endpoint=ep, kind="prefill", bootstrap=addr,
                             state="registered" if ep in self.registered else "resolved",
-                            heartbeat=_heartbeat(self.health.get(addr)),
-                            instance_id=info.instance_id or "",
-                            detail=f"tp {tp} dp {dp} pp {pp}; "
-                                   f"{_health_detail(self.health.get(addr), now)}")
+                            heartbeat=_heartbeat(h), instance_id=info.instance_id or "",
+                            detail=f"tp {tp} dp {dp} pp {pp}{_health_detail(h)}",
+                            **self._liveness(ep, addr, h))
         known = {p.bootstrap for p in rows.values()}
         for addr in (set(self.bootstrap.info) | set(self.health)) - known:
             h = self.health.get(addr)
             rows[addr] = Peer(endpoint=addr, kind="prefill", bootstrap=addr, state="bootstrap",
-                              heartbeat=_heartbeat(h), detail=_health_detail(h, now),
-                              instance_id=(h.instance_id or "") if h else "")
+                              heartbeat=_heartbeat(h), detail=_health_detail(h).lstrip("; "),
+                              instance_id=(h.instance_id or "") if h else "",
+                              **self._liveness("", addr, h))
         return sorted(rows.values(), key=lambda p: (p.bootstrap, p.endpoint))
+
+    def _liveness(self, endpoint: str, addr: str, h: PeerHealth | None) -> dict[str, Any]:
+        """A prefill peer's liveness fields: its last control message (from ``endpoint``),
+        last answered heartbeat (of ``addr``) and newest error (a failed room, send or
+        heartbeat, recorded under either name; it stays after the peer recovers)."""
+        error, error_time = self.last_error(endpoint, addr)
+        last_message = self.core.events.peer_record(endpoint).last_message if endpoint else None
+        return {"last_message": last_message,
+                "last_heartbeat": self.wall(h.last_ok) if h else None,
+                "last_error": error, "last_error_time": error_time}
 
 
 def _heartbeat(h: PeerHealth | None) -> str:
@@ -463,11 +477,14 @@ def _heartbeat(h: PeerHealth | None) -> str:
     return f"missed {h.misses}" if h.misses else "ok"
 
 
-def _health_detail(h: PeerHealth | None, now: float) -> str:
+def _health_detail(h: PeerHealth | None) -> str:
+    """What the heartbeats say now, beyond the liveness fields: ``; never answered`` or
+    ``; failing: <error>`` (empty while they are answered)."""
     if h is None:
         return ""
-    last = f"last ok {now - h.last_ok:.1f}s ago" if h.last_ok else "never answered"
-    return f"{last}; last error: {h.last_error}" if h.last_error else last
+    if h.misses and h.last_error:
+        return f"; failing: {h.last_error}"
+    return "" if h.last_ok else "; never answered"
 
 
 def _kind_of(exc: KvdError) -> FailureKind:

@@ -413,12 +413,16 @@ class PrefillSide(Side):
                               state_age_s=round(now - r.since, 3), peer=",".join(r.dests) or "-",
                               reason=r.failure.reason if r.failure else "",
                               kind=r.failure.kind.value if r.failure else ""))
-        peers = [Peer(endpoint=p.endpoint, kind="decode", instance_id=p.instance,
-                      state="rejected" if p.rejected else "registered", heartbeat="n/a",
-                      detail=p.rejected.reason if p.rejected else
-                      f"attn_tp {p.tp_rank}/{p.tp_size}; last message "
-                      f"{now - p.last_seen:.1f}s ago")
-                 for p in self.rooms.peers.values()]
+        peers = []
+        for p in self.rooms.peers.values():
+            error, error_time = self.last_error(p.endpoint)
+            peers.append(Peer(endpoint=p.endpoint, kind="decode", instance_id=p.instance,
+                              state="rejected" if p.rejected else "registered",
+                              heartbeat="n/a",
+                              detail=p.rejected.reason if p.rejected else
+                              f"attn_tp {p.tp_rank}/{p.tp_size}",
+                              last_message=self.wall(p.last_seen), last_error=error,
+                              last_error_time=error_time))
         queue = sum(len(r.chunks) for r in self.rooms.rooms.values())
         return Snapshot(self.role, rooms, peers, by_state, queue, self.rooms.table_sizes(),
                         dict(self.rooms.dropped), self.bootstrap_registered)

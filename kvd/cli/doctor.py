@@ -1,31 +1,37 @@
 """``kvd doctor``: can this machine run a kvd with these settings? Each check says what to fix.
 
-Checks: the settings are valid; which Mooncake build is installed; which
-transfer backend, protocol and NICs are used and why; the Mooncake transfer
-engine imports and initialises with those settings (in a child process, so a
-crash or hang in the native library is reported, not suffered); RDMA devices;
-the locked-memory limit RDMA registration needs; the shared-memory folder; the
-configured ports are free; the engine socket's folder and any file already at
-its path; and, when a kvd is running on that socket, every port it listens on
-with its bind address (a warning for any wider than the configured hosts).
+Checks: the settings are valid; the cluster secret; which Mooncake build is
+installed; which transfer backend, protocol and NICs are used and why; the
+Mooncake transfer engine imports and initialises with those settings (in a
+child process, so a crash or hang in the native library is reported, not
+suffered); RDMA devices; the locked-memory limit RDMA registration needs; the
+shared-memory folder; the configured ports are free; the engine socket (its
+folder, its lock, any file at its path) and its group; and, when a kvd is
+running on that socket, every port it listens on with its bind address (a
+warning for any wider than the configured hosts).
+
+:func:`refusals` is what ``kvd serve`` refuses before it starts; doctor reports
+each of them as a failed check, so doctor fails whenever serve would.
 """
 
 from __future__ import annotations
 
 import errno
+import grp
 import json
 import os
 import resource
 import socket
-import stat
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvd.config import Settings
-from kvd.errors import KvdError
+from kvd import notify
+from kvd.config import Settings, require_secret
+from kvd.engine_rpc.socket_path import SocketPathError, preflight
+from kvd.errors import ConfigError, KvdError
 
 GiB = 1 << 30
 MIN_SHM = 1 * GiB
@@ -58,17 +64,48 @@ def run_checks(settings: Settings | None, config_error: KvdError | None = None,
     """Every check, in order. ``settings`` None means the config was invalid
     (``config_error`` says why); the checks then use the built-in defaults."""
     s = settings or Settings.model_construct(role="decode")
-    checks = [check_config(config_error), check_build(), check_transfer_settings(s)]
+    checks = [check_config(config_error)]
+    if settings is not None:
+        checks.append(check_secret(settings))
+    checks += [check_build(), check_transfer_settings(s)]
     if engine_probe and s.transfer_backend != "local":
         checks.append(check_transfer_engine(s))
     devices = rdma_devices()
     checks += [check_rdma(devices), check_memlock(bool(devices)), check_shm(s.shm_dir)]
     checks += [check_port("http port", s.http_host, s.http_port),
                check_port("zmq port", s.host, s.zmq_port), check_socket(s.engine_socket)]
+    if s.engine_socket_group:
+        checks.append(check_group(s.engine_socket_group))
     pid = daemon_pid(s.engine_socket)
     if pid is not None:
         checks.append(check_listeners(pid, s))
     return checks
+
+
+def refusals(settings: Settings) -> list[KvdError]:
+    """Why ``kvd serve`` would refuse to start with ``settings`` (empty: nothing known).
+
+    No cluster secret (without ``insecure``) or an unreadable one; an engine socket
+    path that cannot be used (skipped when systemd passes the socket); an
+    ``engine_socket_group`` that does not exist.
+    """
+    out: list[KvdError] = []
+    try:
+        require_secret(settings)
+    except ConfigError as exc:
+        out.append(exc)
+    if not notify.socket_activated():
+        try:
+            preflight(settings.engine_socket)
+        except SocketPathError as exc:
+            out.append(exc)
+    if settings.engine_socket_group:
+        try:
+            grp.getgrnam(settings.engine_socket_group)
+        except KeyError:
+            out.append(ConfigError(f"engine_socket_group {settings.engine_socket_group!r} "
+                                   f"does not exist"))
+    return out
 
 
 def as_dicts(checks: list[Check]) -> list[dict[str, Any]]:
@@ -81,6 +118,34 @@ def check_config(error: KvdError | None) -> Check:
         return Check("config", "ok", "settings are valid")
     return Check("config", "fail", str(error).replace("\n", ";"),
                  "correct the settings listed (kvd config show -c FILE shows each source)")
+
+
+def check_secret(settings: Settings) -> Check:
+    """The cluster secret is set and readable (or ``insecure`` is on, which warns)."""
+    try:
+        secret = require_secret(settings)
+    except ConfigError as exc:
+        return Check("cluster secret", "fail", str(exc),
+                     "kvd secret /etc/kvd/cluster.secret, then cluster_secret_file = "
+                     "\"/etc/kvd/cluster.secret\" (the same file on every kvd)")
+    if secret is None:
+        return Check("cluster secret", "warn", "insecure = true: no authentication",
+                     "use a cluster secret outside of tests (kvd secret FILE)")
+    path = settings.cluster_secret_file
+    if path is not None and settings.cluster_secret is None and path.stat().st_mode & 0o077:
+        return Check("cluster secret", "warn", f"{path} is readable by other users",
+                     f"chmod 600 {path}")
+    where = f"from {path}" if settings.cluster_secret is None else "from the environment"
+    return Check("cluster secret", "ok", f"{len(secret)} bytes {where}")
+
+
+def check_group(name: str) -> Check:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return Check("engine socket group", "fail", f"group {name!r} does not exist",
+                     f"groupadd {name}, or unset engine_socket_group")
+    return Check("engine socket group", "ok", f"{name} may use the engine socket")
 
 
 def check_build() -> Check:
@@ -266,35 +331,16 @@ def check_port(name: str, host: str, port: int) -> Check:
 
 
 def check_socket(path: Path) -> Check:
+    """What ``kvd serve`` checks before it binds the engine socket (folder, lock, any file
+    at the path); when systemd passes the socket (``kvd@.socket``) there is nothing to
+    check here."""
     name = "engine socket"
-    if path.exists() or path.is_symlink():
-        existing = _existing_socket(path)
-        if existing is not None:
-            return existing
-    parent = path.parent
-    ancestor = next(p for p in (parent, *parent.parents) if p.exists())
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        return Check(name, "fail", f"{ancestor} is not writable by uid {os.getuid()}: "
-                     f"cannot create {path}",
-                     "systemd: RuntimeDirectory= (see deploy/systemd); otherwise "
-                     f"install -d -o $USER {parent}")
-    verb = "writable" if ancestor == parent else "will be created"
-    return Check(name, "ok", f"{parent} {verb}; {path.name} will be mode 0600, so the engine "
-                 f"must run as uid {os.getuid()}")
-
-
-def _existing_socket(path: Path) -> Check | None:
-    name = "engine socket"
-    if not stat.S_ISSOCK(path.lstat().st_mode):
-        return Check(name, "fail", f"{path} exists and is not a socket",
-                     "remove it or choose another engine_socket")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        try:
-            sock.connect(str(path))
-        except PermissionError:
-            return Check(name, "warn", f"{path} exists and uid {os.getuid()} may not connect",
-                         "run the engine and kvd as the same user")
-        except OSError:
-            return None  # stale file: kvd replaces it at start; check the folder
-    return Check(name, "warn", f"a kvd is already serving {path}",
-                 "stop it first, or give this kvd another engine_socket")
+    if notify.socket_activated():
+        return Check(name, "ok", "passed by systemd (socket activation)")
+    try:
+        preflight(path)
+    except SocketPathError as exc:
+        return Check(name, "fail", f"{path}: {exc.detail}", exc.fix)
+    verb = "writable" if path.parent.is_dir() else "will be created"
+    return Check(name, "ok", f"{path.parent} {verb}; {path.name} will be mode 0600, so the "
+                 f"engine must run as uid {os.geteuid()}")

@@ -1,5 +1,11 @@
 """The engine RPC server: an asyncio Unix-socket server on the daemon's loop.
 
+The listening socket is either bound here (:class:`~kvd.engine_rpc.socket_path.SocketClaim`:
+one daemon per path, a live socket is refused, only our own file is unlinked at stop) or
+inherited from systemd socket activation (``kvd@.socket``, ``LISTEN_FDS``): then systemd
+owns the path, its mode and its lifetime, and the engine's connections queue in the
+backlog while kvd (re)starts.
+
 Each connection carries length-prefixed frames (:mod:`kvd.protocol.rpc`).
 Requests on one connection are answered in order. The server reads with
 ``socket.recv_fds`` (a plain ``recv``, or an asyncio stream, drops descriptors):
@@ -26,7 +32,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from kvd import notify
+from kvd.engine_rpc.socket_path import SocketClaim
 from kvd.errors import ConfigError, KvdError, ProtocolError
+from kvd.logs import log_context, message_context
 from kvd.protocol import rpc
 
 log = logging.getLogger(__name__)
@@ -47,6 +56,34 @@ def _supplementary_groups(uid: int) -> list[int]:
     except KeyError:
         return []
     return os.getgrouplist(user.pw_name, user.pw_gid)
+
+
+def inherited_socket(path: Path) -> socket.socket | None:
+    """The engine socket systemd passed (``kvd@.socket``), or None if none was passed.
+
+    With several sockets, the one named ``engine`` (``FileDescriptorName=engine``) is
+    used. Raises :class:`ConfigError` if it is not a listening Unix stream socket or
+    is bound to another path than ``engine_socket``.
+    """
+    fds = notify.listen_fds()
+    if not fds:
+        return None
+    fd = fds.get("engine", next(iter(fds.values())) if len(fds) == 1 else None)
+    if fd is None:
+        raise ConfigError(f"systemd passed {len(fds)} sockets ({', '.join(fds)}) and none is "
+                          f"named 'engine': set FileDescriptorName=engine in kvd@.socket")
+    sock = socket.socket(fileno=fd)
+    listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM or not listening:
+        sock.detach()
+        raise ConfigError("the socket systemd passed is not a listening Unix stream socket: "
+                          "use ListenStream=/path in kvd@.socket")
+    if sock.getsockname() != str(path):
+        name = sock.getsockname()
+        sock.detach()
+        raise ConfigError(f"systemd passed the socket {name} but engine_socket is {path}: "
+                          f"make ListenStream= and --engine-socket the same path")
+    return sock
 
 
 Dispatch = Callable[[rpc.Call, "Connection"], Awaitable[Any]]
@@ -128,32 +165,27 @@ class EngineRpcServer:
         self.refused = 0
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
+        self._claim: SocketClaim | None = None
         self._next_id = 0
         self._handlers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        """Bind the socket (replacing a stale file) and start accepting."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            sock.bind(str(self.path))
-        finally:
-            os.umask(old)
-        sock.listen(64)
+        """Take the socket (inherited from systemd, or bound here) and start accepting.
+
+        Raises :class:`ConfigError` (one line with the fix) if the path cannot be used:
+        its folder cannot be created or written, another kvd serves it, a file that is
+        not a socket is in the way, or an inherited socket does not match the settings.
+        """
+        sock = inherited_socket(self.path)
+        if sock is None:
+            self._claim = SocketClaim(self.path)
+            sock = self._claim.bind(gid=self.gid)
         sock.setblocking(False)
-        if self.gid is not None:
-            os.chown(self.path, -1, self.gid)
-            os.chmod(self.path, 0o660)
-        else:
-            os.chmod(self.path, 0o600)
         self._sock = sock
         self._accepting = asyncio.create_task(self._accept_loop(sock), name="engine-rpc-accept")
 
     async def stop(self) -> None:
-        """Stop accepting, close connections, unlink the socket."""
+        """Stop accepting, close connections, unlink the socket if this daemon made it."""
         if self._accepting is not None:
             self._accepting.cancel()
             await asyncio.gather(self._accepting, return_exceptions=True)
@@ -162,8 +194,8 @@ class EngineRpcServer:
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        if self._claim is not None:
+            self._claim.release()
 
     async def _accept_loop(self, listener: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -243,7 +275,10 @@ class EngineRpcServer:
             return rpc.Reply(id=0, ok=False, error=str(exc), kind="ProtocolError")
         try:
             rpc.check_fd_indices(req.call, len(conn.fds))
-            result = await self.dispatch(req.call, conn)
+            # the call's room (and a receiver's bootstrap address) label every line logged
+            # while it runs, and every task it starts
+            with log_context(**message_context(req.call)):
+                result = await self.dispatch(req.call, conn)
         except KvdError as exc:
             return rpc.Reply(id=req.id, ok=False, error=str(exc), kind=rpc.error_kind(exc))
         except Exception as exc:
