@@ -14,9 +14,10 @@ from typing import Any
 
 import httpx
 
+from kvd.bootstrap import client as signed_http
 from kvd.config import Settings
 from kvd.control.peers import ControlPlane, PeerSendError
-from kvd.errors import AuthError, ProtocolError, RegistrationError
+from kvd.errors import RegistrationError
 from kvd.memory import MemoryMap
 from kvd.metrics import RoomEvents
 from kvd.protocol import control
@@ -60,6 +61,7 @@ class Core:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     registered_addrs: list[int] = field(default_factory=list)
     auth: Authenticator = field(default_factory=lambda: Authenticator(None))
+    recipients: signed_http.Recipients = field(default_factory=signed_http.Recipients)
     faults: FaultPlan | None = None
     _auth_logged: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -92,9 +94,10 @@ class Core:
             log.error("task %s crashed", task.get_name(), exc_info=task.exception())
 
     async def send(self, endpoint: str, msg: ControlMessage) -> bool:
-        """Send a control message; returns False (logged) if the peer is unreachable."""
+        """Send a control message, sealed for the instance serving ``endpoint``; returns
+        False (logged) if the peer is unreachable or its instance is unknown."""
         try:
-            await self.control.send(endpoint, self.auth.seal(control.encode(msg)))
+            await self.control.send(endpoint, control.encode(msg))
             return True
         except PeerSendError as exc:
             log.warning("%s", exc)
@@ -145,31 +148,27 @@ class Core:
         old, self.memory = self.memory, MemoryMap(self.settings.shm_dir)
         asyncio.get_running_loop().call_later(unmap_after, old.close)
 
-    def decode_control(self, frame: bytes) -> ControlMessage | None:
-        """Parse an inbound control frame; None (logged, counted) if malformed."""
-        try:
-            return control.decode(self.auth.open(frame), self.settings.max_frame_bytes)
-        except AuthError as exc:
-            self.counters.auth_failures += 1
-            self._log_auth_once(str(exc).split(" (")[0], exc)
-            return None
-        except ProtocolError as exc:
-            self.counters.protocol_errors += 1
-            log.warning("dropped control frame: %s", exc)
-            return None
+    def totals(self) -> dict[str, int]:
+        """Daemon-wide counters, with the inbound control pipeline's drops folded in."""
+        inbound = self.control.stats
+        out = dict(vars(self.counters))
+        out["auth_failures"] += inbound.auth_failures
+        out["protocol_errors"] += inbound.protocol_errors
+        out["control_dropped"] = inbound.dropped
+        out["control_penalized"] = inbound.penalized
+        return out
 
     def _log_auth_once(self, key: str, exc: Exception) -> None:
-        """Unauthenticated traffic is logged once per kind (the sender is unknown: an
-        unverified frame's claimed peer is not trusted), then only counted."""
+        """Unauthenticated requests are logged once per kind (the sender is unknown: an
+        unverified request's claims are not trusted), then only counted."""
         if key not in self._auth_logged and len(self._auth_logged) < 64:
             self._auth_logged.add(key)
-            log.warning("dropped control frame: %s (further ones only counted)", exc)
+            log.warning("refused request: %s (further ones only counted)", exc)
 
     async def http(self, method: str, url: str, *, params: Mapping[str, Any] | None = None,
                    json: Any = None, limit_s: float | None = None) -> httpx.Response:
-        """An authenticated HTTP request to a bootstrap server (raises httpx errors)."""
-        req = self.http_client.build_request(method, url, params=params, json=json,
-                                             timeout=limit_s or self.settings.http_timeout)
-        req.headers.update(self.auth.http_header(method, req.url.path,
-                                                 req.url.query.decode(), req.content))
-        return await self.http_client.send(req)
+        """An HTTP request to another kvd, signed for the instance serving ``url``
+        (raises httpx errors)."""
+        return await signed_http.request(self.http_client, self.auth, self.recipients, method,
+                                         url, params=params, json=json,
+                                         limit_s=limit_s or self.settings.http_timeout)

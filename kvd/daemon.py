@@ -21,9 +21,11 @@ import httpx
 from kvd import __version__, logs, notify
 from kvd.addr import join_hostport
 from kvd.bootstrap.app import create_app
-from kvd.bootstrap.server import HttpServer, bind_socket
+from kvd.bootstrap.guard import is_loopback
+from kvd.bootstrap.server import ConnectionGuard, HttpLimits, HttpServer, bind_socket
 from kvd.bootstrap.table import BootstrapTable
 from kvd.config import Settings, effective_transfer_host, read_secret
+from kvd.control.inbound import Misaddressed
 from kvd.control.peers import ControlPlane
 from kvd.core import Core
 from kvd.decode import DecodeSide
@@ -60,6 +62,9 @@ class Daemon:
         self.http_server: HttpServer | None = None
         self.bootstrap_server: HttpServer | None = None
         self.rpc_server: EngineRpcServer | None = None
+        self.http_guard = ConnectionGuard(HttpLimits(
+            settings.http_max_connections, settings.http_fd_reserve,
+            settings.http_header_timeout))  # one budget for every HTTP listener
         self.draining = False
         self.engine_conn: int | None = None
 
@@ -84,7 +89,7 @@ class Daemon:
         s = self.settings
         auth = self._authenticator()  # before anything opens: no secret, no daemon
         engine = self._engine or self._make_engine()
-        ctl = ControlPlane(s.control_send_timeout, max_frame=s.max_frame_bytes)
+        ctl = ControlPlane(auth, s.control_send_timeout, max_frame=s.max_frame_bytes)
         ctl.bind(s.host, s.zmq_port)
         http = httpx.AsyncClient(timeout=s.http_timeout,
                                  limits=httpx.Limits(max_keepalive_connections=32))
@@ -96,8 +101,9 @@ class Daemon:
         separate = s.serve_bootstrap and s.bootstrap_port is not None
         sock = bind_socket(s.http_host, s.http_port)
         app = create_app(self.health, None if separate else self.table, DaemonOps(self),
-                         auth=auth, on_auth_failure=self._http_auth_failed)
-        self.http_server = HttpServer(app, sock)
+                         auth=auth, on_auth_failure=self._http_auth_failed,
+                         loopback=is_loopback(s.http_host), body_timeout=s.http_body_timeout)
+        self.http_server = HttpServer(app, sock, self.http_guard)
         await self.http_server.start()
         if separate:
             await self._start_bootstrap_listener(auth)
@@ -122,8 +128,10 @@ class Daemon:
         s = self.settings
         host = s.bootstrap_host or s.http_host
         app = create_app(self.health, self.table, None, auth=auth,
-                         on_auth_failure=self._http_auth_failed)
-        self.bootstrap_server = HttpServer(app, bind_socket(host, s.bootstrap_port or 0))
+                         on_auth_failure=self._http_auth_failed, loopback=is_loopback(host),
+                         body_timeout=s.http_body_timeout)
+        self.bootstrap_server = HttpServer(app, bind_socket(host, s.bootstrap_port or 0),
+                                           self.http_guard)
         await self.bootstrap_server.start()
         if s.bootstrap_addr is None:
             s.bootstrap_addr = join_hostport(host.strip("[]"), self.bootstrap_server.port)
@@ -144,7 +152,7 @@ class Daemon:
         if secret is None:
             log.warning("INSECURE: no cluster secret; bootstrap and control messages are NOT "
                         "authenticated (insecure = true)")
-        return Authenticator(secret, s.auth_max_skew)
+        return Authenticator(secret, s.instance_id, s.auth_max_skew)
 
     def _make_engine(self) -> MooncakeEngine:
         s, hook = self.settings, None
@@ -218,13 +226,14 @@ class Daemon:
 
     async def _recv_loop(self) -> None:
         assert self.core is not None
-        while True:
-            frame = await self.core.control.recv()
-            msg = self.core.decode_control(frame)
-            if msg is not None:
-                self._on_control(msg)
+        async for msg in self.core.control.messages():  # bounded batches (case S02)
+            self._on_control(msg)
 
-    def _on_control(self, msg: control.ControlMessage) -> None:
+    def _on_control(self, msg: control.ControlMessage | Misaddressed) -> None:
+        if isinstance(msg, Misaddressed):  # sealed for a previous instance of this daemon
+            if self.prefill is not None and isinstance(msg.message, control.RoomPages):
+                self.prefill.on_misaddressed_pages(msg.message)
+            return
         if self.prefill is not None:
             if isinstance(msg, control.RegisterRank):
                 self.prefill.on_register_rank(msg)
@@ -398,7 +407,7 @@ class Daemon:
                 "bootstrap_epoch": self.table.epoch if self.table is not None else None,
                 "tables": self.table_sizes(),
                 "rooms": by_state,
-                "counters": vars(core.counters) if core else {}}
+                "counters": core.totals() if core else {}}
 
 
     def table_sizes(self) -> dict[str, int]:

@@ -428,6 +428,7 @@ class DecodeSide:
         for t in targets:
             rank = await self.bootstrap.rank(addr, t)
             endpoint = f"tcp://{join_hostport(rank.rank_ip.strip('[]'), rank.rank_port)}"
+            self.core.control.learn(endpoint, rank.instance_id)  # frames are sealed for it
             await self._ensure_registered(endpoint)
             out.append((t, endpoint))
         return out

@@ -186,6 +186,13 @@ class PrefillSide:
             return
         self._add_destination(r, msg)
 
+    def on_misaddressed_pages(self, msg: control.RoomPages) -> None:
+        """Pages sealed for a previous instance of this rank (it restarted since the decode
+        rank looked it up): not used; the decode rank is told to register again (case S09:
+        a message is acted on only by the instance it was sealed for)."""
+        self._refuse(msg, f"room {msg.room}: sent to a previous instance of prefill rank "
+                          f"{self.core.control.endpoint}", unregistered=True)
+
     def on_room_abort(self, msg: control.RoomAbort) -> None:
         """The decode side aborted the room: stop it, and confirm once no write is in flight.
 

@@ -177,7 +177,7 @@ class DaemonOps:
                 "is_mla": local.wire.is_mla},
             peers=self.peers(), rooms=self.rooms_by_state(), rooms_per_s=round(rooms_s, 3),
             bytes_per_s=round(bytes_s, 1), rate_window_s=core.events.rate.span,
-            totals=dict(vars(core.counters)),
+            totals=core.totals(),
             recent_failures=[FailureRow(**f) for f in core.events.recent_failures(failures)])
 
     def queue_depth(self) -> int:
@@ -192,7 +192,7 @@ class DaemonOps:
             role=s.role, version=__version__, instance_id=s.instance_id,
             uptime_s=time.time() - self.daemon.started_at, rooms_by_state=self.rooms_by_state(),
             queue_depth=self.queue_depth(), executor_busy=core.executor.busy,
-            executor_threads=s.transfer_threads, protocol_errors=core.counters.protocol_errors,
+            executor_threads=s.transfer_threads, protocol_errors=core.totals()["protocol_errors"],
             peers=len(self.peers()), engine_registered=core.local is not None,
             ready=self.readiness().ready)
 

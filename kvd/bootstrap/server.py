@@ -1,16 +1,46 @@
-"""uvicorn embedded on the daemon's event loop (no thread, no second loop)."""
+"""uvicorn embedded on the daemon's event loop (no thread, no second loop).
+
+Connections are bounded here (case S04: tens of thousands of idle, half-sent
+requests used up the daemon's file descriptors, so heartbeat probes failed and
+new decodes could not bootstrap). uvicorn has no deadline for a request head
+(its keep-alive timer starts only after a response and any byte cancels it), and
+``limit_concurrency`` answers 503 only once a request is complete, so neither
+bounds idle connections. :class:`GuardedH11Protocol` adds, per connection:
+
+- a head deadline: a connection must deliver a complete request head within
+  ``header_timeout`` seconds of opening or of its last response, else it is closed;
+- admission by a :class:`ConnectionGuard` shared by every listener of the daemon:
+  at most ``max_connections`` open connections, fewer when the process comes within
+  ``fd_reserve`` descriptors of ``RLIMIT_NOFILE`` (the engine socket, the control
+  plane, the transfer engine and outgoing requests keep those). At the limit, the
+  connection that has been idle longest (no request in progress) is closed to make
+  room; only when every connection is busy is the new one refused. An idle flood
+  therefore never locks out a peer that sends a request at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
+import resource
 import socket
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvd.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: Largest request head (request line + headers), bytes; h11's own default too.
+MAX_HEAD_BYTES = 16 << 10
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -31,6 +61,154 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class Conn(Protocol):
+    """What the guard needs of a connection."""
+
+    @property
+    def busy(self) -> bool: ...       # a request is in progress
+    @property
+    def idle_since(self) -> float: ...  # monotonic s: opened, or last response done
+    def evict(self) -> None: ...
+
+
+def open_fds() -> int | None:
+    """Descriptors this process has open now (Linux ``/proc``; None elsewhere)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return None
+
+
+def nofile_limit() -> int:
+    """The soft ``RLIMIT_NOFILE`` (descriptors)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+@dataclass
+class HttpLimits:
+    """Connection limits of the HTTP listeners (seconds, connections, descriptors)."""
+
+    max_connections: int = 1024
+    fd_reserve: int = 256
+    header_timeout: float = 5.0
+
+
+class ConnectionGuard:
+    """Admission of HTTP connections across every listener of one daemon. PURE apart
+    from ``fd_count``/``fd_limit`` (injected for tests), re-read at most every
+    ``refresh_s`` seconds of ``clock``."""
+
+    def __init__(self, limits: HttpLimits | None = None,
+                 fd_count: Callable[[], int | None] = open_fds,
+                 fd_limit: Callable[[], int] = nofile_limit,
+                 clock: Callable[[], float] = time.monotonic, refresh_s: float = 0.5) -> None:
+        self.limits = limits or HttpLimits()
+        self.fd_count, self.fd_limit, self.clock = fd_count, fd_limit, clock
+        self.refresh_s = refresh_s
+        self.conns: set[Conn] = set()
+        self.evicted = 0
+        self.refused = 0
+        self._others = 0          # descriptors open that are not HTTP connections
+        self._refreshed = -refresh_s * 2
+
+    def capacity(self) -> int:
+        """How many HTTP connections may be open now."""
+        now = self.clock()
+        if now - self._refreshed >= self.refresh_s:
+            self._refreshed = now
+            fds = self.fd_count()
+            if fds is not None:
+                self._others = max(0, fds - len(self.conns))
+        headroom = self.fd_limit() - self.limits.fd_reserve - self._others
+        return max(0, min(self.limits.max_connections, headroom))
+
+    def admit(self, conn: Conn) -> bool:
+        """Make room for ``conn`` (evicting the longest-idle connections) and add it;
+        False if every open connection is busy and there is no room."""
+        limit = self.capacity()
+        while len(self.conns) >= limit:
+            victim = min((c for c in self.conns if not c.busy), key=lambda c: c.idle_since,
+                         default=None)
+            if victim is None:
+                self.refused += 1
+                return False
+            self.conns.discard(victim)
+            victim.evict()
+            self.evicted += 1
+        self.conns.add(conn)
+        return True
+
+    def release(self, conn: Conn) -> None:
+        """``conn`` closed."""
+        self.conns.discard(conn)
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with admission by a :class:`ConnectionGuard` and a
+    deadline for each request head. Subclassed per server (:func:`protocol_for`)."""
+
+    guard: ConnectionGuard
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.idle_since = time.monotonic()
+        self._deadline: asyncio.TimerHandle | None = None
+        self._cycle_seen: object = None
+
+    @property
+    def busy(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if not self.guard.admit(self):
+            transport.close()
+            return
+        self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.guard.release(self)
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not None and self.cycle is not self._cycle_seen:
+            self._cycle_seen = self.cycle  # a request head is complete: no deadline now
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        self.idle_since = time.monotonic()
+        self._arm()
+        super().on_response_complete()
+
+    def evict(self) -> None:
+        """Close an idle connection to make room for a new one."""
+        self._disarm()
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._deadline = self.loop.call_later(self.guard.limits.header_timeout, self._expire)
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if not self.busy and not self.transport.is_closing():
+            self.transport.close()
+
+
+def protocol_for(guard: ConnectionGuard) -> type[GuardedH11Protocol]:
+    """The protocol class uvicorn instantiates per connection, bound to ``guard``."""
+    return type("KvdH11Protocol", (GuardedH11Protocol,), {"guard": guard})
+
+
 class _Server(uvicorn.Server):
     """uvicorn that leaves signal handling to the daemon's lifecycle."""
 
@@ -40,12 +218,18 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    """An ASGI app served by uvicorn as one task of the current loop."""
+    """An ASGI app served by uvicorn as one task of the current loop; its connections
+    are admitted by ``guard`` (a default one if None)."""
 
-    def __init__(self, app: FastAPI, sock: socket.socket) -> None:
+    def __init__(self, app: FastAPI, sock: socket.socket,
+                 guard: ConnectionGuard | None = None) -> None:
         self.sock = sock
+        self.guard = guard or ConnectionGuard()
+        keep_alive = max(1, round(self.guard.limits.header_timeout))  # uvicorn takes int s
         config = uvicorn.Config(app, loop="none", lifespan="off", log_level="warning",
-                                access_log=False, timeout_graceful_shutdown=2)
+                                access_log=False, timeout_graceful_shutdown=2,
+                                http=protocol_for(self.guard), timeout_keep_alive=keep_alive,
+                                h11_max_incomplete_event_size=MAX_HEAD_BYTES)
         self._server = _Server(config)
         self._task: asyncio.Task[None] | None = None
 

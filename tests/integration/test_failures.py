@@ -70,13 +70,15 @@ def _late_messages(pair, rooms: list[int]) -> None:  # type: ignore[no-untyped-d
 
     auth, ctx = Authenticator(LAUNCH_SECRET.encode()), zmq.Context()
     p_ep, d_ep = (pair.prefill.ready["control_endpoint"], pair.decode.ready["control_endpoint"])
-    for target, make in ((p_ep, lambda r: control.RoomAbort(r, "late abort", d_ep, "late")),
-                         (d_ep, lambda r: control.RoomStatus(r, 0, "late failure", p_ep, "x"))):
-        sock = ctx.socket(zmq.PUSH)
+    p_id, d_id = pair.prefill.ready["instance_id"], pair.decode.ready["instance_id"]
+    for target, to, make in (
+            (p_ep, p_id, lambda r: control.RoomAbort(r, "late abort", d_ep, d_id)),
+            (d_ep, d_id, lambda r: control.RoomStatus(r, 0, "late failure", p_ep, p_id))):
+        sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 5000)
         sock.connect(target)
         for room in rooms:
-            sock.send(auth.seal(control.encode(make(room))))
+            sock.send(auth.seal(control.encode(make(room)), to))
         sock.close()
     ctx.term()
 
