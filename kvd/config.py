@@ -229,7 +229,8 @@ class Settings(BaseSettings):
         if self.transfer_host is None and ":" in self.host and self.host.strip("[]") != "::1":
             problems.append(f"host {self.host} is IPv6: set transfer_host to an IPv4 address "
                             f"(Mooncake's P2P handshake is IPv4-only)")
-        if self.cluster_secret is not None and self.cluster_secret_file is not None:
+        if self.cluster_secret is not None and self.cluster_secret.get_secret_value() and \
+                self.cluster_secret_file is not None:
             problems.append("set cluster_secret or cluster_secret_file, not both")
         if problems:
             raise ValueError("; ".join(problems))

@@ -77,7 +77,8 @@ def is_loopback(host: str) -> bool:
 def host_of(header: str) -> str:
     """The host part of a ``Host`` header (``[::1]:80`` -> ``::1``; ``a:80`` -> ``a``)."""
     if header.startswith("["):
-        return header[1:].partition("]")[0]
+        host, sep, _ = header[1:].partition("]")
+        return host if sep else ""
     return header.rpartition(":")[0] if header.count(":") == 1 else header
 
 

@@ -12,10 +12,12 @@ bounds idle connections. :class:`GuardedH11Protocol` adds, per connection:
 - admission by a :class:`ConnectionGuard` shared by every listener of the daemon:
   at most ``max_connections`` open connections, fewer when the process comes within
   ``fd_reserve`` descriptors of ``RLIMIT_NOFILE`` (the engine socket, the control
-  plane, the transfer engine and outgoing requests keep those). At the limit, the
-  connection that has been idle longest (no request in progress) is closed to make
-  room; only when every connection is busy is the new one refused. An idle flood
-  therefore never locks out a peer that sends a request at once.
+  plane, the transfer engine and outgoing requests keep those). At the limit, an
+  idle connection (no request in progress) is closed to make room: first those that
+  never completed a request, oldest first, then kept-alive ones, longest idle first;
+  only when every connection is busy is the new one refused. An idle flood therefore
+  never locks out a peer that sends a request at once, nor a peer's kept-alive
+  connection (a heartbeat prober's) while the flood's half-sent requests are open.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import os
 import resource
 import socket
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -56,7 +59,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ConfigError(f"cannot bind HTTP listener {host}:{port}: {exc.strerror}") from exc
-    sock.listen(512)
+    sock.listen(socket.SOMAXCONN)
     sock.setblocking(False)
     return sock
 
@@ -64,10 +67,6 @@ def bind_socket(host: str, port: int) -> socket.socket:
 class Conn(Protocol):
     """What the guard needs of a connection."""
 
-    @property
-    def busy(self) -> bool: ...       # a request is in progress
-    @property
-    def idle_since(self) -> float: ...  # monotonic s: opened, or last response done
     def evict(self) -> None: ...
 
 
@@ -97,20 +96,32 @@ class HttpLimits:
 class ConnectionGuard:
     """Admission of HTTP connections across every listener of one daemon. PURE apart
     from ``fd_count``/``fd_limit`` (injected for tests), re-read at most every
-    ``refresh_s`` seconds of ``clock``."""
+    ``refresh_s`` seconds of ``clock``.
+
+    Connections are tracked by state, each idle state in order of idleness, so that
+    admission costs O(1) whatever the number of open connections (an O(n) scan per
+    accept would itself slow accepting under a connection flood): ``fresh`` (open,
+    no request yet), ``kept`` (kept alive after a response), and busy (a request in
+    progress: never evicted). The protocol reports :meth:`started`/:meth:`finished`.
+    """
 
     def __init__(self, limits: HttpLimits | None = None,
                  fd_count: Callable[[], int | None] = open_fds,
                  fd_limit: Callable[[], int] = nofile_limit,
                  clock: Callable[[], float] = time.monotonic, refresh_s: float = 0.5) -> None:
-        self.limits = limits or HttpLimits()
+        self.limits = limits if limits is not None else HttpLimits()
         self.fd_count, self.fd_limit, self.clock = fd_count, fd_limit, clock
         self.refresh_s = refresh_s
-        self.conns: set[Conn] = set()
+        self._fresh: OrderedDict[Conn, None] = OrderedDict()
+        self._kept: OrderedDict[Conn, None] = OrderedDict()
+        self._busy: set[Conn] = set()
         self.evicted = 0
         self.refused = 0
         self._others = 0          # descriptors open that are not HTTP connections
         self._refreshed = -refresh_s * 2
+
+    def __len__(self) -> int:
+        return len(self._fresh) + len(self._kept) + len(self._busy)
 
     def capacity(self) -> int:
         """How many HTTP connections may be open now."""
@@ -119,29 +130,44 @@ class ConnectionGuard:
             self._refreshed = now
             fds = self.fd_count()
             if fds is not None:
-                self._others = max(0, fds - len(self.conns))
+                self._others = max(0, fds - len(self))
         headroom = self.fd_limit() - self.limits.fd_reserve - self._others
         return max(0, min(self.limits.max_connections, headroom))
 
     def admit(self, conn: Conn) -> bool:
-        """Make room for ``conn`` (evicting the longest-idle connections) and add it;
-        False if every open connection is busy and there is no room."""
+        """Make room for ``conn`` (evicting idle connections: never-served ones first,
+        then the longest kept-alive) and add it; False if every open connection is busy
+        and there is no room."""
         limit = self.capacity()
-        while len(self.conns) >= limit:
-            victim = min((c for c in self.conns if not c.busy), key=lambda c: c.idle_since,
-                         default=None)
-            if victim is None:
+        while len(self) >= limit:
+            idle = self._fresh or self._kept
+            if not idle:
                 self.refused += 1
                 return False
-            self.conns.discard(victim)
+            victim, _ = idle.popitem(last=False)
             victim.evict()
             self.evicted += 1
-        self.conns.add(conn)
+        self._fresh[conn] = None
         return True
+
+    def started(self, conn: Conn) -> None:
+        """A request head arrived on ``conn``: busy until :meth:`finished`."""
+        if conn in self._fresh or conn in self._kept:
+            self._fresh.pop(conn, None)
+            self._kept.pop(conn, None)
+            self._busy.add(conn)
+
+    def finished(self, conn: Conn) -> None:
+        """``conn`` answered its request and is kept alive: the newest idle one."""
+        if conn in self._busy:
+            self._busy.discard(conn)
+            self._kept[conn] = None
 
     def release(self, conn: Conn) -> None:
         """``conn`` closed."""
-        self.conns.discard(conn)
+        self._fresh.pop(conn, None)
+        self._kept.pop(conn, None)
+        self._busy.discard(conn)
 
 
 class GuardedH11Protocol(H11Protocol):
@@ -152,13 +178,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.idle_since = time.monotonic()
         self._deadline: asyncio.TimerHandle | None = None
         self._cycle_seen: object = None
-
-    @property
-    def busy(self) -> bool:
-        return self.cycle is not None and not self.cycle.response_complete
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -174,14 +195,20 @@ class GuardedH11Protocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self.cycle is not None and self.cycle is not self._cycle_seen:
-            self._cycle_seen = self.cycle  # a request head is complete: no deadline now
-            self._disarm()
+        self._track_cycle()
 
     def on_response_complete(self) -> None:
-        self.idle_since = time.monotonic()
+        self.guard.finished(self)
         self._arm()
         super().on_response_complete()
+        self._track_cycle()  # a pipelined request may have started just now
+
+    def _track_cycle(self) -> None:
+        cycle = self.cycle
+        if cycle is not None and cycle is not self._cycle_seen and not cycle.response_complete:
+            self._cycle_seen = cycle  # a request head is complete: no deadline now
+            self._disarm()
+            self.guard.started(self)
 
     def evict(self) -> None:
         """Close an idle connection to make room for a new one."""
@@ -200,7 +227,8 @@ class GuardedH11Protocol(H11Protocol):
 
     def _expire(self) -> None:
         self._deadline = None
-        if not self.busy and not self.transport.is_closing():
+        busy = self.cycle is not None and not self.cycle.response_complete
+        if not busy and not self.transport.is_closing():
             self.transport.close()
 
 
@@ -224,7 +252,7 @@ class HttpServer:
     def __init__(self, app: FastAPI, sock: socket.socket,
                  guard: ConnectionGuard | None = None) -> None:
         self.sock = sock
-        self.guard = guard or ConnectionGuard()
+        self.guard = guard if guard is not None else ConnectionGuard()
         keep_alive = max(1, round(self.guard.limits.header_timeout))  # uvicorn takes int s
         config = uvicorn.Config(app, loop="none", lifespan="off", log_level="warning",
                                 access_log=False, timeout_graceful_shutdown=2,

@@ -160,7 +160,7 @@ class Inbound:
         # Non-blocking reads on the same socket without a future per frame.
         self._sync: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
         self.auth, self.max_frame = auth, max_frame
-        self.limiter = limiter or SourceLimiter()
+        self.limiter = limiter if limiter is not None else SourceLimiter()
         self.batch, self.budget_s = batch, budget_s
         self.stats = InboundStats()
         self._logged: set[str] = set()

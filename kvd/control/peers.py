@@ -55,7 +55,7 @@ class ControlPlane:
                  hwm: int = 10000, max_frame: int = 64 << 20,
                  limiter: SourceLimiter | None = None) -> None:
         self.ctx = zmq.asyncio.Context()
-        self.auth = auth or Authenticator(None)
+        self.auth = auth if auth is not None else Authenticator(None)
         self.send_timeout = send_timeout
         self.hwm = hwm
         self.max_frame = max_frame
