@@ -9,9 +9,13 @@ plan: planning one 128k-token hetero-TP request vs a naive per-token-slot loop (
   and the bounds check's cost (benchmarks/plan_bench.py).
 hetero: the same bytes P -> D with equal TP (1 -> 1) and heterogeneous TP (2 -> 1), HND
   layout, through real daemons (goal: hetero >= 0.7x equal).
+flood: /health latency, heartbeat jitter and engine-RPC latency of a prefill kvd while one
+  process floods it (tiny ZMQ frames, 250 MB unauthenticated bodies, idle half-sent
+  requests), against an idle baseline in the same run (goal: p99 /health <= 50 ms, no
+  missed heartbeat; benchmarks/flood_bench.py).
 All results are saved as one JSON file under benchmarks/results/.
 
-Usage: python benchmarks/run.py [--mib 256] [--repeats 3] [--only transfer,plan,hetero]
+Usage: python benchmarks/run.py [--mib 256] [--repeats 3] [--only transfer,plan,hetero,flood]
 """
 
 from __future__ import annotations
@@ -249,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rooms", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", default="transfer,plan,hetero")
+    ap.add_argument("--only", default="transfer,plan,hetero,flood")
+    ap.add_argument("--flood-seconds", type=float, default=6.0, help="per flood phase")
     args = ap.parse_args(argv)
     console = Console()
     only = set(args.only.split(","))
@@ -264,6 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         results["plan"] = plan_bench.run(console)
     if "hetero" in only:
         results["hetero"] = bench_hetero(console, args.repeats)
+    if "flood" in only:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import flood_bench
+
+        results["flood"] = flood_bench.run(console, args.flood_seconds)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(results, indent=2, default=str))
