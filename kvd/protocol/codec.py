@@ -6,6 +6,13 @@ is checked before the body is parsed.
 Version history:
   1 — first release (control: RegisterRank, RoomPages, RoomStatus, RoomAbort;
       rpc: Request/Reply envelopes).
+
+Control frames travel inside an authentication seal versioned on its own
+(:data:`kvd.security.SEAL_VERSION`, checked before this frame is parsed):
+seal 1 ``KVA1`` over PUSH -> PULL sockets; seal 2 ``KVA2`` binds each frame to
+its recipient's instance id and MACs a fixed header carrying the frame's
+SHA-256, over DEALER -> ROUTER sockets (a PUSH socket cannot connect to a kvd
+that speaks seal 2). The frame format here did not change.
 """
 
 from __future__ import annotations
