@@ -242,6 +242,39 @@ def protocol_for(guard: ConnectionGuard) -> type[GuardedH11Protocol]:
     return type("KvdH11Protocol", (GuardedH11Protocol,), {"guard": guard})
 
 
+class PerRequestWarnings(logging.Filter):
+    """At most one of each uvicorn warning per ``interval_s`` seconds (uvicorn warns once
+    per invalid or upgrade request, so a flood of them would otherwise flood the log);
+    the next one that passes says how many were held back."""
+
+    def __init__(self, interval_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.interval_s, self.clock = interval_s, clock
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING:
+            return True
+        key, now = str(record.msg), self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            self._held[key] = self._held.get(key, 0) + 1
+            return False
+        self._last[key] = now
+        held = self._held.pop(key, 0)
+        if held:
+            record.msg = f"{record.msg} ({held} more held back in {self.interval_s:g}s)"
+        return True
+
+
+def _limit_uvicorn_warnings() -> None:
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, PerRequestWarnings) for f in logger.filters):
+        logger.addFilter(PerRequestWarnings())
+
+
 class _Server(uvicorn.Server):
     """uvicorn that leaves signal handling to the daemon's lifecycle."""
 
@@ -258,6 +291,7 @@ class HttpServer:
                  guard: ConnectionGuard | None = None) -> None:
         self.sock = sock
         self.guard = guard if guard is not None else ConnectionGuard()
+        _limit_uvicorn_warnings()
         keep_alive = max(1, round(self.guard.limits.header_timeout))  # uvicorn takes int s
         config = uvicorn.Config(app, loop="none", lifespan="off", log_level="warning",
                                 access_log=False, timeout_graceful_shutdown=2,

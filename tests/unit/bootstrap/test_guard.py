@@ -241,3 +241,23 @@ def test_s04_file_descriptors_in_reserve_bound_connections() -> None:
     assert len(g) == 24 and sum(c.evicted for c in conns) == 6
     starved = make(fds=2000, limit=1024)
     assert starved.capacity() == 0 and not starved.admit(Conn("x"))
+
+
+def test_per_request_warnings_are_held_back() -> None:
+    import logging
+
+    from kvd.bootstrap.server import PerRequestWarnings
+
+    now = [0.0]
+    f = PerRequestWarnings(60.0, clock=lambda: now[0])
+
+    def rec(msg: str, level: int = logging.WARNING) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", level, __file__, 1, msg, None, None)
+
+    assert f.filter(rec("Invalid HTTP request received."))
+    assert not any(f.filter(rec("Invalid HTTP request received.")) for _ in range(1000))
+    assert f.filter(rec("Unsupported upgrade request."))  # another kind
+    assert f.filter(rec("an error", logging.ERROR))
+    now[0] = 61.0
+    passed = rec("Invalid HTTP request received.")
+    assert f.filter(passed) and "1000 more held back" in passed.msg
