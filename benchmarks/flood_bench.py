@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -107,6 +108,14 @@ class _Heartbeat(threading.Thread):
                     self.missed += 1
 
 
+def _fresh_get(port: int) -> None:
+    """``GET /health`` on a new connection (raw socket: no client-side setup measured)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        if not s.recv(64).startswith(b"HTTP/1.1 200"):
+            raise ConnectionError("no 200 answer")
+
+
 class _Cluster:
     def __init__(self) -> None:
         work = Path(tempfile.mkdtemp(prefix="kvd-flood-"))
@@ -154,8 +163,7 @@ def _phase(cluster: _Cluster, kind: str, seconds: float) -> dict[str, Any]:
     rpc_client = KvdClient(cluster.p.socket, timeout=10)
     probes = {"health": _Probe(lambda: kept.get(health_url).raise_for_status(), 0.02),
               "rpc": _Probe(lambda: rpc_client.call(rpc.Info()), 0.05),
-              "newcomer": _Probe(lambda: httpx.get(health_url, timeout=10).raise_for_status(),
-                                 BEAT_S)}
+              "newcomer": _Probe(lambda: _fresh_get(cluster.p.ready["http_port"]), BEAT_S)}
     beat = _Heartbeat(health_url)
     stop, states = threading.Event(), []
     runner = threading.Thread(target=cluster.rooms, args=(stop, states), daemon=True)
