@@ -12,9 +12,14 @@ hetero: the same bytes P -> D with equal TP (1 -> 1) and heterogeneous TP (2 -> 
 samehost: the same pages P -> D on one host through the local backend, Mooncake over
   loopback and memcpy, interleaved, bytes verified (goals: local >= 5x Mooncake,
   >= 0.5x memcpy; benchmarks/samehost.py).
+flood: /health latency, heartbeat jitter and engine-RPC latency of a prefill kvd while one
+  process floods it (tiny ZMQ frames, 250 MB unauthenticated bodies, idle half-sent
+  requests), against an idle baseline in the same run (goal: p99 /health <= 50 ms, no
+  missed heartbeat; benchmarks/flood_bench.py).
 All results are saved as one JSON file under benchmarks/results/.
 
-Usage: python benchmarks/run.py [--mib 256] [--repeats 3] [--only transfer,plan,hetero,samehost]
+Usage: python benchmarks/run.py [--mib 256] [--repeats 3]
+       [--only transfer,plan,hetero,samehost,flood]
 """
 
 from __future__ import annotations
@@ -252,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rooms", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", default="transfer,plan,hetero,samehost")
+    ap.add_argument("--only", default="transfer,plan,hetero,samehost,flood")
+    ap.add_argument("--flood-seconds", type=float, default=6.0, help="per flood phase")
     args = ap.parse_args(argv)
     console = Console()
     only = set(args.only.split(","))
@@ -273,6 +279,11 @@ def main(argv: list[str] | None = None) -> int:
 
         results["samehost"] = samehost.run(console, args.mib, args.item_kib, args.layers,
                                            args.repeats)
+    if "flood" in only:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import flood_bench
+
+        results["flood"] = flood_bench.run(console, args.flood_seconds)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(results, indent=2, default=str))

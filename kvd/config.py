@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import logging
 import os
 import tomllib
 import uuid
@@ -127,6 +128,19 @@ class Settings(BaseSettings):
     http_host: str = _setting("127.0.0.1", help="REST listener: /health /ready /metrics "
                               "/v1/status, and /route when serving bootstrap")
     http_port: int = _setting(0, ge=0, le=65535, unit="port", help="REST port (0: any free)")
+    http_max_connections: int = _setting(
+        1024, ge=8, unit="connections",
+        help="open HTTP connections across all listeners; at the limit the longest-idle one "
+             "is closed for a new one")
+    http_fd_reserve: int = _setting(
+        256, ge=16, unit="descriptors",
+        help="file descriptors kept free for the engine socket, control plane and transfer "
+             "engine: HTTP connections are held below RLIMIT_NOFILE minus this")
+    http_header_timeout: float = _setting(
+        5.0, gt=0, unit="s", help="an HTTP connection must send a complete request head "
+                                  "this soon after opening or after its last response")
+    http_body_timeout: float = _setting(10.0, gt=0, unit="s",
+                                        help="an HTTP request body must arrive within this")
     zmq_port: int = _setting(0, ge=0, le=65535, unit="port",
                              help="kvd<->kvd control port (0: any free)")
     engine_socket: Path = _setting(Path("/tmp/kvd.sock"), unit="path",
@@ -202,10 +216,14 @@ class Settings(BaseSettings):
         None, unit="JSON", help="TESTING ONLY: a FaultPlan applied to every transfer batch")
     cluster_secret: SecretStr | None = _setting(
         None, unit="secret",
-        help="shared secret authenticating bootstrap and kvd<->kvd messages; from the "
-             "environment (KVD_CLUSTER_SECRET) or a file, never the command line")
+        help="shared secret authenticating bootstrap and kvd<->kvd messages; ONLY from the "
+             "environment (KVD_CLUSTER_SECRET): refused on the command line and in this file")
     cluster_secret_file: Path | None = _setting(
-        None, unit="path", help="file holding the cluster secret (first line)")
+        None, unit="path", help="file holding the cluster secret (first line); readable by "
+                                "its owner only (mode 0600 or 0400)")
+    cluster_secret_file_check: Literal["refuse", "warn"] = _setting(
+        "refuse", help="a cluster_secret_file that group or others may read: refuse to "
+                       "start, or only warn")
     insecure: bool = _setting(
         False, help="run WITHOUT a cluster secret: no authentication (logs a warning)")
     auth_max_skew: float = _setting(
@@ -228,8 +246,10 @@ class Settings(BaseSettings):
         "text", help="text lines, or one JSON object per line")
 
     instance_id: str = Field(default_factory=lambda: uuid.uuid4().hex[:16],
-                             description="names this daemon's life to its peers "
-                             "(default: random per start)")
+                             pattern=r"^[A-Za-z0-9._-]{1,64}$",
+                             description="names this daemon's life to its peers; every "
+                             "authenticated message is addressed to it (default: random "
+                             "per start)")
 
     @field_validator("transfer_port_range")
     @classmethod
@@ -351,9 +371,15 @@ def _settings_class(toml_file: Path | None) -> type[Settings]:
     return _FileSettings
 
 
+#: Settings whose values never appear in a message, and never come from the command
+#: line or the config file (case S15).
+SECRET_FIELDS = frozenset({"cluster_secret"})
+
+
 def _field_of(key: str) -> str:
-    """Map a source key (field name or any env alias) back to its field name."""
-    low = key.lower()
+    """Map a source key (field name or any env alias, any case, ``-`` for ``_``) back to
+    its field name; an unknown key is returned as given."""
+    low = key.strip().lower().replace("-", "_")
     for name in Settings.model_fields:
         if low == name or low in (n.lower() for n in env_names(name)):
             return name
@@ -396,7 +422,9 @@ def _describe(exc: ValidationError, sources: dict[str, Source]) -> str:
         name = ".".join(loc) or "settings"
         where = f" [{sources[loc[0]]}]" if loc and loc[0] in sources else ""
         shown = str(e["input"]) if isinstance(e["input"], Path) else repr(e["input"])
-        value = f" = {shown}" if loc and e["type"] != "missing" else ""
+        # Values of secrets, and of unknown keys (a mistyped secret name), are not echoed.
+        hide = e["type"] in ("missing", "extra_forbidden") or (loc and loc[0] in SECRET_FIELDS)
+        value = f" = {shown}" if loc and not hide else ""
         lines.append(f"  {name}{value}{where}: {e['msg']}")
     return "invalid kvd configuration:\n" + "\n".join(lines)
 
@@ -410,12 +438,17 @@ def load_with_sources(config_file: str | Path | None = None,
     or naming the unreadable file.
     """
     path = Path(config_file) if config_file is not None else None
-    if path is not None:
-        _read_file(path)
-    cli = {k: v for k, v in overrides.items() if v is not None}
-    if "cluster_secret" in cli:
-        raise ConfigError("cluster_secret is never taken from the command line: set "
-                          "KVD_CLUSTER_SECRET or cluster_secret_file")
+    if path is not None and SECRET_FIELDS & {_field_of(k) for k in _read_file(path)}:
+        raise ConfigError(f"config file {path} sets cluster_secret: a secret never goes in the "
+                          f"config file (it gets copied, diffed and shown); set "
+                          f"KVD_CLUSTER_SECRET or cluster_secret_file instead")
+    # Keys as the user typed them (--set CLUSTER_SECRET=, --set kvd-cluster-secret=) are
+    # matched as pydantic-settings would match them, so no spelling slips a secret in.
+    cli = {_field_of(k): v for k, v in overrides.items() if v is not None}
+    if SECRET_FIELDS & cli.keys():
+        raise ConfigError("cluster_secret is never taken from the command line (it would "
+                          "show in ps and shell history): set KVD_CLUSTER_SECRET or "
+                          "cluster_secret_file")
     sources = _sources(path, cli)
     try:
         return _settings_class(path)(**cli), sources
@@ -429,17 +462,22 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
 
 
 def parse_assignments(items: list[str]) -> dict[str, str]:
-    """``["key=value", ...]`` from ``--set`` flags; raises ConfigError naming bad items."""
+    """``["key=value", ...]`` from ``--set`` flags; raises ConfigError naming bad items.
+
+    A bad item is shown only if it is a setting's name (``--set role``): anything else
+    might be a value, and a value might be a secret.
+    """
     out, bad = {}, []
-    for item in items:
+    for n, item in enumerate(items, 1):
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or not key:
-            bad.append(item)
+            known = _field_of(item) in Settings.model_fields
+            bad.append(repr(item.strip()) if known else f"item {n} (not shown)")
         else:
             out[key] = value.strip()
     if bad:
-        raise ConfigError("--set expects KEY=VALUE, got: " + ", ".join(map(repr, bad)))
+        raise ConfigError("--set expects KEY=VALUE, got: " + ", ".join(bad))
     return out
 
 
@@ -454,9 +492,10 @@ def describe_fields() -> list[tuple[str, str, str, Any]]:
 
 
 def env_snapshot() -> dict[str, str]:
-    """The KVD_* and SGLANG_DISAGGREGATION_* variables in the environment (for reports)."""
-    return {k: v for k, v in os.environ.items()
-            if k.startswith((ENV_PREFIX, SGLANG_PREFIX))}
+    """The KVD_* and SGLANG_DISAGGREGATION_* variables in the environment (for reports);
+    secrets masked."""
+    return {k: "**********" if _field_of(k) in SECRET_FIELDS else v
+            for k, v in os.environ.items() if k.startswith((ENV_PREFIX, SGLANG_PREFIX))}
 
 
 def _toml_literal(value: Any) -> str:
@@ -488,6 +527,9 @@ def toml_template() -> str:
             out.append(f'#{name} = "decode"    # required: "prefill" or "decode"')
         elif field.default_factory is not None:
             out.append(f'#{name} = "0123456789abcdef"    # default: random per start')
+        elif name in SECRET_FIELDS:
+            out.append(f'#{name} = ""    # default: unset; NEVER here (refused): '
+                       f'use KVD_CLUSTER_SECRET or cluster_secret_file')
         elif default is None:
             out.append(f'#{name} = ""    # default: unset')
         else:
@@ -515,31 +557,28 @@ NO_SECRET = ("no cluster secret: set KVD_CLUSTER_SECRET or cluster_secret_file (
 
 
 def read_secret(settings: Settings) -> bytes | None:
-    """The cluster secret (bytes) from the settings or their secret file; None if unset.
+    """The cluster secret (bytes) from the environment or the secret file; None if unset.
 
-    The file's first line is the secret (surrounding whitespace ignored). Raises
-    :class:`ConfigError` if the file cannot be read, is empty, or the secret is shorter
-    than :data:`MIN_SECRET_BYTES`.
+    The file's first line is the secret (surrounding whitespace ignored). The file is
+    checked on the descriptor that is read (no window for a swap): a file that group or
+    others may access is refused (``cluster_secret_file_check = "refuse"``, the default)
+    or logged (``"warn"``). Raises :class:`ConfigError` if the file cannot be read, is
+    open to others, is empty, or the secret is shorter than :data:`MIN_SECRET_BYTES`. No
+    message carries the secret (case S15).
     """
     path = settings.cluster_secret_file
     if settings.cluster_secret is not None and settings.cluster_secret.get_secret_value():
-        secret, origin = settings.cluster_secret.get_secret_value().strip(), "cluster_secret"
+        secret, origin = settings.cluster_secret.get_secret_value().strip().encode(), \
+            "cluster_secret"
     elif path is not None:
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            why = getattr(exc, "strerror", None) or str(exc)
-            raise ConfigError(f"cannot read cluster_secret_file {path}: {why}") from exc
-        secret, origin = (text.splitlines() or [""])[0].strip(), f"cluster_secret_file {path}"
-        if not secret:
-            raise ConfigError(f"cluster_secret_file {path} is empty (the secret is its first "
-                              f"line): kvd secret {path} --force writes a new one")
+        secret = _read_secret_file(path, settings.cluster_secret_file_check)
+        origin = f"cluster_secret_file {path}"
     else:
         return None
-    if len(secret.encode()) < MIN_SECRET_BYTES:
-        raise ConfigError(f"the cluster secret ({origin}) is {len(secret.encode())} bytes; it "
-                          f"must be at least {MIN_SECRET_BYTES} (kvd secret FILE makes one)")
-    return secret.encode()
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ConfigError(f"the cluster secret ({origin}) must be at least {MIN_SECRET_BYTES} "
+                          f"bytes (it has {len(secret)}): kvd secret FILE makes one")
+    return secret
 
 
 def require_secret(settings: Settings) -> bytes | None:
@@ -548,6 +587,34 @@ def require_secret(settings: Settings) -> bytes | None:
     secret = read_secret(settings)
     if secret is None and not settings.insecure:
         raise ConfigError(NO_SECRET)
+    return secret
+
+
+def load_secret(config_file: str | Path | None = None) -> bytes | None:
+    """The cluster secret as a daemon started with ``config_file`` would read it (for
+    ``kvd status`` and friends); None if none is set. Raises :class:`ConfigError`."""
+    return read_secret(load_settings(config_file, role="decode"))
+
+
+def _read_secret_file(path: Path, check: str) -> bytes:
+    """First line of ``path``, stripped; see :func:`read_secret` for the checks."""
+    try:
+        with path.open("rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            data = fh.read(64 << 10)
+    except OSError as exc:
+        raise ConfigError(f"cannot read cluster_secret_file {path}: "
+                          f"{exc.strerror or type(exc).__name__}") from exc
+    if mode & 0o077:
+        problem = (f"cluster_secret_file {path} is open to group or others (mode "
+                   f"{mode & 0o777:04o}): chmod 600 it")
+        if check == "refuse":
+            raise ConfigError(f"{problem}, or set cluster_secret_file_check = \"warn\"")
+        logging.getLogger("kvd").warning("%s (cluster_secret_file_check = warn)", problem)
+    secret = (data.splitlines() or [b""])[0].strip()
+    if not secret:
+        raise ConfigError(f"cluster_secret_file {path} is empty (the secret is its first "
+                          f"line): kvd secret {path} --force writes a new one")
     return secret
 
 

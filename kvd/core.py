@@ -17,9 +17,10 @@ from typing import Any
 
 import httpx
 
+from kvd.bootstrap import client as signed_http
 from kvd.config import Settings
 from kvd.control.peers import ControlPlane, PeerSendError
-from kvd.errors import AuthError, ProtocolError, RegistrationError
+from kvd.errors import RegistrationError
 from kvd.logs import fields
 from kvd.memory import EngineMemory, Importer, import_engine
 from kvd.metrics import RoomEvents
@@ -68,8 +69,8 @@ class Outbox:
     """Control messages waiting for one peer, sent in order by one task."""
 
     endpoint: str
-    queue: deque[tuple[ControlMessage, Callable[[str], None] | None]] = field(
-        default_factory=deque)
+    queue: deque[tuple[ControlMessage, str | None, Callable[[str], None] | None]] = field(
+        default_factory=deque)  # (message, recipient instance, on_fail)
     task: asyncio.Task[None] | None = None
 
 
@@ -88,6 +89,7 @@ class Core:
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     engine_memory: EngineMemory | None = None
     auth: Authenticator = field(default_factory=lambda: Authenticator(None))
+    recipients: signed_http.Recipients = field(default_factory=signed_http.Recipients)
     faults: FaultPlan | None = None
     _auth_logged: set[str] = field(default_factory=set)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -121,10 +123,13 @@ class Core:
         if not task.cancelled() and task.exception() is not None:
             log.error("task %s crashed", task.get_name(), exc_info=task.exception())
 
-    async def send(self, endpoint: str, msg: ControlMessage) -> bool:
-        """Send a control message now; returns False (logged) if the peer is unreachable."""
+    async def send(self, endpoint: str, msg: ControlMessage, instance: str | None = None
+                   ) -> bool:
+        """Send a control message now, sealed for ``instance`` (else the instance learned
+        for ``endpoint``); returns False (logged) if the peer is unreachable or its
+        instance is unknown."""
         try:
-            await self.control.send(endpoint, self.auth.seal(control.encode(msg)))
+            await self.control.send(endpoint, control.encode(msg), instance)
             return True
         except PeerSendError as exc:
             log.warning("%s", exc, extra=fields(peer=endpoint))
@@ -132,24 +137,25 @@ class Core:
             return False
 
     def post(self, endpoint: str, msg: ControlMessage,
-             on_fail: Callable[[str], None] | None = None) -> None:
-        """Queue ``msg`` for ``endpoint``; messages to one peer leave in order. If it
-        cannot be delivered within the send timeout, ``on_fail(reason)`` is called (on
-        the loop) — also when the daemon stops first: a queued message never vanishes
-        silently."""
+             on_fail: Callable[[str], None] | None = None, instance: str | None = None) -> None:
+        """Queue ``msg`` for ``endpoint``, sealed for ``instance`` (the instance a room is
+        bound to; else the one learned for ``endpoint``); messages to one peer leave in
+        order. If it cannot be delivered within the send timeout, ``on_fail(reason)`` is
+        called (on the loop) — also when the daemon stops first: a queued message never
+        vanishes silently."""
         box = self.outboxes.get(endpoint)
         if box is None:
             box = self.outboxes[endpoint] = Outbox(endpoint)
-        box.queue.append((msg, on_fail))
+        box.queue.append((msg, instance, on_fail))
         if box.task is None:
             box.task = self.spawn(self._drain(box), f"outbox-{endpoint}")
 
     async def _drain(self, box: Outbox) -> None:
         try:
             while box.queue:
-                msg = box.queue[0][0]
+                msg, instance, _ = box.queue[0]
                 try:
-                    await self.control.send(box.endpoint, self.auth.seal(control.encode(msg)))
+                    await self.control.send(box.endpoint, control.encode(msg), instance)
                 except PeerSendError as exc:
                     log.warning("%s (%d queued messages dropped)", exc, len(box.queue),
                                 extra=fields(peer=box.endpoint))
@@ -166,7 +172,7 @@ class Core:
     @staticmethod
     def _fail_queue(box: Outbox, reason: str) -> None:
         while box.queue:
-            _, on_fail = box.queue.popleft()
+            _, _, on_fail = box.queue.popleft()
             if on_fail is not None:
                 on_fail(reason)
 
@@ -238,33 +244,30 @@ class Core:
         if mem is not None:
             asyncio.get_running_loop().call_later(unmap_after, mem.release)
 
-    def decode_control(self, frame: bytes) -> ControlMessage | None:
-        """Parse an inbound control frame; None (logged, counted) if malformed."""
-        try:
-            msg = control.decode(self.auth.open(frame), self.settings.max_frame_bytes)
-            self.events.peer_message(msg.endpoint)  # (bounded: a forged name cannot grow it)
-            return msg
-        except AuthError as exc:
-            self.counters.auth_failures += 1
-            self._log_auth_once(str(exc).split(" (")[0], exc)
-            return None
-        except ProtocolError as exc:
-            self.counters.protocol_errors += 1
-            log.warning("dropped control frame: %s", exc)
-            return None
+    def totals(self) -> dict[str, int]:
+        """Daemon-wide counters, with the inbound control pipeline's drops folded in
+        (``misaddressed``: authentic frames sealed for a previous instance of this
+        daemon, dropped unanswered)."""
+        inbound = self.control.stats
+        out = dict(vars(self.counters))
+        out["auth_failures"] += inbound.auth_failures
+        out["protocol_errors"] += inbound.protocol_errors
+        out["control_dropped"] = inbound.dropped
+        out["control_penalized"] = inbound.penalized
+        out["misaddressed"] = inbound.misaddressed
+        return out
 
     def _log_auth_once(self, key: str, exc: Exception) -> None:
-        """Unauthenticated traffic is logged once per kind (the sender is unknown: an
-        unverified frame's claimed peer is not trusted), then only counted."""
+        """Unauthenticated requests are logged once per kind (the sender is unknown: an
+        unverified request's claims are not trusted), then only counted."""
         if key not in self._auth_logged and len(self._auth_logged) < 64:
             self._auth_logged.add(key)
-            log.warning("dropped control frame: %s (further ones only counted)", exc)
+            log.warning("refused request: %s (further ones only counted)", exc)
 
     async def http(self, method: str, url: str, *, params: Mapping[str, Any] | None = None,
                    json: Any = None, limit_s: float | None = None) -> httpx.Response:
-        """An authenticated HTTP request to a bootstrap server (raises httpx errors)."""
-        req = self.http_client.build_request(method, url, params=params, json=json,
-                                             timeout=limit_s or self.settings.http_timeout)
-        req.headers.update(self.auth.http_header(method, req.url.path,
-                                                 req.url.query.decode(), req.content))
-        return await self.http_client.send(req)
+        """An HTTP request to another kvd, signed for the instance serving ``url``
+        (raises httpx errors)."""
+        return await signed_http.request(self.http_client, self.auth, self.recipients, method,
+                                         url, params=params, json=json,
+                                         limit_s=limit_s or self.settings.http_timeout)

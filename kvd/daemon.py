@@ -23,9 +23,11 @@ from fastapi import FastAPI
 from kvd import __version__, logs, notify
 from kvd.addr import join_hostport
 from kvd.bootstrap.app import create_app
-from kvd.bootstrap.server import HttpServer, bind_socket
+from kvd.bootstrap.guard import is_loopback
+from kvd.bootstrap.server import ConnectionGuard, HttpLimits, HttpServer, bind_socket
 from kvd.bootstrap.table import BootstrapTable
 from kvd.config import Settings, read_secret
+from kvd.control.inbound import Misaddressed
 from kvd.control.peers import ControlPlane
 from kvd.core import Core, http_client
 from kvd.engine_rpc.server import Connection, EngineRpcServer
@@ -74,6 +76,9 @@ class Daemon:
         self.http_server: HttpServer | None = None
         self.bootstrap_server: HttpServer | None = None
         self.rpc_server: EngineRpcServer | None = None
+        self.http_guard = ConnectionGuard(HttpLimits(
+            settings.http_max_connections, settings.http_fd_reserve,
+            settings.http_header_timeout))  # one budget for every HTTP listener
         self.draining = False
         self.engine_conn: int | None = None
         self.engine_id = ""
@@ -103,7 +108,9 @@ class Daemon:
         s = self.settings
         auth = self._authenticator()  # before anything opens: no secret, no daemon
         engine = self._engine or self._make_engine()
-        ctl = self._control or ControlPlane(s.control_send_timeout, max_frame=s.max_frame_bytes)
+        ctl = self._control or ControlPlane(auth, s.control_send_timeout,
+                                            max_frame=s.max_frame_bytes)
+        ctl.auth = auth  # an injected control plane seals and opens as this daemon too
         if not ctl.endpoint:
             ctl.bind(s.host, s.zmq_port)
         http = self._http_client or http_client(s)
@@ -131,7 +138,7 @@ class Daemon:
         assert self.ops is not None
         separate = s.serve_bootstrap and s.bootstrap_port is not None
         sock = bind_socket(s.http_host, s.http_port)
-        self.http_server = HttpServer(self.app(with_route=not separate), sock)
+        self.http_server = HttpServer(self.app(with_route=not separate), sock, self.http_guard)
         await self.http_server.start()
         if separate:
             await self._start_bootstrap_listener(auth)
@@ -144,17 +151,21 @@ class Daemon:
     def app(self, with_route: bool = True) -> FastAPI:
         """The REST app: /health, the operations API, and /route when serving bootstrap."""
         assert self.core is not None and self.ops is not None
+        s = self.settings
         return create_app(self.health, self.table if with_route else None, self.ops,
                           auth=self.core.auth, on_auth_failure=self._http_auth_failed,
-                          docs=self.settings.http_docs)
+                          docs=s.http_docs, loopback=is_loopback(s.http_host),
+                          body_timeout=s.http_body_timeout)
 
     async def _start_bootstrap_listener(self, auth: Authenticator) -> None:
         """/route (and /health) on their own listener: bootstrap_host:bootstrap_port."""
         s = self.settings
         host = s.bootstrap_host or s.http_host
         app = create_app(self.health, self.table, None, auth=auth,
-                         on_auth_failure=self._http_auth_failed)
-        self.bootstrap_server = HttpServer(app, bind_socket(host, s.bootstrap_port or 0))
+                         on_auth_failure=self._http_auth_failed, loopback=is_loopback(host),
+                         body_timeout=s.http_body_timeout)
+        self.bootstrap_server = HttpServer(app, bind_socket(host, s.bootstrap_port or 0),
+                                           self.http_guard)
         await self.bootstrap_server.start()
         if s.bootstrap_addr is None:
             s.bootstrap_addr = join_hostport(host.strip("[]"), self.bootstrap_server.port)
@@ -175,7 +186,7 @@ class Daemon:
         if secret is None:
             log.warning("INSECURE: no cluster secret; bootstrap and control messages are NOT "
                         "authenticated (insecure = true)")
-        return Authenticator(secret, s.auth_max_skew)
+        return Authenticator(secret, s.instance_id, s.auth_max_skew)
 
     def _make_engine(self) -> TransferEngine:
         s, hook = self.settings, None
@@ -244,16 +255,19 @@ class Daemon:
 
     async def _recv_loop(self) -> None:
         assert self.core is not None and self.side is not None
-        while True:
-            frame = await self.core.control.recv()
-            msg = self.core.decode_control(frame)
-            if msg is not None:
-                with logs.log_context(**logs.message_context(msg)):
-                    try:
-                        self.side.on_control(msg)
-                    except Exception:  # a bug must not stop the control plane (K31)
-                        self.core.counters.loop_errors += 1
-                        log.exception("control message %s failed", type(msg).__name__)
+        async for msg in self.core.control.messages():  # bounded batches (case S02)
+            if isinstance(msg, Misaddressed):
+                # Sealed for a previous instance of this daemon: counted (``misaddressed``),
+                # never acted on and never answered -- a decode learns of the restart from
+                # its heartbeat (rooms bound to the old instance fail; new ones resolve).
+                continue
+            self.core.events.peer_message(msg.endpoint)  # (bounded: names are authentic)
+            with logs.log_context(**logs.message_context(msg)):
+                try:
+                    self.side.on_control(msg)
+                except Exception:  # a bug must not stop the control plane (K31)
+                    self.core.counters.loop_errors += 1
+                    log.exception("control message %s failed", type(msg).__name__)
 
     async def _sweep_loop(self, interval: float) -> None:
         assert self.core is not None and self.side is not None
@@ -379,7 +393,7 @@ class Daemon:
                 "bootstrap_epoch": self.table.epoch if self.table is not None else None,
                 "tables": self.table_sizes(),
                 "rooms": {k: v for k, v in snap.by_state.items() if v} if snap else {},
-                "counters": vars(core.counters) if core else {}}
+                "counters": core.totals() if core else {}}
 
     def table_sizes(self) -> dict[str, int]:
         """Sizes of every per-room and per-peer table (leak checks)."""

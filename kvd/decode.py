@@ -191,7 +191,7 @@ class DecodeSide(Side):
     def perform(self, eff: Effect) -> None:
         match eff:
             case Send():
-                self.core.post(eff.to, eff.msg, self._on_send_fail(eff))
+                self.core.post(eff.to, eff.msg, self._on_send_fail(eff), eff.to_instance)
             case Resolve():
                 self.core.spawn(self._resolve(eff), f"resolve-{eff.room}")
             case AbortUnknown():
@@ -246,6 +246,7 @@ class DecodeSide(Side):
         for t in routes:
             rank = await self.bootstrap.rank(addr, t)
             endpoint, instance = endpoint_of(rank), rank.instance_id or ""
+            self.core.control.learn(endpoint, instance)  # fills the directory's gaps (S09)
             await self._ensure_registered(endpoint, instance)
             out.append(Target(endpoint, instance, t.required_dst_info_num, t.is_dummy))
         return out
@@ -273,7 +274,7 @@ class DecodeSide(Side):
             pool = mem.export(host_identity())
         msg = control.RegisterRank(self.core.instance_id, self.core.control.endpoint,
                                    s.attn_tp_rank, s.attn_tp_size, local.wire, pool)
-        if not await self.core.send(endpoint, msg):
+        if not await self.core.send(endpoint, msg, instance):  # sealed for that instance
             raise PeerUnreachable(f"cannot reach prefill rank {endpoint}")
         self.registered[endpoint] = instance
 
@@ -289,7 +290,8 @@ class DecodeSide(Side):
         for t in targets:
             self.core.post(t.endpoint, control.RoomAbort(
                 room=eff.room, inc=0, kind=eff.failure.kind.value, reason=eff.failure.reason,
-                endpoint=self.core.control.endpoint, instance_id=self.core.instance_id))
+                endpoint=self.core.control.endpoint, instance_id=self.core.instance_id),
+                instance=t.instance)
 
     def _write_aux(self, eff: WriteAux) -> None:
         local = self.core.local

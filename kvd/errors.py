@@ -8,7 +8,9 @@ with ``raise ... from exc``, and carry the room and peer in their message::
     KvdError
     ├── ConfigError            invalid settings (every problem listed at once)
     ├── ProtocolError          malformed, oversized or unknown-version frame
-    │   └── AuthError            missing, forged, stale or replayed authentication
+    │   └── AuthError            missing or forged authentication
+    │       ├── WrongRecipient         addressed to another daemon instance
+    │       └── StaleMessage           outside the time window, or a replay
     ├── LayoutError            KV layout math refused the request
     │   ├── IndexLengthMismatch  src/dst page counts disagree
     │   └── BoundsError          a descriptor would touch unregistered bytes
@@ -47,6 +49,25 @@ class ProtocolError(KvdError):
 
 class AuthError(ProtocolError):
     """A message's authentication is missing, wrong, too old, or a replay."""
+
+
+class WrongRecipient(AuthError):
+    """A message addressed to another daemon instance: a replay to another server, or a
+    sender that has not yet seen this daemon restart (case S09).
+
+    ``frame`` is the inner frame when the message was otherwise authentic (a holder of
+    the secret sealed it, fresh and not replayed), else None; ``sent_at`` is its seal
+    time (s since the epoch).
+    """
+
+    def __init__(self, message: str, frame: bytes | None = None, sent_at: float = 0.0) -> None:
+        super().__init__(message)
+        self.frame = frame
+        self.sent_at = sent_at
+
+
+class StaleMessage(AuthError):
+    """A message outside the ``auth_max_skew`` window, or whose nonce was seen before."""
 
 
 class LayoutError(KvdError):

@@ -204,13 +204,15 @@ class PrefillSide(Side):
                                  aux=aux or [])
         delay = self.core.faults.aux_delay_s if aux and self.core.faults else 0.0
         if delay:  # fault injection (tests): a slow aux path
-            self.core.spawn(self._post_later(eff.to, msg, delay), f"status-{eff.room}")
+            self.core.spawn(self._post_later(eff.to, eff.to_instance, msg, delay),
+                            f"status-{eff.room}")
         else:
-            self.core.post(eff.to, msg)
+            self.core.post(eff.to, msg, instance=eff.to_instance)
 
-    async def _post_later(self, to: str, msg: control.RoomStatus, delay: float) -> None:
+    async def _post_later(self, to: str, instance: str, msg: control.RoomStatus,
+                          delay: float) -> None:
         await asyncio.sleep(delay)
-        self.core.post(to, msg)
+        self.core.post(to, msg, instance=instance)
 
     async def _write(self, eff: Write) -> None:
         """Plan and write one chunk to every destination; report exactly once."""

@@ -1,18 +1,36 @@
 """Authentication of the control plane and the bootstrap API with a shared cluster secret.
 
-Threat model (docs/security.md): anyone who can reach kvd's ports may send
-anything; only holders of the cluster secret may register ranks, redirect
-transfers or report room status. PURE apart from the clock and ``os.urandom``.
+Threat model: docs/security.md. Anyone who can reach kvd's ports may send anything;
+only holders of the cluster secret may register ranks, redirect transfers or report
+room status, and what they send is bound to ONE recipient daemon (its instance id):
+a captured frame or request is useless at another daemon, or at the same address
+after a restart (case S09). PURE apart from the clock and ``os.urandom``.
 
-Control frames (kvd <-> kvd, ZMQ) are sealed::
+Both envelopes MAC a fixed-size header that carries the SHA-256 of the body, so a
+forged message is refused in O(1) work whatever its size, and an HTTP request is
+refused from its headers before its body is read (case S03)::
 
-    b"KVA1" | ts_ms (u64 BE) | nonce (16 B) | HMAC-SHA256(secret, ts|nonce|frame) | frame
+    control frame (ZMQ), seal version 2:
+      b"KVA2" | to (16 B) | ts_ms (u64 BE) | nonce (16 B) | sha256(frame) (32 B)
+              | mac (32 B) | frame
+      mac = HMAC-SHA256(secret, b"kvd-control-v2\\0" | to | ts | nonce | sha256(frame))
 
-and opened only if the MAC matches, ``|now - ts| <= max_skew`` and the nonce
-was not seen within the skew window (replay cache, bounded). Bootstrap HTTP
-requests carry ``Authorization: KVD-HMAC ts=..,nonce=..,mac=..`` over
-``METHOD\\nPATH\\nQUERY\\nBODY``. HMAC (not ZMQ CURVE) keeps one mechanism for
-ZMQ and HTTP and needs no key distribution beyond the one secret.
+    HTTP request:
+      Authorization: KVD-HMAC v=2,to=<instance>,ts=<ms>,nonce=<hex>,body=<sha256 hex>,mac=<hex>
+      mac = HMAC-SHA256(secret, "kvd-http-v2\\nMETHOD\\nPATH\\nQUERY\\nTO\\nTS\\nNONCE\\nBODY")
+
+``to`` is the recipient's instance id (the 16-byte :func:`recipient_tag` of it in a
+frame). A message is opened only if ``|now - ts| <= max_skew``, the MAC matches, the
+nonce was not seen within the window (bounded replay cache), the body matches its
+digest and it is addressed to this instance. A frame that passes every check but the
+last is authentic but misaddressed: :class:`~kvd.errors.WrongRecipient` carries it so
+that the receiver can tell its sender which instance serves the address now. HMAC
+(not ZMQ CURVE) keeps one mechanism for ZMQ and HTTP and needs no key distribution
+beyond the one secret.
+
+Seal versions (check the magic first; an older peer gets a message naming it):
+  1 (b"KVA1") — HMAC over ts|nonce|frame; no recipient (replayable to any daemon).
+  2 (b"KVA2") — recipient-bound, header MAC over the body digest (this version).
 """
 
 from __future__ import annotations
@@ -24,74 +42,191 @@ import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from kvd.errors import AuthError
+from kvd.errors import AuthError, StaleMessage, WrongRecipient
 
-SEAL_MAGIC = b"KVA1"
-_HEAD = struct.Struct(">4sQ16s32s")
+SEAL_VERSION = 2
+SEAL_MAGIC = b"KVA2"
+_OLD_MAGICS = {b"KVA1": 1}
+_HEAD = struct.Struct(">4s16sQ16s32s32s")
+#: Bytes a seal adds in front of a frame.
+SEAL_OVERHEAD = _HEAD.size
 HEADER = "Authorization"
 SCHEME = "KVD-HMAC"
+#: Response header of a 401 that names the instance that answered, so that a sender
+#: whose cached recipient is stale (the server restarted) can re-address and retry.
+INSTANCE_HEADER = "KVD-Instance"
+_CONTROL_DOMAIN = b"kvd-control-v2\0"
+_HTTP_DOMAIN = b"kvd-http-v2"
+
+def recipient_tag(instance_id: str) -> bytes:
+    """The 16 bytes naming ``instance_id`` in a sealed frame (SHA-256 prefix)."""
+    return hashlib.sha256(instance_id.encode()).digest()[:16]
+
+
+@dataclass(frozen=True)
+class Opened:
+    """An opened control frame: the inner ``frame`` and when it was sealed
+    (``sent_at``, seconds since the epoch, by the sender's clock)."""
+
+    frame: bytes
+    sent_at: float
+
+
+@dataclass(frozen=True)
+class HttpClaim:
+    """What a request's Authorization header vouches for, checked before its body is
+    read: the body must then hash to ``body_sha256`` (hex)."""
+
+    body_sha256: str
 
 
 class Authenticator:
-    """Seals and opens frames, signs and checks HTTP requests.
+    """Seals and opens frames, signs and checks HTTP requests, for one daemon instance.
 
-    ``secret`` None means insecure mode: frames pass unsealed and nothing is
-    checked. ``max_skew`` is in seconds; ``replay_capacity`` bounds the nonce
-    cache (oldest entries are evicted first; entries older than the skew window
-    are pruned, after which their timestamps are refused anyway).
+    ``secret`` None means insecure mode: frames pass unsealed and nothing is checked.
+    ``instance_id`` is this daemon's (messages must be addressed to it); ``max_skew``
+    is in seconds; ``replay_capacity`` bounds the nonce cache (oldest entries are
+    evicted first; entries older than twice the window are pruned, after which their
+    timestamps are refused anyway). Raises ValueError for a secret under 16 bytes.
     """
 
-    def __init__(self, secret: bytes | None, max_skew: float = 30.0,
+    def __init__(self, secret: bytes | None, instance_id: str = "", max_skew: float = 30.0,
                  replay_capacity: int = 1_000_000,
                  clock: Callable[[], float] = time.time) -> None:
         if secret is not None and len(secret) < 16:
             raise ValueError("the cluster secret must be at least 16 bytes")
-        self.secret = secret
+        self._secret = secret
+        self.instance_id = instance_id
+        self._tag = recipient_tag(instance_id)
         self.max_skew = max_skew
         self.capacity = replay_capacity
         self.clock = clock
         self._seen: OrderedDict[bytes, float] = OrderedDict()
 
+    def __repr__(self) -> str:  # never the secret
+        return f"Authenticator(instance={self.instance_id!r}, enabled={self.enabled})"
+
     @property
     def enabled(self) -> bool:
         """True when a secret is configured."""
-        return self.secret is not None
+        return self._secret is not None
 
     def _mac(self, *parts: bytes) -> bytes:
-        assert self.secret is not None
-        return hmac.new(self.secret, b"".join(parts), hashlib.sha256).digest()
+        assert self._secret is not None
+        return hmac.digest(self._secret, b"".join(parts), "sha256")
 
-    def seal(self, frame: bytes) -> bytes:
-        """The frame with its authentication header (unchanged in insecure mode)."""
-        if self.secret is None:
+    # ---- control frames -----------------------------------------------------------------
+
+    def seal(self, frame: bytes, to_instance: str) -> bytes:
+        """``frame`` with a seal addressed to the daemon ``to_instance`` (unchanged in
+        insecure mode)."""
+        if self._secret is None:
             return frame
-        ts, nonce = int(self.clock() * 1000), os.urandom(16)
-        mac = self._mac(struct.pack(">Q", ts), nonce, frame)
-        return _HEAD.pack(SEAL_MAGIC, ts, nonce, mac) + frame
+        to, ts, nonce = recipient_tag(to_instance), int(self.clock() * 1000), os.urandom(16)
+        digest = hashlib.sha256(frame).digest()
+        mac = self._mac(_CONTROL_DOMAIN, to, struct.pack(">Q", ts), nonce, digest)
+        return _HEAD.pack(SEAL_MAGIC, to, ts, nonce, digest, mac) + frame
 
     def open(self, data: bytes) -> bytes:
-        """The inner frame of a sealed message; raises :class:`AuthError` if it is not
-        sealed with the secret, is outside the time window, or was seen before."""
-        if self.secret is None:
-            return data
-        if len(data) < _HEAD.size or data[:4] != SEAL_MAGIC:
-            raise AuthError("unauthenticated frame (no seal)")
-        _, ts, nonce, mac = _HEAD.unpack_from(data)
-        frame = data[_HEAD.size:]
-        if not hmac.compare_digest(mac, self._mac(struct.pack(">Q", ts), nonce, frame)):
-            raise AuthError("bad frame MAC (wrong cluster secret or tampered)")
-        self._check_fresh(ts / 1000.0, nonce)
-        return frame
+        """The inner frame of a sealed message (see :meth:`open_sealed`)."""
+        return self.open_sealed(data).frame
 
-    def _check_fresh(self, ts: float, nonce: bytes) -> None:
+    def open_sealed(self, data: bytes) -> Opened:
+        """The inner frame of a sealed message and when it was sealed.
+
+        Raises :class:`AuthError` if it is not sealed (or sealed by an older kvd) or
+        its MAC or body digest does not match; :class:`StaleMessage` if it is outside
+        the window or a replay; :class:`WrongRecipient` (carrying the frame) if it is
+        authentic but addressed to another instance. Work before the MAC check is
+        O(1) in the frame's size. In insecure mode every frame opens, "sent" now.
+        """
+        if self._secret is None:
+            return Opened(data, self.clock())
+        if len(data) < _HEAD.size or data[:4] != SEAL_MAGIC:
+            raise AuthError(_unsealed_reason(data[:4]))
+        _, to, ts, nonce, digest, mac = _HEAD.unpack_from(data)
+        self._check_window(ts / 1000.0)
+        want = self._mac(_CONTROL_DOMAIN, to, struct.pack(">Q", ts), nonce, digest)
+        if not hmac.compare_digest(mac, want):
+            raise AuthError("bad frame MAC (wrong cluster secret or tampered)")
+        self._check_nonce(nonce)
+        frame = data[_HEAD.size:]
+        if not hmac.compare_digest(hashlib.sha256(frame).digest(), digest):
+            raise AuthError("frame body does not match its sealed digest (tampered)")
+        self._remember(nonce, ts / 1000.0)  # also when misaddressed: one answer per frame
+        if not hmac.compare_digest(to, self._tag):
+            raise WrongRecipient("frame addressed to another kvd instance", frame, ts / 1000.0)
+        return Opened(frame, ts / 1000.0)
+
+    # ---- HTTP ---------------------------------------------------------------------------
+
+    def http_header(self, method: str, path: str, query: str, body: bytes,
+                    to_instance: str) -> dict[str, str]:
+        """Headers authenticating one HTTP request to the daemon ``to_instance`` (empty in
+        insecure mode). ``path`` is the decoded path, ``query`` the raw query string."""
+        if self._secret is None:
+            return {}
+        ts, nonce = int(self.clock() * 1000), os.urandom(16).hex()
+        digest = hashlib.sha256(body).hexdigest()
+        mac = self._mac(_canonical(method, path, query, to_instance, ts, nonce, digest)).hex()
+        return {HEADER: f"{SCHEME} v={SEAL_VERSION},to={to_instance},ts={ts},nonce={nonce},"
+                        f"body={digest},mac={mac}"}
+
+    def check_http_headers(self, header: str | None, method: str, path: str,
+                           query: str) -> HttpClaim:
+        """Check a request's authorization from its headers alone (before its body is
+        read); the returned claim says which body digest the request must carry.
+
+        Raises :class:`WrongRecipient`, :class:`StaleMessage` or :class:`AuthError`
+        (missing, malformed or forged). In insecure mode every request passes and the
+        claim is empty (``body_sha256`` "").
+        """
+        if self._secret is None:
+            return HttpClaim("")
+        fields = _parse_authorization(header)
+        to, ts, nonce, digest = fields["to"], int(fields["ts"]), fields["nonce"], fields["body"]
+        if not hmac.compare_digest(to.encode(), self.instance_id.encode()):
+            raise WrongRecipient(f"request addressed to another kvd instance ({to!r})")
+        self._check_window(ts / 1000.0)
+        want = self._mac(_canonical(method, path, query, to, ts, nonce, digest))
+        if not hmac.compare_digest(bytes.fromhex(fields["mac"]), want):
+            raise AuthError("bad request MAC (wrong cluster secret or tampered)")
+        raw_nonce = bytes.fromhex(nonce)
+        self._check_nonce(raw_nonce)
+        # Remembered now, not after the body: a concurrent replay of the same headers
+        # must not be admitted while the first body is still being read.
+        self._remember(raw_nonce, ts / 1000.0)
+        return HttpClaim(digest)
+
+    def check_http_body(self, claim: HttpClaim, body_sha256: str) -> None:
+        """Raise :class:`AuthError` unless the body read hashes (hex) to the claim's."""
+        if self._secret is None:
+            return
+        if not hmac.compare_digest(claim.body_sha256, body_sha256):
+            raise AuthError("request body does not match its signed digest (tampered)")
+
+    def check_http(self, header: str | None, method: str, path: str, query: str,
+                   body: bytes) -> None:
+        """Headers and body in one call (for callers that already hold the body)."""
+        claim = self.check_http_headers(header, method, path, query)
+        self.check_http_body(claim, hashlib.sha256(body).hexdigest())
+
+    # ---- freshness ----------------------------------------------------------------------
+
+    def _check_window(self, ts: float) -> None:
         now = self.clock()
         if abs(now - ts) > self.max_skew:
-            raise AuthError(f"stale message ({now - ts:+.1f}s outside the "
-                            f"{self.max_skew:.0f}s window)")
-        self._prune(now)
+            raise StaleMessage(f"stale message ({now - ts:+.1f}s outside the "
+                               f"{self.max_skew:.0f}s window)")
+
+    def _check_nonce(self, nonce: bytes) -> None:
+        self._prune(self.clock())
         if nonce in self._seen:
-            raise AuthError("replayed message (nonce seen before)")
+            raise StaleMessage("replayed message (nonce seen before)")
+
+    def _remember(self, nonce: bytes, ts: float) -> None:
         self._seen[nonce] = ts
         if len(self._seen) > self.capacity:
             self._seen.popitem(last=False)
@@ -103,33 +238,41 @@ class Authenticator:
                 return
             del self._seen[nonce]
 
-    def http_header(self, method: str, path: str, query: str, body: bytes) -> dict[str, str]:
-        """Headers authenticating one HTTP request (empty in insecure mode)."""
-        if self.secret is None:
-            return {}
-        ts, nonce = int(self.clock() * 1000), os.urandom(16).hex()
-        mac = self._mac(_canonical(method, path, query, body, ts, nonce)).hex()
-        return {HEADER: f"{SCHEME} ts={ts},nonce={nonce},mac={mac}"}
 
-    def check_http(self, header: str | None, method: str, path: str, query: str,
-                   body: bytes) -> None:
-        """Raise :class:`AuthError` unless ``header`` authenticates this request."""
-        if self.secret is None:
-            return
-        if not header or not header.startswith(SCHEME + " "):
-            raise AuthError("missing KVD-HMAC authorization")
-        try:
-            fields = dict(kv.split("=", 1) for kv in header[len(SCHEME) + 1:].split(","))
-            ts, nonce, mac = int(fields["ts"]), fields["nonce"], bytes.fromhex(fields["mac"])
-            raw_nonce = bytes.fromhex(nonce)
-        except (ValueError, KeyError) as exc:
-            raise AuthError("malformed KVD-HMAC authorization") from exc
-        want = self._mac(_canonical(method, path, query, body, ts, nonce))
-        if not hmac.compare_digest(mac, want):
-            raise AuthError("bad request MAC (wrong cluster secret or tampered)")
-        self._check_fresh(ts / 1000.0, raw_nonce)
+def _unsealed_reason(magic: bytes) -> str:
+    old = _OLD_MAGICS.get(magic)
+    if old is not None:
+        return (f"frame sealed with seal version {old} by an older kvd "
+                f"(this kvd speaks {SEAL_VERSION})")
+    return "unauthenticated frame (no seal)"
 
 
-def _canonical(method: str, path: str, query: str, body: bytes, ts: int, nonce: str) -> bytes:
-    return b"\n".join([method.upper().encode(), path.encode(), query.encode(),
-                       str(ts).encode(), nonce.encode(), body])
+_FIELDS = ("v", "to", "ts", "nonce", "body", "mac")
+
+
+def _parse_authorization(header: str | None) -> dict[str, str]:
+    """The fields of a ``KVD-HMAC`` header; raises AuthError if missing or malformed."""
+    if not header or not header.startswith(SCHEME + " "):
+        raise AuthError("missing KVD-HMAC authorization")
+    try:
+        fields = dict(kv.split("=", 1) for kv in header[len(SCHEME) + 1:].split(","))
+        missing = [f for f in _FIELDS if f not in fields]
+        int(fields.get("ts", "x"))
+        bytes.fromhex(fields.get("nonce", "x"))
+        bytes.fromhex(fields.get("mac", "x"))
+    except ValueError as exc:
+        raise AuthError("malformed KVD-HMAC authorization") from exc
+    if missing:
+        raise AuthError(f"malformed KVD-HMAC authorization (missing {', '.join(missing)})")
+    if fields["v"] != str(SEAL_VERSION):
+        raise AuthError(f"KVD-HMAC version {fields['v'][:8]!r} (this kvd speaks "
+                        f"{SEAL_VERSION})")
+    return fields
+
+
+def _canonical(method: str, path: str, query: str, to: str, ts: int, nonce: str,
+               body_sha256: str) -> bytes:
+    return b"\n".join([_HTTP_DOMAIN, method.upper().encode(), path.encode(), query.encode(),
+                       to.encode(), str(ts).encode(), nonce.encode(), body_sha256.encode()])
+
+

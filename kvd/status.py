@@ -75,7 +75,7 @@ class DaemonOps:
         rooms_s, bytes_s = core.events.rate.rates()
         http = d.http_server
         local = core.local
-        totals = dict(vars(core.counters))
+        totals = core.totals()  # counters, the inbound control pipeline's drops folded in
         totals |= {f"dropped_{k}": v for k, v in snap.dropped.items()}
         return Status(
             role=s.role, version=__version__, instance_id=s.instance_id, pid=os.getpid(),
@@ -96,15 +96,15 @@ class DaemonOps:
     def sample(self) -> StateSample:
         """Scrape-time values for the metrics collector."""
         core, s = self.core, self.daemon.settings
-        snap = self._snap()
+        snap, totals = self._snap(), self.core.totals()
         return StateSample(
             role=s.role, version=__version__, instance_id=s.instance_id,
             uptime_s=time.time() - self.daemon.started_at, rooms_by_state=snap.by_state,
             queue_depth=snap.queue_depth, executor_busy=core.executor.busy,
             executor_threads=core.executor.threads,
-            protocol_errors=core.counters.protocol_errors,
+            protocol_errors=totals["protocol_errors"],
             peers=len(snap.peers), engine_registered=core.local is not None,
-            ready=self.readiness().ready, auth_failures=core.counters.auth_failures)
+            ready=self.readiness().ready, auth_failures=totals["auth_failures"])
 
     def metrics(self) -> bytes:
         """Prometheus text for ``/metrics``."""

@@ -100,8 +100,10 @@ def health(daemon: DaemonProcess) -> dict:
     return httpx.get(f"http://{daemon.http_addr}/health", timeout=5).json()
 
 
-def signed(method: str, url: str, **kwargs: object) -> httpx.Response:
-    """An HTTP request authenticated with the launched daemons' cluster secret."""
+def signed(method: str, url: str, to_instance: str | None = None,
+           **kwargs: object) -> httpx.Response:
+    """An HTTP request authenticated with the launched daemons' cluster secret, addressed
+    to ``to_instance`` (default: the instance that serves ``url``, from its /health)."""
 
     from kvd.launch import LAUNCH_SECRET
     from kvd.security import Authenticator
@@ -109,9 +111,27 @@ def signed(method: str, url: str, **kwargs: object) -> httpx.Response:
     auth = Authenticator(LAUNCH_SECRET.encode())
     with httpx.Client(timeout=5) as client:
         req = client.build_request(method, url, **kwargs)  # type: ignore[arg-type]
+        if to_instance is None:
+            health = client.get(req.url.copy_with(path="/health", query=None))
+            to_instance = str(health.json()["instance_id"])
         req.headers.update(auth.http_header(method, req.url.path, req.url.query.decode(),
-                                            req.content))
+                                            req.content, to_instance))
         return client.send(req)
+
+
+def push_frames(endpoint: str, frames: list[bytes], linger_ms: int = 2000) -> None:
+    """Send raw frames to a daemon's control socket, as any process on the network can
+    (a DEALER: the control socket is a ROUTER)."""
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, linger_ms)
+    sock.connect(endpoint)
+    for f in frames:
+        sock.send(f)
+    sock.close()
+    ctx.term()
 
 
 def eventually_transfers(p_engine: object, d_engine: object, bootstrap: str, first_room: int,

@@ -2,8 +2,10 @@
 
 ``/health`` always; with ``ops``: ``/ready``, ``/metrics`` (Prometheus text),
 ``/v1/status``, ``/v1/rooms`` (OpenAPI schema at ``/openapi.json``, docs at ``/docs``
-only with ``docs``); SGLang's ``/route``
-when serving bootstrap.
+only with ``docs``); SGLang's ``/route`` when serving bootstrap. With a cluster secret,
+every route except ``/health``, ``/ready`` and ``/metrics`` needs a KVD-HMAC signature
+addressed to this daemon (:mod:`kvd.bootstrap.guard`, which also caps bodies and checks
+the Host header).
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvd.bootstrap.guard import RequestGuard
 from kvd.bootstrap.table import (
     BootstrapTable,
     Conflict,
@@ -28,7 +31,7 @@ from kvd.bootstrap.table import (
 )
 from kvd.errors import AuthError
 from kvd.schemas import Readiness, Room, Status
-from kvd.security import HEADER, Authenticator
+from kvd.security import Authenticator
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +48,23 @@ class Ops(Protocol):
 def create_app(health: Callable[[], dict[str, Any]], table: BootstrapTable | None,
                ops: Ops | None = None, auth: Authenticator | None = None,
                on_auth_failure: Callable[[AuthError], None] | None = None,
-               docs: bool = False) -> FastAPI:
+               docs: bool = False, loopback: bool = False,
+               body_timeout: float = 10.0) -> FastAPI:
     """Build the app. ``health()`` returns the /health JSON; ``table`` enables /route;
     ``ops`` enables /ready, /metrics, /v1/status and /v1/rooms; ``docs`` (setting
     ``http_docs``) enables /docs and /redoc, whose pages load scripts from a CDN.
 
     Bad input answers 400 (never 422 or 500); an unknown rank 404; a rank not
     yet registered 503; a contradicting registration 409. With ``auth`` enabled,
-    every ``/route`` request must carry a valid ``KVD-HMAC`` authorization (401
-    otherwise; ``on_auth_failure`` is told). ``/health`` stays open (liveness).
+    every request except to the open paths must carry a valid ``KVD-HMAC``
+    authorization addressed to ``auth.instance_id`` (401 otherwise;
+    ``on_auth_failure`` is told). ``loopback``: the listener is on a loopback
+    address, so the Host header must name one (DNS rebinding). ``body_timeout``: s.
     """
     app = FastAPI(title="kvd", version="1", docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None)
+    app.add_middleware(RequestGuard, auth=auth, loopback=loopback, body_timeout=body_timeout,
+                       on_auth_failure=on_auth_failure)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -70,27 +78,8 @@ def create_app(health: Callable[[], dict[str, Any]], table: BootstrapTable | Non
     if ops is not None:
         _add_ops_api(app, ops)
     if table is not None:
-        _add_route_api(app, table, _route_guard(auth, on_auth_failure))
+        _add_route_api(app, table)
     return app
-
-
-def _route_guard(auth: Authenticator | None,
-                 on_failure: Callable[[AuthError], None] | None) -> Callable[..., Any]:
-    """A FastAPI dependency checking the request's KVD-HMAC authorization."""
-
-    async def guard(request: Request) -> None:
-        if auth is None or not auth.enabled:
-            return
-        body = await request.body()
-        try:
-            auth.check_http(request.headers.get(HEADER), request.method, request.url.path,
-                            request.url.query, body)
-        except AuthError as exc:
-            if on_failure is not None:
-                on_failure(exc)
-            raise HTTPException(401, f"unauthenticated: {exc}") from exc
-
-    return guard
 
 
 def _add_ops_api(app: FastAPI, ops: Ops) -> None:
@@ -118,8 +107,8 @@ def _add_ops_api(app: FastAPI, ops: Ops) -> None:
         return ops.rooms(all, limit)
 
 
-def _add_route_api(app: FastAPI, table: BootstrapTable, guard: Callable[..., Any]) -> None:
-    @app.put("/route", response_class=PlainTextResponse, dependencies=[Depends(guard)])
+def _add_route_api(app: FastAPI, table: BootstrapTable) -> None:
+    @app.put("/route", response_class=PlainTextResponse)
     async def put_route(reg: PrefillRegistration) -> PlainTextResponse:
         try:
             outcome = table.register(reg)
@@ -131,7 +120,7 @@ def _add_route_api(app: FastAPI, table: BootstrapTable, guard: Callable[..., Any
                         reg.rank_port)
         return PlainTextResponse("OK")
 
-    @app.delete("/route", response_class=PlainTextResponse, dependencies=[Depends(guard)])
+    @app.delete("/route", response_class=PlainTextResponse)
     async def delete_route(engine_rank: int = Query(ge=0), target_dp_group: int = Query(ge=0),
                            target_pp_rank: int = Query(0, ge=0),
                            instance_id: str | None = Query(None, max_length=64)
@@ -141,7 +130,7 @@ def _add_route_api(app: FastAPI, table: BootstrapTable, guard: Callable[..., Any
             return PlainTextResponse("OK")
         return PlainTextResponse("no such registration", status_code=404)
 
-    @app.get("/route", response_model=None, dependencies=[Depends(guard)])
+    @app.get("/route", response_model=None)
     async def get_route(engine_rank: int = Query(ge=-1),
                         target_dp_group: int = Query(ge=-1),
                         target_pp_rank: int = Query(-1, ge=-1)) -> ParallelInfo | RankInfo | \

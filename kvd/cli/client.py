@@ -14,12 +14,12 @@ from typing import Any
 import httpx
 
 from kvd.addr import http_url, join_hostport
+from kvd.bootstrap import client as signed_http
 from kvd.errors import ConfigError, DaemonUnreachable
+from kvd.security import Authenticator
 
 DEFAULT_ADDR = "127.0.0.1:8998"
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1", "": "127.0.0.1"}
-
-
 
 
 def resolve_addr(addr: str | None, config: Path | None) -> str:
@@ -37,17 +37,22 @@ def resolve_addr(addr: str | None, config: Path | None) -> str:
     return join_hostport(_WILDCARDS.get(s.http_host, s.http_host), s.http_port)
 
 
-def get(addr: str, path: str, timeout: float = 3.0, **params: Any) -> Any:
-    """GET ``path`` from the daemon at ``addr`` and decode its JSON.
+def get(addr: str, path: str, timeout: float = 3.0, config: Path | None = None,
+        **params: Any) -> Any:
+    """GET ``path`` from the daemon at ``addr`` and decode its JSON, signed with the
+    cluster secret read as a daemon with ``config`` would read it (``/v1/*`` needs it).
 
     Raises DaemonUnreachable (one-line message) if nothing answers, the answer
-    is an HTTP error, or it is not JSON.
+    is an HTTP error, or it is not JSON; ConfigError if the secret cannot be read.
     """
-    url = http_url(addr, path)
+    from kvd.config import load_secret
+
+    url, auth = http_url(addr, path), Authenticator(load_secret(config))
     try:
         # trust_env=False: HTTP(S)_PROXY and friends are for the outside world; a proxy
         # would answer for a daemon that is down, or not reach a loopback one at all
-        resp = httpx.get(url, params=params, timeout=timeout, trust_env=False)
+        with httpx.Client(timeout=timeout, trust_env=False) as client:
+            resp = signed_http.request_sync(client, auth, "GET", url, params=params)
     except httpx.ConnectError as exc:
         raise DaemonUnreachable(f"no kvd daemon answering at {addr} ({_why(exc)}); is it "
                                 f"running? (kvd serve, or systemctl status 'kvd@*')") from exc
@@ -55,6 +60,11 @@ def get(addr: str, path: str, timeout: float = 3.0, **params: Any) -> Any:
         raise DaemonUnreachable(f"kvd at {addr} did not answer within {timeout:g}s") from exc
     except httpx.HTTPError as exc:
         raise DaemonUnreachable(f"cannot talk to kvd at {addr}: {exc}") from exc
+    if resp.status_code == 401:
+        raise DaemonUnreachable(f"{addr} refused {path}: it needs the cluster secret (set "
+                                f"KVD_CLUSTER_SECRET, or pass the daemon's --config with its "
+                                f"cluster_secret_file): "
+                                f"{_detail(resp) or resp.text.strip()[:200]}")
     if resp.status_code != 200:
         raise DaemonUnreachable(_refusal(addr, path, resp))
     try:

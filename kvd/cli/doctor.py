@@ -125,6 +125,9 @@ def check_secret(settings: Settings) -> Check:
     try:
         secret = require_secret(settings)
     except ConfigError as exc:
+        path = settings.cluster_secret_file
+        if path is not None and "open to group or others" in str(exc):
+            return Check("cluster secret", "fail", str(exc), f"chmod 600 {path}")
         return Check("cluster secret", "fail", str(exc),
                      "kvd secret /etc/kvd/cluster.secret, then cluster_secret_file = "
                      "\"/etc/kvd/cluster.secret\" (the same file on every kvd)")
@@ -133,8 +136,9 @@ def check_secret(settings: Settings) -> Check:
                      "use a cluster secret outside of tests (kvd secret FILE)")
     path = settings.cluster_secret_file
     if path is not None and settings.cluster_secret is None and path.stat().st_mode & 0o077:
-        return Check("cluster secret", "warn", f"{path} is readable by other users",
-                     f"chmod 600 {path}")
+        # only with cluster_secret_file_check = "warn": "refuse" failed above
+        return Check("cluster secret", "warn", f"{path} is readable by other users "
+                     f"(cluster_secret_file_check = warn)", f"chmod 600 {path}")
     where = f"from {path}" if settings.cluster_secret is None else "from the environment"
     return Check("cluster secret", "ok", f"{len(secret)} bytes {where}")
 

@@ -104,7 +104,7 @@ def status(addr: AddrOpt = None, config: ConfigOpt = None, json_: JsonOpt = Fals
     """Role, uptime, readiness, peers, rooms by state, throughput, recent failures."""
     from kvd.cli import client, render
 
-    data = client.get(client.resolve_addr(addr, config), "/v1/status", timeout)
+    data = client.get(client.resolve_addr(addr, config), "/v1/status", timeout, config)
     render.print_json(data) if json_ else render.status(data)
 
 
@@ -117,7 +117,7 @@ def rooms(addr: AddrOpt = None, config: ConfigOpt = None, json_: JsonOpt = False
     """Rooms in flight (oldest first): state, age, peer."""
     from kvd.cli import client, render
 
-    data = client.get(client.resolve_addr(addr, config), "/v1/rooms", timeout,
+    data = client.get(client.resolve_addr(addr, config), "/v1/rooms", timeout, config,
                       all=str(all_).lower(), limit=limit)
     render.print_json(data) if json_ else render.rooms(data)
 
@@ -128,7 +128,8 @@ def peers(addr: AddrOpt = None, config: ConfigOpt = None, json_: JsonOpt = False
     """Peer ranks and their heartbeat state."""
     from kvd.cli import client, render
 
-    data = client.get(client.resolve_addr(addr, config), "/v1/status", timeout, failures=0)
+    data = client.get(client.resolve_addr(addr, config), "/v1/status", timeout, config,
+                      failures=0)
     render.print_json(data["peers"]) if json_ else render.peers(data["peers"])
 
 

@@ -1,21 +1,34 @@
-"""ZMQ control sockets: one PULL socket bound by each daemon, one PUSH per peer.
+"""ZMQ control sockets: one ROUTER socket bound by each daemon, one DEALER per peer.
 
 All sockets are ``zmq.asyncio`` sockets owned by the daemon's loop. Sends are
 bounded: a high-water mark, ``linger=0`` and a send timeout, so a dead or
 frozen peer costs at most ``send_timeout`` seconds per message and never
 blocks the loop.
+
+Every frame is sealed for its recipient's instance id (case S09): the one the
+sender names (a room's messages go to the instance the room is bound to), else
+the one in a bounded directory ``endpoint -> instance id``, filled from the
+bootstrap table (:meth:`Addressing.learn`) and from authenticated messages.
+The inbound side is :class:`kvd.control.inbound.Inbound` (case S02); the bound
+socket is a ROUTER (senders are DEALERs) so that it can tell connections apart.
+Wire history: PUSH -> PULL with seal version 1 until seal version 2.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
+from collections.abc import AsyncIterator
 
 import zmq
 import zmq.asyncio
 
 from kvd.addr import format_host
+from kvd.control.inbound import Inbound, InboundStats, Misaddressed, Received, SourceLimiter
 from kvd.errors import KvdError, PeerUnreachable
+from kvd.protocol import control
+from kvd.security import SEAL_OVERHEAD, Authenticator
 
 log = logging.getLogger(__name__)
 
@@ -23,30 +36,103 @@ log = logging.getLogger(__name__)
 PeerSendError = PeerUnreachable  # the name this module's callers use
 
 
-class ControlPlane:
-    """The daemon's control sockets.
+#: Peers whose instance id is remembered (least recently learned forgotten first).
+MAX_KNOWN_PEERS = 4096
+#: A connection must finish the ZMTP handshake within this many seconds (libzmq's
+#: default is 30 s): idle half-open connections do not hold file descriptors long.
+HANDSHAKE_S = 5.0
 
-    ``bind(host, port)`` opens the PULL socket (port 0 picks a free one);
-    ``send(endpoint, frame)`` pushes a frame to a peer's PULL socket;
-    ``recv()`` returns the next inbound frame (bytes).
+
+class Addressing:
+    """Sealing and the instance directory, whatever carries the frames.
+
+    Every outgoing frame is sealed for one instance: the one the caller names (the
+    instance a room is bound to), else the one last learned for the endpoint. The
+    directory ``endpoint -> instance id`` is bounded and filled from the bootstrap
+    table (:meth:`learn`) and from authenticated messages. :class:`ControlPlane` is
+    the ZMQ one; the in-process test tier has one over in-memory queues.
     """
 
-    def __init__(self, send_timeout: float = 5.0, hwm: int = 10000,
-                 max_frame: int = 64 << 20) -> None:
+    def __init__(self, auth: Authenticator | None = None) -> None:
+        self.auth = auth if auth is not None else Authenticator(None)
+        self._instances: OrderedDict[str, tuple[str, float]] = OrderedDict()
+
+    def learn(self, endpoint: str, instance_id: str | None, at: float = 0.0) -> None:
+        """Remember that ``endpoint`` is served by ``instance_id`` (frames to it are
+        sealed for that instance), as claimed at ``at`` (s since the epoch).
+
+        The most recent claim wins: a message's claim dates from its seal, so a late
+        frame of a dead instance does not undo what its successor said. A claim without
+        a date (0, the bootstrap table's) only fills a gap. None is ignored.
+        """
+        if not instance_id:
+            return
+        known = self._instances.get(endpoint)
+        if known is not None and known[1] > at:
+            return
+        self._instances[endpoint] = (instance_id, at)
+        self._instances.move_to_end(endpoint)
+        if len(self._instances) > MAX_KNOWN_PEERS:
+            self._instances.popitem(last=False)
+
+    def instance_of(self, endpoint: str) -> str | None:
+        """The instance id last learned for ``endpoint``, if any."""
+        known = self._instances.get(endpoint)
+        return known[0] if known is not None else None
+
+    def seal(self, endpoint: str, frame: bytes, instance: str | None = None) -> bytes:
+        """``frame`` sealed for ``instance``, else for the instance learned for
+        ``endpoint``; raises :class:`PeerSendError` when neither is known (with a
+        secret, nothing can be addressed to it)."""
+        instance = instance or self.instance_of(endpoint)
+        if instance is None and self.auth.enabled:
+            raise PeerSendError(f"control send to {endpoint}: its instance id is unknown "
+                                f"(not learned from the bootstrap table or a message)")
+        return self.auth.seal(frame, instance or "")
+
+    async def _learning(self, source: AsyncIterator[Received]
+                        ) -> AsyncIterator[control.ControlMessage | Misaddressed]:
+        async for got in source:
+            msg = got.message
+            self.learn(msg.endpoint, msg.instance_id, got.sent_at)
+            yield Misaddressed(msg) if got.misaddressed else msg
+
+
+class ControlPlane(Addressing):
+    """The daemon's authenticated control sockets.
+
+    ``bind(host, port)`` opens the ROUTER socket (port 0 picks a free one);
+    ``send(endpoint, frame, instance)`` seals a frame for the recipient's instance and
+    pushes it; ``messages()`` yields authenticated inbound messages (see
+    :class:`Inbound`).
+    """
+
+    def __init__(self, auth: Authenticator | None = None, send_timeout: float = 5.0,
+                 hwm: int = 10000, max_frame: int = 64 << 20,
+                 limiter: SourceLimiter | None = None) -> None:
+        super().__init__(auth)
         self.ctx = zmq.asyncio.Context()
         self.send_timeout = send_timeout
         self.hwm = hwm
         self.max_frame = max_frame
+        self._limiter = limiter
         self._pull: zmq.asyncio.Socket | None = None
         self._push: dict[str, zmq.asyncio.Socket] = {}
+        self.inbound: Inbound | None = None
         self.endpoint = ""
+
+    @property
+    def stats(self) -> InboundStats:
+        """Counts of the inbound pipeline (all zero before :meth:`bind`)."""
+        return self.inbound.stats if self.inbound is not None else InboundStats()
 
     def bind(self, host: str, port: int) -> str:
         """Bind the inbound socket; returns its ``tcp://host:port`` endpoint."""
-        sock = self.ctx.socket(zmq.PULL)
+        sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame + 64)  # + the auth seal
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame + SEAL_OVERHEAD)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
         if ":" in host:
             sock.setsockopt(zmq.IPV6, 1)
         addr = f"tcp://{format_host(host)}"
@@ -59,18 +145,21 @@ class ControlPlane:
             sock.close()
             raise KvdError(f"cannot bind control socket {addr}:{port}: {exc}") from exc
         self._pull = sock
+        self.inbound = Inbound(sock, self.auth, self.max_frame, self._limiter)
         self.endpoint = f"{addr}:{port}"
         return self.endpoint
 
-    async def recv(self) -> bytes:
-        """Next inbound frame."""
-        assert self._pull is not None, "bind() first"
-        return bytes(await self._pull.recv())
+    def messages(self) -> AsyncIterator[control.ControlMessage | Misaddressed]:
+        """Authenticated inbound messages, forever; an authentic message sealed for
+        another instance comes as :class:`Misaddressed` (not to be acted on). Each one
+        teaches the directory its sender's instance (:meth:`learn`)."""
+        assert self.inbound is not None, "bind() first"
+        return self._learning(self.inbound.messages())
 
     def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
         sock = self._push.get(endpoint)
         if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
+            sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, self.hwm)
             sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -80,8 +169,14 @@ class ControlPlane:
             self._push[endpoint] = sock
         return sock
 
-    async def send(self, endpoint: str, frame: bytes) -> None:
-        """Push ``frame`` to ``endpoint``; raises :class:`PeerSendError` after the timeout."""
+    async def send(self, endpoint: str, frame: bytes, instance: str | None = None) -> None:
+        """Seal ``frame`` for ``instance`` (else the instance learned for ``endpoint``,
+        see :meth:`seal`) and push it there.
+
+        Raises :class:`PeerSendError` after the send timeout, or at once when the
+        recipient's instance is unknown.
+        """
+        frame = self.seal(endpoint, frame, instance)
         sock = self._socket(endpoint)
         try:
             await asyncio.wait_for(sock.send(frame, copy=False), self.send_timeout)

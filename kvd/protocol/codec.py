@@ -13,6 +13,13 @@ Version history:
       memory handles are a tagged union on ``kind`` (``shm``, ``fd`` passed with
       SCM_RIGHTS, ``cuda_ipc``; :mod:`kvd.protocol.memory`); RegisterRank may carry the
       decode rank's ExportedPool (``pool``) for the same-host ``local`` backend.
+
+Control frames travel inside an authentication seal versioned on its own
+(:data:`kvd.security.SEAL_VERSION`, checked before this frame is parsed):
+seal 1 ``KVA1`` over PUSH -> PULL sockets; seal 2 ``KVA2`` binds each frame to
+its recipient's instance id and MACs a fixed header carrying the frame's
+SHA-256, over DEALER -> ROUTER sockets (a PUSH socket cannot connect to a kvd
+that speaks seal 2). The seal is independent of the frame versions above.
 """
 
 from __future__ import annotations

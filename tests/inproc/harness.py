@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,10 +35,11 @@ from pydantic import SecretStr
 
 from kvd.addr import join_hostport
 from kvd.config import Settings
-from kvd.control.peers import PeerSendError
+from kvd.control.inbound import Admission, InboundStats, Misaddressed, Received
+from kvd.control.peers import Addressing, PeerSendError
 from kvd.daemon import Daemon
 from kvd.engine_rpc.server import Connection
-from kvd.protocol import rpc
+from kvd.protocol import control, rpc
 from kvd.protocol.codec import pack_indices
 from kvd.refengine.standin import StandInPool
 from kvd.rooms.state import KVPoll
@@ -82,8 +83,8 @@ class Bus:
         self.frozen.discard(endpoint)
         sock = self.sockets.get(endpoint)
         if sock is not None:
-            for frame in sock.held:
-                sock.queue.put_nowait(frame)
+            for item in sock.held:
+                sock.queue.put_nowait(item)
             sock.held.clear()
 
     def idle(self) -> bool:
@@ -91,36 +92,58 @@ class Bus:
                    if s.endpoint not in self.frozen)
 
 
-class LocalControl:
-    """The ZMQ control plane's interface over :class:`Bus` queues."""
+class LocalControl(Addressing):
+    """The ZMQ control plane's interface over :class:`Bus` queues.
 
-    def __init__(self, bus: Bus) -> None:
+    Frames are sealed and opened as on the real control plane: the daemon hands its
+    :class:`~kvd.security.Authenticator` over at startup (``auth``), sends are sealed for
+    the recipient's instance (:meth:`Addressing.seal`) and every inbound frame goes
+    through the same :class:`~kvd.control.inbound.Admission` as a ZMQ one.
+    """
+
+    def __init__(self, bus: Bus, max_frame: int = 64 << 20) -> None:
+        super().__init__()
         self.bus = bus
+        self.max_frame = max_frame
         self.endpoint = ""
-        self.queue: asyncio.Queue[bytes] = asyncio.Queue()
-        self.held: list[bytes] = []
+        self.queue: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()  # (source, frame)
+        self.held: list[tuple[bytes, bytes]] = []
         self._push: dict[str, object] = {}
         self.sent: list[tuple[str, bytes]] = []
+        self.inbound: Admission | None = None
+
+    @property
+    def stats(self) -> InboundStats:
+        return self.inbound.stats if self.inbound is not None else InboundStats()
 
     def bind(self, host: str, port: int) -> str:
         self.endpoint = f"tcp://{join_hostport(host, port or next(self.bus._ports))}"
         self.bus.sockets[self.endpoint] = self
         return self.endpoint
 
-    async def recv(self) -> bytes:
-        return await self.queue.get()
+    def messages(self) -> AsyncIterator[control.ControlMessage | Misaddressed]:
+        self.inbound = Admission(self.auth, self.max_frame)
+        return self._learning(self._received(self.inbound))
 
-    async def send(self, endpoint: str, frame: bytes) -> None:
+    async def _received(self, inbound: Admission) -> AsyncIterator[Received]:
+        while True:
+            got = inbound.admit(*await self.queue.get())
+            if got is not None:
+                yield got
+
+    async def send(self, endpoint: str, frame: bytes, instance: str | None = None) -> None:
+        frame = self.seal(endpoint, frame, instance)
         peer = self.bus.sockets.get(endpoint)
         if peer is None or endpoint in self.bus.dead:
             raise PeerSendError(f"control send to {endpoint} failed: timed out after 5.0s")
         self.sent.append((endpoint, frame))
         if self.bus.drop is not None and self.bus.drop(self.endpoint, endpoint, frame):
             return
+        item = (self.endpoint.encode(), frame)
         if endpoint in self.bus.frozen:
-            peer.held.append(frame)
+            peer.held.append(item)
         else:
-            peer.queue.put_nowait(frame)
+            peer.queue.put_nowait(item)
 
     def drop(self, endpoint: str) -> None:
         self._push.pop(endpoint, None)

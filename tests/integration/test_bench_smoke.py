@@ -29,3 +29,19 @@ def test_bench_runs_and_reports_ratios() -> None:
     assert result["transfer"]["ratio_kvd_over_raw"] > 0
     assert result["hetero"]["ratio_hetero_over_equal"] > 0
     assert result["samehost"]["bytes_equal"] is True
+
+
+def test_flood_bench_reports_every_phase_against_the_idle_baseline() -> None:
+    before = set((ROOT / "benchmarks" / "results").glob("bench-*.json"))
+    out = subprocess.run([sys.executable, "benchmarks/run.py", "--only", "flood",
+                          "--flood-seconds", "1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "/health p99" in out.stdout and "flood goal" in out.stdout
+    (new,) = set((ROOT / "benchmarks" / "results").glob("bench-*.json")) - before
+    flood = json.loads(new.read_text())["flood"]
+    assert set(flood["phases"]) == {"idle", "zmq", "body", "idle_conns"}
+    for phase in flood["phases"].values():
+        assert phase["health"]["n"] > 0 and phase["heartbeat"]["beats"] > 0
+        assert phase["health"]["p99_ms"] >= phase["health"]["p50_ms"] >= 0
+    assert flood["phases"]["zmq"]["flood"]["frames_sent"] > 0

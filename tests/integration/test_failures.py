@@ -71,6 +71,8 @@ def _late_messages(pair, rooms: list[int]) -> None:  # type: ignore[no-untyped-d
 
     auth, ctx = Authenticator(LAUNCH_SECRET.encode()), zmq.Context()
     p_ep, d_ep = (pair.prefill.ready["control_endpoint"], pair.decode.ready["control_endpoint"])
+    p_id, d_id = pair.prefill.ready["instance_id"], pair.decode.ready["instance_id"]
+
     def abort(r: int) -> control.ControlMessage:
         return control.RoomAbort(room=r, inc=1, kind="aborted", reason="late abort",
                                  endpoint=d_ep, instance_id="late")
@@ -79,12 +81,12 @@ def _late_messages(pair, rooms: list[int]) -> None:  # type: ignore[no-untyped-d
         return control.RoomStatus(room=r, inc=1, status=0, kind="transport",
                                   reason="late failure", endpoint=p_ep, instance_id="x")
 
-    for target, make in ((p_ep, abort), (d_ep, failure)):
-        sock = ctx.socket(zmq.PUSH)
+    for target, to, make in ((p_ep, p_id, abort), (d_ep, d_id, failure)):
+        sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 5000)
         sock.connect(target)
         for room in rooms:
-            sock.send(auth.seal(control.encode(make(room))))
+            sock.send(auth.seal(control.encode(make(room)), to))
         sock.close()
     ctx.term()
 

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvd.bootstrap.guard import OPEN_PATHS
 from kvd.client import KVPoll, Receiver, Sender
 from kvd.launch import LAUNCH_SECRET, start_daemon
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
-from tests.conftest import PdPair
+from tests.conftest import PdPair, signed
 
 pytestmark = pytest.mark.integration
 
@@ -30,13 +31,18 @@ ROOM_BYTES = 10 * 8 * 4096 + 64  # 10 pages x 8 buffers x item_len, plus one aux
 
 def kvd(*args: str, timeout: float = 60,
         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the ``kvd`` command line (``env``: added to this process's environment)."""
+    """Run the ``kvd`` command line with the launched daemons' cluster secret (``env``:
+    added to this process's environment, after the secret)."""
+    full = {**os.environ, "KVD_CLUSTER_SECRET": LAUNCH_SECRET, **(env or {})}
     return subprocess.run([*KVD, *args], capture_output=True, text=True, timeout=timeout,
-                          check=False, env={**os.environ, **(env or {})})
+                          check=False, env=full)
 
 
 def get(addr: str, path: str) -> httpx.Response:
-    return httpx.get(f"http://{addr}{path}", timeout=5)
+    """GET, signed unless the path is open (``/v1/*`` and ``/docs`` need the secret)."""
+    if path in OPEN_PATHS:
+        return httpx.get(f"http://{addr}{path}", timeout=5)
+    return signed("GET", f"http://{addr}{path}")
 
 
 def scrape(addr: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

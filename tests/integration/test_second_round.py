@@ -37,7 +37,15 @@ from kvd.refengine.standin import (
     transfer_room,
     wait_rooms,
 )
-from tests.conftest import PdPair, free_port, health, signed, start_pair, stop_pair
+from tests.conftest import (
+    PdPair,
+    free_port,
+    health,
+    push_frames,
+    signed,
+    start_pair,
+    stop_pair,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -717,22 +725,15 @@ def test_k29_an_abort_reaches_every_destination(tmp_path: Path, stack: Cleanup) 
           "room 111's bytes on both decode ranks")
 
 
-def _forge(target: str, msg: object) -> None:
-    """Send ``msg`` sealed with the cluster secret to the control endpoint ``target`` (what
-    any holder of the secret can do)."""
-    import zmq
-
+def _forge(target: str, to_instance: str, msg: object) -> None:
+    """Send ``msg`` sealed with the cluster secret for ``to_instance`` to the control
+    endpoint ``target`` (what any holder of the secret can do)."""
     from kvd.launch import LAUNCH_SECRET
     from kvd.protocol import control
     from kvd.security import Authenticator
 
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 5000)
-    sock.connect(target)
-    sock.send(Authenticator(LAUNCH_SECRET.encode()).seal(control.encode(msg)))  # type: ignore[arg-type]
-    sock.close()
-    ctx.term()
+    auth = Authenticator(LAUNCH_SECRET.encode())
+    push_frames(target, [auth.seal(control.encode(msg), to_instance)])  # type: ignore[arg-type]
 
 
 def test_k29_only_a_bound_decode_rank_may_abort(tmp_path: Path, stack: Cleanup) -> None:
@@ -752,9 +753,10 @@ def test_k29_only_a_bound_decode_rank_may_abort(tmp_path: Path, stack: Cleanup) 
     s.init(1, 0)
     until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound R to D")
     dropped = status(pd.prefill)["totals"].get("dropped_unbound", 0)
-    _forge(pd.prefill.ready["control_endpoint"], control.RoomAbort(
-        room=120, inc=0, kind="aborted", reason="not yours",
-        endpoint=other.ready["control_endpoint"], instance_id=other.ready["instance_id"]))
+    _forge(pd.prefill.ready["control_endpoint"], pd.prefill.ready["instance_id"],
+           control.RoomAbort(room=120, inc=0, kind="aborted", reason="not yours",
+                             endpoint=other.ready["control_endpoint"],
+                             instance_id=other.ready["instance_id"]))
     until(lambda: status(pd.prefill)["totals"].get("dropped_unbound", 0) == dropped + 1,
           "P dropped the abort from a decode rank not bound to R")
     assert s.poll() == KVPoll.WaitingForInput and r.poll() == KVPoll.WaitingForInput

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvd.config import Settings, env_snapshot, load_settings
+from kvd.config import Settings, env_snapshot, load_settings, read_secret
 from kvd.errors import ConfigError
 
 FIELDS = list(Settings.model_fields)
@@ -223,3 +223,87 @@ def test_env_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
     assert snap["KVD_HTTP_PORT"] == "1"
     assert snap["SGLANG_DISAGGREGATION_QUEUE_SIZE"] == "2"
     assert "SGLANG_OTHER" not in snap
+
+
+# ---- case S15: the secret never on the command line, in the config file or a message ---------
+
+SECRET = "s15-secret-value-0123456789"
+
+
+@pytest.mark.parametrize("key", ["cluster_secret", "CLUSTER_SECRET", "cluster-secret",
+                                 "KVD_CLUSTER_SECRET", "Cluster_Secret"])
+def test_s15_secret_is_refused_from_the_command_line_in_any_spelling(key: str) -> None:
+    with pytest.raises(ConfigError, match="never taken from the command line") as exc:
+        load_settings(role="decode", **{key: SECRET})
+    assert SECRET not in str(exc.value)
+
+
+def test_s15_secret_in_the_config_file_is_refused(tmp_path: Path) -> None:
+    path = write_toml(tmp_path, f'role = "decode"\nCLUSTER_SECRET = "{SECRET}"\n')
+    with pytest.raises(ConfigError, match="never goes in the config file") as exc:
+        load_settings(path)
+    assert SECRET not in str(exc.value)
+
+
+def test_s15_invalid_entries_never_echo_a_secret_or_an_unknown_value(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_settings(role="decode", cluster_secrte=SECRET, http_port="abc")
+    text = str(exc.value)
+    assert "cluster_secrte" in text and SECRET not in text
+    assert "http_port = 'abc'" in text  # known, non-secret values are still shown
+
+
+def test_s15_env_snapshot_masks_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVD_CLUSTER_SECRET", SECRET)
+    assert env_snapshot()["KVD_CLUSTER_SECRET"] == "**********"
+
+
+def secret_file(tmp_path: Path, text: str, mode: int) -> Path:
+    path = tmp_path / "cluster.secret"
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o666])
+def test_s15_secret_file_open_to_others_is_refused(tmp_path: Path, mode: int) -> None:
+    path = secret_file(tmp_path, SECRET + "\n", mode)
+    s = load_settings(role="decode", cluster_secret_file=str(path))
+    with pytest.raises(ConfigError, match=f"open to group or others \\(mode {mode:04o}\\)") \
+            as exc:
+        read_secret(s)
+    assert SECRET not in str(exc.value) and "chmod 600" in str(exc.value)
+
+
+def test_s15_secret_file_check_warn_only_warns(tmp_path: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    path = secret_file(tmp_path, SECRET + "\nsecond line ignored\n", 0o644)
+    s = load_settings(role="decode", cluster_secret_file=str(path),
+                      cluster_secret_file_check="warn")
+    assert read_secret(s) == SECRET.encode()
+    assert "open to group or others" in caplog.text and SECRET not in caplog.text
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o400])
+def test_s15_owner_only_secret_file_is_read(tmp_path: Path, mode: int) -> None:
+    path = secret_file(tmp_path, f"  {SECRET}  \r\n", mode)
+    assert read_secret(load_settings(role="decode", cluster_secret_file=str(path))) == \
+        SECRET.encode()
+
+
+@pytest.mark.parametrize("text", ["", "\n", "   \n" + SECRET])
+def test_s15_empty_secret_file_is_a_clear_error(tmp_path: Path, text: str) -> None:
+    path = secret_file(tmp_path, text, 0o600)
+    with pytest.raises(ConfigError, match=r"is empty \(the secret is its first line\): kvd "
+                                          r"secret .* --force writes a new one"):
+        read_secret(load_settings(role="decode", cluster_secret_file=str(path)))
+
+
+def test_s15_short_and_unreadable_secrets_are_named_without_the_value(tmp_path: Path) -> None:
+    path = secret_file(tmp_path, "short-secret\n", 0o600)
+    with pytest.raises(ConfigError, match="at least 16 bytes \\(it has 12\\)") as exc:
+        read_secret(load_settings(role="decode", cluster_secret_file=str(path)))
+    assert "short-secret" not in str(exc.value)
+    missing = load_settings(role="decode", cluster_secret_file=str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="cannot read cluster_secret_file"):
+        read_secret(missing)

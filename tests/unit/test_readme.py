@@ -35,6 +35,7 @@ def test_two_host_settings_load_and_advertise_reachable_addresses(
         monkeypatch.delenv(name)
     secret = tmp_path / "cluster.secret"
     secret.write_text("0123456789abcdef0123\n")
+    secret.chmod(0o600)  # as `kvd secret` makes it (kvd refuses a file others may read)
     loaded: dict[str, Settings] = {}
     for host in ("A", "B"):
         text = block_after(f"two-host: {host}").replace("/etc/kvd/cluster.secret", str(secret))

@@ -57,6 +57,7 @@ from sglang.srt.disaggregation.common.conn import KVTransferError, PrefillServer
 from kvd.adapters.sglang.kvargs import registration
 from kvd.adapters.shmmaps import read_maps
 from kvd.addr import http_url
+from kvd.bootstrap import client as signed_http
 from kvd.client import KvdClient, Receiver, Sender
 from kvd.errors import KvdError, KvdUnreachable
 from kvd.protocol import rpc
@@ -94,14 +95,11 @@ def fetch_parallel_info(bootstrap_addr: str, timeout: float = 5.0) -> dict[str, 
     """``GET /route`` (all ranks: the instance's parallel info) from a kvd bootstrap server,
     signed with the cluster secret when there is one; None if not available (yet)."""
     params = {"engine_rank": -1, "target_dp_group": -1, "target_pp_rank": -1}
+    auth = Authenticator(cluster_secret())
     with httpx.Client(timeout=timeout, trust_env=False) as client:  # no proxy: kvd traffic
-        req = client.build_request("GET", http_url(bootstrap_addr, "/route"), params=params)
-        secret = cluster_secret()
-        if secret is not None:
-            req.headers.update(Authenticator(secret).http_header(
-                "GET", req.url.path, req.url.query.decode(), req.content))
         try:
-            r = client.send(req)
+            r = signed_http.request_sync(client, auth, "GET",
+                                         http_url(bootstrap_addr, "/route"), params=params)
         except httpx.HTTPError:
             return None
     if r.status_code != 200:

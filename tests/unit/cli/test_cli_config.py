@@ -124,3 +124,16 @@ def test_example_configs_load(example: str, capsys: pytest.CaptureFixture[str]) 
                                 "origin": str(REPO / "config" / example)}
     else:  # every line is commented out: nothing comes from the file
         assert {r["source"] for r in rows.values()} <= {"default", "cli"}
+
+
+def test_s15_bad_set_never_echoes_what_may_be_a_secret(capsys: pytest.CaptureFixture[str]) -> None:
+    secret = "s15-secret-value-0123456789"
+    for argv in (["--set", f"CLUSTER_SECRET={secret}"], ["--set", f"cluster-secret={secret}"],
+                 ["--set", secret], ["--set", f"clustersecret={secret}"]):
+        for cmd in (["config", "show", "--role", "decode"], ["serve", "--role", "decode"]):
+            assert main([*cmd, *argv]) == 2, argv
+            err = capsys.readouterr().err
+            assert secret not in err, (argv, err)
+            assert err.startswith("kvd: ") and "Traceback" not in err
+    assert main(["config", "show", "--role", "decode", "--set", "role"]) == 2
+    assert "'role'" in capsys.readouterr().err  # a setting's name is still shown

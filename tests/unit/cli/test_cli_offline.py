@@ -189,14 +189,15 @@ def test_a_daemon_error_answer_is_shown_not_called_not_a_kvd(
 
     from kvd.cli import client
 
-    def fake_get(url: str, **kw: object) -> httpx.Response:
+    def fake_request(*args: object, **kw: object) -> httpx.Response:  # the signed GET
         return httpx.Response(400, json={"error": "bad request",
                                          "detail": ["query.limit: must be >= 1"]})
 
-    monkeypatch.setattr(httpx, "get", fake_get)
+    monkeypatch.setattr(client.signed_http, "request_sync", fake_request)
     with pytest.raises(client.DaemonUnreachable, match=r"answered 400 .*query.limit: must be"):
         client.get("127.0.0.1:1", "/v1/rooms")
-    monkeypatch.setattr(httpx, "get", lambda url, **kw: httpx.Response(404, text="nope"))
+    monkeypatch.setattr(client.signed_http, "request_sync",
+                        lambda *a, **kw: httpx.Response(404, text="nope"))
     with pytest.raises(client.DaemonUnreachable, match="not a kvd daemon"):
         client.get("127.0.0.1:1", "/v1/rooms")
 
@@ -259,6 +260,7 @@ def test_doctor_fails_whatever_serve_refuses(case: str, tmp_path: Path,
     monkeypatch.delenv("KVD_CLUSTER_SECRET", raising=False)
     secret = tmp_path / "cluster.secret"
     secret.write_text("0123456789abcdef0123\n")
+    secret.chmod(0o600)  # a secret file others may read is a refusal of its own (S15)
     sock_path = tmp_path / "run" / "kvd.sock"
     sock_path.parent.mkdir()
     settings = {"cluster_secret_file": str(secret), "engine_socket": str(sock_path)}

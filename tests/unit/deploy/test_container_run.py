@@ -154,5 +154,6 @@ def test_the_secret_line_makes_a_secret_kvd_accepts(tmp_path: Path) -> None:
     out = subprocess.run(generate, shell=True, capture_output=True, text=True, check=True)
     path = tmp_path / "cluster.secret"
     path.write_text(out.stdout)
+    path.chmod(0o400)  # install -m 0400, as the README's line does
     assert read_secret(Settings(role="decode", cluster_secret_file=path)) == \
         out.stdout.strip().encode()
