@@ -183,8 +183,11 @@ def test_k07_one_failed_batch_fails_only_its_room(tmp_path: Path) -> None:
 def test_k16_every_state_has_a_deadline(tmp_path: Path) -> None:
     opts = {"bootstrap_timeout": 1.5, "waiting_timeout": 1.5, "transfer_timeout": 1.5,
             "heartbeat_interval": 120.0}
+    # D's WaitingForInput deadline is longer than P's Transferring one: D's clock starts
+    # when it sent its pages, before P's, so with equal deadlines the room 3 case below
+    # raced D's abort against P's own deadline (D's deadline: test_k16_frozen_prefill_*).
     pair = start_pair(tmp_path, p_opts=opts | {"fault_injection": _faults(delay_s=3.0)},
-                      d_opts=opts)
+                      d_opts=opts | {"waiting_timeout": 5.0})
     p, d = pair.p_engine, pair.d_engine
     try:
         # P creates R and D never sends: Failed at the bootstrap timeout.

@@ -20,7 +20,7 @@ from kvd.bootstrap.guard import OPEN_PATHS
 from kvd.client import KVPoll, Receiver, Sender
 from kvd.launch import LAUNCH_SECRET, start_daemon
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
-from tests.conftest import PdPair, signed
+from tests.conftest import PdPair, push_frames, signed
 
 pytestmark = pytest.mark.integration
 
@@ -161,9 +161,17 @@ def test_metrics_move_after_rooms(pd_pair: PdPair, room_ids) -> None:
 def test_auth_failures_are_counted(pd_pair: PdPair) -> None:
     addr = pd_pair.prefill.http_addr
     before = scrape(addr)
-    unsigned = get(addr, "/route?engine_rank=-1&target_dp_group=-1&target_pp_rank=-1")
+    unsigned = httpx.get(f"http://{addr}/route?engine_rank=-1&target_dp_group=-1"
+                         f"&target_pp_rank=-1", timeout=5)
     assert unsigned.status_code == 401
     assert delta(scrape(addr), before, "kvd_auth_failures_total") == 1
+    # an unsealed control frame is counted by the inbound pipeline, into the same total
+    push_frames(pd_pair.prefill.ready["control_endpoint"], [b"not a sealed frame"])
+    deadline = time.monotonic() + 10
+    while delta(scrape(addr), before, "kvd_auth_failures_total") < 2 and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert delta(scrape(addr), before, "kvd_auth_failures_total") == 2
 
 
 def test_ready_health_and_openapi(pd_pair: PdPair) -> None:

@@ -367,7 +367,9 @@ def test_s04_idle_connection_flood_keeps_probes_and_new_decodes(tmp_path: Path) 
         transfer_room(pair.p_engine, pair.d_engine, pair.bootstrap, 1, [1], [1], chunk=1)
         assert wait_rooms(pair.d_engine.client, [1]) == [KVPoll.Success]
         before = _misses(pair.decode)
-        proc = _flood("idle", pair.bootstrap, 14, "--connections", "3000")
+        # 20 s: a decode daemon starts in 2-5 s on a loaded host, and at least 3 rooms must
+        # follow it while the flood still runs
+        proc = _flood("idle", pair.bootstrap, 20, "--connections", "3000")
         time.sleep(2.0)  # the flood is at full strength
         d2 = start_daemon("decode", tmp_path, bootstrap_retry_budget=5.0)
         extra.append(d2)
