@@ -29,6 +29,7 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
@@ -95,6 +96,16 @@ class ReceiverRoom:
         return None if limit is None else self.since + limit
 
 
+def first_incarnation(instance: str) -> int:
+    """Where instance ``instance`` starts numbering incarnations: 1 + 2**24 * (32 bits of
+    a hash of the instance id). Two instances of a decode daemon at one endpoint thus
+    number their rooms apart (unless one creates 2**24 rooms and their hashes fall that
+    close, about 2**-31), so a status sent to a previous instance, delivered to the new
+    one after a restart, names no incarnation of it and is dropped (K28)."""
+    digest = hashlib.blake2b(instance.encode(), digest_size=4).digest()
+    return 1 + (int.from_bytes(digest, "big") << 24)
+
+
 @dataclass(frozen=True)
 class Poll:
     """What the engine sees of a room."""
@@ -117,7 +128,7 @@ class ReceiverRooms:
     """
 
     def __init__(self, endpoint: str, instance: str, timeouts: Timeouts | None = None,
-                 first_inc: int = 1) -> None:
+                 first_inc: int | None = None) -> None:
         self.endpoint = endpoint
         self.instance = instance
         self.timeouts = timeouts or Timeouts()
@@ -126,7 +137,10 @@ class ReceiverRooms:
         self.aux_sizes: tuple[int, ...] = ()
         self.rooms: dict[int, ReceiverRoom] = {}
         self.dropped: Counter[str] = Counter()
-        self._incs = itertools.count(first_inc)
+        self._incs = itertools.count(first_inc if first_inc is not None else
+                                     first_incarnation(instance))
+        self._base_instance = instance
+        self._registrations = 0
 
     # ---- engine events ----------------------------------------------------------------
 
@@ -193,6 +207,21 @@ class ReceiverRooms:
             raise RoomError(f"room {room}: pages not releasable yet (a prefill write may be "
                             f"in flight); wait for the room, then clear")
         del self.rooms[room]
+        return out
+
+    def engine_released(self, now: float) -> list[Effect]:
+        """The engine went away and its memory is unregistered: every unfinished room is
+        aborted (its targets told), every room forgotten (nothing can land in that memory
+        any more), and this rank takes a new instance id for what it registers next, so
+        the prefill ranks treat the new memory as a restart: pages sent for the old memory
+        can never be written into the new one (K28). Registrations must use
+        :attr:`instance` from now on."""
+        out: list[Effect] = []
+        for room in [k for k, r in self.rooms.items() if not r.done]:
+            out += self.abort(room, "engine disconnected", now)
+        self.rooms.clear()
+        self._registrations += 1
+        self.instance = f"{self._base_instance}+{self._registrations}"
         return out
 
     # ---- results ----------------------------------------------------------------------

@@ -152,14 +152,22 @@ class EarlyAbort:
     failure: RoomFailure
 
 
+#: Ended bindings a tombstone keeps per room (retries reusing one room id add more).
+MAX_TOMB_BINDINGS = 16
+
+
 @dataclass(frozen=True)
 class Tombstone:
-    """What is left of an ended room after the engine cleared it."""
+    """What is left of a room's attempts after the engine cleared them: the last one's
+    outcome (``status``/``failure``; ``dests``: how many decode ranks it had bound) and,
+    per destination any of them had bound, ``(endpoint, instance, inc)``, the outcome of
+    the attempt it was bound to (late messages about it are answered with that, K05)."""
 
     room: int
     status: KVPoll
     failure: RoomFailure | None
-    bound: dict[str, int]  # decode endpoint -> incarnation it was bound to
+    dests: int
+    bound: dict[tuple[str, str, int], tuple[KVPoll, RoomFailure | None]]
 
 
 @dataclass(frozen=True)
@@ -343,6 +351,11 @@ class SenderRooms:
             if not r.writing:  # _fail told the others; confirm to this one too
                 out.append(self._report(r, msg.endpoint, d.inc))
             return out
+        word = self._ended_word(msg.room, peer, msg.inc)
+        if word is not None:  # late: that incarnation's attempt ended; say how, again
+            self.dropped["late"] += 1
+            out.append(word)
+            return out
         if not self._routes_here(peer, msg.room):
             self.dropped["unbound"] += 1
             return out
@@ -437,6 +450,22 @@ class SenderRooms:
         peer.last_seen = now
         return peer
 
+    def _ended_word(self, room: int, peer: DecodePeer, inc: int) -> Report | None:
+        """The outcome of an ended attempt of ``room`` that had bound ``peer`` (this
+        instance) to incarnation ``inc``, as a report to it — quiesced unless that
+        attempt's write is still in flight (its return reports again) — or None."""
+        for r in self.retired.values():
+            d = r.dests.get(peer.endpoint)
+            if r.room == room and d is not None and d.peer.instance == peer.instance \
+                    and d.inc == inc:
+                return Report(peer.endpoint, peer.instance, room, inc, r.status, r.failure,
+                              quiesced=False)
+        tomb = self.tombstones.get(room)
+        outcome = tomb.bound.get((peer.endpoint, peer.instance, inc)) if tomb else None
+        if outcome is not None:
+            return Report(peer.endpoint, peer.instance, room, inc, *outcome, quiesced=True)
+        return None
+
     def _routes_here(self, peer: DecodePeer, room: int) -> bool:
         """Could ``peer`` target this rank for ``room``? (TP and PP; the decode may name
         any DP group explicitly, so DP is not checked.)"""
@@ -450,13 +479,14 @@ class SenderRooms:
 
     def _pages_before_room(self, peer: DecodePeer, msg: control.RoomPages,
                            pages: Pages | None, now: float, out: list[Effect]) -> None:
+        word = self._ended_word(msg.room, peer, msg.inc)
+        if word is not None:  # pages this rank already used: the same answer again
+            out.append(word)
+            return
         tomb = self.tombstones.get(msg.room)
-        if tomb is not None and tomb.bound.get(msg.endpoint, msg.inc) == msg.inc and (
-                msg.endpoint in tomb.bound or not tomb.bound):
-            failure = tomb.failure or RoomFailure(
-                FailureKind.DUPLICATE, f"room {msg.room}: already ended (Success) on prefill",
-                ORIGIN)
-            out.append(self._answer(peer, msg, failure))
+        if tomb is not None and not tomb.dests:  # ended before any decode rank bound (K21)
+            assert tomb.failure is not None  # no destination: it cannot have succeeded
+            out.append(self._answer(peer, msg, tomb.failure))
             return
         for early in self.early.get(msg.room) or []:
             if early.endpoint == msg.endpoint and early.inc in (0, msg.inc):
@@ -488,13 +518,16 @@ class SenderRooms:
         """Add a destination to a live (or ended) room, or answer why not."""
         peer = self.peers[msg.endpoint]
         existing = r.dests.get(msg.endpoint)
+        if existing is not None and existing.peer.instance == peer.instance and \
+                existing.inc == msg.inc:  # the same pages again: nothing changes
+            self.dropped["duplicate"] += 1
+            if r.done:
+                out.append(self._report(r, msg.endpoint, msg.inc))  # say the outcome again
+            return
         if r.done:
-            if existing is not None and existing.inc == msg.inc:
-                out.append(self._report(r, msg.endpoint, msg.inc))  # a duplicate: say again
-            else:
-                out.append(self._answer(peer, msg, r.failure or RoomFailure(
-                    FailureKind.DUPLICATE, f"room {r.room}: already ended (Success) on "
-                    f"prefill for {r.peers}", ORIGIN)))
+            out.append(self._answer(peer, msg, r.failure or RoomFailure(
+                FailureKind.DUPLICATE, f"room {r.room}: already ended (Success) on "
+                f"prefill for {r.peers}", ORIGIN)))
             return
         if existing is not None or (r.required is not None and len(r.dests) >= r.required):
             out.append(self._answer(peer, msg, RoomFailure(
@@ -627,8 +660,14 @@ class SenderRooms:
             del self.rooms[r.room]
         if r.writing:
             self.retired[(r.room, r.attempt)] = r
-        self.tombstones.put(r.room, Tombstone(r.room, r.status, r.failure,
-                                              {ep: d.inc for ep, d in r.dests.items()}), now)
+        old = self.tombstones.get(r.room)
+        bound = dict(old.bound) if old is not None else {}
+        bound.update({(ep, d.peer.instance, d.inc): (r.status, r.failure)
+                      for ep, d in r.dests.items()})
+        for key in list(bound)[:-MAX_TOMB_BINDINGS]:
+            del bound[key]
+        self.tombstones.put(r.room, Tombstone(r.room, r.status, r.failure, len(r.dests), bound),
+                            now)
 
     def _peer_restarted(self, old: DecodePeer, now: float, out: list[Effect]) -> None:
         failure = RoomFailure(FailureKind.PEER, f"decode rank {old.endpoint} restarted "
