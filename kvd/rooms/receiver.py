@@ -123,8 +123,10 @@ class ReceiverRooms:
     :meth:`resolved`, :meth:`resolve_failed`, :meth:`send_failed`. Peer events:
     :meth:`on_status`, :meth:`peer_lost`. Time: :meth:`tick`. Each returns the
     effects to perform, in order; engine events raise :class:`RoomError` for calls
-    the engine got wrong. ``num_pages``, ``num_aux_slots`` and ``aux_sizes`` (bytes
-    per aux item, per buffer) describe the local pool once the engine registered.
+    the engine got wrong (the effects of one refused after it changed a room are
+    returned by the next :meth:`tick`, never lost). ``num_pages``, ``num_aux_slots``
+    and ``aux_sizes`` (bytes per aux item, per buffer) describe the local pool once the
+    engine registered.
     """
 
     def __init__(self, endpoint: str, instance: str, timeouts: Timeouts | None = None,
@@ -141,6 +143,7 @@ class ReceiverRooms:
                                      first_incarnation(instance))
         self._base_instance = instance
         self._registrations = 0
+        self._deferred: list[Effect] = []  # effects of a refused call; the next tick returns them
 
     # ---- engine events ----------------------------------------------------------------
 
@@ -198,12 +201,14 @@ class ReceiverRooms:
 
     def clear(self, room: int, now: float) -> list[Effect]:
         """Forget a room (an unfinished one is aborted first). Raises RoomError, and
-        keeps the room, while its pages are not releasable (K06)."""
+        keeps the room, while its pages are not releasable (K06); an abort done on the
+        way stands, and its messages to the targets leave with the next :meth:`tick`."""
         r = self.rooms.get(room)
         if r is None:
             return []
         out = [] if r.done else self.abort(room, "cleared before it finished", now)
         if not r.releasable(now, self.timeouts):
+            self._deferred += out  # the abort stands: its targets must hear it (next tick)
             raise RoomError(f"room {room}: pages not releasable yet (a prefill write may be "
                             f"in flight); wait for the room, then clear")
         del self.rooms[room]
@@ -317,8 +322,9 @@ class ReceiverRooms:
 
     def tick(self, now: float) -> list[Effect]:
         """Deadlines; wake waiters when a failed room's pages free up; drop finished
-        rooms the engine never cleared."""
-        out: list[Effect] = []
+        rooms the engine never cleared. First, the effects of a call that was refused after
+        it had changed a room (a clear of an unfinished room: its aborts)."""
+        out, self._deferred = self._deferred, []
         for r in list(self.rooms.values()):
             deadline = r.deadline(self.timeouts)
             if deadline is not None and now > deadline:

@@ -196,7 +196,9 @@ class SenderRooms:
     :meth:`clear`. Peer events: :meth:`on_register`, :meth:`on_pages`,
     :meth:`on_abort`. Results: :meth:`write_done`. Time: :meth:`tick`. Each
     returns the effects to perform, in order. Engine events raise
-    :class:`RoomError` for calls the engine got wrong; peer events never raise.
+    :class:`RoomError` for calls the engine got wrong (the effects of one refused after
+    it changed a room are returned by the next :meth:`tick`, never lost); peer events
+    never raise.
     ``num_pages``/``num_aux_slots`` describe the local KV pool (0 until the engine
     registered).
     """
@@ -220,6 +222,7 @@ class SenderRooms:
                                                            self.limits.tombstones)
         self.dropped: Counter[str] = Counter()  # stale / unbound / unregistered messages
         self._attempts = 0
+        self._deferred: list[Effect] = []  # effects of a refused call; the next tick returns them
 
     # ---- engine events ----------------------------------------------------------------
 
@@ -237,7 +240,7 @@ class SenderRooms:
         for early in self.early.pop(room) or []:  # already answered when it arrived
             self._fail(r, early.failure, now, out)
         for p in self._take_pending(room):
-            self._bind(r, p.msg, p.pages, now, out)
+            self._bind(r, p.msg, p.pages, now, out, arrived=p.at)
         return out
 
     def init(self, room: int, num_pages: int, aux_index: int, now: float) -> list[Effect]:
@@ -257,7 +260,8 @@ class SenderRooms:
 
         A chunk for a room that already ended is dropped (the engine learns the outcome
         from ``poll``: aborts race with sends). A page outside the local pool fails the
-        room and raises RoomError."""
+        room and raises RoomError (the reports to its decode ranks leave with the next
+        :meth:`tick`)."""
         r = self._room(room)
         if r.done:
             return []
@@ -266,6 +270,7 @@ class SenderRooms:
             reason = (f"room {room}: source page index outside [0, {self.num_pages}) "
                       f"(got {int(pages.min())}..{int(pages.max())})")
             self._fail(r, RoomFailure(FailureKind.LAYOUT, reason, ORIGIN), now, out)
+            self._deferred += out  # the decode ranks must hear it (next tick)
             raise RoomError(reason)
         r.chunks.append((pages, is_last))
         self._kick(r, now, out)
@@ -343,6 +348,8 @@ class SenderRooms:
         failure = RoomFailure(FailureKind.parse(msg.kind), msg.reason, "decode")
         r = self.rooms.get(msg.room)
         d = r.dests.get(msg.endpoint) if r is not None else None
+        if d is not None and d.peer.instance != peer.instance:
+            d = None  # bound to an earlier instance at that endpoint, not to this one
         if r is not None and d is not None:
             if msg.inc not in (0, d.inc):
                 self.dropped["stale"] += 1
@@ -400,8 +407,10 @@ class SenderRooms:
 
     def tick(self, now: float) -> list[Effect]:
         """Deadlines: fail rooms past their state's deadline; expire buffered pages,
-        early aborts, tombstones, unclaimed finished rooms and idle peers."""
-        out: list[Effect] = []
+        early aborts, tombstones, unclaimed finished rooms and idle peers. First, the
+        effects of a call that was refused after it had failed a room (reports to its
+        decode ranks)."""
+        out, self._deferred = self._deferred, []
         for r in list(self.rooms.values()):
             deadline = r.deadline(self.timeouts)
             if deadline is not None and now > deadline:
@@ -514,8 +523,10 @@ class SenderRooms:
         self.pending_bytes += size
 
     def _bind(self, r: SenderRoom, msg: control.RoomPages, pages: Pages, now: float,
-              out: list[Effect]) -> None:
-        """Add a destination to a live (or ended) room, or answer why not."""
+              out: list[Effect], arrived: float | None = None) -> None:
+        """Add a destination to a live (or ended) room, or answer why not. The write bound
+        counts from when the pages ``arrived`` (buffered pages waited for the room), never
+        from when they were bound: the decode's release margin starts at its send."""
         peer = self.peers[msg.endpoint]
         existing = r.dests.get(msg.endpoint)
         if existing is not None and existing.peer.instance == peer.instance and \
@@ -534,24 +545,25 @@ class SenderRooms:
                 FailureKind.DUPLICATE, f"room {r.room}: duplicate room (already bound to "
                 f"{r.peers}; refused {msg.endpoint})", ORIGIN)))
             return
-        problem = self._check_dest(peer, msg, pages)
+        write_deadline = (now if arrived is None else arrived) + msg.write_within
+        problem = self._check_dest(peer, msg, pages, write_deadline > now)
         if problem is not None:
             out.append(self._answer(peer, msg, problem))
             self._fail(r, problem, now, out)
             return
         r.dests[msg.endpoint] = Dest(peer, msg.inc, pages, msg.aux_index, msg.is_dummy,
-                                     now + msg.write_within)
+                                     write_deadline)
         r.required = msg.required_dst_info_num
         if len(r.dests) >= r.required and r.status == KVPoll.Bootstrapping:
             self._advance(r, KVPoll.WaitingForInput, now)
             self._kick(r, now, out)
 
-    def _check_dest(self, peer: DecodePeer, msg: control.RoomPages,
-                    pages: Pages) -> RoomFailure | None:
+    def _check_dest(self, peer: DecodePeer, msg: control.RoomPages, pages: Pages,
+                    in_time: bool) -> RoomFailure | None:
         room = msg.room
         if peer.rejected is not None:
             return peer.rejected
-        if msg.write_within <= 0:
+        if not in_time:
             return RoomFailure(FailureKind.TIMEOUT, f"room {room}: the decode's write "
                                f"deadline already passed", ORIGIN)
         if msg.required_dst_info_num < 1:
@@ -631,8 +643,9 @@ class SenderRooms:
         """The room's status to every destination still registered as the instance the
         room is bound to (a restarted decode does not know the room)."""
         for endpoint, d in r.dests.items():
-            if self.peers.get(endpoint) is d.peer:
-                out.append(self._report(r, endpoint, d.inc))
+            peer = self.peers.get(endpoint)
+            if peer is not None and peer.instance == d.peer.instance:  # not only `is`: the
+                out.append(self._report(r, endpoint, d.inc))  # same instance may register again
 
     def _report(self, r: SenderRoom, endpoint: str, inc: int) -> Report:
         d = r.dests.get(endpoint)

@@ -595,7 +595,7 @@ def test_many_cycles_leave_tables_at_baseline() -> None:
     for i in range(500):
         room, now = i % 37, float(i)
         s.create(room, now)
-        s.on_pages(room_pages(room, i + 1, within=100.0), now)
+        s.on_pages(room_pages(room, i + 1, (i % POOL,), within=100.0), now)
         w = one(s.send(room, pages(i % POOL), True, now), Write)
         s.write_done(room, w.attempt, None, 1, 0.0, now)
         s.clear(room, now)
@@ -617,3 +617,84 @@ def test_k05_late_abort_after_success_and_clear_leaves_next_room_fresh() -> None
     assert len(s.early) == 0  # not mistaken for an abort of a room to come
     s.create(R, 3.0)
     assert status(s) == KVPoll.Bootstrapping
+
+
+# ---- regressions: what the stateful test (and reading) found -----------------------------
+
+def test_k26_late_abort_of_retired_attempt_never_decides_the_new_one() -> None:
+    s = bound()
+    w = one(s.send(R, pages(1, 2), True, 1.0), Write)
+    s.clear(R, 1.1)  # attempt 1 retired with its write in flight
+    s.create(R, 1.2)  # attempt 2: not bound yet
+    out = s.on_abort(room_abort(R, 1, reason="decode timed out"), 1.5)  # about attempt 1
+    assert status(s) == KVPoll.Bootstrapping and len(s.early) == 0
+    assert all(r.inc == 1 and not r.quiesced for r in of(out, Report))  # still writing
+    assert s.dropped["late"] == 1
+    rep = one(s.write_done(R, w.attempt, None, 1, 0.1, 2.0), Report)
+    assert (rep.inc, rep.quiesced) == (1, True)
+
+
+def test_k05_tombstone_remembers_the_binding_of_every_attempt() -> None:
+    s = bound()
+    w = one(s.send(R, pages(1, 2), True, 1.0), Write)
+    s.write_done(R, w.attempt, None, 1, 0.1, 1.5)  # attempt 1: Success for D0 incarnation 1
+    s.create(R, 2.0)  # attempt 2 ends before any decode rank bound
+    s.abort(R, "client gone", 2.1)
+    s.clear(R, 2.2)
+    rep = one(s.on_abort(room_abort(R, 1), 3.0), Report)  # attempt 1's late abort
+    assert (rep.inc, rep.status, rep.quiesced) == (1, KVPoll.Success, True)  # its own word
+    assert len(s.early) == 0
+    s.create(R, 4.0)
+    assert status(s) == KVPoll.Bootstrapping
+
+
+def test_duplicate_pages_of_a_bound_incarnation_change_nothing() -> None:
+    s = bound()
+    w = one(s.send(R, pages(1), False, 1.0), Write)
+    assert s.on_pages(room_pages(R, 1), 1.5) == []  # no "duplicate room" answer
+    assert s.dropped["duplicate"] == 1 and status(s) == KVPoll.Transferring
+    s.write_done(R, w.attempt, None, 1, 0.1, 2.0)
+    s.abort(R, "x", 2.5)
+    rep = one(s.on_pages(room_pages(R, 1), 3.0), Report)  # once ended: the outcome again
+    assert (rep.inc, rep.status) == (1, KVPoll.Failed)
+
+
+def test_duplicate_pages_buffered_before_the_room_bind_once() -> None:
+    s = sender()
+    registered(s)
+    s.on_pages(room_pages(R, 1), 0.5)
+    s.on_pages(room_pages(R, 1), 0.6)
+    out = s.create(R, 1.0)
+    assert not of(out, Report) and status(s) == KVPoll.WaitingForInput
+
+
+def test_k22_buffered_pages_keep_their_arrival_write_bound() -> None:
+    s = sender()
+    registered(s)
+    s.on_pages(room_pages(R, 1, within=3.0), 0.0)  # the decode's bound: 3 s from now
+    out = s.create(R, 4.0)  # the sender appears after that bound
+    rep = one(out, Report)
+    assert (rep.status, rep.failure.kind, rep.quiesced) == (KVPoll.Failed, FailureKind.TIMEOUT,
+                                                           True)
+    assert status(s) == KVPoll.Failed
+    s.create(R + 1, 0.0)
+    s.on_pages(room_pages(R + 1, 2, within=3.0), 1.0)
+    assert s.rooms[R + 1].dests[D0].write_deadline == 4.0
+
+
+def test_k28_restarted_decode_never_inherits_an_old_binding() -> None:
+    s = bound()
+    w = one(s.send(R, pages(1, 2), True, 1.0), Write)
+    s.write_done(R, w.attempt, None, 1, 0.1, 1.5)  # Success for d-a incarnation 1
+    registered(s, 2.0, instance="d-b")  # restart; the engine has not cleared R yet
+    out = s.on_pages(room_pages(R, 1, instance="d-b"), 2.5)  # the new instance's inc 1
+    rep = one(out, Report)
+    assert (rep.to_instance, rep.status) == ("d-b", KVPoll.Failed)  # never its Success
+    assert rep.failure.kind == FailureKind.DUPLICATE
+
+
+def test_reports_reach_a_decode_that_registered_again_with_the_same_instance() -> None:
+    s = bound()
+    registered(s, 1.0)  # the decode registers again (it saw the bootstrap epoch change)
+    rep = one(s.abort(R, "client gone", 2.0), Report)
+    assert (rep.to, rep.to_instance, rep.inc) == (D0, "d-a", 1)

@@ -76,7 +76,7 @@ TIMEOUTS = Timeouts(bootstrap=8.0, waiting=10.0, transfer=6.0, release=3.0, tomb
 LIMITS = Limits(peer_ttl=40.0, tombstones=4)
 MAX_DELAY = 1.0   # a control message is delivered or lost within this (s)
 SUB_BATCH = 0.5   # a write may still land this long after its deadline (s)
-assert MAX_DELAY + SUB_BATCH < TIMEOUTS.release
+assert TIMEOUTS.release > MAX_DELAY + SUB_BATCH
 
 ROOMS = (1, 2, 3)  # few room ids, so retries and reuse happen all the time
 D_POOL = 6         # decode pool pages: every room fits, three rooms fill it
@@ -200,6 +200,7 @@ class RoomsWorld(RuleBasedStateMachine):
         self.resolves: list[tuple[DRank, ReceiverRooms, Resolve]] = []
         self.serial = 0
         self.successes = 0
+        self.lost: set[tuple[int, int]] = set()  # (room, inc) some message of which was lost
 
     @initialize(topology=st.sampled_from(sorted(TOPOLOGIES)))
     def start(self, topology: str) -> None:
@@ -348,6 +349,10 @@ class RoomsWorld(RuleBasedStateMachine):
             case _:
                 raise AssertionError(f"unexpected message {m.msg!r}")
 
+    def _lost(self, m: Msg) -> None:
+        if isinstance(m.msg, control.RoomPages | control.RoomAbort | control.RoomStatus):
+            self.lost.add((m.msg.room, m.msg.inc))
+
     def _send_failed(self, m: Msg) -> None:
         if m.sender is None or m.room is None:
             return  # nobody is told: a lost status or abort
@@ -413,20 +418,27 @@ class RoomsWorld(RuleBasedStateMachine):
         effects += p.machine.init(room, length(room), aux, self.now)
         self.run_p(p, effects)
 
-    @rule(k=INDEX, room=st.sampled_from(ROOMS), n=st.integers(1, 3), mismatch=st.booleans())
-    def p_send(self, k: int, room: int, n: int, mismatch: bool) -> None:
-        """Send the next chunk (``mismatch``: a last chunk one page too long, K10)."""
+    @rule(k=INDEX, room=st.sampled_from(ROOMS), n=st.integers(1, 3),
+          variant=st.sampled_from(["ok", "ok", "ok", "mismatch", "bad_source"]))
+    def p_send(self, k: int, room: int, n: int, variant: str = "ok") -> None:
+        """Send the next chunk. ``mismatch``: a last chunk one page too long (K10);
+        ``bad_source``: a source page outside the pool (the engine's mistake)."""
         p = self.p[k % len(self.p)]
         e = p.eng.get(room)
         if e is None or e.last or room not in p.machine.rooms:
             return
         n = min(n, length(room) - e.offset)
         e.last = e.offset + n == length(room)
-        if e.last and mismatch and n == 1:
+        if e.last and variant == "mismatch" and n == 1:
             n += 1
         src = np.arange(e.offset, e.offset + n, dtype=np.int64)
+        if variant == "bad_source":
+            src[-1] = P_POOL
         e.offset += n
-        self.run_p(p, p.machine.send(room, src, e.last, self.now))
+        try:
+            self.run_p(p, p.machine.send(room, src, e.last, self.now))
+        except RoomError:
+            assert variant == "bad_source"
         self._settle()
 
     @rule(k=INDEX, room=st.sampled_from(ROOMS))
@@ -488,11 +500,14 @@ class RoomsWorld(RuleBasedStateMachine):
         self._settle()
 
     @rule(kind=st.sampled_from(["p_engine", "d_engine", "d_restart", "d_restart_refused",
-                                "heartbeat"]), k=INDEX)
+                                "d_reregister", "heartbeat"]), k=INDEX)
     def fault(self, kind: str, k: int) -> None:
-        """Engine disconnects, decode restarts (possibly with refused KV args, K30),
+        """Engine disconnects, decode restarts (possibly with refused KV args, K30), a
+        decode that registers again (same instance: it saw the bootstrap epoch change),
         missed heartbeats."""
         match kind:
+            case "d_reregister":
+                self.d[k % len(self.d)].registered.clear()
             case "p_engine":
                 self._p_engine_disconnect(self.p[k % len(self.p)])
             case "d_engine":
@@ -562,6 +577,7 @@ class RoomsWorld(RuleBasedStateMachine):
         m = self.net[i % len(self.net)]
         if not arrives:
             self.net.remove(m)
+        self._lost(m)
         self._send_failed(m)
         self._settle()
 
@@ -599,11 +615,11 @@ class RoomsWorld(RuleBasedStateMachine):
                 self.net.remove(m)
                 self._deliver(m)
             for p in self.p:
-                for room, e in list(p.eng.items()):
+                for room in list(p.eng):
                     r = p.machine.rooms.get(room)
                     if r is not None and r.status in (KVPoll.WaitingForInput,
                                                       KVPoll.Transferring):
-                        self.p_send(p.index, room, 3, False)
+                        self.p_send(p.index, room, 3)
             for w in list(self.writes):
                 self._complete(w, ok=True)
             self._settle()
@@ -620,6 +636,7 @@ class RoomsWorld(RuleBasedStateMachine):
             for m in overdue:
                 self.net.remove(m)
                 if lost:
+                    self._lost(m)
                     self._send_failed(m)
                 else:
                     self._deliver(m)
@@ -628,6 +645,31 @@ class RoomsWorld(RuleBasedStateMachine):
             raise AssertionError("messages keep causing messages")
         self.now = new
         self._tick()
+
+    @rule()
+    def calm(self) -> None:
+        """Fast failure: once nothing is in flight (lookups answered, messages delivered,
+        writes returned; no time passes), both sides of every binding whose messages were
+        never lost know of every end: a prefill attempt that ended has told its decode
+        rank, and a prefill attempt still running is bound to a decode room still running
+        (K08, K21, K29, K30, K32, K34: nobody learns an end from a deadline)."""
+        self._settle_network(ok=True)
+        for p in self.p:
+            for r in p.machine.rooms.values():
+                for ep, dest in r.dests.items():
+                    d = next(d for d in self.d if d.endpoint == ep)
+                    if d.instance != dest.peer.instance or (r.room, dest.inc) in self.lost:
+                        continue  # a restarted decode; or a lost message: the deadlines rule
+                    rr = d.machine.rooms.get(r.room)
+                    live = rr is not None and rr.inc == dest.inc and not rr.done
+                    if r.done:
+                        assert not live or (r.status == KVPoll.Success and
+                                            p.endpoint in rr.successes), (
+                            f"prefill rank {p.index} ended room {r.room} ({r.status.name}) "
+                            f"but decode {ep} incarnation {dest.inc} was not told")
+                    else:
+                        assert live, (f"prefill rank {p.index} still runs room {r.room} for "
+                                      f"decode {ep} incarnation {dest.inc}, which ended")
 
     # ---- invariants ----------------------------------------------------------------------
 
@@ -697,21 +739,32 @@ class RoomsWorld(RuleBasedStateMachine):
             assert not d.held and all(o is None for o in d.pool.owner)
 
     def _drain(self) -> None:
-        """Answer every lookup (failed), complete every write, deliver every message."""
+        self._settle_network(ok=False)
+
+    def _settle_network(self, ok: bool) -> None:
+        """Until nothing is in flight: answer every lookup (``ok``: resolved, else failed),
+        return every write (landing what still can), deliver every message."""
+        self._tick()
         for _ in range(1000):
             if not (self.resolves or self.writes or self.net):
                 return
             for d, machine, e in list(self.resolves):
                 self.resolves.remove((d, machine, e))
-                if machine is d.machine and self.d[d.tp_rank] is d:
-                    self.run_d(d, machine.resolve_failed(e.room, e.inc, RoomFailure(
-                        FailureKind.BOOTSTRAP, "teardown", "decode"), self.now))
+                if machine is not d.machine or self.d[d.tp_rank] is not d:
+                    continue
+                if ok:
+                    effects = machine.resolved(e.room, e.inc,
+                                               self._targets(d, e.room, e.dp_rank), self.now)
+                else:
+                    effects = machine.resolve_failed(e.room, e.inc, RoomFailure(
+                        FailureKind.BOOTSTRAP, "teardown", "decode"), self.now)
+                self.run_d(d, effects)
             for w in list(self.writes):
                 self._complete(w, ok=True)
             for m in list(self.net):
                 self.net.remove(m)
                 self._deliver(m)
-            self._settle()
+            self._tick()  # the daemons' sweep runs too (no time passes)
         raise AssertionError("the protocol does not settle")
 
 
