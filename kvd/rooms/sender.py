@@ -644,8 +644,9 @@ class SenderRooms:
         room is bound to (a restarted decode does not know the room)."""
         for endpoint, d in r.dests.items():
             peer = self.peers.get(endpoint)
-            if peer is not None and peer.instance == d.peer.instance:  # not only `is`: the
-                out.append(self._report(r, endpoint, d.inc))  # same instance may register again
+            # compare instances, not DecodePeer objects: an instance may register again
+            if peer is not None and peer.instance == d.peer.instance:
+                out.append(self._report(r, endpoint, d.inc))
 
     def _report(self, r: SenderRoom, endpoint: str, inc: int) -> Report:
         d = r.dests.get(endpoint)
@@ -688,7 +689,7 @@ class SenderRooms:
         del self.peers[old.endpoint]  # reports skip destinations bound to the old instance
         for r in list(self.rooms.values()):
             d = r.dests.get(old.endpoint)
-            if d is not None and d.peer is old:
+            if d is not None and d.peer.instance == old.instance:  # not `is`: see _report_all
                 self._fail(r, failure, now, out)
         self._drop_pending_of(old.endpoint)
         self.dropped["restarted_peer"] += 1

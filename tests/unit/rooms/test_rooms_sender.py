@@ -698,3 +698,11 @@ def test_reports_reach_a_decode_that_registered_again_with_the_same_instance() -
     registered(s, 1.0)  # the decode registers again (it saw the bootstrap epoch change)
     rep = one(s.abort(R, "client gone", 2.0), Report)
     assert (rep.to, rep.to_instance, rep.inc) == (D0, "d-a", 1)
+
+
+def test_k28_restart_after_a_same_instance_registration_still_fails_bound_rooms() -> None:
+    s = bound()
+    registered(s, 1.0)  # the same instance registers again
+    registered(s, 2.0, instance="d-b")  # then the decode restarts
+    assert status(s) == KVPoll.Failed and s.rooms[R].failure.kind == FailureKind.PEER
+    assert s.send(R, pages(1, 2), True, 2.5) == []  # never written to the new instance

@@ -181,6 +181,7 @@ class InWrite:
     eff: Write
     landings: list[Landing]
     landed: int = 0
+    dead: bool = False  # its prefill daemon died: it may still land, nobody hears its end
 
     @property
     def landable(self) -> bool:
@@ -194,6 +195,7 @@ class RoomsWorld(RuleBasedStateMachine):
         super().__init__()
         self.now = 0.0
         self.p: list[PRank] = []
+        self.p_all: list[PRank] = []  # every prefill instance there ever was
         self.d: list[DRank] = []
         self.net: list[Msg] = []
         self.writes: list[InWrite] = []
@@ -209,6 +211,7 @@ class RoomsWorld(RuleBasedStateMachine):
             m = SenderRooms(TIMEOUTS, RankPosition(tp_rank=i, tp_size=p_tp), LIMITS)
             m.num_pages, m.num_aux_slots = P_POOL, AUX_SLOTS
             self.p.append(PRank(i, f"tcp://p{i}:1", f"p{i}-a", m))
+        self.p_all = list(self.p)
         self.d = [self._new_decode(j, d_tp, None) for j in range(d_tp)]
 
     def _new_decode(self, tp_rank: int, tp_size: int, rejected: RoomFailure | None) -> DRank:
@@ -305,7 +308,8 @@ class RoomsWorld(RuleBasedStateMachine):
         assert held is not None and held.inc == e.inc
         pages = [int(x) for x in unpack_indices(r.dst_pages)]
         for t in r.targets or ():
-            p = self._prefill_at(t.endpoint)
+            p = next(p for p in self.p_all if (p.endpoint, p.instance) ==
+                     (t.endpoint, t.instance))
             word = p.word.get((d.instance, e.room, e.inc))
             assert word == {KVPoll.Success}, (
                 f"(d) decode {d.endpoint} Success for room {e.room} incarnation {e.inc} but "
@@ -363,6 +367,8 @@ class RoomsWorld(RuleBasedStateMachine):
 
     def _complete(self, w: InWrite, ok: bool) -> None:
         self.writes.remove(w)
+        if w.dead:
+            return
         if ok and self.now <= w.eff.deadline + SUB_BATCH:
             self._land(w, len(w.landings))
         failure = None
@@ -500,12 +506,22 @@ class RoomsWorld(RuleBasedStateMachine):
         self._settle()
 
     @rule(kind=st.sampled_from(["p_engine", "d_engine", "d_restart", "d_restart_refused",
-                                "d_reregister", "heartbeat"]), k=INDEX)
+                                "d_reregister", "p_restart", "heartbeat"]), k=INDEX)
     def fault(self, kind: str, k: int) -> None:
         """Engine disconnects, decode restarts (possibly with refused KV args, K30), a
-        decode that registers again (same instance: it saw the bootstrap epoch change),
-        missed heartbeats."""
+        decode that registers again (same instance: it saw the bootstrap epoch change), a
+        prefill daemon restart (its writes in flight may still land), missed heartbeats."""
         match kind:
+            case "p_restart":
+                i = k % len(self.p)
+                old = self.p[i]
+                self.serial += 1
+                m = SenderRooms(TIMEOUTS, old.machine.position, LIMITS)
+                m.num_pages, m.num_aux_slots = P_POOL, AUX_SLOTS
+                self.p[i] = PRank(i, old.endpoint, f"p{i}-{self.serial}", m)
+                self.p_all.append(self.p[i])
+                for w in self.writes:
+                    w.dead = w.dead or w.p is old
             case "d_reregister":
                 self.d[k % len(self.d)].registered.clear()
             case "p_engine":
