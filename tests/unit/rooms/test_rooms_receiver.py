@@ -6,6 +6,8 @@ Times are plain numbers (seconds); the deadlines come from ``roomkit.TIMEOUTS``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from roomkit import (
     AUX,
@@ -251,23 +253,49 @@ def test_peer_lost_fails_rooms_of_that_prefill_created_before() -> None:
 
 # ---- deadlines and release safety ---------------------------------------------------------
 
-def test_bootstrapping_timeout() -> None:
+def _bootstrapping() -> tuple[ReceiverRooms, float]:
     d = receiver()
     d.create(R, BOOT, None, 1.0)
-    assert d.tick(1.0 + TIMEOUTS.bootstrap) == []
-    out = d.tick(1.0 + TIMEOUTS.bootstrap + 0.01)
+    return d, 1.0 + TIMEOUTS.bootstrap
+
+
+def _bootstrapping_initialised() -> tuple[ReceiverRooms, float]:
+    d, _ = _bootstrapping()
+    d.init(R, DST, 0, 2.0)
+    return d, 1.0 + TIMEOUTS.bootstrap
+
+
+def _waiting_not_initialised() -> tuple[ReceiverRooms, float]:
+    d = receiver()
+    d.create(R, BOOT, None, 0.0)
+    d.resolved(R, 1, targets(P0), 1.0)
+    return d, 1.0 + TIMEOUTS.waiting
+
+
+def _waiting() -> tuple[ReceiverRooms, float]:
+    d, _ = waiting(P0, P1, now=1.0)
+    d.on_status(room_status(R, 1, KVPoll.Success), 2.0)  # one of two targets done
+    return d, 1.0 + TIMEOUTS.waiting
+
+
+@pytest.mark.parametrize("setup, state, aborts", [
+    (_bootstrapping, "Bootstrapping", []),
+    (_bootstrapping_initialised, "Bootstrapping", []),
+    (_waiting_not_initialised, "WaitingForInput", [P0]),
+    (_waiting, "WaitingForInput", [P1]),
+])
+def test_every_state_has_a_deadline(setup: Callable[[], tuple[ReceiverRooms, float]],
+                                    state: str, aborts: list[str]) -> None:
+    d, deadline = setup()
+    assert d.rooms[R].status.name == state and d.rooms[R].deadline(TIMEOUTS) == deadline
+    assert d.tick(deadline) == [] and d.rooms[R].status.name == state  # not before
+    out = d.tick(deadline + 0.01)
     f = one(out, Ended).failure
-    assert f.kind == FailureKind.TIMEOUT and "Bootstrapping" in f.reason
-
-
-def test_k16_waiting_timeout_aborts_targets() -> None:
-    d, _ = waiting(P0, now=1.0)
-    d.tick(1.0 + TIMEOUTS.waiting)
-    assert state(d, 21.0)[0] == KVPoll.WaitingForInput
-    out = d.tick(1.0 + TIMEOUTS.waiting + 0.01)
-    assert "WaitingForInput" in d.rooms[R].failure.reason
-    (s,) = of(out, Send)
-    assert isinstance(s.msg, control.RoomAbort) and s.msg.kind == "timeout"
+    assert f.kind == FailureKind.TIMEOUT and state in f.reason and f.origin == "decode"
+    assert d.rooms[R].status == KVPoll.Failed
+    sends = of(out, Send)  # every target that does not know yet must stop writing
+    assert [s.to for s in sends] == aborts
+    assert all(isinstance(s.msg, control.RoomAbort) and s.msg.kind == "timeout" for s in sends)
 
 
 def test_k22_pages_not_releasable_until_write_deadline_plus_release() -> None:
@@ -346,3 +374,47 @@ def test_k05_many_cycles_with_late_words_leave_table_at_baseline() -> None:
         assert d.abort(R, "late", now) == []
         assert d.on_status(room_status(R, i + 1, KVPoll.Failed, reason="late"), now) == []
     assert d.table_sizes() == {"rooms": 0} and d.dropped["stale"] == 1000
+
+
+# ---- regressions: what the stateful test found ------------------------------------------
+
+def test_k28_two_instances_of_a_decode_number_incarnations_apart() -> None:
+    old = ReceiverRooms(D0, "d-old", TIMEOUTS)
+    new = ReceiverRooms(D0, "d-new", TIMEOUTS)
+    (a,) = old.create(R, BOOT, None, 0.0)
+    (b,) = new.create(R, BOOT, None, 0.0)
+    assert isinstance(a, Resolve) and isinstance(b, Resolve) and a.inc != b.inc
+    assert a.inc >= 1 and b.inc >= 1  # 0 means "any incarnation" in RoomAbort
+    new.num_pages = POOL
+    new.init(R, DST, 0, 0.0)
+    new.resolved(R, b.inc, targets(P0), 0.0)
+    # the old instance's Success, queued before the restart, reaches the new one
+    assert new.on_status(room_status(R, a.inc, KVPoll.Success), 1.0) == []
+    assert new.rooms[R].status == KVPoll.WaitingForInput and new.dropped["stale"] == 1
+
+
+def test_k28_engine_released_aborts_forgets_and_takes_a_new_instance() -> None:
+    d, _ = waiting(P0)
+    d.create(R + 1, BOOT, None, 0.0)
+    out = d.engine_released(1.0)
+    (s,) = of(out, Send)
+    assert isinstance(s.msg, control.RoomAbort) and s.to == P0 and s.msg.instance_id == "d-a"
+    assert d.table_sizes() == {"rooms": 0}
+    assert d.instance not in ("d-a", "") and d.instance.startswith("d-a")
+    first = d.instance
+    d.engine_released(2.0)
+    assert d.instance not in (first, "d-a")
+    (r,) = d.create(R, BOOT, None, 3.0)  # incarnations keep counting: never reused
+    assert isinstance(r, Resolve) and r.inc > 2
+
+
+def test_k33_samples_sharing_a_room_never_share_an_outcome() -> None:
+    d, _ = waiting(P0)
+    with pytest.raises(RoomError, match="duplicate room"):
+        d.create(R, BOOT, None, 0.5)  # the second sample of the request
+    d.on_status(room_status(R, 1, KVPoll.Success), 1.0)
+    d.clear(R, 1.0)
+    d.create(R, BOOT, None, 2.0)  # a later sample reusing the room starts from nothing
+    assert state(d, 2.0) == (KVPoll.Bootstrapping, False)
+    assert d.on_status(room_status(R, 1, KVPoll.Success), 2.5) == []
+    assert state(d, 2.5)[0] == KVPoll.Bootstrapping

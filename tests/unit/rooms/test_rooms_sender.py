@@ -6,6 +6,8 @@ Times are plain numbers (seconds); the deadlines come from ``roomkit.TIMEOUTS``
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from roomkit import (
     AUX,
@@ -489,39 +491,60 @@ def test_k28_pages_of_old_instance_dropped_after_restart() -> None:
 
 # ---- deadlines ------------------------------------------------------------------------------
 
-def test_bootstrapping_timeout() -> None:
+def _bootstrapping() -> tuple[SenderRooms, float, bool]:
     s = sender()
     s.create(R, 1.0)
-    assert s.tick(1.0 + TIMEOUTS.bootstrap) == []
-    out = s.tick(1.0 + TIMEOUTS.bootstrap + 0.01)
-    f = s.rooms[R].failure
-    assert f.kind == FailureKind.TIMEOUT and "Bootstrapping" in f.reason
-    assert one(out, Ended).status == KVPoll.Failed
+    return s, 1.0 + TIMEOUTS.bootstrap, True
 
 
-def test_waiting_for_input_timeout() -> None:
-    s = bound(0.0, within=100.0)
-    s.tick(TIMEOUTS.waiting)
-    assert status(s) == KVPoll.WaitingForInput
-    rep = one(s.tick(TIMEOUTS.waiting + 0.01), Report)
-    assert "WaitingForInput" in rep.failure.reason and rep.quiesced
+def _bootstrapping_one_of_two() -> tuple[SenderRooms, float, bool]:
+    s = sender()
+    registered(s, endpoint=D0, tp_rank=0, tp_size=2)
+    s.create(R, 1.0)
+    s.on_pages(room_pages(R, 1, required=2, within=100.0), 2.0)
+    return s, 1.0 + TIMEOUTS.bootstrap, True
 
 
-def test_transferring_timeout_with_write_in_flight() -> None:
+def _waiting() -> tuple[SenderRooms, float, bool]:
+    return bound(0.0, within=100.0), TIMEOUTS.waiting, True
+
+
+def _transferring() -> tuple[SenderRooms, float, bool]:
     s = bound(0.0, within=100.0)
     s.send(R, pages(1), False, 1.0)
-    s.tick(1.0 + TIMEOUTS.transfer)
-    assert status(s) == KVPoll.Transferring
-    rep = one(s.tick(1.0 + TIMEOUTS.transfer + 0.01), Report)
-    assert "Transferring" in rep.failure.reason and rep.quiesced is False
+    return s, 1.0 + TIMEOUTS.transfer, False  # a write is in flight: not quiesced
 
 
-def test_room_fails_at_decode_write_deadline() -> None:
-    s = bound(0.0, within=4.0)  # the decode's bound is sooner than the waiting timeout
-    s.tick(4.0)
-    assert status(s) == KVPoll.WaitingForInput
-    s.tick(4.01)
-    assert status(s) == KVPoll.Failed and s.rooms[R].failure.kind == FailureKind.TIMEOUT
+def _decode_write_bound() -> tuple[SenderRooms, float, bool]:
+    return bound(0.0, within=4.0), 4.0, True  # sooner than the waiting timeout
+
+
+def _decode_write_bound_transferring() -> tuple[SenderRooms, float, bool]:
+    s = bound(0.0, within=3.0)
+    s.send(R, pages(1), False, 1.0)
+    return s, 3.0, False
+
+
+@pytest.mark.parametrize("setup, state", [
+    (_bootstrapping, "Bootstrapping"),
+    (_bootstrapping_one_of_two, "Bootstrapping"),
+    (_waiting, "WaitingForInput"),
+    (_transferring, "Transferring"),
+    (_decode_write_bound, "WaitingForInput"),
+    (_decode_write_bound_transferring, "Transferring"),
+])
+def test_every_state_has_a_deadline(setup: Callable[[], tuple[SenderRooms, float, bool]],
+                                    state: str) -> None:
+    s, deadline, quiesced = setup()
+    assert s.rooms[R].status.name == state
+    assert s.rooms[R].deadline(TIMEOUTS) == deadline
+    assert s.tick(deadline) == []  # not before
+    assert status(s) == KVPoll[state]
+    out = s.tick(deadline + 0.01)
+    f = s.rooms[R].failure
+    assert status(s) == KVPoll.Failed and f.kind == FailureKind.TIMEOUT
+    assert one(out, Ended).failure == f and of(out, Wake)
+    assert all(r.quiesced == quiesced and r.failure == f for r in of(out, Report))
 
 
 def test_k22_no_write_after_destination_write_deadline() -> None:
@@ -706,3 +729,14 @@ def test_k28_restart_after_a_same_instance_registration_still_fails_bound_rooms(
     registered(s, 2.0, instance="d-b")  # then the decode restarts
     assert status(s) == KVPoll.Failed and s.rooms[R].failure.kind == FailureKind.PEER
     assert s.send(R, pages(1, 2), True, 2.5) == []  # never written to the new instance
+
+
+def test_k33_each_attempt_of_a_room_has_its_own_outcome() -> None:
+    s = bound()
+    s.abort(R, "sample 1 cancelled", 1.0)
+    s.create(R, 2.0)  # sample 2 reuses the room id
+    s.on_pages(room_pages(R, 2, (5, 6)), 2.0)
+    w = one(s.send(R, pages(1, 2), True, 2.5), Write)
+    rep = one(s.write_done(R, w.attempt, None, 1, 0.1, 3.0), Report)
+    assert (rep.inc, rep.status) == (2, KVPoll.Success)
+    assert s.poll(R).failure is None
