@@ -8,10 +8,11 @@ last chunk and aux have landed by then); any state may move to ``Failed``.
 
 Rules this module guarantees (tested in ``tests/unit/rooms``):
 
-* **Incarnations.** Each ``Receiver(room)`` is a new incarnation (``inc``); every
-  message about it carries ``inc``, and a status naming another incarnation or
-  coming from another instance of the target than the one resolved is dropped
-  and counted (K26, K28).
+* **Incarnations.** Each ``Receiver(room)`` is a new incarnation (``inc``), numbered
+  apart from every other instance's (:func:`first_incarnation`); every message about
+  it carries ``inc``, and a status naming another incarnation or coming from another
+  instance of the target than the one resolved is dropped and counted (K26, K28) —
+  the latter also fails the room at once: that target restarted.
 * **Success** only when every target reported Success for this incarnation.
 * **Any end cancels every writer.** Whatever ends a room here (a target's
   failure, a deadline, bad aux, the engine, a lost peer), every target that has
@@ -279,7 +280,13 @@ class ReceiverRooms:
             self.dropped["unbound"] += 1
             return out
         if target.instance != msg.instance_id:
+            # Not trusted (nor as quiescence), but telling: the pages went to whatever
+            # instance listens at that endpoint, so the one this room was sent to is gone.
             self.dropped["stale_instance"] += 1
+            self._fail(r, RoomFailure(FailureKind.PEER, f"room {r.room}: prefill rank "
+                                      f"{msg.endpoint} answered as instance {msg.instance_id}"
+                                      f", not {target.instance}: it restarted", ORIGIN),
+                       now, out)
             return out
         status = KVPoll(msg.status) if msg.status in (0, 4) else None
         if status is None:

@@ -190,7 +190,6 @@ def test_k08_failure_from_one_target_aborts_the_others() -> None:
     (room_status(R, 2, KVPoll.Success), "stale"),
     (room_status(R + 1, 1, KVPoll.Success), "stale"),
     (room_status(R, 1, KVPoll.Success, endpoint="tcp://px:1"), "unbound"),
-    (room_status(R, 1, KVPoll.Success, instance="p-old"), "stale_instance"),
     (room_status(R, 1, KVPoll.Transferring), "malformed"),
 ])
 def test_statuses_that_do_not_match_are_dropped(msg: control.RoomStatus, counter: str) -> None:
@@ -198,6 +197,18 @@ def test_statuses_that_do_not_match_are_dropped(msg: control.RoomStatus, counter
     assert d.on_status(msg, 1.0) == []
     assert d.dropped == {counter: 1}
     assert state(d, 1.0)[0] == KVPoll.WaitingForInput
+
+
+@pytest.mark.parametrize("status", [KVPoll.Success, KVPoll.Failed])
+def test_k28_status_from_another_instance_of_a_target_means_it_restarted(
+        status: KVPoll) -> None:
+    d, _ = waiting(P0, P1)
+    out = d.on_status(room_status(R, 1, status, instance="p-new", quiesced=True), 1.0)
+    assert d.dropped == {"stale_instance": 1}
+    assert d.rooms[R].failure.kind == FailureKind.PEER  # at once, not at the timeout
+    assert "restarted" in d.rooms[R].failure.reason
+    assert {s.to for s in of(out, Send)} == {P0, P1}  # whoever listens there must stop
+    assert state(d, 1.0) == (KVPoll.Failed, False)  # never trusted as quiescence
 
 
 def test_k26_status_of_previous_incarnation_never_decides_the_new_one() -> None:
