@@ -152,22 +152,23 @@ class EarlyAbort:
     failure: RoomFailure
 
 
-#: Ended bindings a tombstone keeps per room (retries reusing one room id add more).
-MAX_TOMB_BINDINGS = 16
-
-
 @dataclass(frozen=True)
 class Tombstone:
-    """What is left of a room's attempts after the engine cleared them: the last one's
-    outcome (``status``/``failure``; ``dests``: how many decode ranks it had bound) and,
-    per destination any of them had bound, ``(endpoint, instance, inc)``, the outcome of
-    the attempt it was bound to (late messages about it are answered with that, K05)."""
+    """What is left of an ended room after the engine cleared it (``dests``: how many
+    decode ranks its last attempt had bound)."""
 
     room: int
     status: KVPoll
     failure: RoomFailure | None
     dests: int
-    bound: dict[tuple[str, str, int], tuple[KVPoll, RoomFailure | None]]
+
+
+#: A decode incarnation as this rank knows it: (endpoint, instance, inc).
+Incarnation = tuple[str, str, int]
+#: What this rank said about one: its final status and failure.
+Word = tuple[KVPoll, RoomFailure | None]
+#: Words kept per room (retries reusing one room id add more).
+MAX_WORDS = 16
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,9 @@ class SenderRooms:
                                                               self.limits.tombstones)
         self.tombstones: Bounded[int, Tombstone] = Bounded(self.timeouts.tombstone,
                                                            self.limits.tombstones)
+        # every final word said to a decode incarnation, per room: never taken back
+        self.words: Bounded[int, dict[Incarnation, Word]] = Bounded(self.timeouts.tombstone,
+                                                                    self.limits.tombstones)
         self.dropped: Counter[str] = Counter()  # stale / unbound / unregistered messages
         self._attempts = 0
         self._deferred: list[Effect] = []  # effects of a refused call; the next tick returns them
@@ -334,7 +338,7 @@ class SenderRooms:
         if pages is None:
             failure = RoomFailure(FailureKind.LAYOUT, f"room {msg.room}: malformed page "
                                   f"indices from {msg.endpoint}", ORIGIN)
-            out.append(self._answer(peer, msg, failure))
+            out.append(self._answer(peer, msg, failure, now))
             return out
         self._bind(r, msg, pages, now, out)
         return out
@@ -356,7 +360,7 @@ class SenderRooms:
                 return out
             self._fail(r, failure, now, out)
             if not r.writing:  # _fail told the others; confirm to this one too
-                out.append(self._report(r, msg.endpoint, d.inc))
+                out.append(self._report(r, msg.endpoint, d.inc, now))
             return out
         word = self._ended_word(msg.room, peer, msg.inc)
         if word is not None:  # late: that incarnation's attempt ended; say how, again
@@ -374,8 +378,8 @@ class SenderRooms:
             early = self.early.get(msg.room) or []
             if len(early) < 16:
                 self.early.put(msg.room, [*early, EarlyAbort(msg.endpoint, inc, failure)], now)
-        out.append(Report(msg.endpoint, peer.instance, msg.room, inc, KVPoll.Failed, failure,
-                          quiesced=True))
+        out.append(self._say(Report(msg.endpoint, peer.instance, msg.room, inc, KVPoll.Failed,
+                                    failure, quiesced=True), now))
         return out
 
     # ---- results and time -------------------------------------------------------------
@@ -394,7 +398,7 @@ class SenderRooms:
         r.nbytes += nbytes
         r.seconds += seconds
         if r.done:  # ended while the write was in flight: now it is quiet
-            self._report_all(r, out)
+            self._report_all(r, now, out)
             return out
         if failure is not None:
             self._fail(r, failure, now, out)
@@ -420,6 +424,7 @@ class SenderRooms:
         self._expire_pending(now, out)
         self.early.expire(now)
         self.tombstones.expire(now)
+        self.words.expire(now)
         self._forget_idle_peers(now, out)
         return out
 
@@ -437,6 +442,7 @@ class SenderRooms:
         return {"rooms": len(self.rooms), "retired": len(self.retired),
                 "pending": len(self.pending), "pending_bytes": self.pending_bytes,
                 "early_aborts": len(self.early), "tombstones": len(self.tombstones),
+                "words": len(self.words),
                 "peers": len(self.peers)}
 
     # ---- internals: binding -----------------------------------------------------------
@@ -460,20 +466,26 @@ class SenderRooms:
         return peer
 
     def _ended_word(self, room: int, peer: DecodePeer, inc: int) -> Report | None:
-        """The outcome of an ended attempt of ``room`` that had bound ``peer`` (this
-        instance) to incarnation ``inc``, as a report to it — quiesced unless that
-        attempt's write is still in flight (its return reports again) — or None."""
-        for r in self.retired.values():
-            d = r.dests.get(peer.endpoint)
-            if r.room == room and d is not None and d.peer.instance == peer.instance \
-                    and d.inc == inc:
-                return Report(peer.endpoint, peer.instance, room, inc, r.status, r.failure,
-                              quiesced=False)
-        tomb = self.tombstones.get(room)
-        outcome = tomb.bound.get((peer.endpoint, peer.instance, inc)) if tomb else None
-        if outcome is not None:
-            return Report(peer.endpoint, peer.instance, room, inc, *outcome, quiesced=True)
-        return None
+        """What this rank already said about incarnation ``inc`` of ``room`` on ``peer``
+        (this instance), said again — quiesced unless a write bound to it is still in
+        flight (its return reports again) — or None if nothing was said."""
+        word = (self.words.get(room) or {}).get((peer.endpoint, peer.instance, inc))
+        if word is None:
+            return None
+        attempts = [self.rooms.get(room), *(r for r in self.retired.values() if r.room == room)]
+        writing = any(r is not None and r.writing and (d := r.dests.get(peer.endpoint))
+                      is not None and (d.peer.instance, d.inc) == (peer.instance, inc)
+                      for r in attempts)
+        return Report(peer.endpoint, peer.instance, room, inc, *word, quiesced=not writing)
+
+    def _say(self, rep: Report, now: float) -> Report:
+        """Remember a final word (this rank never binds that incarnation afterwards)."""
+        words = dict(self.words.get(rep.room) or {})
+        words[(rep.to, rep.to_instance, rep.inc)] = (rep.status, rep.failure)
+        for key in list(words)[:-MAX_WORDS]:
+            del words[key]
+        self.words.put(rep.room, words, now)
+        return rep
 
     def _routes_here(self, peer: DecodePeer, room: int) -> bool:
         """Could ``peer`` target this rank for ``room``? (TP and PP; the decode may name
@@ -495,14 +507,14 @@ class SenderRooms:
         tomb = self.tombstones.get(msg.room)
         if tomb is not None and not tomb.dests:  # ended before any decode rank bound (K21)
             assert tomb.failure is not None  # no destination: it cannot have succeeded
-            out.append(self._answer(peer, msg, tomb.failure))
+            out.append(self._answer(peer, msg, tomb.failure, now))
             return
         for early in self.early.get(msg.room) or []:
             if early.endpoint == msg.endpoint and early.inc in (0, msg.inc):
-                out.append(self._answer(peer, msg, early.failure))
+                out.append(self._answer(peer, msg, early.failure, now))
                 return
         if peer.rejected is not None:  # K30: refuse now, and fail the room when it appears
-            out.append(self._answer(peer, msg, peer.rejected))
+            out.append(self._answer(peer, msg, peer.rejected, now))
             self.early.put(msg.room, [*(self.early.get(msg.room) or []),
                                       EarlyAbort(msg.endpoint, msg.inc, peer.rejected)], now)
             return
@@ -516,7 +528,7 @@ class SenderRooms:
                                   f"{self.pending_bytes} bytes) waiting for a sender on this "
                                   f"prefill rank" if pages is not None else
                                   f"room {msg.room}: malformed page indices", ORIGIN)
-            out.append(self._answer(peer, msg, failure))
+            out.append(self._answer(peer, msg, failure, now))
             return
         self.pending.setdefault(msg.room, []).append(Pending(msg, pages, now))
         self.pending_by_peer[msg.endpoint] += 1
@@ -533,22 +545,27 @@ class SenderRooms:
                 existing.inc == msg.inc:  # the same pages again: nothing changes
             self.dropped["duplicate"] += 1
             if r.done:
-                out.append(self._report(r, msg.endpoint, msg.inc))  # say the outcome again
+                out.append(self._report(r, msg.endpoint, msg.inc, now))  # the outcome again
+            return
+        word = self._ended_word(r.room, peer, msg.inc)
+        if word is not None:  # this rank already gave its final word on that incarnation
+            self.dropped["late"] += 1
+            out.append(word)
             return
         if r.done:
             out.append(self._answer(peer, msg, r.failure or RoomFailure(
                 FailureKind.DUPLICATE, f"room {r.room}: already ended (Success) on "
-                f"prefill for {r.peers}", ORIGIN)))
+                f"prefill for {r.peers}", ORIGIN), now))
             return
         if existing is not None or (r.required is not None and len(r.dests) >= r.required):
             out.append(self._answer(peer, msg, RoomFailure(
                 FailureKind.DUPLICATE, f"room {r.room}: duplicate room (already bound to "
-                f"{r.peers}; refused {msg.endpoint})", ORIGIN)))
+                f"{r.peers}; refused {msg.endpoint})", ORIGIN), now))
             return
         write_deadline = (now if arrived is None else arrived) + msg.write_within
         problem = self._check_dest(peer, msg, pages, write_deadline > now)
         if problem is not None:
-            out.append(self._answer(peer, msg, problem))
+            out.append(self._answer(peer, msg, problem, now))
             self._fail(r, problem, now, out)
             return
         r.dests[msg.endpoint] = Dest(peer, msg.inc, pages, msg.aux_index, msg.is_dummy,
@@ -622,7 +639,7 @@ class SenderRooms:
 
     def _succeed(self, r: SenderRoom, now: float, out: list[Effect]) -> None:
         self._advance(r, KVPoll.Success, now)
-        self._report_all(r, out)
+        self._report_all(r, now, out)
         out.append(Ended(r.room, r.attempt, KVPoll.Success, None, r.peers, r.created,
                          r.nbytes, r.seconds))
         out.append(Wake())
@@ -634,32 +651,33 @@ class SenderRooms:
         self._advance(r, KVPoll.Failed, now)
         r.failure = failure
         r.chunks.clear()
-        self._report_all(r, out)
+        self._report_all(r, now, out)
         out.append(Ended(r.room, r.attempt, KVPoll.Failed, failure, r.peers, r.created,
                          r.nbytes, r.seconds))
         out.append(Wake())
 
-    def _report_all(self, r: SenderRoom, out: list[Effect]) -> None:
+    def _report_all(self, r: SenderRoom, now: float, out: list[Effect]) -> None:
         """The room's status to every destination still registered as the instance the
         room is bound to (a restarted decode does not know the room)."""
         for endpoint, d in r.dests.items():
             peer = self.peers.get(endpoint)
             # compare instances, not DecodePeer objects: an instance may register again
             if peer is not None and peer.instance == d.peer.instance:
-                out.append(self._report(r, endpoint, d.inc))
+                out.append(self._report(r, endpoint, d.inc, now))
 
-    def _report(self, r: SenderRoom, endpoint: str, inc: int) -> Report:
+    def _report(self, r: SenderRoom, endpoint: str, inc: int, now: float) -> Report:
         d = r.dests.get(endpoint)
         peer = d.peer if d is not None else self.peers[endpoint]
         aux = r.aux_index if r.status == KVPoll.Success and d is not None and \
             not d.is_dummy else None
-        return Report(endpoint, peer.instance, r.room, inc, r.status, r.failure,
-                      quiesced=not r.writing, aux_index=aux)
+        return self._say(Report(endpoint, peer.instance, r.room, inc, r.status, r.failure,
+                                quiesced=not r.writing, aux_index=aux), now)
 
-    def _answer(self, peer: DecodePeer, msg: control.RoomPages, failure: RoomFailure) -> Report:
+    def _answer(self, peer: DecodePeer, msg: control.RoomPages, failure: RoomFailure,
+                now: float) -> Report:
         """Refuse ``msg`` (nothing was or will be written for it)."""
-        return Report(peer.endpoint, peer.instance, msg.room, msg.inc, KVPoll.Failed, failure,
-                      quiesced=True)
+        return self._say(Report(peer.endpoint, peer.instance, msg.room, msg.inc,
+                                KVPoll.Failed, failure, quiesced=True), now)
 
     def _timeout(self, r: SenderRoom, now: float) -> RoomFailure:
         limit = self.timeouts.limit(r.status) or 0.0
@@ -674,14 +692,7 @@ class SenderRooms:
             del self.rooms[r.room]
         if r.writing:
             self.retired[(r.room, r.attempt)] = r
-        old = self.tombstones.get(r.room)
-        bound = dict(old.bound) if old is not None else {}
-        bound.update({(ep, d.peer.instance, d.inc): (r.status, r.failure)
-                      for ep, d in r.dests.items()})
-        for key in list(bound)[:-MAX_TOMB_BINDINGS]:
-            del bound[key]
-        self.tombstones.put(r.room, Tombstone(r.room, r.status, r.failure, len(r.dests), bound),
-                            now)
+        self.tombstones.put(r.room, Tombstone(r.room, r.status, r.failure, len(r.dests)), now)
 
     def _peer_restarted(self, old: DecodePeer, now: float, out: list[Effect]) -> None:
         failure = RoomFailure(FailureKind.PEER, f"decode rank {old.endpoint} restarted "
@@ -737,7 +748,7 @@ class SenderRooms:
                 if peer is not None and peer.instance == p.msg.instance_id:
                     out.append(self._answer(peer, p.msg, RoomFailure(
                         FailureKind.TIMEOUT, f"room {room}: no sender appeared on this "
-                        f"prefill rank within {limit:.1f}s", ORIGIN)))
+                        f"prefill rank within {limit:.1f}s", ORIGIN), now))
 
     def _forget_idle_peers(self, now: float, out: list[Effect]) -> None:
         """Peers unused for ``peer_ttl`` (no message, no room bound) are forgotten (S08)."""

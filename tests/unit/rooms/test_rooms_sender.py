@@ -626,7 +626,7 @@ def test_many_cycles_leave_tables_at_baseline() -> None:
     s.tick(1000.0)
     sizes = s.table_sizes()
     assert sizes == {**sizes, "rooms": 0, "retired": 0, "pending": 0, "pending_bytes": 0,
-                     "early_aborts": 0, "tombstones": 0}
+                     "early_aborts": 0, "tombstones": 0, "words": 0}
 
 
 def test_k05_late_abort_after_success_and_clear_leaves_next_room_fresh() -> None:
@@ -740,3 +740,29 @@ def test_k33_each_attempt_of_a_room_has_its_own_outcome() -> None:
     rep = one(s.write_done(R, w.attempt, None, 1, 0.1, 3.0), Report)
     assert (rep.inc, rep.status) == (2, KVPoll.Success)
     assert s.poll(R).failure is None
+
+
+def test_k26_an_incarnation_once_answered_never_binds_a_later_attempt() -> None:
+    s = sender()
+    registered(s)
+    s.create(R, 0.0)
+    rep = one(s.on_abort(room_abort(R, 5), 1.0), Report)  # its pages are still on the way
+    assert (rep.inc, rep.status, rep.quiesced) == (5, KVPoll.Failed, True)
+    assert status(s) == KVPoll.Failed
+    s.create(R, 2.0)  # a retry
+    out = s.on_pages(room_pages(R, 5), 2.5)  # incarnation 5's pages, overtaken by its abort
+    rep = one(out, Report)
+    assert (rep.inc, rep.status) == (5, KVPoll.Failed) and not of(out, Write)
+    assert status(s) == KVPoll.Bootstrapping and not s.rooms[R].dests
+
+
+def test_refused_pages_duplicated_after_a_retry_never_bind() -> None:
+    s = sender()
+    registered(s)
+    s.create(R, 0.0)
+    s.abort(R, "client gone", 0.5)
+    rep = one(s.on_pages(room_pages(R, 3), 1.0), Report)  # refused: the room ended (K21)
+    assert rep.status == KVPoll.Failed
+    s.create(R, 2.0)
+    s.on_pages(room_pages(R, 3), 2.5)  # the same message again
+    assert not s.rooms[R].dests and status(s) == KVPoll.Bootstrapping

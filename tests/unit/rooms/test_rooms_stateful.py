@@ -714,7 +714,7 @@ class RoomsWorld(RuleBasedStateMachine):
     def tables_are_consistent_and_bounded(self) -> None:
         for p in self.p:
             m = p.machine
-            assert len(m.tombstones) <= LIMITS.tombstones and len(m.early) <= LIMITS.tombstones
+            assert max(len(m.tombstones), len(m.early), len(m.words)) <= LIMITS.tombstones
             assert m.pending_bytes == sum(len(x.msg.dst_pages) for v in m.pending.values()
                                           for x in v)
             assert all(r.done and r.writing for r in m.retired.values())
@@ -747,7 +747,7 @@ class RoomsWorld(RuleBasedStateMachine):
         for p in self.p:
             sizes = p.machine.table_sizes()
             assert sizes == {"rooms": 0, "retired": 0, "pending": 0, "pending_bytes": 0,
-                             "early_aborts": 0, "tombstones": 0, "peers": 0}, (
+                             "early_aborts": 0, "tombstones": 0, "words": 0, "peers": 0}, (
                 f"(e) prefill rank {p.index} tables after clear: {sizes}")
             assert not p.machine.pending_by_peer
         for d in self.d:
