@@ -13,6 +13,10 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
   by another instance of the peer than the one that registered, never change it
   (K26, K28). Engine-side re-creation of a room id makes a new *attempt*; write
   results name their attempt, so an old write cannot decide a new attempt.
+* **One word per incarnation.** The final status this rank tells a decode
+  incarnation (endpoint, instance, ``inc``) is remembered (bounded in time and
+  count) and never taken back: a late or repeated message about it is answered
+  with the same word, and no later attempt binds it (K05, K26).
 * **Release safety.** No write starts for a room that ended, nor for a
   destination after its ``write_within`` bound (K22). Every destination hears
   the final status; a failure while a write is in flight is reported twice:
