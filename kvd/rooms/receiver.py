@@ -242,6 +242,8 @@ class ReceiverRooms:
         if r.done:  # ended while resolving: the prefill ranks must hear it (K34)
             self._abort_targets(r, out)
             return out
+        if self._overdue(r, now, out):  # too late: no new deadline for it
+            return out
         r.status, r.since = KVPoll.WaitingForInput, now
         self._send_pages(r, now, out)
         return out
@@ -333,13 +335,7 @@ class ReceiverRooms:
         it had changed a room (a clear of an unfinished room: its aborts)."""
         out, self._deferred = self._deferred, []
         for r in list(self.rooms.values()):
-            deadline = r.deadline(self.timeouts)
-            if deadline is not None and now > deadline:
-                limit = self.timeouts.limit(r.status) or 0.0
-                self._fail(r, RoomFailure(FailureKind.TIMEOUT, f"room {r.room}: timed out in "
-                                          f"{r.status.name} after {now - r.since:.1f}s (limit "
-                                          f"{limit:.1f}s; prefill {r.bootstrap_addr})", ORIGIN),
-                           now, out)
+            if self._overdue(r, now, out):
                 continue
             if not r.done:
                 continue
@@ -377,8 +373,22 @@ class ReceiverRooms:
     def _peer(r: ReceiverRoom) -> str:
         return ",".join(t.endpoint for t in r.targets or ()) or r.bootstrap_addr
 
+    def _overdue(self, r: ReceiverRoom, now: float, out: list[Effect]) -> bool:
+        """Fail ``r`` if it is past its state's deadline. Checked by the sweep and before
+        any move to a later state, so a room never outlives its deadlines because the
+        sweep ran late."""
+        deadline = r.deadline(self.timeouts)
+        if deadline is None or now <= deadline:
+            return False
+        limit = self.timeouts.limit(r.status) or 0.0
+        self._fail(r, RoomFailure(FailureKind.TIMEOUT, f"room {r.room}: timed out in "
+                                  f"{r.status.name} after {now - r.since:.1f}s (limit "
+                                  f"{limit:.1f}s; prefill {r.bootstrap_addr})", ORIGIN), now, out)
+        return True
+
     def _send_pages(self, r: ReceiverRoom, now: float, out: list[Effect]) -> None:
-        if r.done or r.targets is None or r.dst_pages is None or r.sent:
+        if r.done or r.targets is None or r.dst_pages is None or r.sent or \
+                self._overdue(r, now, out):
             return
         deadline = r.deadline(self.timeouts)
         assert deadline is not None

@@ -420,10 +420,9 @@ class SenderRooms:
         decode ranks)."""
         out, self._deferred = self._deferred, []
         for r in list(self.rooms.values()):
-            deadline = r.deadline(self.timeouts)
-            if deadline is not None and now > deadline:
-                self._fail(r, self._timeout(r, now), now, out)
-            elif r.done and not r.writing and now - r.since > self.timeouts.finished_ttl:
+            if self._overdue(r, now, out):
+                continue
+            if r.done and not r.writing and now - r.since > self.timeouts.finished_ttl:
                 self._retire(r, now)
         self._expire_pending(now, out)
         self.early.expire(now)
@@ -556,6 +555,8 @@ class SenderRooms:
             self.dropped["late"] += 1
             out.append(word)
             return
+        if not r.done:
+            self._overdue(r, now, out)  # too late to bind: answered as an ended room
         if r.done:
             out.append(self._answer(peer, msg, r.failure or RoomFailure(
                 FailureKind.DUPLICATE, f"room {r.room}: already ended (Success) on "
@@ -611,6 +612,8 @@ class SenderRooms:
             self._fail(r, RoomFailure(FailureKind.TIMEOUT, f"room {r.room}: the decode's "
                                       f"write deadline passed before chunk at page "
                                       f"{r.offset} (decode: {r.peers})", ORIGIN), now, out)
+            return
+        if self._overdue(r, now, out):
             return
         pages, is_last = r.chunks.popleft()
         dests = []
@@ -682,6 +685,16 @@ class SenderRooms:
         """Refuse ``msg`` (nothing was or will be written for it)."""
         return self._say(Report(peer.endpoint, peer.instance, msg.room, msg.inc,
                                 KVPoll.Failed, failure, quiesced=True), now)
+
+    def _overdue(self, r: SenderRoom, now: float, out: list[Effect]) -> bool:
+        """Fail ``r`` if it is past its state's deadline. Checked by the sweep and before
+        any move to a later state, so a room never outlives its deadlines because the
+        sweep ran late."""
+        deadline = r.deadline(self.timeouts)
+        if deadline is None or now <= deadline:
+            return False
+        self._fail(r, self._timeout(r, now), now, out)
+        return True
 
     def _timeout(self, r: SenderRoom, now: float) -> RoomFailure:
         limit = self.timeouts.limit(r.status) or 0.0

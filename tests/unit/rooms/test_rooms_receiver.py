@@ -429,3 +429,13 @@ def test_k33_samples_sharing_a_room_never_share_an_outcome() -> None:
     assert state(d, 2.0) == (KVPoll.Bootstrapping, False)
     assert d.on_status(room_status(R, 1, KVPoll.Success), 2.5) == []
     assert state(d, 2.5)[0] == KVPoll.Bootstrapping
+
+
+def test_k16_a_lookup_answered_after_the_deadline_fails_the_room() -> None:
+    d = receiver()
+    d.create(R, BOOT, None, 0.0)
+    d.init(R, DST, 0, 0.0)
+    out = d.resolved(R, 1, targets(P0), TIMEOUTS.bootstrap + 0.5)  # the sweep has not run
+    assert d.rooms[R].status == KVPoll.Failed and "Bootstrapping" in d.rooms[R].failure.reason
+    assert [type(s.msg) for s in of(out, Send)] == [control.RoomAbort]  # no pages, an abort
+    assert state(d, 9.0) == (KVPoll.Failed, True)

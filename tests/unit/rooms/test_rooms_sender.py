@@ -766,3 +766,15 @@ def test_refused_pages_duplicated_after_a_retry_never_bind() -> None:
     s.create(R, 2.0)
     s.on_pages(room_pages(R, 3), 2.5)  # the same message again
     assert not s.rooms[R].dests and status(s) == KVPoll.Bootstrapping
+
+
+def test_k16_a_late_sweep_never_lets_a_room_outlive_its_deadline() -> None:
+    s = bound(0.0, within=100.0)
+    out = s.send(R, pages(1, 2), True, TIMEOUTS.waiting + 1.0)  # the sweep has not run
+    assert not of(out, Write) and status(s) == KVPoll.Failed
+    assert "WaitingForInput" in s.rooms[R].failure.reason
+    s.create(R + 1, 0.0)
+    rep = one(s.on_pages(room_pages(R + 1, 2, within=100.0), TIMEOUTS.bootstrap + 1.0),
+              Report)
+    assert (rep.status, rep.failure.kind) == (KVPoll.Failed, FailureKind.TIMEOUT)
+    assert s.rooms[R + 1].status == KVPoll.Failed and not s.rooms[R + 1].dests
