@@ -39,12 +39,13 @@ and, whenever the ``calm`` rule runs (everything in flight delivered, no time pa
     that ended has told the decode incarnation, and one still running is bound to a
     decode room still running — nobody learns of an end from a deadline.
 
-The default run is sized for ``make test`` (about 9 000 steps); ``test_rooms_world_long``
+The default run is sized for ``make test`` (about 18 000 steps); ``test_rooms_world_long``
 (marked slow) runs more, ``KVD_STATEFUL_EXAMPLES`` examples of up to 100 steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, field, replace
 
@@ -80,7 +81,7 @@ from kvd.rooms.receiver import ReceiverRooms, Target
 from kvd.rooms.sender import Limits, RankPosition, SenderRooms
 from kvd.rooms.state import FailureKind, KVPoll, RoomFailure, Timeouts
 
-TIMEOUTS = Timeouts(bootstrap=8.0, waiting=10.0, transfer=6.0, release=3.0, tombstone=30.0,
+TIMEOUTS = Timeouts(bootstrap=8.0, waiting=10.0, transfer=10.0, release=3.0, tombstone=30.0,
                     finished_ttl=25.0)
 LIMITS = Limits(peer_ttl=40.0, tombstones=4)
 MAX_DELAY = 1.0   # a control message is delivered or lost within this (s)
@@ -184,7 +185,7 @@ class Landing:
     stamp: tuple[int, int, int]  # (room, decode incarnation, index in the room's pages)
 
 
-@dataclass
+@dataclass(eq=False)
 class InWrite:
     p: PRank
     eff: Write
@@ -613,6 +614,41 @@ class RoomsWorld(RuleBasedStateMachine):
                 self.net.append(replace(self.net[i % len(self.net)]))
         self._settle()
 
+    @rule(i=INDEX, kind=st.sampled_from(["d_abort", "d_clear", "p_abort", "p_clear", "none"]),
+          late=st.booleans(), lost=st.booleans())
+    def race(self, i: int, kind: str, late: bool, lost: bool) -> None:
+        """Something happens to the room of write ``i`` while the write is in flight: an
+        engine aborts or clears it on either side (K06, K07); then (``late``) the write
+        lands as late as it may — its deadline plus a sub-batch — after time passed and
+        both sides swept (``lost``: the messages due meanwhile are lost), K22."""
+        if not self.writes:
+            return
+        w = self.writes[i % len(self.writes)]
+        room = w.eff.room
+        match kind:
+            case "d_abort" | "d_clear":
+                for d in self.d:
+                    if not any(ld.pool is d.pool for ld in w.landings):
+                        continue
+                    if kind == "d_abort":
+                        self.run_d(d, d.machine.abort(room, "client gone", self.now))
+                    else:
+                        with contextlib.suppress(RoomError):  # refused: pages still out
+                            self.run_d(d, d.machine.clear(room, self.now))
+            case "p_abort" | "p_clear" if not w.dead:
+                if kind == "p_abort":
+                    self.run_p(w.p, w.p.machine.abort(room, "client gone", self.now))
+                else:
+                    w.p.eng.pop(room, None)
+                    self.run_p(w.p, w.p.machine.clear(room, self.now))
+        self._settle()
+        if late:
+            end = w.eff.deadline + SUB_BATCH
+            if end > self.now:
+                self.advance(end - self.now, lost)
+            if w in self.writes and self.now <= end:
+                self._land(w, len(w.landings))
+
     def _resolve(self, pending: tuple[DRank, ReceiverRooms, Resolve], ok: bool) -> None:
         d, machine, e = pending
         if machine is not d.machine or self.d[d.tp_rank] is not d:
@@ -629,9 +665,10 @@ class RoomsWorld(RuleBasedStateMachine):
     def progress(self, rounds: int) -> None:
         """Everything goes well for a while: writes in flight return, lookups succeed,
         messages arrive, prefill engines send their next chunk (whose write stays in
-        flight until the next round or step)."""
+        flight: it returns at a later step, so other rules can race with it)."""
+        earlier = list(self.writes)
         for _ in range(rounds):
-            for w in list(self.writes):
+            for w in [w for w in earlier if w in self.writes]:
                 self._complete(w, ok=True)
             for pending in list(self.resolves):
                 self.resolves.remove(pending)
@@ -792,7 +829,7 @@ class RoomsWorld(RuleBasedStateMachine):
 
 
 TestRoomsWorld = RoomsWorld.TestCase
-TestRoomsWorld.settings = settings(max_examples=250, stateful_step_count=50, deadline=None,
+TestRoomsWorld.settings = settings(max_examples=400, stateful_step_count=50, deadline=None,
                                    suppress_health_check=[HealthCheck.too_slow])
 
 
