@@ -620,7 +620,12 @@ class RoomsWorld(RuleBasedStateMachine):
         """Something happens to the room of write ``i`` while the write is in flight: an
         engine aborts or clears it on either side (K06, K07); then (``late``) the write
         lands as late as it may — its deadline plus a sub-batch — after time passed and
-        both sides swept (``lost``: the messages due meanwhile are lost), K22."""
+        both sides swept (``lost``: the messages due meanwhile are lost), K22. With no
+        write in flight, things first go well until one is."""
+        for _ in range(3):
+            if self.writes:
+                break
+            self.progress(1)
         if not self.writes:
             return
         w = self.writes[i % len(self.writes)]
