@@ -554,11 +554,11 @@ class RoomsWorld(RuleBasedStateMachine):
         self._settle()
 
     def _p_engine_disconnect(self, p: PRank) -> None:
-        """kvd/prefill.py engine_released: abort, let its own writes return, clear."""
+        """kvd/prefill.py engine_released: abort, wait for its own writes, clear."""
         for room in [x for x, r in p.machine.rooms.items() if not r.done]:
             self.run_p(p, p.machine.abort(room, "engine disconnected", self.now))
         for w in [w for w in self.writes if w.p is p]:
-            self._complete(w, ok=False)
+            self._complete(w, ok=True)  # it waits for them: they may still land
         for room in list(p.machine.rooms):
             self.run_p(p, p.machine.clear(room, self.now))
         p.eng.clear()
