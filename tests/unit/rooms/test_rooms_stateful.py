@@ -86,6 +86,7 @@ TIMEOUTS = Timeouts(bootstrap=8.0, waiting=10.0, transfer=10.0, release=3.0, tom
 LIMITS = Limits(peer_ttl=40.0, tombstones=4)
 MAX_DELAY = 1.0   # a control message is delivered or lost within this (s)
 SUB_BATCH = 0.5   # a write may still land this long after its deadline (s)
+SWEEP_STEP = 0.5  # the sides sweep at least this often while time passes (s)
 assert TIMEOUTS.release > MAX_DELAY + SUB_BATCH
 
 ROOMS = (1, 2, 3)  # few room ids, so retries and reuse happen all the time
@@ -214,6 +215,7 @@ class RoomsWorld(RuleBasedStateMachine):
         self.successes = 0
         self.lost: set[tuple[int, int]] = set()  # (room, inc) some message of which was lost
         self.swept = 0.0  # when the sides last swept (ticked)
+        self.later: list[tuple[float, PRank, int]] = []  # prefill creates due at a time
 
     @initialize(topology=st.sampled_from(sorted(TOPOLOGIES)))
     def start(self, topology: str) -> None:
@@ -410,15 +412,19 @@ class RoomsWorld(RuleBasedStateMachine):
 
     # ---- rules: engines ------------------------------------------------------------------
 
-    @rule(room=st.sampled_from(ROOMS))
-    def request(self, room: int) -> None:
+    @rule(room=st.sampled_from(ROOMS), p_delay=st.sampled_from([0.0, 0.0, 0.0, 2.0, 5.0]))
+    def request(self, room: int, p_delay: float = 0.0) -> None:
         """A request reaches both legs: every decode rank creates and initialises the
-        room, every prefill rank creates it (a retry when the room id was used before)."""
+        room, every prefill rank creates it (a retry when the room id was used before) —
+        ``p_delay`` s later when the prefill engine is busy (the pages wait for it)."""
         for d in self.d:
             self._d_create(d, room)
             self._d_init(d, room, room % AUX_SLOTS)
         for p in self.p:
-            self._p_create(p, room)
+            if p_delay:
+                self.later.append((self.now + p_delay, p, room))
+            else:
+                self._p_create(p, room)
         self._settle()
 
     @rule(k=INDEX, room=st.sampled_from(ROOMS), aux=st.integers(0, AUX_SLOTS - 1))
@@ -696,14 +702,28 @@ class RoomsWorld(RuleBasedStateMachine):
     @rule(dt=st.sampled_from([0.1, 0.3, 0.6, 1.2, 3.5, 9.0]), lost=st.booleans(),
           sweep=st.sampled_from([True, True, True, False]))
     def advance(self, dt: float, lost: bool, sweep: bool = True) -> None:
-        """Time passes; a message cannot outlive ``MAX_DELAY``: older ones arrive first
-        (or, ``lost``, their sends fail). Then every side sweeps (``sweep`` False: the
-        sweep is late, engine calls and messages meet rooms past their deadline)."""
-        new = self.now + dt
+        """Time passes, in steps of at most ``SWEEP_STEP`` after each of which every side
+        sweeps (``sweep`` False: one step and no sweep — the sweep is late, and engine calls
+        and messages meet rooms past their deadline). A message cannot outlive
+        ``MAX_DELAY``: older ones arrive before time moves on (or, ``lost``, their sends
+        fail)."""
+        end = self.now + dt
+        while self.now < end:
+            step = min(end - self.now, SWEEP_STEP) if sweep else end - self.now
+            self._flush(self.now + step, lost)
+            self.now = end if end - self.now <= step else self.now + step
+            for due in [x for x in self.later if x[0] <= self.now]:
+                self.later.remove(due)
+                if due[1] in self.p:  # not restarted since
+                    self._p_create(due[1], due[2])
+            if sweep:
+                self._tick()
+
+    def _flush(self, until: float, lost: bool) -> None:
         for _ in range(100):
-            overdue = [m for m in self.net if m.sent_at + MAX_DELAY < new]
+            overdue = [m for m in self.net if m.sent_at + MAX_DELAY < until]
             if not overdue:
-                break
+                return
             for m in overdue:
                 self.net.remove(m)
                 if lost:
@@ -712,11 +732,7 @@ class RoomsWorld(RuleBasedStateMachine):
                 else:
                     self._deliver(m)
             self._settle()
-        else:
-            raise AssertionError("messages keep causing messages")
-        self.now = new
-        if sweep:
-            self._tick()
+        raise AssertionError("messages keep causing messages")
 
     @rule(now=st.sampled_from([True, False, False, False]))
     def calm(self, now: bool) -> None:
@@ -784,6 +800,7 @@ class RoomsWorld(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not self.p:
             return
+        self.later.clear()  # no new rooms from here on
         self.calm(now=True)
         self._drain()
         for p in self.p:
