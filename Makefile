@@ -2,7 +2,7 @@
 #   make demo    the main job: real model, prefill -> kvd -> kvd -> decode
 #   make test    lint + type check + the whole test suite
 #   make bench   benchmarks (kvd vs raw Mooncake vs memcpy), results in benchmarks/results/
-# MOONCAKE=cpu (default, mooncake-transfer-engine-non-cuda) or MOONCAKE=cuda.
+# MOONCAKE=cpu (default, mooncake-transfer-engine-non-cuda), cuda (CUDA 12) or cuda13.
 
 PYTHON   ?= python3
 VENV     ?= .venv

@@ -9,9 +9,12 @@ plan: planning one 128k-token hetero-TP request vs a naive per-token-slot loop (
   and the bounds check's cost (benchmarks/plan_bench.py).
 hetero: the same bytes P -> D with equal TP (1 -> 1) and heterogeneous TP (2 -> 1), HND
   layout, through real daemons (goal: hetero >= 0.7x equal).
+samehost: the same pages P -> D on one host through the local backend, Mooncake over
+  loopback and memcpy, interleaved, bytes verified (goals: local >= 5x Mooncake,
+  >= 0.5x memcpy; benchmarks/samehost.py).
 All results are saved as one JSON file under benchmarks/results/.
 
-Usage: python benchmarks/run.py [--mib 256] [--repeats 3] [--only transfer,plan,hetero]
+Usage: python benchmarks/run.py [--mib 256] [--repeats 3] [--only transfer,plan,hetero,samehost]
 """
 
 from __future__ import annotations
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rooms", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", default="transfer,plan,hetero")
+    ap.add_argument("--only", default="transfer,plan,hetero,samehost")
     args = ap.parse_args(argv)
     console = Console()
     only = set(args.only.split(","))
@@ -264,6 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         results["plan"] = plan_bench.run(console)
     if "hetero" in only:
         results["hetero"] = bench_hetero(console, args.repeats)
+    if "samehost" in only:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import samehost
+
+        results["samehost"] = samehost.run(console, args.mib, args.item_kib, args.layers,
+                                           args.repeats)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(results, indent=2, default=str))

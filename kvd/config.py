@@ -18,6 +18,8 @@ keeps it in step with this module).
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import os
 import tomllib
 import uuid
@@ -58,6 +60,10 @@ SGLANG_ALIASES = {
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
+#: Longest AF_UNIX socket path, in bytes: ``sun_path`` is 108 bytes on Linux, including
+#: the terminating NUL that most clients add (unix(7)).
+MAX_UNIX_PATH = 107
+
 
 def env_names(field: str) -> list[str]:
     """Environment variables that set ``field``, highest priority first."""
@@ -93,6 +99,28 @@ class Settings(BaseSettings):
         None, help="address of the transfer engine if not host; Mooncake's P2P handshake is "
                    "IPv4-only, so with host = ::1 the default is 127.0.0.1, and any other "
                    "IPv6 host needs an IPv4 transfer_host")
+    transfer_backend: Literal["mooncake", "local", "auto"] = _setting(
+        "mooncake", help="how KV bytes move: mooncake (the transfer engine, tcp or rdma), "
+                         "local (prefill and decode daemons on one host copy directly), or "
+                         "auto (local when a decode peer is on this host and its memory "
+                         "can be imported, else mooncake)")
+    transfer_protocol: Literal["tcp", "rdma"] = _setting(
+        "tcp", help="the Mooncake transport: tcp (any network, no setup) or rdma (needs an "
+                    "RDMA NIC; see transfer_devices)")
+    transfer_devices: str = _setting(
+        "auto", unit="NIC list",
+        help="RDMA NICs the transfer engine may use, comma separated (e.g. mlx5_0,mlx5_1), "
+             "or auto: the engine's topology discovery picks the NICs nearest each buffer")
+    transfer_bind_host: str | None = _setting(
+        None, help="address the transfer engine's listeners bind to (default: the transfer "
+                   "host); Mooncake itself binds every interface, kvd pins its listeners "
+                   "(docs/transfer.md); 0.0.0.0 keeps Mooncake's behaviour")
+    transfer_port_range: str | None = _setting(
+        None, unit="port-port",
+        help="ports of the transfer engine's two listeners (P2P handshake and TCP data), "
+             "e.g. 15000-15001, so a firewall or NetworkPolicy can name them; within "
+             "1024-65535 and outside 32768-60999 (Mooncake ignores such a range); default: "
+             "Mooncake's 15000-17000")
     aux_transport: Literal["mooncake", "control"] = _setting(
         "mooncake", help="how aux data travels: in the last transfer batch, or inside the "
                          "final status message over the control plane (TCP fallback)")
@@ -103,6 +131,9 @@ class Settings(BaseSettings):
                              help="kvd<->kvd control port (0: any free)")
     engine_socket: Path = _setting(Path("/tmp/kvd.sock"), unit="path",
                                    help="Unix socket the engine connects to (mode 0600)")
+    http_docs: bool = _setting(
+        False, help="interactive API docs at /docs and /redoc (the browser loads their "
+                    "scripts from a CDN: off by default; /openapi.json is always served)")
     serve_bootstrap: bool = _setting(False, help="serve SGLang's /route API (on the REST "
                                      "listener, or on bootstrap_host:bootstrap_port if set)")
     bootstrap_host: str | None = _setting(
@@ -139,10 +170,12 @@ class Settings(BaseSettings):
         help="missed heartbeats before a prefill's rooms fail")
     transfer_threads: int = _setting(
         1, ge=1, le=64, unit="threads", validation_alias=_env("transfer_threads"),
-        help="transfer executor shards (one thread each)")
+        help="accepted for SGLang compatibility (THREAD_POOL_SIZE) and ignored: each "
+             "destination has its own transfer thread, so a frozen decode stalls no other")
     transfer_queue_size: int = _setting(
         4, ge=1, validation_alias=_env("transfer_queue_size"),
-        help="writes handed to each transfer shard at once (others wait on the loop)")
+        help="writes handed to one destination's transfer thread at once (others wait on "
+             "the loop)")
     max_batch_entries: int = _setting(
         512, ge=1, le=1024, unit="descriptors",
         help="descriptors per Mooncake batch call (the TCP transport refuses > 1024)")
@@ -198,6 +231,38 @@ class Settings(BaseSettings):
                              description="names this daemon's life to its peers "
                              "(default: random per start)")
 
+    @field_validator("transfer_port_range")
+    @classmethod
+    def _port_range(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_port_range(v)  # ValueError -> reported with the other problems
+        return v
+
+    @field_validator("transfer_devices")
+    @classmethod
+    def _devices(cls, v: str) -> str:
+        names = [d.strip() for d in v.split(",")]
+        if v.strip() != "auto" and (not all(names) or "auto" in names):
+            raise ValueError("a comma-separated list of NIC names (e.g. mlx5_0,mlx5_1), or auto")
+        return v
+
+    @field_validator("transfer_bind_host")
+    @classmethod
+    def _bind_host(cls, v: str | None) -> str | None:
+        if v is not None:
+            ipaddress.IPv4Address(v)  # Mooncake's handshake listener is IPv4
+        return v
+
+    @field_validator("engine_socket")
+    @classmethod
+    def _socket_path_fits(cls, v: Path) -> Path:
+        n = len(os.fsencode(v))
+        if n > MAX_UNIX_PATH:
+            raise ValueError(f"{n} bytes is too long for a Unix socket path (at most "
+                             f"{MAX_UNIX_PATH}): choose a shorter one, e.g. "
+                             f"/run/kvd/<rank>.sock or $XDG_RUNTIME_DIR/kvd/<rank>.sock")
+        return v
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, v: Any) -> Any:
@@ -216,11 +281,42 @@ class Settings(BaseSettings):
         if self.transfer_host is None and ":" in self.host and self.host.strip("[]") != "::1":
             problems.append(f"host {self.host} is IPv6: set transfer_host to an IPv4 address "
                             f"(Mooncake's P2P handshake is IPv4-only)")
-        if self.cluster_secret is not None and self.cluster_secret_file is not None:
+        if self.cluster_secret is not None and self.cluster_secret.get_secret_value() and \
+                self.cluster_secret_file is not None:
             problems.append("set cluster_secret or cluster_secret_file, not both")
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """``"15000-15001"`` -> ``(15000, 15001)``; raises ValueError naming the rule broken.
+
+    Rules from Mooncake's ``ValidatePortRange`` (mooncake-transfer-engine/src/config.cpp):
+    ports 1024-65535 outside the ephemeral range 32768-60999, else it silently uses
+    15000-17000; and at least two ports, one per listener (handshake, TCP data).
+    """
+    lo_s, sep, hi_s = text.partition("-")
+    if not sep or not lo_s.strip().isdigit() or not hi_s.strip().isdigit():
+        raise ValueError(f"transfer_port_range {text!r} is not FIRST-LAST (e.g. 15000-15001)")
+    lo, hi = int(lo_s), int(hi_s)
+    if hi - lo < 1:
+        raise ValueError(f"transfer_port_range {text!r} needs at least two ports (the "
+                         f"handshake and the TCP data listener)")
+    for port in (lo, hi):
+        if not 1024 <= port <= 65535 or 32768 <= port <= 60999:
+            raise ValueError(f"transfer_port_range {text!r}: {port} is outside 1024-65535 or "
+                             f"inside 32768-60999 (Mooncake would ignore the range)")
+    if lo <= 32768 and hi >= 60999:
+        raise ValueError(f"transfer_port_range {text!r} spans the ephemeral range 32768-60999")
+    return lo, hi
+
+
+def transfer_devices(s: Settings) -> list[str]:
+    """The configured RDMA NICs, or ``[]`` for auto (topology discovery)."""
+    if s.transfer_devices.strip() == "auto":
+        return []
+    return [d.strip() for d in s.transfer_devices.split(",")]
 
 
 @dataclass(frozen=True)
@@ -299,7 +395,8 @@ def _describe(exc: ValidationError, sources: dict[str, Source]) -> str:
         loc = [_field_of(str(p)) for p in e["loc"]]
         name = ".".join(loc) or "settings"
         where = f" [{sources[loc[0]]}]" if loc and loc[0] in sources else ""
-        value = f" = {e['input']!r}" if loc and e["type"] != "missing" else ""
+        shown = str(e["input"]) if isinstance(e["input"], Path) else repr(e["input"])
+        value = f" = {shown}" if loc and e["type"] != "missing" else ""
         lines.append(f"  {name}{value}{where}: {e['msg']}")
     return "invalid kvd configuration:\n" + "\n".join(lines)
 
@@ -398,6 +495,12 @@ def toml_template() -> str:
     return "\n".join(out) + "\n"
 
 
+def effective_bind_host(settings: Settings) -> str:
+    """Where the transfer engine's listeners bind: ``transfer_bind_host``, else the
+    transfer host."""
+    return settings.transfer_bind_host or effective_transfer_host(settings)
+
+
 def effective_transfer_host(settings: Settings) -> str:
     """The transfer engine's address: ``transfer_host``, else ``host`` (``::1`` maps to
     127.0.0.1 because Mooncake's P2P handshake resolves IPv4 only)."""
@@ -406,22 +509,66 @@ def effective_transfer_host(settings: Settings) -> str:
     return "127.0.0.1" if settings.host.strip("[]") == "::1" else settings.host
 
 
+MIN_SECRET_BYTES = 16
+NO_SECRET = ("no cluster secret: set KVD_CLUSTER_SECRET or cluster_secret_file (kvd secret "
+             "FILE writes a new one), or insecure = true to run without authentication")
+
+
 def read_secret(settings: Settings) -> bytes | None:
     """The cluster secret (bytes) from the settings or their secret file; None if unset.
 
-    Raises :class:`ConfigError` if the file cannot be read or the secret is shorter
-    than 16 bytes.
+    The file's first line is the secret (surrounding whitespace ignored). Raises
+    :class:`ConfigError` if the file cannot be read, is empty, or the secret is shorter
+    than :data:`MIN_SECRET_BYTES`.
     """
+    path = settings.cluster_secret_file
     if settings.cluster_secret is not None and settings.cluster_secret.get_secret_value():
-        secret = settings.cluster_secret.get_secret_value().strip().encode()
-    elif settings.cluster_secret_file is not None:
+        secret, origin = settings.cluster_secret.get_secret_value().strip(), "cluster_secret"
+    elif path is not None:
         try:
-            secret = settings.cluster_secret_file.read_text().splitlines()[0].strip().encode()
-        except (OSError, IndexError) as exc:
-            raise ConfigError(f"cannot read cluster_secret_file "
-                              f"{settings.cluster_secret_file}: {exc}") from exc
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            why = getattr(exc, "strerror", None) or str(exc)
+            raise ConfigError(f"cannot read cluster_secret_file {path}: {why}") from exc
+        secret, origin = (text.splitlines() or [""])[0].strip(), f"cluster_secret_file {path}"
+        if not secret:
+            raise ConfigError(f"cluster_secret_file {path} is empty (the secret is its first "
+                              f"line): kvd secret {path} --force writes a new one")
     else:
         return None
-    if len(secret) < 16:
-        raise ConfigError("the cluster secret must be at least 16 bytes")
+    if len(secret.encode()) < MIN_SECRET_BYTES:
+        raise ConfigError(f"the cluster secret ({origin}) is {len(secret.encode())} bytes; it "
+                          f"must be at least {MIN_SECRET_BYTES} (kvd secret FILE makes one)")
+    return secret.encode()
+
+
+def require_secret(settings: Settings) -> bytes | None:
+    """:func:`read_secret`, and a :class:`ConfigError` when there is none and
+    ``insecure`` is not set (the daemon refuses to start without one)."""
+    secret = read_secret(settings)
+    if secret is None and not settings.insecure:
+        raise ConfigError(NO_SECRET)
     return secret
+
+
+def write_secret_file(path: Path, replace: bool = False) -> None:
+    """Write a new random secret (64 hex characters, 256 bits) and a newline to ``path``,
+    mode 0600, created atomically (a reader never sees a partial file).
+
+    Raises ``FileExistsError`` if ``path`` exists and not ``replace``; ``OSError`` if it
+    cannot be written.
+    """
+    import secrets
+    import tempfile
+
+    if path.exists() and not replace:
+        raise FileExistsError(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")  # mode 0600
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(32) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise

@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +20,8 @@ import httpx
 from kvd.config import Settings
 from kvd.control.peers import ControlPlane, PeerSendError
 from kvd.errors import AuthError, ProtocolError, RegistrationError
-from kvd.memory import MemoryMap
+from kvd.logs import fields
+from kvd.memory import EngineMemory, Importer, import_engine
 from kvd.metrics import RoomEvents
 from kvd.protocol import control
 from kvd.protocol.control import ControlMessage, KVArgsWire
@@ -31,6 +33,18 @@ from kvd.transfer.faults import FaultPlan
 from kvd.transfer.kvargs import RankArgs
 
 log = logging.getLogger("kvd")
+
+
+def http_client(settings: Settings) -> httpx.AsyncClient:
+    """The daemon's HTTP client (bootstrap lookups and registration, heartbeats).
+
+    ``trust_env=False``: kvd<->kvd traffic stays inside the cluster, so ``HTTP_PROXY``,
+    ``ALL_PROXY``, ``NO_PROXY``, ``.netrc`` and ``SSL_CERT_*`` from the environment are
+    not used (a proxy set for the engine's model downloads must not carry heartbeats).
+    Timeouts: ``http_timeout`` seconds per request.
+    """
+    return httpx.AsyncClient(timeout=settings.http_timeout, trust_env=False,
+                             limits=httpx.Limits(max_keepalive_connections=32))
 
 
 @dataclass
@@ -67,12 +81,12 @@ class Core:
     engine: TransferEngine
     executor: TransferExecutor
     control: ControlPlane
-    memory: MemoryMap
+    memory: Importer
     http_client: httpx.AsyncClient
     local: RankArgs | None = None
     counters: Counters = field(default_factory=Counters)
     tasks: set[asyncio.Task[Any]] = field(default_factory=set)
-    registered_addrs: list[int] = field(default_factory=list)
+    engine_memory: EngineMemory | None = None
     auth: Authenticator = field(default_factory=lambda: Authenticator(None))
     faults: FaultPlan | None = None
     _auth_logged: set[str] = field(default_factory=set)
@@ -113,7 +127,8 @@ class Core:
             await self.control.send(endpoint, self.auth.seal(control.encode(msg)))
             return True
         except PeerSendError as exc:
-            log.warning("%s", exc)
+            log.warning("%s", exc, extra=fields(peer=endpoint))
+            self.events.peer_error(endpoint, str(exc))
             return False
 
     def post(self, endpoint: str, msg: ControlMessage,
@@ -136,7 +151,9 @@ class Core:
                 try:
                     await self.control.send(box.endpoint, self.auth.seal(control.encode(msg)))
                 except PeerSendError as exc:
-                    log.warning("%s (%d queued messages dropped)", exc, len(box.queue))
+                    log.warning("%s (%d queued messages dropped)", exc, len(box.queue),
+                                extra=fields(peer=box.endpoint))
+                    self.events.peer_error(box.endpoint, str(exc))
                     self._fail_queue(box, str(exc))
                     return
                 box.queue.popleft()
@@ -171,55 +188,62 @@ class Core:
 
         return self.spawn(loop(), name)
 
-    def register_local(self, req: RegisterKV) -> RankArgs:
-        """Map the engine's buffers, register them with the transfer engine, build KV args.
+    def register_local(self, req: RegisterKV, fds: Sequence[int] = (),
+                       engine_uid: int | None = None) -> RankArgs:
+        """Map the engine's buffers, check the KV args, register each buffer with the
+        transfer engine -- all or nothing (case S12). ``fds``: descriptors received with
+        the request (``fd`` handles index them); ``engine_uid``: the engine's uid
+        (``SO_PEERCRED``), which must own any ``shm`` file it names (case S10).
 
-        Raises :class:`RegistrationError` on a bad handle or inconsistent args.
+        Raises :class:`RegistrationError` (incl. HandleError) on a bad handle or args.
         """
         if self.local is not None:
             raise RegistrationError("an engine is already registered with this kvd")
-        kv_ptrs = [self.memory.resolve(h) for h in req.kv_buffers]
-        aux_ptrs = [self.memory.resolve(h) for h in req.aux_buffers]
-        wire = KVArgsWire(
-            session_id=self.engine.session_id, kv_data_ptrs=kv_ptrs,
-            kv_data_lens=[h.length for h in req.kv_buffers], kv_item_lens=list(req.kv_item_lens),
-            aux_data_ptrs=aux_ptrs, aux_data_lens=[h.length for h in req.aux_buffers],
+        uid = os.getuid() if engine_uid is None else engine_uid
+        mem = import_engine(self.memory, req.kv_buffers, req.aux_buffers, fds, uid)
+        try:
+            args = RankArgs.of(self._wire(req, mem))
+            mem.register(self.engine)
+        except BaseException:
+            mem.release()
+            raise
+        self.local, self.engine_memory = args, mem
+        log.info("engine registered: %d KV buffers (%s), %d pages of %d tokens, %d aux slots",
+                 len(mem.kv), mem.kv[0].device if mem.kv else "-", args.num_pages,
+                 req.page_size, args.num_aux_slots)
+        return args
+
+    def _wire(self, req: RegisterKV, mem: EngineMemory) -> KVArgsWire:
+        return KVArgsWire(
+            session_id=self.engine.session_id, kv_data_ptrs=[b.address for b in mem.kv],
+            kv_data_lens=[b.length for b in mem.kv], kv_item_lens=list(req.kv_item_lens),
+            aux_data_ptrs=[b.address for b in mem.aux],
+            aux_data_lens=[b.length for b in mem.aux],
             aux_item_lens=list(req.aux_item_lens), page_size=req.page_size,
             num_kv_heads=req.num_kv_heads, head_dim=req.head_dim, dtype_size=req.dtype_size,
             num_layers=req.num_layers, layer_start=req.layer_start, is_mla=req.is_mla,
             layout=req.layout, total_kv_heads=req.total_kv_heads)
-        args = RankArgs.of(wire)
-        for m in self.memory.mappings.values():
-            if m.addr not in self.registered_addrs:
-                self.engine.register(m.addr, m.length)
-                self.registered_addrs.append(m.addr)
-        self.local = args
-        log.info("engine registered: %d KV buffers, %d pages of %d tokens, %d aux slots",
-                 len(kv_ptrs), args.num_pages, req.page_size, args.num_aux_slots)
-        return args
 
     def unregister_all(self) -> None:
-        """Unregister every mapped region from the transfer engine (errors are logged)."""
-        for addr in self.registered_addrs:
-            try:
-                self.engine.unregister(addr)
-            except Exception as exc:
-                log.warning("unregister %#x: %s", addr, exc)
-        self.registered_addrs.clear()
+        """Unregister the engine's buffers from the transfer engine (errors are logged)."""
+        if self.engine_memory is not None:
+            self.engine_memory.unregister(self.engine)
 
     def release_local(self, unmap_after: float) -> None:
         """Forget the engine's registration: unregister its memory from the transfer engine
         now (remote writes into it are refused from here on) and unmap it after
         ``unmap_after`` seconds (a write the transport already accepted may still land)."""
         self.unregister_all()
-        self.local = None
-        old, self.memory = self.memory, MemoryMap(self.settings.shm_dir)
-        asyncio.get_running_loop().call_later(unmap_after, old.close)
+        mem, self.engine_memory, self.local = self.engine_memory, None, None
+        if mem is not None:
+            asyncio.get_running_loop().call_later(unmap_after, mem.release)
 
     def decode_control(self, frame: bytes) -> ControlMessage | None:
         """Parse an inbound control frame; None (logged, counted) if malformed."""
         try:
-            return control.decode(self.auth.open(frame), self.settings.max_frame_bytes)
+            msg = control.decode(self.auth.open(frame), self.settings.max_frame_bytes)
+            self.events.peer_message(msg.endpoint)  # (bounded: a forged name cannot grow it)
+            return msg
         except AuthError as exc:
             self.counters.auth_failures += 1
             self._log_auth_once(str(exc).split(" (")[0], exc)

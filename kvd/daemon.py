@@ -18,24 +18,25 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
+from fastapi import FastAPI
 
 from kvd import __version__, logs, notify
 from kvd.addr import join_hostport
 from kvd.bootstrap.app import create_app
 from kvd.bootstrap.server import HttpServer, bind_socket
 from kvd.bootstrap.table import BootstrapTable
-from kvd.config import Settings, effective_transfer_host, read_secret
+from kvd.config import Settings, read_secret
 from kvd.control.peers import ControlPlane
-from kvd.core import Core
+from kvd.core import Core, http_client
 from kvd.engine_rpc.server import Connection, EngineRpcServer
 from kvd.errors import ConfigError, RegistrationError, RoomError
-from kvd.memory import MemoryMap
+from kvd.memory import Importer
 from kvd.protocol import rpc
 from kvd.security import Authenticator
 from kvd.side import Side, make_side
 from kvd.status import DaemonOps
+from kvd.transfer.backends import make_engine
 from kvd.transfer.backends.base import TransferEngine
-from kvd.transfer.backends.mooncake import MooncakeEngine
 from kvd.transfer.executor import TransferExecutor
 from kvd.transfer.faults import FaultInjector, FaultPlan
 
@@ -49,18 +50,21 @@ class Daemon:
 
     ``engine``, ``control``, ``http_client`` and ``clock`` replace the real transfer
     engine, ZMQ control plane, HTTP client and monotonic clock (the in-process test
-    tier passes fakes); ``startup(listen=False)`` opens no HTTP or engine socket.
+    tier passes fakes); ``startup(listen=False)`` opens no HTTP or engine socket;
+    ``sweep_interval`` None leaves deadlines to explicit ``side.tick()`` calls.
     """
 
     def __init__(self, settings: Settings, engine: TransferEngine | None = None,
                  control: ControlPlane | None = None,
                  http_client: httpx.AsyncClient | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 sweep_interval: float | None = SWEEP_INTERVAL) -> None:
         self.settings = settings
         self._engine = engine
         self._control = control
         self._http_client = http_client
         self.clock = clock
+        self.sweep_interval = sweep_interval
         self.stop_event = asyncio.Event()
         self.started_at = time.time()
         self.table = BootstrapTable() if settings.serve_bootstrap else None
@@ -76,6 +80,7 @@ class Daemon:
         self._registered_call: rpc.RegisterKV | None = None
         self._release: asyncio.TimerHandle | None = None
         self._releasing: asyncio.Task[None] | None = None
+        self._stopped = False
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -101,11 +106,10 @@ class Daemon:
         ctl = self._control or ControlPlane(s.control_send_timeout, max_frame=s.max_frame_bytes)
         if not ctl.endpoint:
             ctl.bind(s.host, s.zmq_port)
-        http = self._http_client or httpx.AsyncClient(
-            timeout=s.http_timeout, limits=httpx.Limits(max_keepalive_connections=32))
+        http = self._http_client or http_client(s)
         executor = TransferExecutor(engine, s.transfer_threads, s.transfer_queue_size)
         self.core = Core(s, engine, executor, ctl,
-                         MemoryMap(s.shm_dir), http, auth=auth,
+                         Importer(s.shm_dir), http, auth=auth,
                          faults=FaultPlan.model_validate_json(s.fault_injection)
                          if s.fault_injection else None, clock=self.clock)
         self.side = make_side(s.role, self.core)
@@ -113,7 +117,8 @@ class Daemon:
         if listen:
             await self._listen(auth)
         self.core.spawn(self._recv_loop(), "control-recv")
-        self.core.spawn(self._sweep_loop(), "sweeper")
+        if self.sweep_interval is not None:
+            self.core.spawn(self._sweep_loop(self.sweep_interval), "sweeper")
         if listen:
             self.core.spawn(notify.watchdog_loop(), "watchdog")
         self.side.start()
@@ -126,9 +131,7 @@ class Daemon:
         assert self.ops is not None
         separate = s.serve_bootstrap and s.bootstrap_port is not None
         sock = bind_socket(s.http_host, s.http_port)
-        app = create_app(self.health, None if separate else self.table, self.ops,
-                         auth=auth, on_auth_failure=self._http_auth_failed)
-        self.http_server = HttpServer(app, sock)
+        self.http_server = HttpServer(self.app(with_route=not separate), sock)
         await self.http_server.start()
         if separate:
             await self._start_bootstrap_listener(auth)
@@ -137,6 +140,13 @@ class Daemon:
         self.rpc_server = EngineRpcServer(s.engine_socket, self.dispatch, s.max_frame_bytes,
                                           s.engine_socket_group)
         await self.rpc_server.start()
+
+    def app(self, with_route: bool = True) -> FastAPI:
+        """The REST app: /health, the operations API, and /route when serving bootstrap."""
+        assert self.core is not None and self.ops is not None
+        return create_app(self.health, self.table if with_route else None, self.ops,
+                          auth=self.core.auth, on_auth_failure=self._http_auth_failed,
+                          docs=self.settings.http_docs)
 
     async def _start_bootstrap_listener(self, auth: Authenticator) -> None:
         """/route (and /health) on their own listener: bootstrap_host:bootstrap_port."""
@@ -167,14 +177,12 @@ class Daemon:
                         "authenticated (insecure = true)")
         return Authenticator(secret, s.auth_max_skew)
 
-    def _make_engine(self) -> MooncakeEngine:
+    def _make_engine(self) -> TransferEngine:
         s, hook = self.settings, None
         if s.fault_injection:
             hook = FaultInjector(FaultPlan.model_validate_json(s.fault_injection))
             log.warning("FAULT INJECTION ACTIVE (testing only): %s", hook.plan)
-        return MooncakeEngine(effective_transfer_host(s), s.max_batch_entries,
-                              retry_budget=s.transient_retry_s,
-                              submit_hook=hook)
+        return make_engine(s, hook)
 
     def _announce(self) -> None:
         assert self.core is not None and self.http_server is not None
@@ -185,7 +193,7 @@ class Daemon:
                  "engine_socket": str(self.settings.engine_socket),
                  "bootstrap_addr": self.settings.bootstrap_addr}
         print(json.dumps(ready), flush=True)
-        log.info("kvd %s ready: %s", self.settings.role, json.dumps(ready))
+        log.info("kvd %s ready", self.settings.role, extra=logs.fields(**ready))
         notify.notify(f"READY=1\nSTATUS=kvd {self.settings.role} on port {ready['http_port']}")
 
     async def drain(self) -> None:
@@ -208,8 +216,11 @@ class Daemon:
         await side.drain_done()
 
     async def shutdown(self) -> None:
-        """Close listeners, cancel tasks, wait for transfers, release memory."""
+        """Close listeners, cancel tasks, wait for transfers, release memory (once)."""
         core = self.core
+        if self._stopped:
+            return
+        self._stopped = True
         if self.rpc_server is not None:
             await self.rpc_server.stop()
         for server in (self.http_server, self.bootstrap_server):
@@ -237,16 +248,17 @@ class Daemon:
             frame = await self.core.control.recv()
             msg = self.core.decode_control(frame)
             if msg is not None:
-                try:
-                    self.side.on_control(msg)
-                except Exception:  # a bug must not stop the control plane (K31)
-                    self.core.counters.loop_errors += 1
-                    log.exception("control message %s failed", type(msg).__name__)
+                with logs.log_context(**logs.message_context(msg)):
+                    try:
+                        self.side.on_control(msg)
+                    except Exception:  # a bug must not stop the control plane (K31)
+                        self.core.counters.loop_errors += 1
+                        log.exception("control message %s failed", type(msg).__name__)
 
-    async def _sweep_loop(self) -> None:
+    async def _sweep_loop(self, interval: float) -> None:
         assert self.core is not None and self.side is not None
         while True:
-            await asyncio.sleep(SWEEP_INTERVAL)
+            await asyncio.sleep(interval)
             try:
                 self.side.tick()
             except Exception:
@@ -274,6 +286,11 @@ class Daemon:
             case rpc.Clear():
                 side.clear(call.room)
                 return None
+            case rpc.Release():
+                if conn.id == self.engine_conn:
+                    self.engine_conn = None
+                    await self._release_now()
+                return None
         if self.draining and isinstance(call, rpc.SenderCreate | rpc.ReceiverCreate):
             raise RoomError(f"room {call.room}: kvd is draining (shutting down); "
                             f"no new rooms")
@@ -294,7 +311,7 @@ class Daemon:
                 raise RegistrationError("an engine is already registered with this kvd")
             if core.local is not None or self._releasing is not None:
                 await self._release_now()  # an engine that left, in its grace period
-            args = core.register_local(call)
+            args = core.register_local(call, conn.fds, conn.uid)
             self.engine_id, self._registered_call = call.engine_id, call
             self._attach(conn)
             side.engine_registered(args)
@@ -379,5 +396,5 @@ def serve(settings: Settings) -> int:
     """Run a daemon on a fresh uvloop loop until SIGTERM/SIGINT; returns the exit code."""
     import uvloop
 
-    logs.setup(settings.log_level, settings.log_format)
+    logs.setup(settings.log_level, settings.log_format, capture_native=True)
     return uvloop.run(Daemon(settings).run())

@@ -13,7 +13,7 @@ import asyncio
 import ctypes
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -23,7 +23,9 @@ from kvd.bootstrap.table import ParallelInfo, RankInfo
 from kvd.control.routing import Target as RouteTarget
 from kvd.control.routing import resolve_targets
 from kvd.core import Core
-from kvd.errors import BootstrapError, KvdError, RegistrationError, RoomError
+from kvd.errors import BootstrapError, KvdError, PeerUnreachable, RegistrationError, RoomError
+from kvd.hostid import host_identity
+from kvd.logs import fields
 from kvd.protocol import control, rpc
 from kvd.rooms.effects import AbortUnknown, Effect, Resolve, Send, WriteAux
 from kvd.rooms.receiver import ReceiverRooms, Target
@@ -33,10 +35,6 @@ from kvd.side import RoomView, Side, Snapshot, not_available
 from kvd.transfer.kvargs import RankArgs
 
 log = logging.getLogger("kvd.decode")
-
-
-class Unreachable(KvdError):
-    """A prefill rank does not take control messages."""
 
 
 class BootstrapClient:
@@ -127,6 +125,9 @@ class PeerHealth:
     last_ok: float = 0.0
     last_error: str = ""
     down: bool = False
+    # control endpoints resolved from this address whose sockets a soft forget (down,
+    # restart, new epoch) kept: closed when the address itself is forgotten (K31)
+    endpoints: set[str] = field(default_factory=set)
 
 
 class DecodeSide(Side):
@@ -170,7 +171,7 @@ class DecodeSide(Side):
         self.run(self.rooms.abort(room, reason, self.core.clock(), bootstrap_addr, dp_rank))
 
     def clear(self, room: int) -> None:
-        self.run(self.rooms.clear(room, self.core.clock()))
+        self.run_call(lambda: self.rooms.clear(room, self.core.clock()))
 
     def unfinished(self) -> list[int]:
         return [k for k, r in self.rooms.rooms.items() if not r.done]
@@ -266,10 +267,14 @@ class DecodeSide(Side):
         local, s = self.core.local, self.core.settings
         if local is None:
             raise RegistrationError("the engine released its KV buffers")
+        pool = None
+        mem = self.core.engine_memory
+        if s.transfer_backend != "mooncake" and mem is not None:  # a same-host prefill may copy
+            pool = mem.export(host_identity())
         msg = control.RegisterRank(self.core.instance_id, self.core.control.endpoint,
-                                   s.attn_tp_rank, s.attn_tp_size, local.wire)
+                                   s.attn_tp_rank, s.attn_tp_size, local.wire, pool)
         if not await self.core.send(endpoint, msg):
-            raise Unreachable(f"cannot reach prefill rank {endpoint}")
+            raise PeerUnreachable(f"cannot reach prefill rank {endpoint}")
         self.registered[endpoint] = instance
 
     async def _abort_unknown(self, eff: AbortUnknown) -> None:
@@ -278,7 +283,8 @@ class DecodeSide(Side):
             targets = await self._targets(eff.room, eff.bootstrap_addr, eff.dp_rank)
         except KvdError as exc:
             log.warning("room %d: abort could not reach the prefill ranks of %s: %s", eff.room,
-                        eff.bootstrap_addr, exc, extra={"room": eff.room})
+                        eff.bootstrap_addr, exc,
+                        extra=fields(room=eff.room, peer=eff.bootstrap_addr))
             return
         for t in targets:
             self.core.post(t.endpoint, control.RoomAbort(
@@ -325,7 +331,7 @@ class DecodeSide(Side):
             raise
         except Exception as exc:  # an HTTP client bug must not stop the other probes
             self.core.counters.loop_errors += 1
-            log.exception("heartbeat of %s failed unexpectedly", addr)
+            log.exception("heartbeat of %s failed unexpectedly", addr, extra=fields(peer=addr))
             h = self.health.get(addr)
             if h is not None:
                 self._missed(addr, h, f"{type(exc).__name__}: {exc}")
@@ -350,16 +356,17 @@ class DecodeSide(Side):
 
     def _answered(self, addr: str, h: PeerHealth, data: dict[str, Any]) -> None:
         if h.down:
-            log.info("prefill %s is back after %d missed heartbeats", addr, h.misses)
-        prev_ok, now = h.last_ok, self.core.clock()
+            log.info("prefill %s is back after %d missed heartbeats", addr, h.misses,
+                     extra=fields(peer=addr))
+        now = self.core.clock()
         h.misses, h.down, h.last_ok, h.last_error = 0, False, now, ""
         instance, epoch = data.get("instance_id"), data.get("bootstrap_epoch")
         if h.instance_id is not None and instance != h.instance_id:
-            # Rooms created while the old instance was last seen alive were bound to it;
-            # rooms created since may already be bound to the new one: leave those.
+            # Every room in flight was resolved from the cache of the old instance: it is
+            # bound to a process that is gone. New rooms resolve and register again.
             failure = RoomFailure(FailureKind.PEER, f"prefill {addr} restarted (instance "
                                   f"{h.instance_id} -> {instance})", self.role)
-            self.run(self.rooms.peer_lost(addr, failure, now, created_before=prev_ok))
+            self.run(self.rooms.peer_lost(addr, failure, now))
             self._forget(addr, drop_sockets=False)
         elif h.epoch is not None and epoch != h.epoch:
             self._forget(addr, drop_sockets=False)  # a rank re-registered: refresh endpoints
@@ -369,17 +376,25 @@ class DecodeSide(Side):
         h.misses += 1
         h.last_error = error
         self.core.counters.heartbeat_misses += 1
-        self.core.events.heartbeat_missed(addr)
+        self.core.events.heartbeat_missed(addr, f"heartbeat unanswered: {error}")
         if h.misses >= self.core.settings.heartbeat_max_failures and not h.down:
             h.down = True
             failure = RoomFailure(FailureKind.HEARTBEAT, f"prefill {addr} unreachable: "
                                   f"{h.misses} heartbeats missed ({error})", self.role)
-            log.warning("%s", failure.reason)
+            log.warning("%s", failure.reason, extra=fields(peer=addr))
             self.run(self.rooms.peer_lost(addr, failure, self.core.clock()))
             self._forget(addr, drop_sockets=False)
 
     def _forget(self, addr: str, drop_sockets: bool = True) -> None:
-        for ep in self.bootstrap.forget(addr):
+        """Drop the lookups and registrations of bootstrap ``addr``; with ``drop_sockets``
+        also the control sockets to its ranks, including those an earlier forget without
+        it kept (a dead prefill's sockets must not outlive its address, K31)."""
+        endpoints = self.bootstrap.forget(addr)
+        h = self.health.get(addr)
+        if h is not None:
+            endpoints |= h.endpoints
+            h.endpoints = set() if drop_sockets else endpoints
+        for ep in endpoints:
             self.registered.pop(ep, None)
             if drop_sockets:
                 self.core.control.drop(ep)
@@ -420,27 +435,38 @@ class DecodeSide(Side):
                               kind=r.failure.kind.value if r.failure else ""))
         tables = {**self.rooms.table_sizes(), "registered": len(self.registered),
                   "health": len(self.health), "rank_cache": len(self.bootstrap.ranks)}
-        return Snapshot(self.role, rooms, self._peers(now), by_state, 0, tables,
+        return Snapshot(self.role, rooms, self._peers(), by_state, 0, tables,
                         dict(self.rooms.dropped))
 
-    def _peers(self, now: float) -> list[Peer]:
+    def _peers(self) -> list[Peer]:
         """One row per prefill rank endpoint; a bootstrap address with none gets its own."""
         rows: dict[str, Peer] = {}
         for (addr, tp, dp, pp), info in self.bootstrap.ranks.items():
             ep = endpoint_of(info)
+            h = self.health.get(addr)
             rows[ep] = Peer(endpoint=ep, kind="prefill", bootstrap=addr,
                             state="registered" if ep in self.registered else "resolved",
-                            heartbeat=_heartbeat(self.health.get(addr)),
-                            instance_id=info.instance_id or "",
-                            detail=f"tp {tp} dp {dp} pp {pp}; "
-                                   f"{_health_detail(self.health.get(addr), now)}")
+                            heartbeat=_heartbeat(h), instance_id=info.instance_id or "",
+                            detail=f"tp {tp} dp {dp} pp {pp}{_health_detail(h)}",
+                            **self._liveness(ep, addr, h))
         known = {p.bootstrap for p in rows.values()}
         for addr in (set(self.bootstrap.info) | set(self.health)) - known:
             h = self.health.get(addr)
             rows[addr] = Peer(endpoint=addr, kind="prefill", bootstrap=addr, state="bootstrap",
-                              heartbeat=_heartbeat(h), detail=_health_detail(h, now),
-                              instance_id=(h.instance_id or "") if h else "")
+                              heartbeat=_heartbeat(h), detail=_health_detail(h).lstrip("; "),
+                              instance_id=(h.instance_id or "") if h else "",
+                              **self._liveness("", addr, h))
         return sorted(rows.values(), key=lambda p: (p.bootstrap, p.endpoint))
+
+    def _liveness(self, endpoint: str, addr: str, h: PeerHealth | None) -> dict[str, Any]:
+        """A prefill peer's liveness fields: its last control message (from ``endpoint``),
+        last answered heartbeat (of ``addr``) and newest error (a failed room, send or
+        heartbeat, recorded under either name; it stays after the peer recovers)."""
+        error, error_time = self.last_error(endpoint, addr)
+        last_message = self.core.events.peer_record(endpoint).last_message if endpoint else None
+        return {"last_message": last_message,
+                "last_heartbeat": self.wall(h.last_ok) if h else None,
+                "last_error": error, "last_error_time": error_time}
 
 
 def _heartbeat(h: PeerHealth | None) -> str:
@@ -451,16 +477,19 @@ def _heartbeat(h: PeerHealth | None) -> str:
     return f"missed {h.misses}" if h.misses else "ok"
 
 
-def _health_detail(h: PeerHealth | None, now: float) -> str:
+def _health_detail(h: PeerHealth | None) -> str:
+    """What the heartbeats say now, beyond the liveness fields: ``; never answered`` or
+    ``; failing: <error>`` (empty while they are answered)."""
     if h is None:
         return ""
-    last = f"last ok {now - h.last_ok:.1f}s ago" if h.last_ok else "never answered"
-    return f"{last}; last error: {h.last_error}" if h.last_error else last
+    if h.misses and h.last_error:
+        return f"; failing: {h.last_error}"
+    return "" if h.last_ok else "; never answered"
 
 
 def _kind_of(exc: KvdError) -> FailureKind:
     """The failure kind of an error raised while resolving a room's targets."""
-    if isinstance(exc, Unreachable):
+    if isinstance(exc, PeerUnreachable):
         return FailureKind.UNREACHABLE
     if isinstance(exc, RegistrationError):
         return FailureKind.REGISTRATION

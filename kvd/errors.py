@@ -13,15 +13,24 @@ with ``raise ... from exc``, and carry the room and peer in their message::
     │   ├── IndexLengthMismatch  src/dst page counts disagree
     │   └── BoundsError          a descriptor would touch unregistered bytes
     ├── RegistrationError      KV args / memory handles refused
+    │   └── HandleError          a memory handle cannot be imported (file, fd, CUDA IPC)
+    │       └── CudaUnavailable    no CUDA bindings, driver or device for a cuda_ipc handle
     ├── RoomError              unknown room, duplicate room, wrong state
     ├── TransportError         the transfer engine failed (init, register, write)
+    ├── PeerUnreachable        a peer kvd did not take a control message in time
     ├── BootstrapError         bootstrap registration or lookup failed
+    │   ├── NotReady             fewer ranks registered than the instance needs (503)
+    │   ├── NotFound             no rank under the requested key (404)
+    │   └── Conflict             a registration contradicts the instance (409)
     ├── RpcError               engine <-> kvd RPC failed
     │   └── KvdUnreachable       the local kvd cannot be reached
+    ├── DaemonUnreachable      no kvd answered at an HTTP address (CLI)
     └── KVTransferError        a room ended Failed (what the engine sees)
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 
 class KvdError(Exception):
@@ -56,8 +65,23 @@ class RegistrationError(KvdError):
     """KV args, memory handles or a rank registration were refused."""
 
 
+class HandleError(RegistrationError):
+    """A memory handle was refused: bad file, descriptor, range or CUDA IPC handle."""
+
+
+class CudaUnavailable(HandleError):
+    """A ``cuda_ipc`` handle cannot be imported here: no CUDA bindings, driver or device."""
+
+
 class RoomError(KvdError):
-    """A room operation is invalid: unknown room, room already active, wrong state."""
+    """A room operation is invalid: unknown room, room already active, wrong state.
+
+    ``effects``: what a room machine decided before it refused the call (e.g. the room
+    failed, its peers must hear it); the daemon performs them all the same."""
+
+    def __init__(self, message: str, effects: Sequence[object] = ()) -> None:
+        super().__init__(message)
+        self.effects = list(effects)
 
 
 class TransportError(KvdError):
@@ -68,8 +92,24 @@ class TransportError(KvdError):
         self.code = code
 
 
+class PeerUnreachable(KvdError):
+    """A control message could not be handed to a peer kvd within the send timeout."""
+
+
 class BootstrapError(KvdError):
     """Registration with, or lookup on, the bootstrap server failed."""
+
+
+class NotReady(BootstrapError):
+    """Fewer ranks registered than the instance needs (HTTP 503)."""
+
+
+class NotFound(BootstrapError):
+    """No rank registered under the requested key (HTTP 404)."""
+
+
+class Conflict(BootstrapError):
+    """A registration contradicts the instance's sizes (HTTP 409)."""
 
 
 class RpcError(KvdError):
@@ -82,6 +122,10 @@ class RpcError(KvdError):
 
 class KvdUnreachable(RpcError):
     """The local kvd daemon's engine socket cannot be reached."""
+
+
+class DaemonUnreachable(KvdError):
+    """No kvd answered at the address (not running, wrong port, or not a kvd)."""
 
 
 class KVTransferError(KvdError):

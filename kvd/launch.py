@@ -75,13 +75,15 @@ LAUNCH_SECRET = os.environ.get("KVD_CLUSTER_SECRET") or secrets.token_hex(24)
 
 def start_daemon(role: str, workdir: str | Path | None = None, timeout: float = 30.0,
                  env: dict[str, str] | None = None, prefix: list[str] | None = None,
-                 **settings: Any) -> DaemonProcess:
+                 pass_fds: tuple[int, ...] = (), **settings: Any) -> DaemonProcess:
     """Start ``kvd serve`` with ``settings`` written to a TOML file.
 
     The daemon gets :data:`LAUNCH_SECRET` as its cluster secret (``KVD_CLUSTER_SECRET``)
     unless ``env`` says otherwise or ``insecure=True`` is passed. Raises
     :class:`KvdError` if the daemon exits or is not ready in ``timeout`` s (the message
-    carries the tail of its log). ``prefix`` wraps the command (e.g. ``ip netns exec NS``).
+    carries the tail of its log). ``prefix`` wraps the command (e.g. ``ip netns exec NS``);
+    ``pass_fds`` are descriptors the child inherits (e.g. a socket to pass the way systemd
+    socket activation does).
     """
     work = Path(workdir or tempfile.mkdtemp(prefix="kvd-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -97,7 +99,7 @@ def start_daemon(role: str, workdir: str | Path | None = None, timeout: float = 
     with log.open("wb") as errf:
         proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "kvd.cli.main", "serve",
                                  "--config", str(cfg)], stdout=subprocess.PIPE, stderr=errf,
-                                env=child_env)
+                                env=child_env, pass_fds=pass_fds)
     ready = _wait_ready(proc, log, timeout)
     return DaemonProcess(proc, ready, cfg, log,
                          {"http_host": settings.get("http_host", "127.0.0.1")})

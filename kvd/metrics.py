@@ -5,11 +5,17 @@ the global one), so several daemons in one process (tests) do not mix. The
 prefill and decode sides report through :class:`RoomEvents`
 (``core.events``); every call happens on the daemon's loop.
 
-Label cardinality is bounded: ``peer`` labels keep the first
-``max_peers`` distinct peers and count the rest as ``"other"``; failure
-``reason`` labels are a fixed set of categories (the full text goes to the
-logs and to the recent-failures list of ``/v1/status``). Room latency is a
-histogram observed once per room, never a label per room.
+Label cardinality is bounded and stable: a ``peer`` label is the peer's
+*host* for a ZMQ endpoint (``tcp://10.0.0.5:41234`` -> ``10.0.0.5``: the port is
+picked anew at every restart with ``zmq_port = 0``, and a label per port would
+grow without end) and ``host:port`` for a bootstrap address (a fixed port);
+the first ``max_peers`` distinct labels are kept, the rest count as
+``"other"``. Failure ``reason`` labels are a fixed set of categories (the full
+text goes to the logs and to the recent-failures list of ``/v1/status``).
+``state`` labels are lower_snake KVPoll names (``waiting_for_input``). Room
+latency is a histogram observed once per room, never a label per room.
+Counters have no ``_created`` series (the exposition is filtered per registry,
+so other registries in the process, e.g. vLLM's, are untouched).
 
 Metric names (all prefixed ``kvd_``)::
 
@@ -22,6 +28,7 @@ Metric names (all prefixed ``kvd_``)::
     room_transfer_seconds           histogram  time inside transfer-engine writes, per room
     room_bytes                      histogram  KV + aux bytes moved, per room
     heartbeat_misses_total{peer}    counter    missed heartbeats, by prefill peer
+    auth_failures_total             counter    unauthenticated control frames and HTTP requests
     transfer_queue_depth            gauge      chunks queued and not yet written
     executor_busy                   gauge      writes submitted to transfer threads, not returned
     executor_threads                gauge      transfer threads (shards)
@@ -30,11 +37,15 @@ Metric names (all prefixed ``kvd_``)::
     engine_registered, ready        gauge      0/1
     info{role,version,instance_id}  gauge      1
     uptime_seconds                  gauge
+
+:class:`RoomEvents` also keeps, per peer (bounded), when it was last heard from
+and its last error, for ``/v1/status`` (:class:`PeerRecord`).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -51,7 +62,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvd.logs import remember_peer
+from kvd.logs import fields
 from kvd.rooms.state import RoomFailure
 
 log = logging.getLogger("kvd.rooms")
@@ -69,20 +80,38 @@ def classify_failure(failure: RoomFailure) -> str:
     return failure.kind.value
 
 
+def peer_identity(peer: str) -> str:
+    """The stable part of a peer's address, for labels: the host of a ZMQ endpoint
+    (``tcp://h:port`` -> ``h``; ``tcp://[v6]:port`` -> ``[v6]``), anything else as is
+    (bootstrap addresses ``host:port`` have a fixed port)."""
+    if not peer.startswith("tcp://"):
+        return peer
+    hostport = peer[len("tcp://"):]
+    host, sep, port = hostport.rpartition(":")
+    return host if sep and port.isdigit() else hostport
+
+
 class PeerLabels:
-    """Bounded peer label values: the first ``limit`` peers by name, then ``other``."""
+    """Bounded, stable peer label values: :func:`peer_identity`, the first ``limit`` of
+    them, then ``other``."""
 
     def __init__(self, limit: int = MAX_PEER_LABELS) -> None:
         self.limit = limit
         self._seen: set[str] = set()
 
     def __call__(self, peer: str) -> str:
-        if peer in self._seen:
-            return peer
+        label = peer_identity(peer)
+        if label in self._seen:
+            return label
         if len(self._seen) < self.limit:
-            self._seen.add(peer)
-            return peer
+            self._seen.add(label)
+            return label
         return OTHER
+
+
+def state_label(name: str) -> str:
+    """``WaitingForInput`` -> ``waiting_for_input`` (Prometheus label values are snake)."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
 @dataclass
@@ -101,6 +130,7 @@ class StateSample:
     peers: int
     engine_registered: bool
     ready: bool
+    auth_failures: int = 0
 
 
 class _StateCollector(Collector):
@@ -116,7 +146,7 @@ class _StateCollector(Collector):
         s = self.sample()
         rooms = GaugeMetricFamily("kvd_rooms", "Rooms held now, by state", labels=["state"])
         for state, n in s.rooms_by_state.items():
-            rooms.add_metric([state], n)
+            rooms.add_metric([state_label(state)], n)
         yield rooms
         info = GaugeMetricFamily("kvd_info", "This daemon",
                                  labels=["role", "version", "instance_id"])
@@ -125,6 +155,9 @@ class _StateCollector(Collector):
         yield from self._gauges(s)
         yield CounterMetricFamily("kvd_protocol_errors", "Malformed control frames dropped",
                                   value=s.protocol_errors)
+        yield CounterMetricFamily("kvd_auth_failures", "Control frames and HTTP requests "
+                                  "refused for missing or bad authentication",
+                                  value=s.auth_failures)
 
     @staticmethod
     def _gauges(s: StateSample) -> Iterator[Metric]:
@@ -175,8 +208,23 @@ class Metrics:
         self.registry.register(_StateCollector(sample))
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric (without ``_created`` series)."""
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """A registry view without the ``*_created`` samples prometheus_client adds to every
+    counter and histogram: they double the series and carry nothing a scrape needs.
+    ``prometheus_client.disable_created_metrics()`` would do it for the whole process,
+    including an engine's own registry when kvd runs inside it (the vLLM adapter)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.registry.collect():
+            metric.samples = [x for x in metric.samples if not x.name.endswith("_created")]
+            yield metric
 
 
 class RateWindow:
@@ -217,6 +265,18 @@ class Failure:
     category: str
 
 
+MAX_PEER_RECORDS = 1024
+
+
+@dataclass
+class PeerRecord:
+    """What this daemon last saw of one peer (unix seconds; None: never)."""
+
+    last_message: float | None = None
+    last_error: str = ""
+    last_error_time: float | None = None
+
+
 @dataclass
 class RoomEvents:
     """Hooks the prefill and decode sides call when rooms start, move bytes and end.
@@ -229,14 +289,13 @@ class RoomEvents:
     failures: deque[Failure] = field(default_factory=lambda: deque(maxlen=FAILURE_HISTORY))
     rate: RateWindow = field(default_factory=RateWindow)
     started: dict[int, float] = field(default_factory=dict)
+    peers: dict[str, PeerRecord] = field(default_factory=dict)  # bounded, newest kept
 
     def room_started(self, side: str, room: int, peer: str = "") -> None:
         """A room was created (its latency is measured from here)."""
         if len(self.started) >= MAX_TRACKED_ROOMS:
             self.started.pop(next(iter(self.started)))
         self.started[room] = time.monotonic()
-        if peer:
-            remember_peer(room, peer)
 
     def room_done(self, side: str, room: int, failure: RoomFailure | None, nbytes: int = 0,
                   seconds: float | None = None, peer: str = "") -> None:
@@ -246,17 +305,17 @@ class RoomEvents:
         began = self.started.pop(room, None)
         m = self.metrics
         m.rooms_finished.labels("success" if failure is None else "failed").inc()
-        if peer:
-            remember_peer(room, peer)
         if failure is None:
             self._observe(began, nbytes, seconds)
             self.rate.add(rooms=1)
-            log.debug("room done", extra={"room": room, "peer": peer or "-"})
+            log.debug("room done", extra=fields(room=room, peer=peer or None))
         else:
             category = classify_failure(failure)
             m.failures.labels(category).inc()
             self.failures.append(Failure(time.time(), side, room, peer, failure.reason,
                                          category))
+            for one in filter(None, peer.split(",")):
+                self.peer_error(one.strip(), failure.reason)
 
     def _observe(self, began: float | None, nbytes: int, seconds: float | None) -> None:
         m = self.metrics
@@ -280,9 +339,30 @@ class RoomEvents:
             if n:
                 self.bytes_sent(peer, n)
 
-    def heartbeat_missed(self, peer: str) -> None:
-        """A heartbeat to ``peer`` went unanswered."""
+    def heartbeat_missed(self, peer: str, error: str = "heartbeat unanswered") -> None:
+        """A heartbeat to ``peer`` went unanswered (``error``: why, for its peer record)."""
         self.metrics.heartbeat_misses.labels(self.metrics.peer(peer)).inc()
+        self.peer_error(peer, error)
+
+    def _record(self, peer: str) -> PeerRecord:
+        rec = self.peers.pop(peer, None) or PeerRecord()
+        self.peers[peer] = rec  # most recent last
+        while len(self.peers) > MAX_PEER_RECORDS:
+            self.peers.pop(next(iter(self.peers)))
+        return rec
+
+    def peer_message(self, peer: str, now: float | None = None) -> None:
+        """An authenticated control message from ``peer`` (its endpoint) arrived."""
+        self._record(peer).last_message = time.time() if now is None else now
+
+    def peer_error(self, peer: str, error: str, now: float | None = None) -> None:
+        """Something about ``peer`` failed (a room, a send, a heartbeat)."""
+        rec = self._record(peer)
+        rec.last_error, rec.last_error_time = error, time.time() if now is None else now
+
+    def peer_record(self, peer: str) -> PeerRecord:
+        """What is known of ``peer`` (an empty record if nothing)."""
+        return self.peers.get(peer) or PeerRecord()
 
     def recent_failures(self, limit: int = 20) -> list[dict[str, Any]]:
         """The last ``limit`` failures, newest first."""

@@ -58,3 +58,36 @@ async def watchdog_loop() -> None:
     while True:
         notify("WATCHDOG=1")
         await asyncio.sleep(interval)
+
+
+SD_LISTEN_FDS_START = 3
+
+
+def socket_activated() -> bool:
+    """Did systemd pass sockets to this process? (Reads, does not consume, LISTEN_*.)"""
+    return os.environ.get("LISTEN_PID") == str(os.getpid()) and \
+        os.environ.get("LISTEN_FDS", "0") not in ("", "0")
+
+
+def listen_fds(unset_environment: bool = True) -> dict[str, int]:
+    """Sockets systemd passed to this process (socket activation), by name.
+
+    ``sd_listen_fds(3)``: ``LISTEN_PID`` must be this process, ``LISTEN_FDS`` counts the
+    descriptors from fd 3 on, ``LISTEN_FDNAMES`` (``FileDescriptorName=`` in the .socket
+    unit, else the unit's name) names them, ``:``-separated. Returns ``{}`` when nothing
+    was passed. The variables are removed (``unset_environment``) so that children do
+    not take the sockets for theirs; each fd is marked close-on-exec.
+    """
+    pid, count = os.environ.get("LISTEN_PID", ""), os.environ.get("LISTEN_FDS", "")
+    names = os.environ.get("LISTEN_FDNAMES", "").split(":")
+    if unset_environment:
+        for var in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"):
+            os.environ.pop(var, None)
+    if pid != str(os.getpid()) or not count.isdigit():
+        return {}
+    out = {}
+    for i in range(int(count)):
+        fd = SD_LISTEN_FDS_START + i
+        os.set_inheritable(fd, False)
+        out[names[i] if i < len(names) and names[i] else f"fd{fd}"] = fd
+    return out

@@ -27,6 +27,7 @@ from kvd.rooms.sender import Limits, RankPosition, SenderRooms
 from kvd.rooms.state import FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
 from kvd.side import RoomView, Side, Snapshot, not_available
+from kvd.transfer.backends.base import PeerAttach
 from kvd.transfer.kvargs import RankArgs
 from kvd.transfer.layout import RankLayout, check_coverage, check_pair, plan_transfer
 from kvd.transfer.plan import Descriptors, check_plan_bounds, plan_aux
@@ -57,6 +58,7 @@ class PrefillSide(Side):
             Limits(max_peers=s.max_peers, max_rooms_per_peer=s.max_rooms_per_peer,
                    peer_ttl=s.peer_ttl))
         self._registrations: dict[str, control.RegisterRank] = {}
+        self._sessions: dict[str, str] = {}  # decode endpoint -> its transfer address
         self._layout: RankLayout | None = None
         self._writes: set[asyncio.Task[None]] = set()
         self.failing_sessions: dict[str, int] = {}
@@ -75,7 +77,9 @@ class PrefillSide(Side):
                 effects = self.rooms.init(call.room, call.num_pages, call.aux_index, now)
             case rpc.SenderSend():
                 pages = unpack_indices(call.pages)
-                effects = self.rooms.send(call.room, pages, call.is_last, now)
+                send = call  # a bad chunk fails the room (its peers hear it), then raises
+                self.run_call(lambda: self.rooms.send(send.room, pages, send.is_last, now))
+                return None
             case _:
                 raise not_available(call, self.role)
         self.run(effects)
@@ -121,6 +125,7 @@ class PrefillSide(Side):
         plan: PeerPlan | None = None
         num_pages = num_slots = 0
         try:
+            self._check_session(msg)
             args = RankArgs.of(msg.kv_args)
             layout = RankLayout.from_wire(msg.kv_args, msg.attn_tp_rank, msg.attn_tp_size)
             num_pages, num_slots = args.num_pages, args.num_aux_slots
@@ -129,12 +134,52 @@ class PrefillSide(Side):
             s = self.core.settings
             check_coverage(self._local_layout(), layout, s.pp_rank, s.pp_size)
             _check_aux(local.wire, msg.kv_args)
+            self._attach(msg)
             plan = PeerPlan(args, layout)
         except KvdError as exc:
             rejected = RoomFailure(FailureKind.REGISTRATION, f"decode rank {msg.endpoint} "
                                    f"refused: {exc}", self.role)
             log.warning("refused decode rank %s: %s", msg.endpoint, exc)
         return self.rooms.on_register(msg, num_pages, num_slots, rejected, plan, now)
+
+    def _check_session(self, msg: control.RegisterRank) -> None:
+        """A decode rank's transfer address must be its own (S11): never this rank's own
+        (it would make this rank write into its own pool), never one another registered
+        decode endpoint claims."""
+        session = msg.kv_args.session_id
+        if session == self.core.engine.session_id:
+            raise RegistrationError(f"transfer address {session} is this prefill rank's own")
+        other = next((ep for ep, sess in self._sessions.items()
+                      if sess == session and ep != msg.endpoint), None)
+        if other is not None:
+            raise RegistrationError(f"transfer address {session} is registered by {other}")
+
+    def _attach(self, msg: control.RegisterRank) -> None:
+        """Tell a backend that can copy on this host about the decode rank's exported pool
+        (``local``/``auto``); raises RegistrationError/HandleError when ``local`` is
+        required and the pool cannot be imported. A previous session of the same
+        endpoint is detached once the writes in flight now have returned."""
+        engine, session = self.core.engine, msg.kv_args.session_id
+        old = self._sessions.get(msg.endpoint)
+        if isinstance(engine, PeerAttach):
+            engine.attach_peer(session, msg.pool)
+            if old is not None and old != session:
+                self.core.spawn(self._detach_later(old), f"detach-{old}")
+        self._sessions[msg.endpoint] = session
+
+    async def _detach_later(self, session: str) -> None:
+        if self._writes:
+            await asyncio.wait(list(self._writes))
+        engine = self.core.engine
+        if isinstance(engine, PeerAttach) and session not in self._sessions.values():
+            engine.detach_peer(session)
+
+    def forget_peer(self, endpoint: str) -> None:
+        super().forget_peer(endpoint)
+        self._registrations.pop(endpoint, None)
+        session = self._sessions.pop(endpoint, None)
+        if session is not None:
+            self.core.spawn(self._detach_later(session), f"detach-{session}")
 
     # ---- effects ----------------------------------------------------------------------
 
@@ -173,10 +218,12 @@ class PrefillSide(Side):
         failure: RoomFailure | None = RoomFailure(
             FailureKind.ABORTED, f"room {eff.room}: write cancelled (kvd stopping)", self.role)
         moved = 0
+        # The machine's clock may not be the backend's (time.monotonic): pass the bound on.
+        deadline = time.monotonic() + (eff.deadline - self.core.clock())
         try:
             plans = [(d, self._plan(eff, d)) for d in eff.dests]
             await asyncio.gather(*(self.core.executor.write(d.peer.args.wire.session_id, desc,
-                                                            eff.deadline)
+                                                            deadline)
                                    for d, desc in plans if len(desc)))
             moved = sum(desc.nbytes for _, desc in plans)
             self.core.counters.bytes_sent += moved
@@ -366,12 +413,16 @@ class PrefillSide(Side):
                               state_age_s=round(now - r.since, 3), peer=",".join(r.dests) or "-",
                               reason=r.failure.reason if r.failure else "",
                               kind=r.failure.kind.value if r.failure else ""))
-        peers = [Peer(endpoint=p.endpoint, kind="decode", instance_id=p.instance,
-                      state="rejected" if p.rejected else "registered", heartbeat="n/a",
-                      detail=p.rejected.reason if p.rejected else
-                      f"attn_tp {p.tp_rank}/{p.tp_size}; last message "
-                      f"{now - p.last_seen:.1f}s ago")
-                 for p in self.rooms.peers.values()]
+        peers = []
+        for p in self.rooms.peers.values():
+            error, error_time = self.last_error(p.endpoint)
+            peers.append(Peer(endpoint=p.endpoint, kind="decode", instance_id=p.instance,
+                              state="rejected" if p.rejected else "registered",
+                              heartbeat="n/a",
+                              detail=p.rejected.reason if p.rejected else
+                              f"attn_tp {p.tp_rank}/{p.tp_size}",
+                              last_message=self.wall(p.last_seen), last_error=error,
+                              last_error_time=error_time))
         queue = sum(len(r.chunks) for r in self.rooms.rooms.values())
         return Snapshot(self.role, rooms, peers, by_state, queue, self.rooms.table_sizes(),
                         dict(self.rooms.dropped), self.bootstrap_registered)

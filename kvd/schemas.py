@@ -6,7 +6,11 @@ status reader and the sides can all use them without import cycles.
 
 A decode kvd heartbeats each prefill bootstrap address; a peer's
 ``heartbeat`` is ``ok``, ``missed N``, ``down`` or ``unknown`` (not probed
-yet). A prefill kvd is heartbeated, not heartbeating: ``n/a``.
+yet), and ``last_heartbeat`` the time of the last answered one. A prefill kvd
+is heartbeated, not heartbeating (``n/a``): its liveness view of a decode peer
+is ``last_message``, when that peer's last control message arrived. Both sides
+report each peer's ``last_error`` (a failed room, send or heartbeat) and its
+time. Times are unix seconds.
 """
 
 from __future__ import annotations
@@ -36,6 +40,10 @@ class Peer(BaseModel):
     heartbeat: str
     bootstrap: str = ""
     detail: str = ""
+    last_message: float | None = None  # unix s: last control message from this peer
+    last_heartbeat: float | None = None  # unix s: last answered heartbeat (decode side)
+    last_error: str = ""
+    last_error_time: float | None = None
 
 
 class Room(BaseModel):

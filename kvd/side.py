@@ -15,12 +15,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvd.core import Core
 from kvd.errors import RoomError
+from kvd.logs import fields
 from kvd.protocol import control, rpc
 from kvd.rooms.effects import Effect, Ended, ForgetPeer, Wake
 from kvd.rooms.state import UNKNOWN_ROOM, KVPoll, RoomFailure, Timeouts
@@ -164,6 +166,16 @@ class Side(abc.ABC):
 
     # ---- effects ----------------------------------------------------------------------
 
+    def run_call(self, event: Callable[[], list[Effect]]) -> None:
+        """Perform the effects of an engine event; if the machine refused the call, perform
+        what it decided before refusing (``RoomError.effects``) and raise the error."""
+        try:
+            effects = event()
+        except RoomError as exc:
+            self.run(exc.effects)  # type: ignore[arg-type]
+            raise
+        self.run(effects)
+
     def run(self, effects: list[Effect]) -> None:
         """Perform effects in order (role-specific ones in :meth:`perform`)."""
         for eff in effects:
@@ -173,9 +185,13 @@ class Side(abc.ABC):
                 case Ended():
                     self._ended(eff)
                 case ForgetPeer():
-                    self.core.control.drop(eff.endpoint)
+                    self.forget_peer(eff.endpoint)
                 case _:
                     self.perform(eff)
+
+    def forget_peer(self, endpoint: str) -> None:
+        """A peer the machine forgot: drop what is held for it outside the machine."""
+        self.core.control.drop(endpoint)
 
     @abc.abstractmethod
     def perform(self, eff: Effect) -> None:
@@ -191,8 +207,26 @@ class Side(abc.ABC):
         self.core.counters.rooms_failed += 1
         events.room_done(self.role, eff.room, eff.failure, eff.nbytes, eff.seconds, eff.peer)
         log.warning("%s", eff.failure.reason,
-                    extra={"room": eff.room, "peer": eff.peer or "-",
-                           "kind": eff.failure.kind.value})
+                    extra=fields(room=eff.room, peer=eff.peer or None,
+                                 kind=eff.failure.kind.value))
+
+    # ---- peer liveness (for snapshots) --------------------------------------------------
+
+    def wall(self, t: float) -> float | None:
+        """An instant of the daemon's clock (``core.clock``) as unix seconds; None for 0
+        (never)."""
+        return round(time.time() - (self.core.clock() - t), 3) if t else None
+
+    def last_error(self, *names: str) -> tuple[str, float | None]:
+        """The newest error known of a peer, as (text, unix s): what
+        :class:`~kvd.metrics.RoomEvents` recorded under any of ``names`` (its endpoint,
+        its bootstrap address: failed rooms, sends, heartbeats); ``("", None)`` if none."""
+        found: list[tuple[str, float | None]] = []
+        for name in filter(None, names):
+            rec = self.core.events.peer_record(name)
+            if rec.last_error_time is not None:
+                found.append((rec.last_error, rec.last_error_time))
+        return max(found, key=lambda e: e[1] or 0.0) if found else ("", None)
 
 
 def not_available(call: rpc.Call, role: str) -> RoomError:

@@ -4,6 +4,10 @@
 and the side's :meth:`~kvd.side.Side.snapshot` — never from a side's tables.
 It runs on the daemon's loop (the HTTP handlers and the metrics scrape are
 coroutines on that loop), so it reads without locks.
+
+Peers carry their liveness as the side sees it (``last_message``,
+``last_heartbeat``, ``last_error`` and its time, unix seconds): see
+:class:`~kvd.schemas.Peer`.
 """
 
 from __future__ import annotations
@@ -97,9 +101,10 @@ class DaemonOps:
             role=s.role, version=__version__, instance_id=s.instance_id,
             uptime_s=time.time() - self.daemon.started_at, rooms_by_state=snap.by_state,
             queue_depth=snap.queue_depth, executor_busy=core.executor.busy,
-            executor_threads=s.transfer_threads, protocol_errors=core.counters.protocol_errors,
+            executor_threads=core.executor.threads,
+            protocol_errors=core.counters.protocol_errors,
             peers=len(snap.peers), engine_registered=core.local is not None,
-            ready=self.readiness().ready)
+            ready=self.readiness().ready, auth_failures=core.counters.auth_failures)
 
     def metrics(self) -> bytes:
         """Prometheus text for ``/metrics``."""

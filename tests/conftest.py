@@ -53,6 +53,21 @@ def pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdPair]:
     stop_pair(pair)
 
 
+BACKENDS = ["mooncake", "local"]
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def room_pair(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdPair]:
+    """A P/D pair per transfer backend (the room tests run with each): ``mooncake`` over
+    loopback TCP, and ``local`` (same-host direct copies of the imported pool)."""
+    opts = {"transfer_backend": request.param}
+    pair = start_pair(tmp_path_factory.mktemp(f"pd-{request.param}"), p_opts=opts,
+                      d_opts=opts)
+    yield pair
+    stop_pair(pair)
+
+
 @pytest.fixture
 def room_ids() -> Iterator[int]:
     """An iterator of fresh room ids, unique across the session (``next(room_ids)``)."""

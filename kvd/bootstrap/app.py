@@ -1,7 +1,8 @@
 """The daemon's FastAPI app.
 
 ``/health`` always; with ``ops``: ``/ready``, ``/metrics`` (Prometheus text),
-``/v1/status``, ``/v1/rooms`` (OpenAPI docs at ``/docs``); SGLang's ``/route``
+``/v1/status``, ``/v1/rooms`` (OpenAPI schema at ``/openapi.json``, docs at ``/docs``
+only with ``docs``); SGLang's ``/route``
 when serving bootstrap.
 """
 
@@ -43,16 +44,19 @@ class Ops(Protocol):
 
 def create_app(health: Callable[[], dict[str, Any]], table: BootstrapTable | None,
                ops: Ops | None = None, auth: Authenticator | None = None,
-               on_auth_failure: Callable[[AuthError], None] | None = None) -> FastAPI:
+               on_auth_failure: Callable[[AuthError], None] | None = None,
+               docs: bool = False) -> FastAPI:
     """Build the app. ``health()`` returns the /health JSON; ``table`` enables /route;
-    ``ops`` enables /ready, /metrics, /v1/status and /v1/rooms.
+    ``ops`` enables /ready, /metrics, /v1/status and /v1/rooms; ``docs`` (setting
+    ``http_docs``) enables /docs and /redoc, whose pages load scripts from a CDN.
 
     Bad input answers 400 (never 422 or 500); an unknown rank 404; a rank not
     yet registered 503; a contradicting registration 409. With ``auth`` enabled,
     every ``/route`` request must carry a valid ``KVD-HMAC`` authorization (401
     otherwise; ``on_auth_failure`` is told). ``/health`` stays open (liveness).
     """
-    app = FastAPI(title="kvd", version="1")
+    app = FastAPI(title="kvd", version="1", docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_: Request, exc: RequestValidationError) -> JSONResponse:

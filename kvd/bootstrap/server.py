@@ -44,8 +44,10 @@ class HttpServer:
 
     def __init__(self, app: FastAPI, sock: socket.socket) -> None:
         self.sock = sock
+        # log_config=None: uvicorn's records go to kvd's handler (text or JSON), not to a
+        # handler of its own that would put plain text lines into a JSON log
         config = uvicorn.Config(app, loop="none", lifespan="off", log_level="warning",
-                                access_log=False, timeout_graceful_shutdown=2)
+                                log_config=None, access_log=False, timeout_graceful_shutdown=2)
         self._server = _Server(config)
         self._task: asyncio.Task[None] | None = None
 

@@ -16,19 +16,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvd.errors import BootstrapError
-
-
-class NotReady(BootstrapError):
-    """Fewer ranks registered than the instance needs (HTTP 503)."""
-
-
-class NotFound(BootstrapError):
-    """No rank registered under the requested key (HTTP 404)."""
-
-
-class Conflict(BootstrapError):
-    """A registration contradicts the instance's sizes (HTTP 409)."""
+from kvd.errors import Conflict, NotFound, NotReady
 
 
 class PrefillRegistration(BaseModel):

@@ -14,14 +14,12 @@ from typing import Any
 import httpx
 
 from kvd.addr import http_url, join_hostport
-from kvd.errors import ConfigError, KvdError
+from kvd.errors import ConfigError, DaemonUnreachable
 
 DEFAULT_ADDR = "127.0.0.1:8998"
 _WILDCARDS = {"0.0.0.0": "127.0.0.1", "::": "::1", "[::]": "::1", "": "127.0.0.1"}
 
 
-class DaemonUnreachable(KvdError):
-    """No kvd answered at the address (not running, wrong port, or not a kvd)."""
 
 
 def resolve_addr(addr: str | None, config: Path | None) -> str:
@@ -47,7 +45,9 @@ def get(addr: str, path: str, timeout: float = 3.0, **params: Any) -> Any:
     """
     url = http_url(addr, path)
     try:
-        resp = httpx.get(url, params=params, timeout=timeout)
+        # trust_env=False: HTTP(S)_PROXY and friends are for the outside world; a proxy
+        # would answer for a daemon that is down, or not reach a loopback one at all
+        resp = httpx.get(url, params=params, timeout=timeout, trust_env=False)
     except httpx.ConnectError as exc:
         raise DaemonUnreachable(f"no kvd daemon answering at {addr} ({_why(exc)}); is it "
                                 f"running? (kvd serve, or systemctl status 'kvd@*')") from exc
@@ -56,13 +56,40 @@ def get(addr: str, path: str, timeout: float = 3.0, **params: Any) -> Any:
     except httpx.HTTPError as exc:
         raise DaemonUnreachable(f"cannot talk to kvd at {addr}: {exc}") from exc
     if resp.status_code != 200:
-        raise DaemonUnreachable(f"{addr} answered {resp.status_code} for {path}: "
-                                f"not a kvd daemon, or an older version?")
+        raise DaemonUnreachable(_refusal(addr, path, resp))
     try:
         return resp.json()
     except ValueError as exc:
         raise DaemonUnreachable(f"{addr} answered {path} with something that is not JSON: "
                                 f"not a kvd daemon?") from exc
+
+
+def _refusal(addr: str, path: str, resp: httpx.Response) -> str:
+    """One line for a non-200 answer: the daemon's own reason when it gives one."""
+    code = resp.status_code
+    if code in (401, 403):
+        return f"kvd at {addr} refused {path} ({code}): {_detail(resp) or 'unauthenticated'}"
+    if code == 404:
+        return f"{addr} has no {path} (404): not a kvd daemon, or an older version?"
+    detail = _detail(resp)
+    if detail:
+        return f"kvd at {addr} answered {code} for {path}: {detail}"
+    return f"{addr} answered {code} for {path}: not a kvd daemon, or an older version?"
+
+
+def _detail(resp: httpx.Response) -> str:
+    """``error``/``detail`` of a JSON error body (kvd's and FastAPI's shapes), else ''."""
+    try:
+        body = resp.json()
+    except ValueError:
+        return ""
+    if not isinstance(body, dict):
+        return ""
+    detail = body.get("detail", body.get("error", ""))
+    if isinstance(detail, list):
+        detail = "; ".join(str(d.get("msg", d)) if isinstance(d, dict) else str(d)
+                           for d in detail)
+    return " ".join(str(detail).split())
 
 
 def _why(exc: Exception) -> str:

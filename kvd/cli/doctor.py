@@ -1,27 +1,37 @@
 """``kvd doctor``: can this machine run a kvd with these settings? Each check says what to fix.
 
-Checks: the settings are valid; the Mooncake transfer engine imports and
-initialises (in a child process, so a crash or hang in the native library is
-reported, not suffered); RDMA devices; the locked-memory limit RDMA
-registration needs; the shared-memory folder; the configured ports are free;
-the engine socket's folder and any file already at its path.
+Checks: the settings are valid; the cluster secret; which Mooncake build is
+installed; which transfer backend, protocol and NICs are used and why; the
+Mooncake transfer engine imports and initialises with those settings (in a
+child process, so a crash or hang in the native library is reported, not
+suffered); RDMA devices; the locked-memory limit RDMA registration needs; the
+shared-memory folder; the configured ports are free; the engine socket (its
+folder, its lock, any file at its path) and its group; and, when a kvd is
+running on that socket, every port it listens on with its bind address (a
+warning for any wider than the configured hosts).
+
+:func:`refusals` is what ``kvd serve`` refuses before it starts; doctor reports
+each of them as a failed check, so doctor fails whenever serve would.
 """
 
 from __future__ import annotations
 
 import errno
+import grp
+import json
 import os
 import resource
 import socket
-import stat
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvd.config import Settings
-from kvd.errors import KvdError
+from kvd import notify
+from kvd.config import Settings, require_secret
+from kvd.engine_rpc.socket_path import SocketPathError, preflight
+from kvd.errors import ConfigError, KvdError
 
 GiB = 1 << 30
 MIN_SHM = 1 * GiB
@@ -30,9 +40,11 @@ RDMA_SYSFS = Path("/sys/class/infiniband")
 MOONCAKE_FIX = ("install exactly one Mooncake build: pip install 'kvd[cpu]' "
                 "(mooncake-transfer-engine-non-cuda) or 'kvd[cuda]'; and the Debian packages "
                 "libibverbs1 librdmacm1 libnuma1")
-_PROBE = ("import os, sys\n"
-          "from kvd.transfer.backends.mooncake import MooncakeEngine\n"
-          "e = MooncakeEngine(sys.argv[1])\n"
+_PROBE = ("import json, os, sys\n"
+          "from kvd.transfer.backends.mooncake import MooncakeEngine, MooncakeOptions\n"
+          "o = json.loads(sys.argv[1])\n"
+          "o['port_range'] = tuple(o['port_range']) if o['port_range'] else None\n"
+          "e = MooncakeEngine(MooncakeOptions(**o))\n"
           "print(e.session_id, flush=True)\n"
           "os._exit(0)  # skip the engine's ~1 s teardown\n")
 
@@ -53,13 +65,47 @@ def run_checks(settings: Settings | None, config_error: KvdError | None = None,
     (``config_error`` says why); the checks then use the built-in defaults."""
     s = settings or Settings.model_construct(role="decode")
     checks = [check_config(config_error)]
-    if engine_probe:
-        checks.append(check_transfer_engine(s.host))
+    if settings is not None:
+        checks.append(check_secret(settings))
+    checks += [check_build(), check_transfer_settings(s)]
+    if engine_probe and s.transfer_backend != "local":
+        checks.append(check_transfer_engine(s))
     devices = rdma_devices()
     checks += [check_rdma(devices), check_memlock(bool(devices)), check_shm(s.shm_dir)]
     checks += [check_port("http port", s.http_host, s.http_port),
                check_port("zmq port", s.host, s.zmq_port), check_socket(s.engine_socket)]
+    if s.engine_socket_group:
+        checks.append(check_group(s.engine_socket_group))
+    pid = daemon_pid(s.engine_socket)
+    if pid is not None:
+        checks.append(check_listeners(pid, s))
     return checks
+
+
+def refusals(settings: Settings) -> list[KvdError]:
+    """Why ``kvd serve`` would refuse to start with ``settings`` (empty: nothing known).
+
+    No cluster secret (without ``insecure``) or an unreadable one; an engine socket
+    path that cannot be used (skipped when systemd passes the socket); an
+    ``engine_socket_group`` that does not exist.
+    """
+    out: list[KvdError] = []
+    try:
+        require_secret(settings)
+    except ConfigError as exc:
+        out.append(exc)
+    if not notify.socket_activated():
+        try:
+            preflight(settings.engine_socket)
+        except SocketPathError as exc:
+            out.append(exc)
+    if settings.engine_socket_group:
+        try:
+            grp.getgrnam(settings.engine_socket_group)
+        except KeyError:
+            out.append(ConfigError(f"engine_socket_group {settings.engine_socket_group!r} "
+                                   f"does not exist"))
+    return out
 
 
 def as_dicts(checks: list[Check]) -> list[dict[str, Any]]:
@@ -74,22 +120,142 @@ def check_config(error: KvdError | None) -> Check:
                  "correct the settings listed (kvd config show -c FILE shows each source)")
 
 
-def check_transfer_engine(host: str) -> Check:
-    """Import and initialise the transfer engine on ``host`` in a child process."""
+def check_secret(settings: Settings) -> Check:
+    """The cluster secret is set and readable (or ``insecure`` is on, which warns)."""
     try:
-        proc = subprocess.run([sys.executable, "-c", _PROBE, host], capture_output=True,
-                              text=True, timeout=ENGINE_TIMEOUT, check=False)
+        secret = require_secret(settings)
+    except ConfigError as exc:
+        return Check("cluster secret", "fail", str(exc),
+                     "kvd secret /etc/kvd/cluster.secret, then cluster_secret_file = "
+                     "\"/etc/kvd/cluster.secret\" (the same file on every kvd)")
+    if secret is None:
+        return Check("cluster secret", "warn", "insecure = true: no authentication",
+                     "use a cluster secret outside of tests (kvd secret FILE)")
+    path = settings.cluster_secret_file
+    if path is not None and settings.cluster_secret is None and path.stat().st_mode & 0o077:
+        return Check("cluster secret", "warn", f"{path} is readable by other users",
+                     f"chmod 600 {path}")
+    where = f"from {path}" if settings.cluster_secret is None else "from the environment"
+    return Check("cluster secret", "ok", f"{len(secret)} bytes {where}")
+
+
+def check_group(name: str) -> Check:
+    try:
+        grp.getgrnam(name)
+    except KeyError:
+        return Check("engine socket group", "fail", f"group {name!r} does not exist",
+                     f"groupadd {name}, or unset engine_socket_group")
+    return Check("engine socket group", "ok", f"{name} may use the engine socket")
+
+
+def check_build() -> Check:
+    """Which Mooncake build provides ``mooncake`` (cpu, CUDA 12 or CUDA 13)."""
+    from kvd.transfer.backends.mooncake import build_info
+
+    info = build_info()
+    if not info:
+        return Check("mooncake build", "fail", "no Mooncake build is installed", MOONCAKE_FIX)
+    detail = (f"{info['dist']} {info['version']} ({info['flavour']}; GPU memory: "
+              f"{'yes' if info.get('cuda') == 'True' else 'no'})")
+    if "problem" in info:
+        return Check("mooncake build", "fail", f"{detail}: {info['problem']}", MOONCAKE_FIX)
+    return Check("mooncake build", "ok", detail)
+
+
+def check_transfer_settings(s: Settings) -> Check:
+    """Backend, protocol, NICs, bind address and ports in use, and why; RDMA without a NIC
+    fails here (the daemon would refuse to start)."""
+    from kvd.config import effective_bind_host, transfer_devices
+    from kvd.errors import TransportError
+    from kvd.transfer.backends.mooncake import check_rdma
+
+    devices = transfer_devices(s)
+    if s.transfer_protocol == "tcp":
+        nics = "NICs: n/a (tcp uses the kernel's routing)"
+    elif devices:
+        nics = f"NICs: {', '.join(devices)} (transfer_devices)"
+    else:
+        nics = (f"NICs: auto, the engine's topology discovery among "
+                f"{', '.join(rdma_devices()) or 'none'}")
+    ports = s.transfer_port_range or "15000-17000 (Mooncake's default)"
+    detail = (f"backend {s.transfer_backend}; protocol {s.transfer_protocol}; {nics}; "
+              f"listeners on {effective_bind_host(s)}, ports {ports}")
+    if s.transfer_protocol == "rdma" and s.transfer_backend != "local":
+        try:
+            check_rdma(devices)
+        except TransportError as exc:
+            return Check("transfer settings", "fail", f"{detail}: {exc}",
+                         "install the RDMA NIC driver and rdma-core, or set "
+                         "transfer_protocol = tcp")
+    if effective_bind_host(s) == "0.0.0.0":
+        return Check("transfer settings", "warn", detail + " (every interface: the TCP "
+                     "transport authenticates nobody)", "set transfer_bind_host to the "
+                     "address peers use, and firewall the transfer ports (docs/transfer.md)")
+    return Check("transfer settings", "ok", detail)
+
+
+def check_transfer_engine(s: Settings) -> Check:
+    """Import and initialise the transfer engine with ``s`` in a child process."""
+    from kvd.config import (
+        effective_bind_host,
+        effective_transfer_host,
+        parse_port_range,
+        transfer_devices,
+    )
+
+    host = effective_transfer_host(s)
+    opts = {"host": host, "bind_host": effective_bind_host(s), "protocol": s.transfer_protocol,
+            "devices": transfer_devices(s), "port_range": parse_port_range(
+                s.transfer_port_range) if s.transfer_port_range else None}
+    try:
+        proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(opts)],
+                              capture_output=True, text=True, timeout=ENGINE_TIMEOUT,
+                              check=False)
     except subprocess.TimeoutExpired:
         return Check("transfer engine", "fail", f"initialising on {host} hung for "
                      f"{ENGINE_TIMEOUT:g}s", f"check that {host} is an address of this host")
     if proc.returncode == 0:
-        return Check("transfer engine", "ok", f"mooncake initialised on {host} (tcp, "
-                     f"session {proc.stdout.strip()})")
+        return Check("transfer engine", "ok", f"mooncake initialised on {host} "
+                     f"({s.transfer_protocol}, session {proc.stdout.strip()})")
     err = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     last = err[-1] if err else f"exit code {proc.returncode}"
     fix = MOONCAKE_FIX if "not installed" in last or "ImportError" in last or ".so" in last \
         else f"check that host = {host} is an address of this host"
     return Check("transfer engine", "fail", last, fix)
+
+
+def daemon_pid(path: Path) -> int | None:
+    """Pid of the kvd serving the engine socket at ``path`` (``SO_PEERCRED``), if any."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        try:
+            sock.connect(str(path))
+            creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        except OSError:
+            return None
+    return int.from_bytes(creds[:4], "little") or None
+
+
+def check_listeners(pid: int, s: Settings) -> Check:
+    """Every listening port of the running kvd ``pid`` with its bind address; warn about
+    any wider than the configured hosts (S01)."""
+    from kvd.config import effective_bind_host, effective_transfer_host
+    from kvd.netstat import listeners, wider_than
+
+    try:
+        found = listeners(pid)
+    except OSError as exc:
+        return Check("listening ports", "warn", f"cannot read pid {pid}'s sockets: {exc}",
+                     "run kvd doctor as the daemon's user")
+    allowed = {s.host, s.http_host, s.bootstrap_host or s.http_host,
+               effective_transfer_host(s), effective_bind_host(s)}
+    detail = f"pid {pid}: " + ", ".join(map(str, found))
+    wide = wider_than(found, allowed)
+    if wide:
+        return Check("listening ports", "warn", f"{detail}; wider than configured: "
+                     f"{', '.join(map(str, wide))}",
+                     "bind them to the configured host (transfer_bind_host) or firewall them "
+                     "(docs/transfer.md lists each port)")
+    return Check("listening ports", "ok", detail)
 
 
 def rdma_devices() -> dict[str, str]:
@@ -165,35 +331,16 @@ def check_port(name: str, host: str, port: int) -> Check:
 
 
 def check_socket(path: Path) -> Check:
+    """What ``kvd serve`` checks before it binds the engine socket (folder, lock, any file
+    at the path); when systemd passes the socket (``kvd@.socket``) there is nothing to
+    check here."""
     name = "engine socket"
-    if path.exists() or path.is_symlink():
-        existing = _existing_socket(path)
-        if existing is not None:
-            return existing
-    parent = path.parent
-    ancestor = next(p for p in (parent, *parent.parents) if p.exists())
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        return Check(name, "fail", f"{ancestor} is not writable by uid {os.getuid()}: "
-                     f"cannot create {path}",
-                     "systemd: RuntimeDirectory= (see deploy/systemd); otherwise "
-                     f"install -d -o $USER {parent}")
-    verb = "writable" if ancestor == parent else "will be created"
-    return Check(name, "ok", f"{parent} {verb}; {path.name} will be mode 0600, so the engine "
-                 f"must run as uid {os.getuid()}")
-
-
-def _existing_socket(path: Path) -> Check | None:
-    name = "engine socket"
-    if not stat.S_ISSOCK(path.lstat().st_mode):
-        return Check(name, "fail", f"{path} exists and is not a socket",
-                     "remove it or choose another engine_socket")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        try:
-            sock.connect(str(path))
-        except PermissionError:
-            return Check(name, "warn", f"{path} exists and uid {os.getuid()} may not connect",
-                         "run the engine and kvd as the same user")
-        except OSError:
-            return None  # stale file: kvd replaces it at start; check the folder
-    return Check(name, "warn", f"a kvd is already serving {path}",
-                 "stop it first, or give this kvd another engine_socket")
+    if notify.socket_activated():
+        return Check(name, "ok", "passed by systemd (socket activation)")
+    try:
+        preflight(path)
+    except SocketPathError as exc:
+        return Check(name, "fail", f"{path}: {exc.detail}", exc.fix)
+    verb = "writable" if path.parent.is_dir() else "will be created"
+    return Check(name, "ok", f"{path.parent} {verb}; {path.name} will be mode 0600, so the "
+                 f"engine must run as uid {os.geteuid()}")

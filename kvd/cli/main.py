@@ -1,12 +1,14 @@
 """``kvd`` commands. ``main(argv)`` returns an exit code.
 
 Exit codes: 0 ok; 1 a daemon that cannot be reached, or ``doctor`` found a
-problem; 2 invalid settings or usage. Every error is one line on stderr
-(invalid settings: one line per problem), never a traceback.
+problem; 2 invalid settings or usage (an option out of range, a missing file, a
+socket path ``serve`` cannot use, no cluster secret). Every error is one line
+on stderr (invalid settings: one line per problem), never a traceback.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -23,16 +25,28 @@ app.add_typer(config_app, name="config")
 
 # ---- shared options -------------------------------------------------------------------------
 
+def _positive(value: float | None) -> float | None:
+    """Option callback: a duration must be > 0 (0 would time out before asking)."""
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"{value:g} is not a positive number of seconds")
+    return value
+
+
+# Every option a user types is validated here (click: ranges, existing readable files);
+# settings are validated by kvd.config with their source. Both give one line and exit 2.
 ConfigOpt = Annotated[Path | None, typer.Option(
-    "--config", "-c", envvar="KVD_CONFIG", help="TOML settings file (see config/kvd.toml)")]
+    "--config", "-c", envvar="KVD_CONFIG", exists=True, dir_okay=False, readable=True,
+    help="TOML settings file (see config/kvd.toml)")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 AddrOpt = Annotated[str | None, typer.Option(
     "--addr", "-a", envvar="KVD_ADDR",
     help="the daemon's REST address HOST:PORT (default: from --config, else 127.0.0.1:8998)")]
-TimeoutOpt = Annotated[float, typer.Option(help="seconds to wait for the daemon")]
+TimeoutOpt = Annotated[float, typer.Option(callback=_positive, max=3600,
+                                           help="seconds to wait for the daemon (> 0)")]
 RoleOpt = Annotated[str | None, typer.Option(help="prefill or decode")]
-HttpPortOpt = Annotated[int | None, typer.Option(help="REST port (0: any)")]
-SocketOpt = Annotated[Path | None, typer.Option(help="engine RPC socket path")]
+HttpPortOpt = Annotated[int | None, typer.Option(min=0, max=65535, help="REST port (0: any)")]
+SocketOpt = Annotated[Path | None, typer.Option(dir_okay=False,
+                                                help="engine RPC socket path")]
 LevelOpt = Annotated[str | None, typer.Option("--log-level", help="DEBUG, INFO, WARNING, ...")]
 FormatOpt = Annotated[str | None, typer.Option("--log-format", help="text or json")]
 SetOpt = Annotated[list[str] | None, typer.Option(
@@ -59,6 +73,7 @@ def serve(config: ConfigOpt = None, role: RoleOpt = None, http_port: HttpPortOpt
           engine_socket: SocketOpt = None, log_level: LevelOpt = None,
           log_format: FormatOpt = None, set_: SetOpt = None) -> None:
     """Run the daemon until SIGTERM/SIGINT (sends READY/STOPPING/WATCHDOG to systemd)."""
+    from kvd.cli.doctor import refusals
     from kvd.config import load_settings
     from kvd.daemon import serve as run
 
@@ -66,9 +81,20 @@ def serve(config: ConfigOpt = None, role: RoleOpt = None, http_port: HttpPortOpt
         settings = load_settings(config, **_overrides(
             set_, role=role, http_port=http_port, engine_socket=engine_socket,
             log_level=log_level, log_format=log_format))
+        problems = refusals(settings)  # checked before anything starts: one line each
+        for problem in problems:
+            typer.echo(f"kvd: {problem}", err=True)
+        if problems:
+            raise typer.Exit(2)
         code = run(settings)
     except KvdError as exc:
-        raise _fail(str(exc), 2) from None
+        from kvd import logs
+
+        if not logs.configured():
+            raise _fail(str(exc), 2) from None
+        # the daemon's logging is up: the reason is a record in its format (JSON stays JSON)
+        logging.getLogger("kvd").error("%s", exc)
+        raise typer.Exit(2) from None
     raise typer.Exit(code)
 
 
@@ -86,7 +112,8 @@ def status(addr: AddrOpt = None, config: ConfigOpt = None, json_: JsonOpt = Fals
 def rooms(addr: AddrOpt = None, config: ConfigOpt = None, json_: JsonOpt = False,
           timeout: TimeoutOpt = 3.0,
           all_: Annotated[bool, typer.Option("--all", help="include finished rooms")] = False,
-          limit: Annotated[int, typer.Option(help="at most this many rooms")] = 1000) -> None:
+          limit: Annotated[int, typer.Option(min=1, max=100_000,
+                                             help="at most this many rooms")] = 1000) -> None:
     """Rooms in flight (oldest first): state, age, peer."""
     from kvd.cli import client, render
 
@@ -149,15 +176,39 @@ def doctor(config: ConfigOpt = None, role: RoleOpt = None, set_: SetOpt = None,
 
 @app.command()
 def demo(
-    prompts: Annotated[int, typer.Option(help="number of prompts (>= 1)")] = 8,
-    max_new_tokens: Annotated[int, typer.Option(help="tokens to generate per prompt")] = 16,
-    page_size: Annotated[int, typer.Option(help="tokens per KV page")] = 16,
-    chunk_pages: Annotated[int, typer.Option(help="pages per prefill chunk")] = 4,
+    prompts: Annotated[int, typer.Option(min=1, help="number of prompts")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="tokens to generate per prompt")
+                              ] = 16,
+    page_size: Annotated[int, typer.Option(min=1, help="tokens per KV page")] = 16,
+    chunk_pages: Annotated[int, typer.Option(min=1, help="pages per prefill chunk")] = 4,
 ) -> None:
     """Prefill on one engine, move KV through two kvd daemons, decode on another."""
     from kvd.refengine.demo import run_demo
 
     raise typer.Exit(run_demo(prompts, max_new_tokens, page_size, chunk_pages))
+
+
+@app.command()
+def secret(
+    path: Annotated[Path, typer.Argument(dir_okay=False, help="file to create (mode 0600)")],
+    force: Annotated[bool, typer.Option("--force", help="replace an existing file")] = False,
+) -> None:
+    """Write a new random cluster secret to PATH (mode 0600); point cluster_secret_file at it.
+
+    The same file (or its content, as KVD_CLUSTER_SECRET) goes to every kvd of the
+    cluster. Without kvd: python3 -c 'import secrets; print(secrets.token_hex(32))'.
+    """
+    from kvd.config import write_secret_file
+
+    try:
+        write_secret_file(path, force)
+    except FileExistsError:
+        raise _fail(f"{path} exists: keep it, or pass --force to replace it (every kvd "
+                    f"of the cluster then needs the new secret)", 2) from None
+    except OSError as exc:
+        raise _fail(f"cannot write {path}: {exc.strerror or exc}", 2) from None
+    typer.echo(f"wrote a new cluster secret to {path} (mode 0600); set "
+               f"cluster_secret_file = \"{path}\" in every kvd's settings", err=True)
 
 
 @app.command()
@@ -171,11 +222,20 @@ def version(json_: JsonOpt = False) -> None:
         typer.echo(__version__)
 
 
+def _usage_line(exc: Exception) -> str:
+    """A click usage error as one line: ``kvd status: Invalid value for '--timeout': ...``."""
+    ctx = getattr(exc, "ctx", None)
+    where = ctx.command_path if ctx is not None else "kvd"
+    message = " ".join(exc.format_message().split())  # type: ignore[attr-defined]
+    return f"{where}: {message} (see {where} --help)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code instead of exiting."""
     try:
         # standalone_mode=False: click returns typer.Exit's code instead of raising it
-        rc = app(args=argv if argv is not None else sys.argv[1:], standalone_mode=False)
+        rc = app(args=argv if argv is not None else sys.argv[1:], prog_name="kvd",
+                 standalone_mode=False)
     except typer.Exit as exc:
         return int(exc.exit_code)
     except typer.Abort:
@@ -191,9 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(exc.code or 0)
     except Exception as exc:
         # click's usage errors (typer may vendor its own click: match by shape, not class)
-        if callable(getattr(exc, "show", None)) and isinstance(getattr(exc, "exit_code", None),
-                                                               int):
-            exc.show()  # type: ignore[attr-defined]
+        if callable(getattr(exc, "format_message", None)) and \
+                isinstance(getattr(exc, "exit_code", None), int):
+            typer.echo(_usage_line(exc), err=True)
             return int(exc.exit_code)  # type: ignore[attr-defined]
         raise
     return rc if isinstance(rc, int) else 0

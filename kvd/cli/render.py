@@ -82,15 +82,28 @@ def peers(rows: list[dict[str, Any]], out: Console | None = None) -> None:
         out.print("  peers: none yet")
         return
     table = Table(title="peers", title_justify="left")
-    for col in ("endpoint", "kind", "state", "heartbeat", "bootstrap", "instance", "detail"):
-        table.add_column(col)
+    for col in ("endpoint", "kind", "state", "heartbeat", "last heard", "bootstrap", "instance",
+                "detail", "last error"):
+        table.add_column(col, overflow="fold")
+    now = time.time()
     for p in rows:
         hb = p["heartbeat"]
         style = "green" if hb == "ok" else "red" if hb == "down" else "yellow" \
             if hb.startswith("missed") else ""
+        heard = max(filter(None, (p.get("last_message"), p.get("last_heartbeat"))),
+                    default=None)
+        error = p.get("last_error") or ""
+        if error and p.get("last_error_time"):
+            error = f"{ago(now, p['last_error_time'])}: {error}"
         table.add_row(p["endpoint"], p["kind"], p["state"], Text(hb, style=style),
-                      p.get("bootstrap", ""), p.get("instance_id", ""), p.get("detail", ""))
+                      ago(now, heard), p.get("bootstrap", ""), p.get("instance_id", ""),
+                      p.get("detail", ""), Text(error, style="red" if error else ""))
     out.print(table)
+
+
+def ago(now: float, then: float | None) -> str:
+    """``3.2s ago`` (``-`` for never)."""
+    return "-" if then is None else f"{human_seconds(max(0.0, now - then))} ago"
 
 
 def failures(rows: list[dict[str, Any]], out: Console) -> None:

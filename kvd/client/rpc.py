@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import socket
 import threading
@@ -10,17 +11,12 @@ from typing import Any
 
 import msgspec
 
-from kvd import errors
-from kvd.errors import KvdUnreachable, ProtocolError, RpcError
+from kvd.errors import KvdError, KvdUnreachable, ProtocolError
 from kvd.protocol import rpc
 
 
 def _error_from_reply(reply: rpc.Reply) -> Exception:
-    cls = getattr(errors, reply.kind, None)
-    if isinstance(cls, type) and issubclass(cls, errors.KvdError) and cls not in (
-            errors.KVTransferError, errors.TransportError, errors.RpcError):
-        return cls(reply.error)
-    return RpcError(reply.error, reply.kind)
+    return rpc.error_from(reply.kind, reply.error)
 
 
 #: Typed results of the calls that have one (the others answer None or a dict).
@@ -36,6 +32,9 @@ class KvdClient:
     """A connection to the local kvd's engine socket.
 
     Thread-safe (one call at a time). ``timeout`` bounds each call in seconds.
+    ``fd`` memory handles (:class:`~kvd.protocol.memory.FdHandle`, e.g. from
+    :class:`~kvd.client.FdPool`) name descriptors of this process; they are sent with
+    the request (``SCM_RIGHTS``) and must stay open while registered.
     Raises :class:`KvdUnreachable` when kvd is not there (the next call
     reconnects), and the kvd error named by a failed reply otherwise. After a
     reconnect (kvd restarted, or the connection dropped) the engine's last
@@ -76,12 +75,7 @@ class KvdClient:
         if isinstance(call, rpc.RegisterKV) and not call.engine_id:
             call = msgspec.structs.replace(call, engine_id=self.engine_id)
         with self._lock:
-            if self._replay and self._registration is not None and \
-                    not isinstance(call, rpc.RegisterKV):
-                self._roundtrip(self._registration)
-                self.reconnects += 1
-                self._replay = False
-            result = self._roundtrip(call)
+            result = self._exchange(call)
             if isinstance(call, rpc.RegisterKV):
                 self._registration, self._replay = call, False
         kind = RESULT_TYPES.get(type(call))
@@ -95,21 +89,41 @@ class KvdClient:
             remaining = deadline - time.monotonic()
             chunk = max(min(remaining, self.timeout * WAIT_SHARE), 0.0)
             with self._lock:
-                if self._replay and self._registration is not None:
-                    self._roundtrip(self._registration)
-                    self.reconnects += 1
-                    self._replay = False
-                raw = self._roundtrip(rpc.Wait(rooms=list(rooms), timeout=chunk))
+                raw = self._exchange(rpc.Wait(rooms=list(rooms), timeout=chunk))
             result = msgspec.convert(raw, rpc.PollResult, strict=False)
             if remaining <= chunk or not _pending(rooms, result):
                 return result
+
+    def _exchange(self, call: rpc.Call) -> Any:
+        """One call, registering again first after a reconnect. A connection that was
+        already open and turns out dead (kvd restarted since) is retried once on a fresh
+        one: the old daemon is gone, so the new one has not seen the request."""
+        for attempt in (0, 1):
+            reused = self._sock is not None
+            try:
+                if self._replay and self._registration is not None and \
+                        not isinstance(call, rpc.RegisterKV):
+                    self._roundtrip(self._registration)
+                    self.reconnects += 1
+                    self._replay = False
+                return self._roundtrip(call)
+            except KvdUnreachable:
+                if not reused or attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     def _roundtrip(self, call: rpc.Call) -> Any:
         self._next_id += 1
         req_id = self._next_id
         try:
             sock = self._connect()
-            sock.sendall(rpc.encode(rpc.Request(id=req_id, call=call)))
+            wire_call, fds = rpc.number_fds(call)
+            data = rpc.encode(rpc.Request(id=req_id, call=wire_call))
+            if fds:  # descriptors ride with the request's first bytes (SCM_RIGHTS)
+                sent = socket.send_fds(sock, [data], fds)
+                sock.sendall(data[sent:])
+            else:
+                sock.sendall(data)
             reply = rpc.decode_reply(self._read_frame(sock))
         except OSError as exc:
             self._drop()
@@ -137,8 +151,13 @@ class KvdClient:
         return _recv_exact(sock, length)
 
     def close(self) -> None:
-        """Close the connection (a later call reconnects and re-registers)."""
+        """Say goodbye and close the connection: kvd fails this engine's rooms and releases
+        its memory at once (a dropped connection instead keeps them for the reconnect
+        grace period). A later call reconnects and registers again."""
         with self._lock:
+            if self._sock is not None and self._registration is not None:
+                with contextlib.suppress(KvdError):
+                    self._roundtrip(rpc.Release())
             self._drop()
 
 

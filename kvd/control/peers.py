@@ -15,13 +15,12 @@ import zmq
 import zmq.asyncio
 
 from kvd.addr import format_host
-from kvd.errors import KvdError
+from kvd.errors import KvdError, PeerUnreachable
 
 log = logging.getLogger(__name__)
 
 
-class PeerSendError(KvdError):
-    """A control message could not be handed to a peer within the send timeout."""
+PeerSendError = PeerUnreachable  # the name this module's callers use
 
 
 class ControlPlane:

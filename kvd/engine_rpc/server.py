@@ -1,7 +1,17 @@
 """The engine RPC server: an asyncio Unix-socket server on the daemon's loop.
 
+The listening socket is either bound here (:class:`~kvd.engine_rpc.socket_path.SocketClaim`:
+one daemon per path, a live socket is refused, only our own file is unlinked at stop) or
+inherited from systemd socket activation (``kvd@.socket``, ``LISTEN_FDS``): then systemd
+owns the path, its mode and its lifetime, and the engine's connections queue in the
+backlog while kvd (re)starts.
+
 Each connection carries length-prefixed frames (:mod:`kvd.protocol.rpc`).
-Requests on one connection are answered in order. A kvd error becomes a
+Requests on one connection are answered in order. The server reads with
+``socket.recv_fds`` (a plain ``recv``, or an asyncio stream, drops descriptors):
+descriptors sent with ``SCM_RIGHTS`` belong to the request whose bytes carried them,
+are handed to the call (``fd`` memory handles), and are closed after its reply.
+More than :data:`~kvd.protocol.rpc.MAX_FDS` at once close the connection. A kvd error becomes a
 failed :class:`~kvd.protocol.rpc.Reply` naming its class; a malformed frame
 is answered with a ProtocolError reply and the connection keeps serving; a
 frame over the size limit closes the connection (the stream cannot be
@@ -22,7 +32,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from kvd import notify
+from kvd.engine_rpc.socket_path import SocketClaim
 from kvd.errors import ConfigError, KvdError, ProtocolError
+from kvd.logs import log_context, message_context
 from kvd.protocol import rpc
 
 log = logging.getLogger(__name__)
@@ -45,15 +58,93 @@ def _supplementary_groups(uid: int) -> list[int]:
     return os.getgrouplist(user.pw_name, user.pw_gid)
 
 
+def inherited_socket(path: Path) -> socket.socket | None:
+    """The engine socket systemd passed (``kvd@.socket``), or None if none was passed.
+
+    With several sockets, the one named ``engine`` (``FileDescriptorName=engine``) is
+    used. Raises :class:`ConfigError` if it is not a listening Unix stream socket or
+    is bound to another path than ``engine_socket``.
+    """
+    fds = notify.listen_fds()
+    if not fds:
+        return None
+    fd = fds.get("engine", next(iter(fds.values())) if len(fds) == 1 else None)
+    if fd is None:
+        raise ConfigError(f"systemd passed {len(fds)} sockets ({', '.join(fds)}) and none is "
+                          f"named 'engine': set FileDescriptorName=engine in kvd@.socket")
+    sock = socket.socket(fileno=fd)
+    listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+    if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_STREAM or not listening:
+        sock.detach()
+        raise ConfigError("the socket systemd passed is not a listening Unix stream socket: "
+                          "use ListenStream=/path in kvd@.socket")
+    if sock.getsockname() != str(path):
+        name = sock.getsockname()
+        sock.detach()
+        raise ConfigError(f"systemd passed the socket {name} but engine_socket is {path}: "
+                          f"make ListenStream= and --engine-socket the same path")
+    return sock
+
+
 Dispatch = Callable[[rpc.Call, "Connection"], Awaitable[Any]]
 
 
 class Connection:
-    """One engine connection; ``closed`` callbacks run when it drops."""
+    """One engine connection: the peer's ``pid``/``uid`` (``SO_PEERCRED``), the descriptors
+    that came with the request being served (``fds``); ``on_close`` callbacks run when it
+    drops."""
 
-    def __init__(self, conn_id: int) -> None:
+    def __init__(self, conn_id: int, pid: int = 0, uid: int | None = None) -> None:
         self.id = conn_id
+        self.pid, self.uid = pid, uid
+        self.fds: list[int] = []
         self.on_close: list[Callable[[], None]] = []
+
+
+class _FdStream:
+    """Length-prefixed frames from a non-blocking Unix socket, with their descriptors."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.fds: list[int] = []
+
+    async def _fill(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data, fds, flags, _ = socket.recv_fds(self.sock, 1 << 16, rpc.MAX_FDS)
+            except BlockingIOError:
+                ready = loop.create_future()
+                loop.add_reader(self.sock.fileno(), ready.set_result, None)
+                try:
+                    await ready
+                finally:
+                    loop.remove_reader(self.sock.fileno())
+                continue
+            self.fds += fds
+            if flags & socket.MSG_CTRUNC:
+                raise ConnectionError(f"more than {rpc.MAX_FDS} descriptors in one request")
+            if not data:
+                raise asyncio.IncompleteReadError(bytes(self.buf), None)
+            self.buf += data
+            return
+
+    async def read_exactly(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            await self._fill()
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def take_fds(self) -> list[int]:
+        fds, self.fds = self.fds, []
+        return fds
+
+    def close_fds(self) -> None:
+        for fd in self.take_fds():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class EngineRpcServer:
@@ -72,84 +163,109 @@ class EngineRpcServer:
         self.max_frame = max_frame
         self.gid = _group_id(group) if group else None
         self.refused = 0
-        self._server: asyncio.AbstractServer | None = None
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._claim: SocketClaim | None = None
         self._next_id = 0
         self._handlers: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        """Bind the socket (replacing a stale file) and start accepting."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
-        old = os.umask(0o177)
-        try:
-            self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
-        finally:
-            os.umask(old)
-        if self.gid is not None:
-            os.chown(self.path, -1, self.gid)
-            os.chmod(self.path, 0o660)
-        else:
-            os.chmod(self.path, 0o600)
+        """Take the socket (inherited from systemd, or bound here) and start accepting.
+
+        Raises :class:`ConfigError` (one line with the fix) if the path cannot be used:
+        its folder cannot be created or written, another kvd serves it, a file that is
+        not a socket is in the way, or an inherited socket does not match the settings.
+        """
+        sock = inherited_socket(self.path)
+        if sock is None:
+            self._claim = SocketClaim(self.path)
+            sock = self._claim.bind(gid=self.gid)
+        sock.setblocking(False)
+        self._sock = sock
+        self._accepting = asyncio.create_task(self._accept_loop(sock), name="engine-rpc-accept")
 
     async def stop(self) -> None:
-        """Stop accepting, close connections, unlink the socket."""
-        if self._server is not None:
-            self._server.close()
+        """Stop accepting, close connections, unlink the socket if this daemon made it."""
+        if self._accepting is not None:
+            self._accepting.cancel()
+            await asyncio.gather(self._accepting, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
         for task in list(self._handlers):
             task.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()
+        if self._claim is not None:
+            self._claim.release()
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        if not self._peer_allowed(writer):
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(listener)
+            except OSError as exc:  # EMFILE and friends: keep serving the others
+                log.warning("engine socket: accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            task = asyncio.create_task(self._serve(sock), name="engine-rpc-conn")
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+
+    async def _serve(self, sock: socket.socket) -> None:
+        creds = self._peer_creds(sock)
+        if creds is None:
             self.refused += 1
-            writer.close()
+            sock.close()
             return
-        self._handlers.add(task)
         self._next_id += 1
-        conn = Connection(self._next_id)
+        conn = Connection(self._next_id, pid=creds[0], uid=creds[1])
+        stream = _FdStream(sock)
         try:
-            await self._loop_frames(reader, writer, conn)
+            await self._loop_frames(stream, sock, conn)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
-            self._handlers.discard(task)
+            stream.close_fds()
             for cb in conn.on_close:
                 try:
                     cb()
                 except Exception:
                     log.exception("engine connection close callback failed")
-            writer.close()
+            sock.close()
 
-    def _peer_allowed(self, writer: asyncio.StreamWriter) -> bool:
-        sock = writer.get_extra_info("socket")
+    def _peer_creds(self, sock: socket.socket) -> tuple[int, int] | None:
+        """(pid, uid) of an allowed peer; None (logged) for anyone else."""
         try:
             creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size)
-        except (OSError, AttributeError):
-            return False
+        except OSError:
+            return None
         pid, uid, gid = _CREDS.unpack(creds)
         if uid in (0, os.getuid()) or (self.gid is not None and gid == self.gid):
-            return True
+            return pid, uid
         if self.gid is not None and self.gid in _supplementary_groups(uid):
-            return True
+            return pid, uid
         log.warning("engine socket: refused connection from pid %d uid %d", pid, uid)
-        return False
+        return None
 
-    async def _loop_frames(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+    async def _loop_frames(self, stream: _FdStream, sock: socket.socket,
                            conn: Connection) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            header = await reader.readexactly(rpc.LENGTH.size)
+            header = await stream.read_exactly(rpc.LENGTH.size)
             (length,) = rpc.LENGTH.unpack(header)
             if length > self.max_frame:
                 log.warning("engine frame of %d bytes over the limit; closing connection", length)
                 return
-            frame = await reader.readexactly(length)
-            writer.write(rpc.encode(await self._answer(frame, conn)))
-            await writer.drain()
+            frame = await stream.read_exactly(length)
+            conn.fds = stream.take_fds()
+            try:
+                reply = await self._answer(frame, conn)
+            finally:
+                for fd in conn.fds:  # the call dup'ed what it keeps
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+                conn.fds = []
+            await loop.sock_sendall(sock, rpc.encode(reply))
 
     async def _answer(self, frame: bytes, conn: Connection) -> rpc.Reply:
         try:
@@ -158,9 +274,13 @@ class EngineRpcServer:
             log.warning("malformed engine frame: %s", exc)
             return rpc.Reply(id=0, ok=False, error=str(exc), kind="ProtocolError")
         try:
-            result = await self.dispatch(req.call, conn)
+            rpc.check_fd_indices(req.call, len(conn.fds))
+            # the call's room (and a receiver's bootstrap address) label every line logged
+            # while it runs, and every task it starts
+            with log_context(**message_context(req.call)):
+                result = await self.dispatch(req.call, conn)
         except KvdError as exc:
-            return rpc.Reply(id=req.id, ok=False, error=str(exc), kind=type(exc).__name__)
+            return rpc.Reply(id=req.id, ok=False, error=str(exc), kind=rpc.error_kind(exc))
         except Exception as exc:
             log.exception("engine call %s failed", type(req.call).__name__)
             return rpc.Reply(id=req.id, ok=False, error=f"internal error: {exc}",

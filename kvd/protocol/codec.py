@@ -9,7 +9,10 @@ Version history:
   2 — room incarnations: RoomPages/RoomStatus/RoomAbort carry ``inc``; RoomStatus
       and RoomAbort carry a failure ``kind``; RoomPages carries ``write_within``;
       RoomStatus loses ``unregistered`` (a prefill never answers an unregistered
-      endpoint); RPC replies are typed per call.
+      endpoint); RPC replies are typed per call;
+      memory handles are a tagged union on ``kind`` (``shm``, ``fd`` passed with
+      SCM_RIGHTS, ``cuda_ipc``; :mod:`kvd.protocol.memory`); RegisterRank may carry the
+      decode rank's ExportedPool (``pool``) for the same-host ``local`` backend.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from typing import TypeAlias
 import msgspec
 
 from kvd.protocol import codec
+from kvd.protocol.memory import ExportedPool
 
 
 class KVArgsWire(msgspec.Struct, frozen=True):
@@ -51,6 +52,7 @@ class RegisterRank(msgspec.Struct, tag="register_rank", frozen=True):
     attn_tp_rank: int
     attn_tp_size: int
     kv_args: KVArgsWire
+    pool: ExportedPool | None = None  # for a same-host prefill's ``local`` backend
 
 
 class RoomPages(msgspec.Struct, tag="room_pages", frozen=True):

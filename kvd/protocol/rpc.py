@@ -12,28 +12,27 @@ from typing import Any, TypeAlias
 
 import msgspec
 
+from kvd import errors
+from kvd.errors import ProtocolError
 from kvd.protocol import codec
+from kvd.protocol.memory import CudaIpcHandle, FdHandle, MemoryHandle, ShmHandle
+
+__all__ = ["CudaIpcHandle", "FdHandle", "MemoryHandle", "ShmHandle"]  # re-exported
 
 LENGTH = struct.Struct(">I")
-
-
-class ShmHandle(msgspec.Struct, frozen=True):
-    """A buffer in a shared-memory file: ``path`` under the daemon's shm_dir,
-    ``offset`` and ``length`` in bytes. ``kind`` leaves room for ``cuda_ipc``."""
-
-    path: str
-    offset: int
-    length: int
-    kind: str = "shm"
+#: Most descriptors one request may carry with ``SCM_RIGHTS`` (more close the connection).
+MAX_FDS = 64
 
 
 class RegisterKV(msgspec.Struct, tag="register_kv", frozen=True):
     """The engine's KV and aux buffers (see :class:`~kvd.protocol.control.KVArgsWire`
-    for the meaning of the fields; handles replace raw pointers)."""
+    for the meaning of the fields; handles replace raw pointers). Handles of any kind
+    (:data:`~kvd.protocol.memory.MemoryHandle`), mixed freely; :class:`FdHandle` ones
+    name descriptors sent with the request (:func:`number_fds`)."""
 
-    kv_buffers: list[ShmHandle]
+    kv_buffers: list[MemoryHandle]
     kv_item_lens: list[int]
-    aux_buffers: list[ShmHandle]
+    aux_buffers: list[MemoryHandle]
     aux_item_lens: list[int]
     page_size: int
     num_kv_heads: int
@@ -109,8 +108,13 @@ class Info(msgspec.Struct, tag="info", frozen=True):
     pass
 
 
+class Release(msgspec.Struct, tag="release", frozen=True):
+    """The engine is leaving on purpose (``KvdClient.close``): fail its rooms and release
+    its memory now, without the reconnect grace a dropped connection gets."""
+
+
 Call: TypeAlias = (RegisterKV | SenderCreate | SenderInit | SenderSend | ReceiverCreate
-                   | ReceiverInit | Poll | Wait | Abort | Clear | Info)
+                   | ReceiverInit | Poll | Wait | Abort | Clear | Info | Release)
 
 
 class Request(msgspec.Struct, frozen=True):
@@ -170,3 +174,59 @@ def decode_request(frame: bytes, max_frame: int = codec.DEFAULT_MAX_FRAME) -> Re
 def decode_reply(frame: bytes, max_frame: int = codec.DEFAULT_MAX_FRAME) -> Reply:
     """Parse one reply frame (without its length prefix); raises ProtocolError."""
     return codec.decode(frame, _reply_decoder, max_frame)
+
+
+def number_fds(call: Call) -> tuple[Call, list[int]]:
+    """Engine side: ``call`` with every :class:`FdHandle`'s descriptor NUMBER replaced by
+    its position in the returned list of distinct descriptors, to send with ``SCM_RIGHTS``.
+    Calls without fd handles come back unchanged with ``[]``."""
+    if not isinstance(call, RegisterKV):
+        return call, []
+    fds: list[int] = []
+
+    def renumber(hs: list[MemoryHandle]) -> list[MemoryHandle]:
+        out: list[MemoryHandle] = []
+        for h in hs:
+            if isinstance(h, FdHandle):
+                if h.fd not in fds:
+                    fds.append(h.fd)
+                h = msgspec.structs.replace(h, fd=fds.index(h.fd))
+            out.append(h)
+        return out
+
+    kv, aux = renumber(call.kv_buffers), renumber(call.aux_buffers)
+    if not fds:
+        return call, []
+    return msgspec.structs.replace(call, kv_buffers=kv, aux_buffers=aux), fds
+
+
+def check_fd_indices(call: Call, received: int) -> None:
+    """Daemon side: raise :class:`ProtocolError` unless every :class:`FdHandle` of ``call``
+    names one of the ``received`` descriptors that came with it."""
+    if not isinstance(call, RegisterKV):
+        return
+    for h in (*call.kv_buffers, *call.aux_buffers):
+        if isinstance(h, FdHandle) and not 0 <= h.fd < received:
+            raise ProtocolError(f"fd handle names descriptor #{h.fd} but the request carried "
+                                f"{received} (send them with SCM_RIGHTS: KvdClient does)")
+
+
+#: The errors an engine call can raise, by the name on the wire: the one table both ends
+#: use. Anything else crosses as :class:`~kvd.errors.RpcError` naming its class.
+ERRORS: dict[str, type[errors.KvdError]] = {cls.__name__: cls for cls in (
+    errors.ConfigError, errors.ProtocolError, errors.AuthError, errors.LayoutError,
+    errors.IndexLengthMismatch, errors.BoundsError, errors.RegistrationError,
+    errors.HandleError, errors.CudaUnavailable, errors.RoomError, errors.BootstrapError)}
+
+
+def error_kind(exc: BaseException) -> str:
+    """The wire name of ``exc``: its nearest class in :data:`ERRORS`, else its own name
+    (which the client turns into an RpcError)."""
+    return next((c.__name__ for c in type(exc).__mro__ if c.__name__ in ERRORS),
+                type(exc).__name__)
+
+
+def error_from(kind: str, message: str) -> errors.KvdError:
+    """The exception an engine sees for a failed reply."""
+    cls = ERRORS.get(kind)
+    return cls(message) if cls is not None else errors.RpcError(message, kind)

@@ -3,8 +3,12 @@
 Starts, as separate processes on loopback: a prefill kvd that also serves bootstrap,
 a decode kvd, and the two reference engines (:mod:`kvd.refengine.engines`). Each
 prompt goes through the disaggregated path and its completion is compared token for
-token with a non-disaggregated run of the same model. Prints a table and returns 1
-if any prompt differs (or fails), else 0. Every child is stopped on the way out.
+token with a non-disaggregated run of the same model. The prompts are split between
+the transfer backends (``mooncake`` over loopback TCP, then ``local`` same-host
+copies): between the groups the daemons restart with the next backend on the same
+sockets and ports, and the engines reconnect and register again on their own. Prints
+a table (a column says which backend moved each row) and returns 1 if any prompt
+differs (or fails), else 0. Every child is stopped on the way out.
 """
 
 from __future__ import annotations
@@ -89,37 +93,56 @@ def _engine_env() -> dict[str, str]:
     return env
 
 
-def _start_daemons(work: Path, prefill_tp: int, prefill_pp: int,
-                   decode_tp: int) -> tuple[list[DaemonProcess], list[DaemonProcess]]:
-    """Prefill ranks (tp-major, then pp; rank (0, 0) serves bootstrap), decode ranks."""
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _start_daemons(work: Path, prefill_tp: int, prefill_pp: int, decode_tp: int,
+                   backend: str, boot_port: int
+                   ) -> tuple[list[DaemonProcess], list[DaemonProcess]]:
+    """Prefill ranks (tp-major, then pp; rank (0, 0) serves bootstrap on ``boot_port``),
+    decode ranks; engine sockets named by rank so a restart reuses them."""
     prefill: list[DaemonProcess] = []
+    common: dict[str, Any] = {"transfer_backend": backend}
     for tp in range(prefill_tp):
         for pp in range(prefill_pp):
-            where = ({"serve_bootstrap": True} if not prefill else
-                     {"bootstrap_addr": prefill[0].http_addr})
-            prefill.append(start_daemon("prefill", work, attn_tp_size=prefill_tp,
-                                        attn_tp_rank=tp, pp_size=prefill_pp, pp_rank=pp,
-                                        **where))
-    decode = [start_daemon("decode", work, attn_tp_size=decode_tp, attn_tp_rank=tp)
+            where: dict[str, Any] = (
+                {"serve_bootstrap": True, "http_port": boot_port} if not prefill
+                else {"bootstrap_addr": prefill[0].http_addr})
+            prefill.append(start_daemon(
+                "prefill", work, attn_tp_size=prefill_tp, attn_tp_rank=tp, pp_size=prefill_pp,
+                pp_rank=pp, engine_socket=str(work / f"prefill-{tp}-{pp}.sock"), **common,
+                **where))
+    decode = [start_daemon("decode", work, attn_tp_size=decode_tp, attn_tp_rank=tp,
+                           engine_socket=str(work / f"decode-{tp}.sock"), **common)
               for tp in range(decode_tp)]
     return prefill, decode
 
 
 def run_demo(n_prompts: int = 8, max_new_tokens: int = 16, page_size: int = 16,
              chunk_pages: int = 4, console: Console | None = None, prefill_tp: int = 1,
-             decode_tp: int = 1, prefill_pp: int = 1) -> int:
+             decode_tp: int = 1, prefill_pp: int = 1,
+             backends: tuple[str, ...] = ("mooncake", "local")) -> int:
     """Run the demo; returns 0 if every completion equals the reference, else 1.
 
     ``prefill_tp``/``prefill_pp``/``decode_tp`` shard the engines' KV pools (one kvd per
-    rank); the model has 3 KV heads and 30 layers.
+    rank); the model has 3 KV heads and 30 layers. The prompts are split between
+    ``backends`` in order (consecutive groups).
     """
     console = console or Console()
     work = Path(tempfile.mkdtemp(prefix="kvd-demo-"))
     daemons: list[DaemonProcess] = []
     engines: list[EngineProcess] = []
     codes: list[int] = []
+    rows: list[dict[str, Any]] = []
+    boot_port = _free_port()
     try:
-        prefill, decode = _start_daemons(work, prefill_tp, prefill_pp, decode_tp)
+        prefill, decode = _start_daemons(work, prefill_tp, prefill_pp, decode_tp, backends[0],
+                                         boot_port)
         daemons = prefill + decode
         env = _engine_env()
         engines.append(EngineProcess("prefill", [d.socket for d in prefill],
@@ -131,12 +154,20 @@ def run_demo(n_prompts: int = 8, max_new_tokens: int = 16, page_size: int = 16,
         loads = [e.reply() for e in engines]
         load = ", ".join(f"{r.get('load_s', 0.0):.1f}s" for r in loads)
         console.print(f"engines ready in {time.perf_counter() - t0:.1f}s (model load {load})")
-        rows = _run_prompts(engines[0], engines[1], prefill[0].http_addr, n_prompts,
-                            max_new_tokens, chunk_pages)
+        for k, backend in enumerate(backends):
+            if k:  # the same sockets and ports, the next backend; the engines reconnect
+                codes += [d.stop() for d in daemons]
+                prefill, decode = _start_daemons(work, prefill_tp, prefill_pp, decode_tp,
+                                                 backend, boot_port)
+                daemons = prefill + decode
+            first, last = k * n_prompts // len(backends), (k + 1) * n_prompts // len(backends)
+            rows += [r | {"backend": backend} for r in _run_prompts(
+                engines[0], engines[1], prefill[0].http_addr, range(first, last),
+                max_new_tokens, chunk_pages)]
     finally:
         for e in engines:
             e.stop()
-        codes = [d.stop() for d in daemons]
+        codes += [d.stop() for d in daemons]
     _print_table(console, rows, page_size, chunk_pages,
                  f"prefill TP{prefill_tp} PP{prefill_pp} -> decode TP{decode_tp}")
     ok = all(r["equal"] for r in rows) and len(rows) == n_prompts
@@ -151,10 +182,11 @@ def run_demo(n_prompts: int = 8, max_new_tokens: int = 16, page_size: int = 16,
     return 0 if ok and ok_exit else 1
 
 
-def _run_prompts(prefill: EngineProcess, decode: EngineProcess, bootstrap: str, n: int,
-                 max_new_tokens: int, chunk_pages: int) -> list[dict[str, Any]]:
+def _run_prompts(prefill: EngineProcess, decode: EngineProcess, bootstrap: str,
+                 indices: range, max_new_tokens: int, chunk_pages: int
+                 ) -> list[dict[str, Any]]:
     rows = []
-    for i in range(n):
+    for i in indices:
         prompt = PROMPTS[i % len(PROMPTS)] + (f" (variant {i // len(PROMPTS)})"
                                                if i >= len(PROMPTS) else "")
         tokens = _encode_via(prefill, prompt)
@@ -194,12 +226,13 @@ def _print_table(console: Console, rows: list[dict[str, Any]], page_size: int,
                  chunk_pages: int, topology: str) -> None:
     table = Table(title=f"kvd demo: page_size={page_size}, prefill chunk={chunk_pages} pages, "
                         f"{topology}")
-    for col in ("#", "prompt tokens", "pages", "chunks", "KV bytes", "transfer ms", "GB/s",
-                "equal?"):
+    for col in ("#", "backend", "prompt tokens", "pages", "chunks", "KV bytes", "transfer ms",
+                "GB/s", "equal?"):
         table.add_column(col, justify="right")
     for i, r in enumerate(rows):
         gbps = r["kv_bytes"] / r["xfer_s"] / 1e9 if r["xfer_s"] else 0.0
-        table.add_row(str(i), str(r["tokens"]), str(r["pages"]), str(r["chunks"]),
+        table.add_row(str(i), r.get("backend", "-"), str(r["tokens"]), str(r["pages"]),
+                      str(r["chunks"]),
                       f"{r['kv_bytes']:,}", f"{r['xfer_s'] * 1e3:.2f}", f"{gbps:.2f}",
                       "[green]yes[/green]" if r["equal"] else f"[red]NO[/red] {r['problem']}")
     console.print(table)

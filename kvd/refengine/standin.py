@@ -10,29 +10,31 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from kvd.client import KvdClient, KVPoll, Receiver, RegisterKV, Sender, ShmPool, poll_many
+from kvd.client import FdPool, KvdClient, KVPoll, Receiver, RegisterKV, Sender, ShmPool, poll_many
 
 
-class EngineStandIn:
-    """KV/aux pools for one engine rank plus its kvd client.
+class StandInPool:
+    """KV/aux pools for one engine rank and their registration (no connection).
 
     ``kv[b]`` is a uint8 view ``[num_pages, item_len]`` of buffer ``b``;
-    ``aux`` a uint8 view ``[aux_slots, aux_item_len]``.
+    ``aux`` a uint8 view ``[aux_slots, aux_item_len]``. ``pool``: ``"shm"`` (a /dev/shm
+    file kvd opens by name) or ``"fd"`` (a sealed memfd passed with SCM_RIGHTS).
     """
 
-    def __init__(self, socket: str, num_layers: int = 4, num_pages: int = 256,
-                 item_len: int = 4096, aux_slots: int = 16, aux_item_len: int = 64,
-                 seed: int = 0, page_size: int = 16, head_dim: int = 64,
-                 dtype_size: int = 2) -> None:
-        self.client = KvdClient(socket)
+    def __init__(self, num_layers: int = 4, num_pages: int = 256, item_len: int = 4096,
+                 aux_slots: int = 16, aux_item_len: int = 64, seed: int = 0,
+                 page_size: int = 16, head_dim: int = 64, dtype_size: int = 2,
+                 shm_dir: str = "/dev/shm", pool: str = "shm") -> None:
         self.num_layers, self.num_pages, self.item_len = num_layers, num_pages, item_len
         n_bufs = 2 * num_layers
-        self.pool = ShmPool(ShmPool.size_for([num_pages * item_len] * n_bufs
-                                             + [aux_slots * aux_item_len]))
+        size = ShmPool.size_for([num_pages * item_len] * n_bufs + [aux_slots * aux_item_len])
+        self.pool: ShmPool | FdPool = (FdPool(size) if pool == "fd"
+                                       else ShmPool(size, shm_dir=shm_dir))
         views = [self.pool.alloc(num_pages * item_len) for _ in range(n_bufs)]
         aux_view, aux_handle = self.pool.alloc(aux_slots * aux_item_len)
         rng = np.random.default_rng(seed)
@@ -44,9 +46,8 @@ class EngineStandIn:
             kv_buffers=[h for _, h in views], kv_item_lens=[item_len] * n_bufs,
             aux_buffers=[aux_handle], aux_item_lens=[aux_item_len], page_size=page_size,
             num_kv_heads=heads, head_dim=head_dim, dtype_size=dtype_size, num_layers=num_layers)
-        self.info = self.client.call(self.registration)
 
-    def pages_equal(self, other: EngineStandIn, src_pages: npt.ArrayLike,
+    def pages_equal(self, other: StandInPool, src_pages: npt.ArrayLike,
                     dst_pages: npt.ArrayLike) -> bool:
         """True if ``self``'s dst pages equal ``other``'s src pages in every buffer."""
         s, d = np.asarray(src_pages), np.asarray(dst_pages)
@@ -54,10 +55,23 @@ class EngineStandIn:
                                                                                strict=True))
 
     def close(self) -> None:
-        """Drop the connection and unlink the pool."""
-        self.client.close()
+        """Drop the views and unlink the pool."""
         self.kv, self.aux = [], np.zeros((0, 0), dtype=np.uint8)
         self.pool.close()
+
+
+class EngineStandIn(StandInPool):
+    """A :class:`StandInPool` registered with the kvd at ``socket``."""
+
+    def __init__(self, socket: str, **pool: Any) -> None:
+        super().__init__(**pool)
+        self.client = KvdClient(socket)
+        self.info = self.client.call(self.registration)
+
+    def close(self) -> None:
+        """Drop the connection and unlink the pool."""
+        self.client.close()
+        super().close()
 
 
 def wait_rooms(client: KvdClient, rooms: list[int], timeout: float = 30.0,
@@ -114,18 +128,19 @@ class ModelSpec:
         return np.random.default_rng(seed).integers(0, 2**16, shape, dtype=np.uint16)
 
 
-class ShardStandIn:
-    """One engine rank holding a TP/PP shard of a :class:`ModelSpec` KV cache.
+class ShardPool:
+    """One engine rank's pools holding a TP/PP shard of a :class:`ModelSpec` KV cache,
+    and their registration (no connection).
 
-    ``kv[layer][kind]`` is the shard of one buffer as ``[pages, page_size, heads, dim]``
-    (viewed through the layout); the pool bytes follow ``spec.layout``. Prefill ranks
-    are filled from ``source`` (a :meth:`ModelSpec.global_kv`), decode ranks with noise.
+    ``buffers[i]`` is buffer ``i`` as uint16 (K of every layer, then V); the pool bytes
+    follow ``spec.layout``. Prefill ranks are filled from ``source`` (a
+    :meth:`ModelSpec.global_kv`), decode ranks with noise.
     """
 
-    def __init__(self, socket: str, spec: ModelSpec, tp_rank: int = 0, tp_size: int = 1,
+    def __init__(self, spec: ModelSpec, tp_rank: int = 0, tp_size: int = 1,
                  layer_start: int = 0, num_layers: int | None = None,
                  source: npt.NDArray[np.uint16] | None = None, seed: int = 0,
-                 item_len_scale: float = 1.0) -> None:
+                 item_len_scale: float = 1.0, shm_dir: str = "/dev/shm") -> None:
         from kvd.transfer.layout import rank_heads
 
         self.spec, self.tp_rank, self.tp_size = spec, tp_rank, tp_size
@@ -136,7 +151,8 @@ class ShardStandIn:
         item = spec.page_size * self.nh * spec.head_dim * 2
         n_bufs = self.num_layers * spec.kinds
         self.pool = ShmPool(ShmPool.size_for([spec.num_pages * item] * n_bufs
-                                             + [spec.aux_slots * spec.aux_item_len]))
+                                             + [spec.aux_slots * spec.aux_item_len]),
+                            shm_dir=shm_dir)
         self.pool.bytes[:] = np.random.default_rng(seed).integers(0, 256, self.pool.nbytes,
                                                                   dtype=np.uint8)
         bufs = [self.pool.alloc(spec.num_pages * item) for _ in range(n_bufs)]
@@ -146,14 +162,12 @@ class ShardStandIn:
         if source is not None:
             for i in range(n_bufs):
                 self.buffers[i][:] = self._shard(source, *self._layer_kind(i)).ravel()
-        self.client = KvdClient(socket)
         self.registration = RegisterKV(
             kv_buffers=[h for _, h in bufs], kv_item_lens=[int(item * item_len_scale)] * n_bufs,
             aux_buffers=[aux_handle], aux_item_lens=[spec.aux_item_len],
             page_size=spec.page_size, num_kv_heads=self.nh, head_dim=spec.head_dim,
             dtype_size=2, num_layers=self.num_layers, layer_start=layer_start,
             is_mla=spec.is_mla, layout=spec.layout, total_kv_heads=total)
-        self.info = self.client.call(self.registration)
 
     def _layer_kind(self, i: int) -> tuple[int, int]:
         """Buffer index -> (absolute layer, kind): K of every layer, then V (MHA)."""
@@ -184,8 +198,21 @@ class ShardStandIn:
         return True
 
     def close(self) -> None:
-        """Drop the connection and unlink the pool."""
-        self.client.close()
+        """Drop the views and unlink the pool."""
         self.buffers = []
         self.aux = np.zeros((0, 0), dtype=np.uint8)
         self.pool.close()
+
+
+class ShardStandIn(ShardPool):
+    """A :class:`ShardPool` registered with the kvd at ``socket``."""
+
+    def __init__(self, socket: str, spec: ModelSpec, *args: Any, **shard: Any) -> None:
+        super().__init__(spec, *args, **shard)
+        self.client = KvdClient(socket)
+        self.info = self.client.call(self.registration)
+
+    def close(self) -> None:
+        """Drop the connection and unlink the pool."""
+        self.client.close()
+        super().close()

@@ -133,7 +133,7 @@ class Ended:
     peer: str
     created: float
     nbytes: int = 0
-    seconds: float = 0.0
+    seconds: float | None = None  # None: this side does not write (decode)
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,12 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from kvd.errors import ProtocolError, RoomError
+from kvd.errors import LayoutError, ProtocolError, RoomError
 from kvd.protocol import control
 from kvd.protocol.codec import unpack_indices
 from kvd.rooms.effects import AbortUnknown, Effect, Ended, Resolve, Send, Wake, WriteAux
 from kvd.rooms.state import TERMINAL, FailureKind, KVPoll, RoomFailure, Timeouts
+from kvd.transfer.plan import check_page_range
 
 ORIGIN = "decode"
 
@@ -124,10 +125,9 @@ class ReceiverRooms:
     :meth:`resolved`, :meth:`resolve_failed`, :meth:`send_failed`. Peer events:
     :meth:`on_status`, :meth:`peer_lost`. Time: :meth:`tick`. Each returns the
     effects to perform, in order; engine events raise :class:`RoomError` for calls
-    the engine got wrong (the effects of one refused after it changed a room are
-    returned by the next :meth:`tick`, never lost). ``num_pages``, ``num_aux_slots``
-    and ``aux_sizes`` (bytes per aux item, per buffer) describe the local pool once the
-    engine registered.
+    the engine got wrong (with the effects of whatever the call still changed).
+    ``num_pages``, ``num_aux_slots`` and ``aux_sizes`` (bytes per aux item, per buffer)
+    describe the local pool once the engine registered.
     """
 
     def __init__(self, endpoint: str, instance: str, timeouts: Timeouts | None = None,
@@ -144,7 +144,6 @@ class ReceiverRooms:
                                      first_incarnation(instance))
         self._base_instance = instance
         self._registrations = 0
-        self._deferred: list[Effect] = []  # effects of a refused call; the next tick returns them
 
     # ---- engine events ----------------------------------------------------------------
 
@@ -171,9 +170,10 @@ class ReceiverRooms:
             pages = unpack_indices(dst_pages)
         except ProtocolError as exc:
             raise RoomError(f"room {room}: {exc}") from exc
-        if pages.size and int(pages.max()) >= self.num_pages:
-            raise RoomError(f"room {room} destination: page index {int(pages.max())} outside "
-                            f"[0, {self.num_pages})")
+        try:
+            check_page_range(pages, self.num_pages, f"room {room} destination")
+        except LayoutError as exc:
+            raise RoomError(str(exc)) from exc
         if self.num_aux_slots and not 0 <= aux_index < self.num_aux_slots:
             raise RoomError(f"room {room}: aux_index {aux_index} outside "
                             f"[0, {self.num_aux_slots})")
@@ -202,16 +202,15 @@ class ReceiverRooms:
 
     def clear(self, room: int, now: float) -> list[Effect]:
         """Forget a room (an unfinished one is aborted first). Raises RoomError, and
-        keeps the room, while its pages are not releasable (K06); an abort done on the
-        way stands, and its messages to the targets leave with the next :meth:`tick`."""
+        keeps the room, while its pages are not releasable (K06); the error carries the
+        abort's effects (its prefill ranks must hear it, K22)."""
         r = self.rooms.get(room)
         if r is None:
             return []
         out = [] if r.done else self.abort(room, "cleared before it finished", now)
-        if not r.releasable(now, self.timeouts):
-            self._deferred += out  # the abort stands: its targets must hear it (next tick)
+        if not r.releasable(now, self.timeouts):  # the abort's effects still happen
             raise RoomError(f"room {room}: pages not releasable yet (a prefill write may be "
-                            f"in flight); wait for the room, then clear")
+                            f"in flight); wait for the room, then clear", out)
         del self.rooms[room]
         return out
 
@@ -259,13 +258,23 @@ class ReceiverRooms:
 
     def send_failed(self, room: int, inc: int, endpoint: str, failure: RoomFailure,
                     now: float) -> list[Effect]:
-        """A control message for the room could not be delivered to ``endpoint``: the
-        room fails now, not at its deadline (K32)."""
+        """The room's pages could not be delivered to ``endpoint`` (the send failed or was
+        abandoned; nothing reached the peer): the room fails now, not at its deadline
+        (K32), and that target cannot hold its pages back from being releasable."""
         r = self._current(room, inc)
         out: list[Effect] = []
-        if r is not None and not r.done:
+        if r is None:
+            return out
+        # Only RoomPages name their room: that message never left, so this target has no
+        # pages to write into and need not confirm anything before they are releasable.
+        r.sent.discard(endpoint)
+        if not r.done:
             r.told.add(endpoint)  # it did not take our messages; do not queue more
             self._fail(r, failure, now, out)
+        elif r.status == KVPoll.Failed and not r.release_seen and \
+                r.releasable(now, self.timeouts):
+            r.release_seen = True
+            out.append(Wake())
         return out
 
     # ---- peer events ------------------------------------------------------------------
@@ -313,17 +322,15 @@ class ReceiverRooms:
             out.append(Wake())
         return out
 
-    def peer_lost(self, bootstrap_addr: str, failure: RoomFailure, now: float,
-                  created_before: float | None = None) -> list[Effect]:
-        """Fail every unfinished room fed by ``bootstrap_addr`` (created by
-        ``created_before``, monotonic s, when given: after a restart, newer rooms may be
-        bound to the new instance). Its prefill ranks are still told (queued behind the
-        pages), so a frozen prefill that resumes drops them."""
+    def peer_lost(self, bootstrap_addr: str, failure: RoomFailure,
+                  now: float) -> list[Effect]:
+        """Fail every unfinished room fed by ``bootstrap_addr`` (it stopped answering, or
+        it restarted: rooms resolved before that are bound to an instance that is gone).
+        Its prefill ranks are still told (queued behind the pages), so a frozen prefill
+        that resumes drops them."""
         out: list[Effect] = []
         for r in list(self.rooms.values()):
-            if r.bootstrap_addr != bootstrap_addr or r.done:
-                continue
-            if created_before is None or r.created <= created_before:
+            if r.bootstrap_addr == bootstrap_addr and not r.done:
                 self._fail(r, failure, now, out)
         return out
 
@@ -331,9 +338,8 @@ class ReceiverRooms:
 
     def tick(self, now: float) -> list[Effect]:
         """Deadlines; wake waiters when a failed room's pages free up; drop finished
-        rooms the engine never cleared. First, the effects of a call that was refused after
-        it had changed a room (a clear of an unfinished room: its aborts)."""
-        out, self._deferred = self._deferred, []
+        rooms the engine never cleared."""
+        out: list[Effect] = []
         for r in list(self.rooms.values()):
             if self._overdue(r, now, out):
                 continue

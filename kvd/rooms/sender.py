@@ -41,13 +41,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvd.control.routing import resolve_targets
-from kvd.errors import RegistrationError, RoomError
+from kvd.errors import LayoutError, RegistrationError, RoomError
 from kvd.protocol import control
 from kvd.protocol.codec import unpack_indices
 from kvd.rooms.effects import Effect, Ended, ForgetPeer, Report, Wake, Write, WriteDest
 from kvd.rooms.state import TERMINAL, FailureKind, KVPoll, RoomFailure, Timeouts
 from kvd.rooms.tombstones import Bounded
-from kvd.transfer.plan import Pages
+from kvd.transfer.plan import Pages, check_page_range
 
 ORIGIN = "prefill"
 
@@ -201,9 +201,8 @@ class SenderRooms:
     :meth:`clear`. Peer events: :meth:`on_register`, :meth:`on_pages`,
     :meth:`on_abort`. Results: :meth:`write_done`. Time: :meth:`tick`. Each
     returns the effects to perform, in order. Engine events raise
-    :class:`RoomError` for calls the engine got wrong (the effects of one refused after
-    it changed a room are returned by the next :meth:`tick`, never lost); peer events
-    never raise.
+    :class:`RoomError` for calls the engine got wrong (with the effects of whatever the
+    call still changed, e.g. a room it failed); peer events never raise.
     ``num_pages``/``num_aux_slots`` describe the local KV pool (0 until the engine
     registered).
     """
@@ -230,7 +229,6 @@ class SenderRooms:
                                                                     self.limits.tombstones)
         self.dropped: Counter[str] = Counter()  # stale / unbound / unregistered messages
         self._attempts = 0
-        self._deferred: list[Effect] = []  # effects of a refused call; the next tick returns them
 
     # ---- engine events ----------------------------------------------------------------
 
@@ -274,12 +272,11 @@ class SenderRooms:
         if r.done:
             return []
         out: list[Effect] = []
-        if pages.size and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
-            reason = (f"room {room}: source page index outside [0, {self.num_pages}) "
-                      f"(got {int(pages.min())}..{int(pages.max())})")
-            self._fail(r, RoomFailure(FailureKind.LAYOUT, reason, ORIGIN), now, out)
-            self._deferred += out  # the decode ranks must hear it (next tick)
-            raise RoomError(reason)
+        try:
+            check_page_range(pages, self.num_pages, f"room {room} source")
+        except LayoutError as exc:
+            self._fail(r, RoomFailure(FailureKind.LAYOUT, str(exc), ORIGIN), now, out)
+            raise RoomError(str(exc), out) from exc  # the failure's effects still happen
         r.chunks.append((pages, is_last))
         self._kick(r, now, out)
         return out
@@ -371,8 +368,9 @@ class SenderRooms:
             self.dropped["late"] += 1
             out.append(word)
             return out
-        if not self._routes_here(peer, msg.room):
-            self.dropped["unbound"] += 1
+        full = r is not None and r.required is not None and len(r.dests) >= r.required
+        if full or not self._routes_here(peer, msg.room):
+            self.dropped["unbound"] += 1  # not a party to this room, and cannot become one
             return out
         self._drop_pending(msg.room, msg.endpoint)
         inc = msg.inc
@@ -415,10 +413,8 @@ class SenderRooms:
 
     def tick(self, now: float) -> list[Effect]:
         """Deadlines: fail rooms past their state's deadline; expire buffered pages,
-        early aborts, tombstones, unclaimed finished rooms and idle peers. First, the
-        effects of a call that was refused after it had failed a room (reports to its
-        decode ranks)."""
-        out, self._deferred = self._deferred, []
+        early aborts, tombstones, unclaimed finished rooms and idle peers."""
+        out: list[Effect] = []
         for r in list(self.rooms.values()):
             if self._overdue(r, now, out):
                 continue
@@ -559,8 +555,8 @@ class SenderRooms:
             self._overdue(r, now, out)  # too late to bind: answered as an ended room
         if r.done:
             out.append(self._answer(peer, msg, r.failure or RoomFailure(
-                FailureKind.DUPLICATE, f"room {r.room}: already ended (Success) on "
-                f"prefill for {r.peers}", ORIGIN), now))
+                FailureKind.DUPLICATE, f"room {r.room}: duplicate room (already ended: "
+                f"Success on prefill for {r.peers})", ORIGIN), now))
             return
         if existing is not None or (r.required is not None and len(r.dests) >= r.required):
             out.append(self._answer(peer, msg, RoomFailure(
@@ -591,10 +587,10 @@ class SenderRooms:
         if msg.required_dst_info_num < 1:
             return RoomFailure(FailureKind.LAYOUT, f"room {room}: required_dst_info_num "
                                f"{msg.required_dst_info_num} < 1", ORIGIN)
-        if pages.size and int(pages.max()) >= peer.num_pages:
-            return RoomFailure(FailureKind.LAYOUT, f"room {room} destination: page index "
-                               f"{int(pages.max())} outside the decode pool of "
-                               f"{peer.num_pages} pages", ORIGIN)
+        try:
+            check_page_range(pages, peer.num_pages, f"room {room} destination")
+        except LayoutError as exc:
+            return RoomFailure(FailureKind.LAYOUT, str(exc), ORIGIN)
         if not 0 <= msg.aux_index < max(peer.num_aux_slots, 1) or (
                 peer.num_aux_slots == 0 and msg.aux_index):
             return RoomFailure(FailureKind.LAYOUT, f"room {room}: aux_index {msg.aux_index} "
@@ -665,10 +661,10 @@ class SenderRooms:
 
     def _report_all(self, r: SenderRoom, now: float, out: list[Effect]) -> None:
         """The room's status to every destination still registered as the instance the
-        room is bound to (a restarted decode does not know the room)."""
+        room is bound to (a restarted decode does not know the room; the same instance
+        registering again, e.g. after a new bootstrap epoch, still does)."""
         for endpoint, d in r.dests.items():
             peer = self.peers.get(endpoint)
-            # compare instances, not DecodePeer objects: an instance may register again
             if peer is not None and peer.instance == d.peer.instance:
                 out.append(self._report(r, endpoint, d.inc, now))
 
@@ -717,7 +713,7 @@ class SenderRooms:
         del self.peers[old.endpoint]  # reports skip destinations bound to the old instance
         for r in list(self.rooms.values()):
             d = r.dests.get(old.endpoint)
-            if d is not None and d.peer.instance == old.instance:  # not `is`: see _report_all
+            if d is not None and d.peer.instance == old.instance:
                 self._fail(r, failure, now, out)
         self._drop_pending_of(old.endpoint)
         self.dropped["restarted_peer"] += 1

@@ -1,62 +1,107 @@
-"""Runs blocking transfer-engine writes off the loop, sharded by destination session.
+"""Runs blocking transfer-backend writes off the loop: one thread per destination.
 
-Each shard is a one-thread executor, so one session's writes stay in order
-and a slow session only delays rooms that share its shard. The loop awaits
-the result; cancelling the awaiting task does NOT stop a write already
-inside a thread, so callers must not free or acknowledge pages until
-:meth:`TransferExecutor.write` returns or raises.
+Each destination session gets its own single-thread executor, created on
+first use, so one session's writes stay in order and a slow or frozen
+destination delays only the rooms that go to it — whatever the number of
+destinations (case K24: isolation must not depend on hashing peers onto a few
+threads). A session's thread is stopped once it has been idle for
+``idle_s`` seconds. At most ``queue_size`` writes per session are handed to its
+thread at a time (SGLang's ``QUEUE_SIZE``); further writes wait on the loop.
+
+The loop awaits each result; cancelling the awaiting task does NOT stop a
+write already inside a thread, so callers must not free or acknowledge pages
+until :meth:`TransferExecutor.write` returns or raises.
 """
 
 from __future__ import annotations
 
 import asyncio
-import zlib
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from kvd.transfer.backends.base import TransferEngine
 from kvd.transfer.plan import Descriptors
 
 
-class TransferExecutor:
-    """``shards`` single-thread executors in front of one :class:`TransferEngine`.
+@dataclass
+class _Lane:
+    """One destination's thread, its admission slots and its last use (monotonic s)."""
 
-    At most ``queue_size`` writes are handed to each shard at a time (SGLang's
-    ``QUEUE_SIZE``); further writes wait on the loop, in order, without holding a
-    thread or memory in the executor's queue.
+    pool: ThreadPoolExecutor
+    slots: asyncio.Semaphore
+    active: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+
+
+class TransferExecutor:
+    """Per-destination threads in front of one :class:`TransferEngine`.
+
+    ``shards`` is kept for configuration compatibility and bounds nothing: the
+    thread count follows the destinations in use (idle threads are stopped).
     """
 
-    def __init__(self, engine: TransferEngine, shards: int = 1, queue_size: int = 4) -> None:
+    def __init__(self, engine: TransferEngine, shards: int = 1, queue_size: int = 4,
+                 idle_s: float = 60.0) -> None:
         self.engine = engine
-        n = max(1, shards)
-        self._pools = [ThreadPoolExecutor(1, thread_name_prefix=f"kvd-xfer-{i}")
-                       for i in range(n)]
-        self._slots = [asyncio.Semaphore(max(1, queue_size)) for _ in range(n)]
+        self.queue_size = max(1, queue_size)
+        self.idle_s = idle_s
+        self._lanes: dict[str, _Lane] = {}
+        self._retired: list[ThreadPoolExecutor] = []
         self.busy = 0
 
-    def _shard(self, session: str) -> int:
-        return zlib.crc32(session.encode()) % len(self._pools)
+    @property
+    def threads(self) -> int:
+        """Destination threads alive now."""
+        return len(self._lanes)
+
+    def _lane(self, session: str) -> _Lane:
+        lane = self._lanes.get(session)
+        if lane is None:
+            self._reap()
+            name = f"kvd-xfer-{len(self._lanes)}"
+            lane = _Lane(ThreadPoolExecutor(1, thread_name_prefix=name),
+                         asyncio.Semaphore(self.queue_size))
+            self._lanes[session] = lane
+        return lane
+
+    def _reap(self) -> None:
+        now = time.monotonic()
+        for session, lane in list(self._lanes.items()):
+            if lane.active == 0 and now - lane.last_used > self.idle_s:
+                del self._lanes[session]
+                lane.pool.shutdown(wait=False)
+                self._retired.append(lane.pool)
 
     async def write(self, session: str, desc: Descriptors, deadline: float | None = None) -> None:
         """Write ``desc`` to ``session`` (retrying refusals until ``deadline``, monotonic s);
-        raises TransportError from the engine."""
+        raises TransportError from the backend."""
         if len(desc) == 0:
             return
-        shard = self._shard(session)
-        async with self._slots[shard]:
-            loop = asyncio.get_running_loop()
-            fut = loop.run_in_executor(self._pools[shard], self.engine.write, session, desc,
-                                       deadline)
-            self.busy += 1
-            try:
-                await asyncio.shield(fut)
-            except asyncio.CancelledError:
-                # The write is still running in its thread: wait it out before unwinding.
-                await asyncio.wait([fut])
-                raise
-            finally:
-                self.busy -= 1
+        lane = self._lane(session)
+        lane.active += 1
+        try:
+            async with lane.slots:
+                loop = asyncio.get_running_loop()
+                fut = loop.run_in_executor(lane.pool, self.engine.write, session, desc, deadline)
+                self.busy += 1
+                try:
+                    await asyncio.shield(fut)
+                except asyncio.CancelledError:
+                    # The write is still running in its thread: wait it out before unwinding.
+                    await asyncio.wait([fut])
+                    raise
+                finally:
+                    self.busy -= 1
+        finally:
+            lane.active -= 1
+            lane.last_used = time.monotonic()
 
     def shutdown(self) -> None:
         """Wait for running writes, then stop the threads."""
-        for pool in self._pools:
+        for lane in self._lanes.values():
+            lane.pool.shutdown(wait=True)
+        for pool in self._retired:
             pool.shutdown(wait=True)
+        self._lanes.clear()
+        self._retired.clear()

@@ -8,7 +8,7 @@ import numpy as np
 
 from kvd.errors import LayoutError, RegistrationError
 from kvd.protocol.control import KVArgsWire
-from kvd.transfer.plan import Addrs, Regions, _u64
+from kvd.transfer.plan import Addrs, Regions, _u64, aux_ids
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,8 @@ class RankArgs:
 
     ``num_pages`` is the number of whole pages every KV buffer holds;
     ``num_aux_slots`` the same for aux buffers; ``regions`` every registered
-    byte range (KV and aux) for bounds checks.
+    buffer (KV ids ``0..``, aux ids ``-1, -2, ..``), one region each, for per-buffer
+    bounds checks.
     """
 
     wire: KVArgsWire
@@ -39,11 +40,19 @@ class RankArgs:
             aux_ptrs, aux_lens, aux_items = (_u64(x) for x in (
                 wire.aux_data_ptrs, wire.aux_data_lens, wire.aux_item_lens))
             regions = Regions.of(np.concatenate([kv_ptrs, aux_ptrs]),
-                                 np.concatenate([kv_lens, aux_lens]))
+                                 np.concatenate([kv_lens, aux_lens]),
+                                 np.concatenate([np.arange(kv_ptrs.size, dtype=np.int64),
+                                                 aux_ids(aux_ptrs.size)]))
         except LayoutError as exc:
             raise RegistrationError(f"invalid KV args: {exc}") from exc
         num_pages = int((kv_lens // kv_items).min()) if kv_ptrs.size else 0
         slots = int((aux_lens // aux_items).min()) if aux_ptrs.size else 0
+        if kv_ptrs.size and num_pages == 0:
+            raise RegistrationError("invalid KV args: a KV buffer is shorter than one page")
+        if aux_ptrs.size and slots == 0:  # case S07: zero slots switched every aux check off
+            b = int(np.flatnonzero(aux_lens // aux_items == 0)[0])
+            raise RegistrationError(f"invalid KV args: aux buffer {b} ({int(aux_lens[b])} bytes)"
+                                    f" is shorter than one aux item ({int(aux_items[b])} bytes)")
         return RankArgs(wire, kv_ptrs, kv_items, aux_ptrs, aux_items, num_pages, slots, regions)
 
 

@@ -336,28 +336,32 @@ def plan_transfer(src: RankLayout, dst: RankLayout, src_pages: npt.ArrayLike,
     _check_no_wrap(s_ptr, s_item, sp, "source")
     _check_no_wrap(d_ptr, d_item, dp, "destination")
     if src.is_mla or n_heads == src.num_kv_heads == dst.num_kv_heads:
-        return plan_pages(s_ptr, d_ptr, s_item, d_item, sp, dp)
+        return plan_pages(s_ptr, d_ptr, s_item, d_item, sp, dp, sb, db)
     head_bytes = src.head_dim * src.dtype_size
     if src.layout == "HND":  # [page][head][token][dim]: the slice is one run per page
         run = src.page_size * head_bytes
         s_in, d_in = np.array([s_off * run], dtype=U64), np.array([d_off * run], dtype=U64)
-        return _strided((s_ptr, s_item, sp, s_in), (d_ptr, d_item, dp, d_in), n_heads * run)
+        return _strided((s_ptr, s_item, sp, s_in), (d_ptr, d_item, dp, d_in), n_heads * run,
+                        (sb, db))
     tokens = np.arange(src.page_size, dtype=U64)  # [page][token][head][dim]: one run per slot
     s_in = tokens * U64(src.num_kv_heads * head_bytes) + U64(s_off * head_bytes)
     d_in = tokens * U64(dst.num_kv_heads * head_bytes) + U64(d_off * head_bytes)
-    return _strided((s_ptr, s_item, sp, s_in), (d_ptr, d_item, dp, d_in), n_heads * head_bytes)
+    return _strided((s_ptr, s_item, sp, s_in), (d_ptr, d_item, dp, d_in), n_heads * head_bytes,
+                    (sb, db))
 
 
 _Side = tuple[Addrs, Addrs, Pages, Addrs]
 
 
-def _strided(src: _Side, dst: _Side, length: int) -> Descriptors:
+def _strided(src: _Side, dst: _Side, length: int,
+             bufs: tuple[Pages, Pages]) -> Descriptors:
     """Descriptors ``[b, i, t] = ptr[b] + pages[i] * item[b] + inner[t]``, each ``length`` bytes.
 
     Each side is ``(ptr [B], item [B], pages [P], inner [T])``; entries are in
     C order ``[B][P][T]``. All three outputs live in one ``[3, B*P*T]`` block
     written in place: one allocation, no full-size temporaries (the block is
-    large, so fresh pages -- not arithmetic -- dominate planning time).
+    large, so fresh pages -- not arithmetic -- dominate planning time). ``bufs``: the
+    buffer ids ``[B]`` of each side, for per-buffer bounds checks.
     """
     b, p, t = src[0].size, src[2].size, src[3].size
     spans = []
@@ -376,7 +380,8 @@ def _strided(src: _Side, dst: _Side, length: int) -> Descriptors:
             np.add(base[:, :, None], inner[None, None, :], out=out[k])
     out[2] = U64(length)
     flat = out.reshape(3, b * p * t)
-    return Descriptors(flat[0], flat[1], flat[2], (spans[0], spans[1], spans[2], spans[3]))
+    return Descriptors(flat[0], flat[1], flat[2], (spans[0], spans[1], spans[2], spans[3]),
+                       (bufs[0].astype(np.int64), bufs[1].astype(np.int64)))
 
 
 def _check_no_wrap(ptrs: Addrs, items: Addrs, pages: Pages, what: str) -> None:

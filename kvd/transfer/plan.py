@@ -18,6 +18,13 @@ from kvd.errors import BoundsError, IndexLengthMismatch, LayoutError
 U64 = np.uint64
 Pages = npt.NDArray[np.int64]
 Addrs = npt.NDArray[np.uint64]
+Ids = npt.NDArray[np.int64]
+
+
+def aux_ids(n: int) -> Ids:
+    """Buffer ids of ``n`` aux buffers: ``-1, -2, ...`` (KV buffers are ``0, 1, ...``), so
+    one id space names every buffer of a rank (:meth:`Regions.of`, ``span_bufs``)."""
+    return -1 - np.arange(n, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -30,18 +37,25 @@ class Descriptors:
     construction (each descriptor is ``ptr + page * item + inner`` and the span is the
     extreme of each term). :func:`check_plan_bounds` checks the K spans instead of the
     N descriptors (K = buffers, N up to millions).
+
+    ``span_bufs``, when present, is ``(src_ids, dst_ids)``: int64 ``[K]``, the buffer
+    each span was planned FROM and TO (KV buffer ``b`` is id ``b``, aux buffer ``a`` is
+    ``-1 - a``: :func:`aux_ids`). :func:`check_plan_bounds` then checks every span
+    against that one buffer, never against the union of a rank's regions (case S07).
     """
 
     src: Addrs
     dst: Addrs
     length: Addrs
     spans: tuple[Addrs, Addrs, Addrs, Addrs] | None = None
+    span_bufs: tuple[Ids, Ids] | None = None
 
     @staticmethod
     def empty() -> Descriptors:
         """No descriptors."""
         z = np.zeros(0, dtype=U64)
-        return Descriptors(z, z.copy(), z.copy(), (z, z, z, z))
+        i = np.zeros(0, dtype=np.int64)
+        return Descriptors(z, z.copy(), z.copy(), (z, z, z, z), (i, i.copy()))
 
     def __len__(self) -> int:
         return int(self.src.size)
@@ -52,15 +66,19 @@ class Descriptors:
         return int(self.length.sum(dtype=U64))
 
     def concat(self, other: Descriptors) -> Descriptors:
-        """Self's entries followed by ``other``'s (spans kept when both have them)."""
-        spans = None
+        """Self's entries followed by ``other``'s (spans and their buffer ids kept when
+        both have them)."""
+        spans = bufs = None
         if self.spans is not None and other.spans is not None:
             a, b = self.spans, other.spans
             spans = (np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]]),
                      np.concatenate([a[2], b[2]]), np.concatenate([a[3], b[3]]))
+            if self.span_bufs is not None and other.span_bufs is not None:
+                x, y = self.span_bufs, other.span_bufs
+                bufs = (np.concatenate([x[0], y[0]]), np.concatenate([x[1], y[1]]))
         return Descriptors(np.concatenate([self.src, other.src]),
                            np.concatenate([self.dst, other.dst]),
-                           np.concatenate([self.length, other.length]), spans)
+                           np.concatenate([self.length, other.length]), spans, bufs)
 
     def batches(self, max_entries: int) -> list[Descriptors]:
         """Split into consecutive sub-batches of at most ``max_entries`` entries."""
@@ -137,14 +155,16 @@ def _u64(values: npt.ArrayLike) -> Addrs:
 
 def plan_pages(src_ptrs: npt.ArrayLike, dst_ptrs: npt.ArrayLike, src_item_lens: npt.ArrayLike,
                dst_item_lens: npt.ArrayLike, src_pages: npt.ArrayLike,
-               dst_pages: npt.ArrayLike) -> Descriptors:
+               dst_pages: npt.ArrayLike, src_ids: npt.ArrayLike | None = None,
+               dst_ids: npt.ArrayLike | None = None) -> Descriptors:
     """Descriptors that copy whole pages buffer by buffer (equal TP, any page size).
 
     ``src_ptrs[b]``/``dst_ptrs[b]`` are the base addresses of buffer ``b`` (B
     buffers: K and V of every layer for MHA, one per layer for MLA) and
     ``*_item_lens[b]`` its bytes per page; page ``p`` of buffer ``b`` lives at
     ``ptr[b] + p * item_len[b]``. Contiguous page runs become one descriptor
-    per buffer. Output order: buffer-major, runs in page order.
+    per buffer. Output order: buffer-major, runs in page order. ``src_ids``/``dst_ids``
+    (int ``[B]``, default ``0..B-1``) name the buffers for per-buffer bounds checks.
 
     Raises :class:`LayoutError` on mismatched buffer counts or item lengths
     (case K12: "kv item len mismatch"), :class:`IndexLengthMismatch` on
@@ -166,52 +186,88 @@ def plan_pages(src_ptrs: npt.ArrayLike, dst_ptrs: npt.ArrayLike, src_item_lens: 
     length = (nu[None, :] * sl[:, None]).ravel()
     spans = (sp + U64(s0.min()) * sl, sp + U64((s0 + n).max()) * sl,
              dp + U64(d0.min()) * sl, dp + U64((d0 + n).max()) * sl)
-    return Descriptors(src, dst, length, spans)
+    return Descriptors(src, dst, length, spans, _ids(src_ids, dst_ids, sp.size))
+
+
+def _ids(src_ids: npt.ArrayLike | None, dst_ids: npt.ArrayLike | None, n: int,
+         default: Ids | None = None) -> tuple[Ids, Ids]:
+    base = np.arange(n, dtype=np.int64) if default is None else default
+    s = base if src_ids is None else np.asarray(src_ids, dtype=np.int64)
+    d = base if dst_ids is None else np.asarray(dst_ids, dtype=np.int64)
+    if s.shape != (n,) or d.shape != (n,):
+        raise LayoutError(f"buffer ids must be [{n}] arrays")
+    return s, d
 
 
 def plan_aux(src_ptrs: npt.ArrayLike, dst_ptrs: npt.ArrayLike, item_lens: npt.ArrayLike,
              src_index: int, dst_index: int) -> Descriptors:
-    """One descriptor per aux buffer: slot ``src_index`` -> slot ``dst_index`` (bytes)."""
+    """One descriptor per aux buffer: slot ``src_index`` -> slot ``dst_index`` (bytes).
+
+    Spans name aux buffer ``a`` on both sides (id ``-1 - a``, :func:`aux_ids`), so a slot
+    index past the end of its buffer fails :func:`check_plan_bounds` even when the bytes
+    would fall inside another registered buffer (case S07).
+    """
     sp, dp, ln = _u64(src_ptrs), _u64(dst_ptrs), _u64(item_lens)
     if not (sp.size == dp.size == ln.size):
         raise LayoutError(f"aux buffer count mismatch: {sp.size} vs {dp.size}")
     if src_index < 0 or dst_index < 0:
         raise LayoutError("negative aux index")
     src, dst = sp + U64(src_index) * ln, dp + U64(dst_index) * ln
-    return Descriptors(src, dst, ln.copy(), (src, src + ln, dst, dst + ln))
+    ids = aux_ids(sp.size)
+    return Descriptors(src, dst, ln.copy(), (src, src + ln, dst, dst + ln), (ids, ids.copy()))
 
 
 @dataclass(frozen=True)
 class Regions:
-    """Sorted, non-overlapping registered byte ranges ``[start, end)`` (uint64)."""
+    """A rank's registered buffers as byte ranges ``[start, end)`` (uint64), sorted by
+    start, never merged (adjacent buffers stay two regions: a range straddling them is
+    outside both), with each one's buffer id (``ids``, int64; :func:`aux_ids`)."""
 
     start: Addrs
     end: Addrs
+    ids: Ids
 
     @staticmethod
-    def of(ptrs: npt.ArrayLike, lens: npt.ArrayLike) -> Regions:
-        """Regions from base pointers and lengths in bytes; overlaps are merged."""
+    def of(ptrs: npt.ArrayLike, lens: npt.ArrayLike, ids: npt.ArrayLike | None = None
+           ) -> Regions:
+        """Regions from base pointers and lengths in bytes (``ids`` default ``0..n-1``).
+
+        Raises :class:`LayoutError` if a region wraps past 2**64 or two overlap (bounds
+        are per buffer: overlapping buffers would let a write meant for one land in the
+        other).
+        """
         p, n = _u64(ptrs), _u64(lens)
         end = p + n
         if np.any(end < p):
             raise LayoutError("registered region wraps past 2**64")
+        idv = np.arange(p.size, dtype=np.int64) if ids is None else np.asarray(ids, np.int64)
         order = np.argsort(p, kind="stable")
-        p, end = p[order], end[order]
-        if p.size > 1:  # merge overlapping/adjacent regions
-            keep_start = np.concatenate(([True], p[1:] > np.maximum.accumulate(end)[:-1]))
-            groups = np.cumsum(keep_start) - 1
-            merged_end = np.zeros(int(groups[-1]) + 1, dtype=U64)
-            np.maximum.at(merged_end, groups, end)
-            p, end = p[keep_start], merged_end
-        return Regions(p, end)
+        p, end, idv = p[order], end[order], idv[order]
+        if p.size > 1 and np.any(p[1:] < end[:-1]):
+            k = int(np.flatnonzero(p[1:] < end[:-1])[0])
+            raise LayoutError(f"buffers {int(idv[k])} and {int(idv[k + 1])} overlap")
+        return Regions(p, end, idv)
+
+    def of_ids(self, ids: Ids, what: str) -> tuple[Addrs, Addrs]:
+        """``(start, end)`` of the buffers named by ``ids``; BoundsError for an unknown id."""
+        order = np.argsort(self.ids, kind="stable")
+        sorted_ids = self.ids[order]
+        pos = np.searchsorted(sorted_ids, ids)
+        safe = np.minimum(pos, max(sorted_ids.size - 1, 0))
+        if sorted_ids.size == 0 or np.any(sorted_ids[safe] != ids):
+            raise BoundsError(f"{what}: planned for a buffer the rank did not register")
+        idx = order[safe]
+        return self.start[idx], self.end[idx]
 
 
 _BOUNDS_BLOCKS = (2048, 256)  # block sizes of the fast path, coarse to fine
 
 
 def check_plan_bounds(desc: Descriptors, src: Regions, dst: Regions, what: str) -> None:
-    """Raise :class:`BoundsError` unless every descriptor's source range lies in ``src``
-    and its destination range in ``dst``.
+    """Raise :class:`BoundsError` unless every descriptor's source range lies in ONE
+    buffer of ``src`` and its destination range in ONE buffer of ``dst``: the buffers it
+    was planned from and to when the plan says (``span_bufs``), never the union of a
+    rank's regions (case S07).
 
     Uses the planner's spans when present (O(buffers): each span covers every
     descriptor it was built from, see :class:`Descriptors`), else checks every
@@ -224,8 +280,23 @@ def check_plan_bounds(desc: Descriptors, src: Regions, dst: Regions, what: str) 
     s_lo, s_hi, d_lo, d_hi = desc.spans
     if np.any(s_hi < s_lo) or np.any(d_hi < d_lo):
         raise BoundsError(f"{what} range wraps past 2**64")
-    check_bounds(s_lo, s_hi - s_lo, src, f"{what} source")
-    check_bounds(d_lo, d_hi - d_lo, dst, f"{what} destination")
+    if desc.span_bufs is None:
+        check_bounds(s_lo, s_hi - s_lo, src, f"{what} source")
+        check_bounds(d_lo, d_hi - d_lo, dst, f"{what} destination")
+        return
+    for lo, hi, ids, regions, side in ((s_lo, s_hi, desc.span_bufs[0], src, "source"),
+                                       (d_lo, d_hi, desc.span_bufs[1], dst, "destination")):
+        start, end = regions.of_ids(ids, f"{what} {side}")
+        bad = (lo < start) | (hi > end)
+        if np.any(bad):
+            k = int(np.flatnonzero(bad)[0])
+            raise BoundsError(f"{what} {side} range [{int(lo[k]):#x}, +{int(hi[k] - lo[k])}) "
+                              f"is outside buffer {_name(int(ids[k]))} "
+                              f"[{int(start[k]):#x}, +{int(end[k] - start[k])})")
+
+
+def _name(buf_id: int) -> str:
+    return f"aux {-1 - buf_id}" if buf_id < 0 else f"KV {buf_id}"
 
 
 def check_bounds(addrs: Addrs, lengths: Addrs, regions: Regions, what: str) -> None:

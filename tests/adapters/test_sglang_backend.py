@@ -251,7 +251,9 @@ def test_many_rooms_poll_in_one_rpc_per_round(sgl: Any, pd: Pd) -> None:
                 break
             time.sleep(0.003)
         assert states == [polls.Success] * len(rooms)
-        assert calls.count("Poll") <= rounds  # not one RPC per room per step
+        # Not one RPC per room per step (8 rooms): at most one refresh per step, plus one
+        # when a step spans the board's refresh period on a loaded machine.
+        assert calls.count("Poll") <= 2 * rounds
     finally:
         pd.mgr_p.client.call = original
     for s, r in pairs:

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from kvd.adapters.shmmaps import NotSharedMemory, handle_for, parse_maps, read_maps  # noqa: E402
 from kvd.adapters.vllm.shm import ShmAllocation, remove_stale  # noqa: E402
 from kvd.client import ShmPool  # noqa: E402
-from kvd.memory import MemoryMap  # noqa: E402
+from kvd.memory import Importer  # noqa: E402
 
 
 def test_allocations_inside_the_context_live_in_shared_memory(tmp_path: Path) -> None:
@@ -37,10 +37,12 @@ def test_allocations_inside_the_context_live_in_shared_memory(tmp_path: Path) ->
         assert tuple(shaped.shape) == (4, 256)
         # kvd maps the same file and sees the engine's writes without any copy
         view.fill_(1.5)
-        mm = MemoryMap(Path("/dev/shm"))
-        addr = mm.resolve(handle)
+        buf = Importer(Path("/dev/shm")).engine_buffer(handle, [], os.getuid())
+        addr = buf.address
         seen = np.ctypeslib.as_array((np.ctypeslib.ctypes.c_float * 1536).from_address(addr))
         assert np.all(seen == 1.5)
+        del seen
+        buf.release()
     finally:
         paths = [r.pool.path for r in alloc.regions]
         alloc.close()

@@ -18,16 +18,16 @@ from tests.conftest import PdPair, signed
 pytestmark = pytest.mark.integration
 
 
-def test_unknown_room_is_a_clear_error(pd_pair: PdPair) -> None:
+def test_unknown_room_is_a_clear_error(room_pair: PdPair) -> None:
     with pytest.raises(RoomError, match="unknown room 999999999"):
-        pd_pair.p_engine.client.call(rpc.SenderInit(room=999999999, num_pages=1, aux_index=0))
+        room_pair.p_engine.client.call(rpc.SenderInit(room=999999999, num_pages=1, aux_index=0))
 
 
-def test_page_outside_pool_fails_only_that_room(pd_pair: PdPair, room_ids) -> None:
-    p, d = pd_pair.p_engine, pd_pair.d_engine
+def test_page_outside_pool_fails_only_that_room(room_pair: PdPair, room_ids) -> None:
+    p, d = room_pair.p_engine, room_pair.d_engine
     bad = next(room_ids)
     with pytest.raises(RoomError, match="outside the registered pool"):
-        Receiver(d.client, bad, pd_pair.bootstrap).init([0, d.num_pages + 5], 0)
+        Receiver(d.client, bad, room_pair.bootstrap).init([0, d.num_pages + 5], 0)
     s = Sender(p.client, bad)
     s.init(2, 0)
     with pytest.raises(RoomError, match="outside the registered pool"):
@@ -35,26 +35,26 @@ def test_page_outside_pool_fails_only_that_room(pd_pair: PdPair, room_ids) -> No
     assert s.poll() == KVPoll.Failed
     assert "outside" in s.failure_reason()
     good = next(room_ids)
-    transfer_room(p, d, pd_pair.bootstrap, good, [1, 2], [7, 8], chunk=1)
+    transfer_room(p, d, room_pair.bootstrap, good, [1, 2], [7, 8], chunk=1)
     assert wait_rooms(d.client, [good]) == [KVPoll.Success]
 
 
-def test_k03_duplicate_sender_and_receiver_refused(pd_pair: PdPair, room_ids) -> None:
-    p, d = pd_pair.p_engine, pd_pair.d_engine
+def test_k03_duplicate_sender_and_receiver_refused(room_pair: PdPair, room_ids) -> None:
+    p, d = room_pair.p_engine, room_pair.d_engine
     room = next(room_ids)
     Sender(p.client, room)
     with pytest.raises(RoomError, match="already active"):
         Sender(p.client, room)
-    Receiver(d.client, room, pd_pair.bootstrap)
+    Receiver(d.client, room, room_pair.bootstrap)
     with pytest.raises(RoomError, match="already active"):
-        Receiver(d.client, room, pd_pair.bootstrap)
+        Receiver(d.client, room, room_pair.bootstrap)
 
 
-def test_k10_last_chunk_longer_than_destination_fails_only_that_room(pd_pair: PdPair,
+def test_k10_last_chunk_longer_than_destination_fails_only_that_room(room_pair: PdPair,
                                                                     room_ids) -> None:
-    p, d = pd_pair.p_engine, pd_pair.d_engine
+    p, d = room_pair.p_engine, room_pair.d_engine
     room = next(room_ids)
-    r = Receiver(d.client, room, pd_pair.bootstrap)
+    r = Receiver(d.client, room, room_pair.bootstrap)
     r.init([10, 11], 0)
     s = Sender(p.client, room)
     s.init(3, 0)
@@ -63,23 +63,23 @@ def test_k10_last_chunk_longer_than_destination_fails_only_that_room(pd_pair: Pd
     assert "index length mismatch 3 vs 2" in r.failure_reason()
     assert wait_rooms(p.client, [room]) == [KVPoll.Failed]
     nxt = next(room_ids)
-    transfer_room(p, d, pd_pair.bootstrap, nxt, [20, 21], [10, 11], chunk=2)
+    transfer_room(p, d, room_pair.bootstrap, nxt, [20, 21], [10, 11], chunk=2)
     assert wait_rooms(d.client, [nxt]) == [KVPoll.Success]
     assert d.pages_equal(p, [20, 21], [10, 11])
 
 
 def test_malformed_engine_frame_answers_protocol_error_and_keeps_serving(
-        pd_pair: PdPair) -> None:
+        room_pair: PdPair) -> None:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(5)
-        sock.connect(pd_pair.decode.socket)
+        sock.connect(room_pair.decode.socket)
         junk = b"KVD\x09garbage"
         sock.sendall(rpc.LENGTH.pack(len(junk)) + junk)
         (length,) = rpc.LENGTH.unpack(sock.recv(4))
         reply = rpc.decode_reply(sock.recv(length))
     assert not reply.ok and reply.kind == "ProtocolError"
     assert "version" in reply.error
-    assert pd_pair.d_engine.client.call(rpc.Info())["status"] == "ok"
+    assert room_pair.d_engine.client.call(rpc.Info())["status"] == "ok"
 
 
 def test_pack_rejects_float_page_indices() -> None:
@@ -87,14 +87,14 @@ def test_pack_rejects_float_page_indices() -> None:
         pack_indices(np.array([1.5]))
 
 
-def test_route_and_health_answer(pd_pair: PdPair) -> None:
-    base = f"http://{pd_pair.bootstrap}"
+def test_route_and_health_answer(room_pair: PdPair) -> None:
+    base = f"http://{room_pair.bootstrap}"
     info = signed("GET", f"{base}/route", params={"engine_rank": -1, "target_dp_group": -1,
                                                   "target_pp_rank": -1}).json()
     assert info["prefill_attn_tp_size"] == 1 and info["prefill_dp_size"] == 1
     rank = signed("GET", f"{base}/route", params={"engine_rank": 0, "target_dp_group": 0,
                                                   "target_pp_rank": 0}).json()
-    assert rank["rank_port"] == int(pd_pair.prefill.ready["control_endpoint"].rsplit(":", 1)[1])
+    assert rank["rank_port"] == int(room_pair.prefill.ready["control_endpoint"].rsplit(":", 1)[1])
     assert signed("GET", f"{base}/route", params={"engine_rank": 5, "target_dp_group": 0}
                   ).status_code == 404
     assert signed("GET", f"{base}/route", params={"engine_rank": "abc",
@@ -102,15 +102,15 @@ def test_route_and_health_answer(pd_pair: PdPair) -> None:
     # Without the cluster secret the bootstrap API answers nothing but 401.
     assert httpx.get(f"{base}/route", params={"engine_rank": 0, "target_dp_group": 0}
                      ).status_code == 401
-    health = httpx.get(f"http://{pd_pair.decode.http_addr}/health").json()
+    health = httpx.get(f"http://{room_pair.decode.http_addr}/health").json()
     assert health["status"] == "ok" and health["role"] == "decode"
-    assert health["instance_id"] == pd_pair.decode.ready["instance_id"]
+    assert health["instance_id"] == room_pair.decode.ready["instance_id"]
 
 
-def test_failure_exception_raises_kv_transfer_error_with_room_and_reason(pd_pair: PdPair,
+def test_failure_exception_raises_kv_transfer_error_with_room_and_reason(room_pair: PdPair,
                                                                           room_ids) -> None:
     room = next(room_ids)
-    r = Receiver(pd_pair.d_engine.client, room, pd_pair.bootstrap)
+    r = Receiver(room_pair.d_engine.client, room, room_pair.bootstrap)
     r.abort("the client went away")
     assert r.poll() == KVPoll.Failed
     with pytest.raises(KVTransferError) as info:

@@ -4,6 +4,7 @@ metrics, systemd notifications and JSON logs."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvd.client import KVPoll, Receiver, Sender
-from kvd.launch import start_daemon
+from kvd.launch import LAUNCH_SECRET, start_daemon
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
 from tests.conftest import PdPair
 
@@ -27,10 +28,11 @@ KVD = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "kvd.cli.ma
 ROOM_BYTES = 10 * 8 * 4096 + 64  # 10 pages x 8 buffers x item_len, plus one aux slot
 
 
-def kvd(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run the ``kvd`` command line."""
+def kvd(*args: str, timeout: float = 60,
+        env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the ``kvd`` command line (``env``: added to this process's environment)."""
     return subprocess.run([*KVD, *args], capture_output=True, text=True, timeout=timeout,
-                          check=False)
+                          check=False, env={**os.environ, **(env or {})})
 
 
 def get(addr: str, path: str) -> httpx.Response:
@@ -85,6 +87,10 @@ def test_status_rooms_peers_against_running_daemons(pd_pair: PdPair, room_ids) -
                    if x["endpoint"] == pd_pair.prefill.ready["control_endpoint"]]
         assert peer["kind"] == "prefill" and peer["bootstrap"] == pd_pair.bootstrap
         assert peer["heartbeat"] in ("unknown", "ok")
+        assert peer["last_message"] is not None  # the Success status of `done`
+        assert peer["heartbeat"] == "unknown" or peer["last_heartbeat"] is not None
+        shown = kvd("peers", "-a", pd_pair.decode.http_addr)
+        assert shown.returncode == 0 and "last heard" in shown.stdout and " ago" in shown.stdout
         assert peer["instance_id"] == pd_pair.prefill.ready["instance_id"]
     finally:
         recv.abort("test over")
@@ -94,7 +100,7 @@ def test_status_rooms_peers_against_running_daemons(pd_pair: PdPair, room_ids) -
 def test_metrics_move_after_rooms(pd_pair: PdPair, room_ids) -> None:
     p, d = pd_pair.p_engine, pd_pair.d_engine
     p_addr, d_addr = pd_pair.prefill.http_addr, pd_pair.decode.http_addr
-    decode_peer = pd_pair.decode.ready["control_endpoint"]
+    decode_peer = "127.0.0.1"  # the decode's host: its ZMQ port changes with every restart
     p0, d0 = scrape(p_addr), scrape(d_addr)
     rooms = [next(room_ids) for _ in range(3)]
     for i, room in enumerate(rooms):
@@ -129,7 +135,9 @@ def test_metrics_move_after_rooms(pd_pair: PdPair, room_ids) -> None:
 
     for states in (p1, d1):
         assert {dict(k[1])["state"] for k in states if k[0] == "kvd_rooms"} == \
-            {s.name for s in KVPoll}
+            {"failed", "bootstrapping", "waiting_for_input", "transferring", "success"}
+        assert not [k for k in states if k[0].endswith("_created")]
+        assert ("kvd_auth_failures_total", ()) in states
         assert states[("kvd_ready", ())] == 1
         assert ("kvd_executor_busy", ()) in states and ("kvd_transfer_queue_depth", ()) in states
 
@@ -137,6 +145,19 @@ def test_metrics_move_after_rooms(pd_pair: PdPair, room_ids) -> None:
     failure = next(f for f in status["recent_failures"] if f["room"] == bad)
     assert "metrics test" in failure["reason"] and failure["category"] == "aborted"
     assert status["totals"]["rooms_succeeded"] >= 3
+    # the prefill's liveness view of its decode: when it last heard from it, its last error
+    (decode,) = [x for x in status["peers"]
+                 if x["endpoint"] == pd_pair.decode.ready["control_endpoint"]]
+    assert decode["last_message"] is not None and time.time() - decode["last_message"] < 60
+    assert "metrics test" in decode["last_error"] and decode["last_error_time"] is not None
+
+
+def test_auth_failures_are_counted(pd_pair: PdPair) -> None:
+    addr = pd_pair.prefill.http_addr
+    before = scrape(addr)
+    unsigned = get(addr, "/route?engine_rank=-1&target_dp_group=-1&target_pp_rank=-1")
+    assert unsigned.status_code == 401
+    assert delta(scrape(addr), before, "kvd_auth_failures_total") == 1
 
 
 def test_ready_health_and_openapi(pd_pair: PdPair) -> None:
@@ -151,7 +172,7 @@ def test_ready_health_and_openapi(pd_pair: PdPair) -> None:
     spec = get(pd_pair.prefill.http_addr, "/openapi.json").json()
     assert {"/health", "/ready", "/metrics", "/v1/status", "/v1/rooms", "/route"} <= \
         set(spec["paths"])
-    assert get(pd_pair.prefill.http_addr, "/docs").status_code == 200
+    assert get(pd_pair.prefill.http_addr, "/docs").status_code == 404  # http_docs = false
 
 
 def test_config_show_and_doctor_as_a_user(pd_pair: PdPair, tmp_path: Path) -> None:
@@ -228,3 +249,104 @@ def test_systemd_notify_watchdog_json_logs_and_not_running(
     gone = kvd("status", "-a", daemon.http_addr)
     assert gone.returncode == 1 and gone.stdout == ""
     assert gone.stderr.count("\n") == 1 and "no kvd daemon answering" in gone.stderr
+
+
+def test_a_second_serve_on_a_live_socket_is_refused_and_deletes_nothing(tmp_path: Path) -> None:
+    first = start_daemon("decode", tmp_path)
+    engine = None
+    try:
+        second = kvd("serve", "--role", "decode", "--engine-socket", first.socket,
+                     env={"KVD_CLUSTER_SECRET": LAUNCH_SECRET})
+        assert second.returncode == 2
+        assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
+        assert f"locked by pid {first.proc.pid}" in second.stderr
+        engine = EngineStandIn(first.socket, num_pages=4, num_layers=1)  # still served
+        assert Path(first.socket).exists()
+    finally:
+        if engine is not None:
+            engine.close()
+        assert first.stop() == 0
+    assert not Path(first.socket).exists()  # the first one removes its own socket
+
+
+_ACTIVATE = ("import os, sys\n"
+             "os.dup2(int(sys.argv[1]), 3)  # where systemd puts the first passed socket\n"
+             "os.environ.update(LISTEN_PID=str(os.getpid()), LISTEN_FDS='1',\n"
+             "                  LISTEN_FDNAMES='engine')\n"
+             "os.execv(sys.argv[2], sys.argv[2:])  # same pid: LISTEN_PID stays right\n")
+
+
+def test_systemd_socket_activation(tmp_path: Path) -> None:
+    """kvd serves the socket it inherits (as from kvd@.socket), never unlinks it, and an
+    engine that connects while kvd restarts is served by the next kvd (the backlog)."""
+    path = tmp_path / "activated.sock"
+    listener = socket.socket(socket.AF_UNIX)  # systemd's copy of the socket
+    listener.bind(str(path))
+    listener.listen()
+    fd = listener.fileno()
+    opts = {"engine_socket": str(path), "prefix": [sys.executable, "-c", _ACTIVATE, str(fd)],
+            "pass_fds": (fd,)}
+    daemon = start_daemon("decode", tmp_path, **opts)
+    engine = None
+    try:
+        engine = EngineStandIn(str(path), num_pages=4, num_layers=1)
+        assert get(daemon.http_addr, "/ready").status_code == 200
+        engine.close()
+        engine = None
+        assert daemon.stop() == 0
+        assert path.exists()  # systemd's socket: kvd leaves it
+        waiting = socket.socket(socket.AF_UNIX)
+        waiting.connect(str(path))  # accepted into the backlog while no kvd runs
+        waiting.close()
+        daemon = start_daemon("decode", tmp_path, **opts)
+        engine = EngineStandIn(str(path), num_pages=4, num_layers=1)
+        assert get(daemon.http_addr, "/ready").status_code == 200
+    finally:
+        if engine is not None:
+            engine.close()
+        daemon.stop()
+        listener.close()
+
+
+def test_daemons_ignore_proxy_settings(tmp_path: Path, room_ids) -> None:
+    """A dead proxy in the daemons' environment: bootstrap lookups and heartbeats (httpx)
+    still go straight to the peer."""
+    from tests.conftest import start_pair, stop_pair
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    env = {v: dead for v in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "ALL_PROXY",
+                             "all_proxy")}
+    env |= {"NO_PROXY": "", "no_proxy": ""}
+    pair = start_pair(tmp_path, p_opts={"env": env},
+                      d_opts={"env": env, "heartbeat_interval": 0.2})
+    try:
+        room = next(room_ids)
+        transfer_room(pair.p_engine, pair.d_engine, pair.bootstrap, room, np.arange(4),
+                      np.arange(4), chunk=2)
+        assert wait_rooms(pair.d_engine.client, [room]) == [KVPoll.Success]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # heartbeats too (they also use httpx)
+            peers = get(pair.decode.http_addr, "/v1/status").json()["peers"]
+            if any(p["heartbeat"] == "ok" for p in peers):
+                break
+            time.sleep(0.1)
+        assert any(p["heartbeat"] == "ok" for p in peers), peers
+    finally:
+        stop_pair(pair)
+
+
+def test_readme_engine_example_runs(tmp_path: Path) -> None:
+    """examples/engine_minimal.py (the README's engine snippet, kept identical by
+    tests/unit/test_readme.py) against a prefill and a decode daemon."""
+    prefill = start_daemon("prefill", tmp_path, serve_bootstrap=True)
+    decode = start_daemon("decode", tmp_path)
+    try:
+        example = Path(__file__).resolve().parents[2] / "examples" / "engine_minimal.py"
+        run = subprocess.run([sys.executable, str(example), prefill.socket, decode.socket,
+                              prefill.http_addr], capture_output=True, text=True, timeout=120,
+                             check=False)
+        assert run.returncode == 0, run.stdout + run.stderr
+        assert "room 42: 4 pages x 4 buffers moved, equal" in run.stdout
+    finally:
+        prefill.stop()
+        decode.stop()

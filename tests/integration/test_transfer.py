@@ -16,16 +16,16 @@ def _random_pages(rng: np.random.Generator, n: int, pool: int) -> tuple[np.ndarr
     return rng.choice(pool, n, replace=False), rng.choice(pool, n, replace=False)
 
 
-def test_room_with_random_pages_and_chunks_lands_byte_for_byte(pd_pair: PdPair,
+def test_room_with_random_pages_and_chunks_lands_byte_for_byte(room_pair: PdPair,
                                                                room_ids) -> None:
-    p, d = pd_pair.p_engine, pd_pair.d_engine
+    p, d = room_pair.p_engine, room_pair.d_engine
     rng = np.random.default_rng(7)
     src, dst = _random_pages(rng, 37, p.num_pages)
     room = next(room_ids)
     p.aux[3] = rng.integers(0, 256, p.aux.shape[1], dtype=np.uint8)
     d.aux[5] = 0
     before = [b.copy() for b in d.kv]
-    send, recv = transfer_room(p, d, pd_pair.bootstrap, room, src, dst, chunk=8,
+    send, recv = transfer_room(p, d, room_pair.bootstrap, room, src, dst, chunk=8,
                                aux_src=3, aux_dst=5)
     assert wait_rooms(d.client, [room]) == [KVPoll.Success]
     assert wait_rooms(p.client, [room]) == [KVPoll.Success]
@@ -38,8 +38,8 @@ def test_room_with_random_pages_and_chunks_lands_byte_for_byte(pd_pair: PdPair,
     recv.clear()
 
 
-def test_many_concurrent_rooms_polled_in_one_call(pd_pair: PdPair, room_ids) -> None:
-    p, d = pd_pair.p_engine, pd_pair.d_engine
+def test_many_concurrent_rooms_polled_in_one_call(room_pair: PdPair, room_ids) -> None:
+    p, d = room_pair.p_engine, room_pair.d_engine
     rng = np.random.default_rng(11)
     rooms, plans = [], []
     dst_all = rng.permutation(d.num_pages)
@@ -47,7 +47,7 @@ def test_many_concurrent_rooms_polled_in_one_call(pd_pair: PdPair, room_ids) -> 
         room = next(room_ids)
         src = rng.choice(p.num_pages, 10, replace=False)
         dst = dst_all[i * 10:(i + 1) * 10]
-        Receiver(d.client, room, pd_pair.bootstrap).init(dst, i % 16)
+        Receiver(d.client, room, room_pair.bootstrap).init(dst, i % 16)
         rooms.append(room)
         plans.append((src, dst))
     for room, (src, _) in zip(rooms, plans, strict=True):
@@ -60,38 +60,38 @@ def test_many_concurrent_rooms_polled_in_one_call(pd_pair: PdPair, room_ids) -> 
         assert d.pages_equal(p, src, dst)
 
 
-def test_large_room_is_split_into_accepted_sub_batches(pd_pair: PdPair, room_ids) -> None:
+def test_large_room_is_split_into_accepted_sub_batches(room_pair: PdPair, room_ids) -> None:
     # 200 scattered pages x 8 buffers = 1600 descriptors: more than one batch call accepts.
-    p, d = pd_pair.p_engine, pd_pair.d_engine
+    p, d = room_pair.p_engine, room_pair.d_engine
     rng = np.random.default_rng(3)
     src = rng.permutation(p.num_pages)[:200]
     dst = np.sort(rng.permutation(d.num_pages)[:200])[::-1].copy()
     room = next(room_ids)
-    transfer_room(p, d, pd_pair.bootstrap, room, src, dst, chunk=200)
+    transfer_room(p, d, room_pair.bootstrap, room, src, dst, chunk=200)
     assert wait_rooms(d.client, [room]) == [KVPoll.Success]
     assert d.pages_equal(p, src, dst)
 
 
-def test_sender_created_before_receiver_still_succeeds(pd_pair: PdPair, room_ids) -> None:
-    p, d = pd_pair.p_engine, pd_pair.d_engine
+def test_sender_created_before_receiver_still_succeeds(room_pair: PdPair, room_ids) -> None:
+    p, d = room_pair.p_engine, room_pair.d_engine
     room = next(room_ids)
     src, dst = np.arange(5, 15), np.arange(100, 110)
     s = Sender(p.client, room)
     s.init(10, 1)
     assert s.poll() == KVPoll.Bootstrapping
     s.send(src)
-    r = Receiver(d.client, room, pd_pair.bootstrap)
+    r = Receiver(d.client, room, room_pair.bootstrap)
     r.init(dst, 1)
     assert wait_rooms(d.client, [room]) == [KVPoll.Success]
     assert wait_rooms(p.client, [room]) == [KVPoll.Success]
     assert d.pages_equal(p, src, dst)
 
 
-def test_poll_of_unknown_and_cleared_room_returns_minus_one(pd_pair: PdPair, room_ids) -> None:
-    p, d = pd_pair.p_engine, pd_pair.d_engine
+def test_poll_of_unknown_and_cleared_room_returns_minus_one(room_pair: PdPair, room_ids) -> None:
+    p, d = room_pair.p_engine, room_pair.d_engine
     room = next(room_ids)
     assert poll_many(d.client, [room, room + 10**9]) == [-1, -1]
-    send, recv = transfer_room(p, d, pd_pair.bootstrap, room, [1, 2], [3, 4], chunk=2)
+    send, recv = transfer_room(p, d, room_pair.bootstrap, room, [1, 2], [3, 4], chunk=2)
     assert wait_rooms(d.client, [room]) == [KVPoll.Success]
     recv.clear()
     assert recv.poll() == -1

@@ -94,7 +94,7 @@ def fetch_parallel_info(bootstrap_addr: str, timeout: float = 5.0) -> dict[str, 
     """``GET /route`` (all ranks: the instance's parallel info) from a kvd bootstrap server,
     signed with the cluster secret when there is one; None if not available (yet)."""
     params = {"engine_rank": -1, "target_dp_group": -1, "target_pp_rank": -1}
-    with httpx.Client(timeout=timeout) as client:
+    with httpx.Client(timeout=timeout, trust_env=False) as client:  # no proxy: kvd traffic
         req = client.build_request("GET", http_url(bootstrap_addr, "/route"), params=params)
         secret = cluster_secret()
         if secret is not None:
@@ -384,7 +384,7 @@ class KvdKVBootstrapServer(BaseKVBootstrapServer):
         """True if a kvd answers ``/health`` at ``host:port``."""
         host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
         try:
-            return httpx.get(f"http://{host}:{self.port}/health", timeout=timeout
-                             ).status_code == 200
+            return httpx.get(f"http://{host}:{self.port}/health", timeout=timeout,
+                             trust_env=False).status_code == 200
         except httpx.HTTPError:
             return False

@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvd.adapters.shmmaps import Mapping, NotSharedMemory, handle_for
-from kvd.protocol.rpc import RegisterKV, ShmHandle
+from kvd.protocol.memory import MemoryHandle
+from kvd.protocol.rpc import RegisterKV
 
 DTYPE_SIZES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2,
                "half": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "float8_e4m3fn": 1,
@@ -38,7 +39,7 @@ def dtype_size(name: str | None) -> int:
 
 
 def _handles(ptrs: list[int], lens: list[int], maps: list[Mapping], shm_dir: str,
-             what: str) -> list[ShmHandle]:
+             what: str) -> list[MemoryHandle]:
     try:
         return [handle_for(int(p), int(n), maps, shm_dir) for p, n in zip(ptrs, lens,
                                                                             strict=True)]

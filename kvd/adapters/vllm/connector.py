@@ -73,7 +73,7 @@ from kvd.adapters.vllm.spec import (
 from kvd.client import KvdClient, KVPoll, Receiver, Sender
 from kvd.errors import KvdError, KvdUnreachable
 from kvd.protocol import rpc
-from kvd.protocol.rpc import ShmHandle
+from kvd.protocol.memory import MemoryHandle
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -350,18 +350,12 @@ def layer_cache(name: str, tensor: torch.Tensor) -> LayerCache:
                       dense=bool(tensor[0].is_contiguous()))
 
 
-def cuda_ipc_handle(tensor: torch.Tensor, addr: int, length: int) -> ShmHandle:
-    """Describe ``[addr, addr + length)`` of a CUDA tensor by its CUDA IPC handle.
+def cuda_ipc_handle(tensor: torch.Tensor, addr: int, length: int) -> MemoryHandle:
+    """Describe ``[addr, addr + length)`` of a CUDA tensor by its CUDA IPC handle
+    (:func:`kvd.client.cuda.cuda_ipc_handle`: segment handle + offset + GPU UUID)."""
+    from kvd.client.cuda import cuda_ipc_handle as export
 
-    Legacy IPC handles name a whole ``cudaMalloc`` segment, so the handle's ``offset`` is
-    the range's offset from that segment's base. Encoding (the daemon's import side is
-    not implemented yet): ``path = "cuda_ipc:<device>:<hex handle>"``.
-    """
-    storage = tensor.untyped_storage()
-    device, handle, _size, storage_offset = storage._share_cuda_()[:4]
-    offset = int(storage_offset) + (addr - storage.data_ptr())
-    return ShmHandle(f"cuda_ipc:{int(device)}:{bytes(handle).hex()}", offset, length,
-                     kind="cuda_ipc")
+    return export(tensor, addr, length)
 
 
 class _Worker:
@@ -404,7 +398,7 @@ class _Worker:
         log.info("kvd: registered %d KV layers (%d blocks of %d bytes each) with %s",
                  len(layers), layers[0].num_blocks, layers[0].block_stride, self.client.path)
 
-    def _handle(self, tensor: torch.Tensor, addr: int, length: int) -> ShmHandle:
+    def _handle(self, tensor: torch.Tensor, addr: int, length: int) -> MemoryHandle:
         if tensor.is_cuda:
             return cuda_ipc_handle(tensor, addr, length)
         if self.shm is None:

@@ -37,7 +37,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvd.protocol.rpc import RegisterKV, ShmHandle
+from kvd.protocol.memory import MemoryHandle
+from kvd.protocol.rpc import RegisterKV
 
 ROOM_LIMIT = 2**63
 """Rooms the connector picks are below this (SGLang's routers use 63-bit rooms too)."""
@@ -205,7 +206,7 @@ def check_layer_compact(layers: list[LayerCache]) -> list[str]:
     return problems
 
 
-def register_kv(layers: list[LayerCache], handles: list[ShmHandle], *, block_size: int,
+def register_kv(layers: list[LayerCache], handles: list[MemoryHandle], *, block_size: int,
                 num_kv_heads: int, head_dim: int, dtype_size: int,
                 total_kv_heads: int) -> RegisterKV:
     """The kvd registration of ``layers`` (sorted by layer; ``handles[i]`` covers

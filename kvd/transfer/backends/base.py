@@ -4,13 +4,25 @@ A backend moves bytes from this process's registered memory to a peer's
 registered memory. Peers are named by an opaque address string that the
 backend hands out (:attr:`TransferEngine.session_id`) and that travels on the
 wire unchanged; nothing outside the backend parses it.
+
+Backends that copy into a same-host peer's memory (``local``, ``auto``) also take
+the peer's exported pool (:class:`PeerAttach`): the daemon calls
+``attach_peer(address, pool)`` when a decode rank registers with an
+:class:`~kvd.protocol.memory.ExportedPool`, and ``detach_peer`` when it goes.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import itertools
+import time
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
+from kvd.protocol.memory import ExportedPool
 from kvd.transfer.plan import Descriptors
+
+#: ``(peer, batch_no, attempt) -> forced rc or None`` (fault injection, tests only).
+SubmitHook = Callable[[str, int, int], int | None]
 
 
 class TransferEngine(Protocol):
@@ -21,8 +33,10 @@ class TransferEngine(Protocol):
         """This backend's address, the opaque name peers write to."""
         ...
 
-    def register(self, addr: int, length: int) -> None:
-        """Register ``[addr, addr+length)`` for transfers; raises TransportError."""
+    def register(self, addr: int, length: int, device: str = "cpu") -> None:
+        """Register ``[addr, addr+length)`` for transfers; ``device`` says where the bytes
+        live (``"cpu"`` or ``"cuda:N"``, :class:`kvd.memory.Buffer`); raises
+        TransportError."""
         ...
 
     def unregister(self, addr: int) -> None:
@@ -36,4 +50,39 @@ class TransferEngine(Protocol):
         seconds) or the backend's own retry budget, whichever is first. Raises
         TransportError if any sub-batch still fails (its bytes may have partly landed).
         """
+        ...
+
+
+def submit_with_retry(submit: Callable[[int], int], budget: float, deadline: float | None,
+                      backoff: float = 0.001) -> tuple[int, int]:
+    """Call ``submit(attempt)`` until it returns 0 (accepted), retrying a refusal (a full
+    queue answers like a dead peer) with backoff from ``backoff`` doubling up to 50 ms,
+    for at most ``budget`` seconds and never past ``deadline`` (monotonic s). Returns
+    ``(rc, attempts)``; rc is the last refusal's code when it gave up.
+    """
+    stop = time.monotonic() + budget
+    if deadline is not None:
+        stop = min(stop, deadline)
+    delay, rc = backoff, 0
+    for attempt in itertools.count():
+        rc = submit(attempt)
+        if rc == 0 or time.monotonic() + delay > stop:
+            return rc, attempt + 1
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    raise AssertionError("unreachable")
+
+
+@runtime_checkable
+class PeerAttach(Protocol):
+    """Backends that can write into a same-host peer's imported memory."""
+
+    def attach_peer(self, address: str, pool: ExportedPool | None) -> str:
+        """Import ``pool`` for peer ``address``; returns the backend that will carry its
+        writes (``"local"`` or ``"mooncake"``). Raises HandleError if a ``local``-only
+        backend cannot import it (or got no pool)."""
+        ...
+
+    def detach_peer(self, address: str) -> None:
+        """Forget the peer's imported memory (after its writes returned)."""
         ...

@@ -1,9 +1,18 @@
 """The ``mooncake`` transfer backend: the ONLY module that imports ``mooncake``.
 
 :class:`MooncakeEngine` implements :class:`~kvd.transfer.backends.base.TransferEngine`
-with the real engine (``tcp`` protocol, ``P2PHANDSHAKE`` metadata: no etcd, no RDMA
-NIC needed). Mooncake's integer
-return codes become :class:`~kvd.errors.TransportError` here.
+with the real engine (``P2PHANDSHAKE`` metadata: no etcd; ``tcp`` needs nothing,
+``rdma`` an RDMA NIC). Mooncake's integer return codes become
+:class:`~kvd.errors.TransportError` here. :class:`MooncakeOptions` carries the
+settings (protocol, NICs, bind address, port range) and how each is applied
+(docs/transfer.md, with the engine's source lines):
+
+* listeners bind to ``bind_host``: the engine binds every interface itself, so its
+  ``bind`` calls are pinned during ``initialize`` (:mod:`.bindaddr`);
+* ports come from ``port_range`` via ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``, read
+  once per process when the engine's global configuration loads;
+* ``rdma`` with ``devices`` (a NIC filter) or ``[]`` (topology discovery);
+  asking for RDMA where ``/sys/class/infiniband`` lists no NIC is refused up front.
 
 Facts this module relies on (measured on the CPU machines, see design.md):
 one batch call accepts at most 1024 queued + 1024 waiting entries per peer, so
@@ -19,10 +28,80 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
 
 from kvd.addr import format_host
 from kvd.errors import TransportError
+from kvd.transfer.backends.base import submit_with_retry
+from kvd.transfer.backends.bindaddr import pinned_binds
 from kvd.transfer.plan import Descriptors
+
+RDMA_SYSFS = Path("/sys/class/infiniband")
+#: The Mooncake distributions that provide the ``mooncake`` module (install exactly one).
+BUILDS = {"mooncake-transfer-engine-non-cuda": "cpu", "mooncake-transfer-engine": "cuda12",
+          "mooncake-transfer-engine-cuda13": "cuda13"}
+
+
+@dataclass(frozen=True)
+class MooncakeOptions:
+    """How to start the engine. ``host``: the address peers reach (advertised);
+    ``bind_host``: where its listeners bind (None: ``host``; ``0.0.0.0``: every
+    interface, Mooncake's own behaviour); ``protocol``: ``tcp`` or ``rdma``; ``devices``:
+    RDMA NIC names, ``[]`` = topology discovery; ``port_range``: (first, last) for both
+    listeners, None = Mooncake's default 15000-17000."""
+
+    host: str
+    bind_host: str | None = None
+    protocol: str = "tcp"
+    devices: list[str] = field(default_factory=list)
+    port_range: tuple[int, int] | None = None
+
+
+def rdma_devices() -> dict[str, str]:
+    """RDMA device name -> state of port 1 (``/sys/class/infiniband``)."""
+    if not RDMA_SYSFS.is_dir():
+        return {}
+    out = {}
+    for dev in sorted(RDMA_SYSFS.iterdir()):
+        state = dev / "ports" / "1" / "state"
+        out[dev.name] = state.read_text().strip() if state.exists() else "unknown"
+    return out
+
+
+def check_rdma(devices: list[str]) -> None:
+    """Raise :class:`TransportError` unless RDMA can start: a NIC exists, and every NIC
+    named in ``devices`` exists."""
+    present = rdma_devices()
+    if not present:
+        raise TransportError("transfer_protocol = rdma but this machine has no RDMA device "
+                             f"({RDMA_SYSFS} is empty or missing): install the NIC driver and "
+                             "rdma-core, or use transfer_protocol = tcp")
+    missing = [d for d in devices if d not in present]
+    if missing:
+        raise TransportError(f"transfer_devices names {', '.join(missing)}, which this machine "
+                             f"does not have (it has {', '.join(present)})")
+
+
+def build_info() -> dict[str, str]:
+    """Which Mooncake build is installed: ``{"dist", "version", "flavour", "cuda"}``
+    (empty dict if none); ``flavour`` is cpu, cuda12 or cuda13."""
+    dists = [d for d in metadata.packages_distributions().get("mooncake", []) if d in BUILDS]
+    if not dists:
+        return {}
+    info = {"dist": ", ".join(dists), "version": metadata.version(dists[0]),
+            "flavour": BUILDS[dists[0]]}
+    if len(dists) > 1:
+        info["problem"] = "more than one Mooncake build installed: they overwrite each other"
+    try:
+        from mooncake import engine as native
+
+        info["cuda"] = str(bool(getattr(native, "SUPPORT_CUDA", False)))
+    except ImportError as exc:
+        info["problem"] = f"cannot import mooncake.engine: {exc}"
+    return info
 
 log = logging.getLogger(__name__)
 
@@ -38,21 +117,15 @@ class MooncakeEngine:
     ``submit_hook`` (fault injection, tests only) may force a submission's rc.
     """
 
-    def __init__(self, host: str, max_batch_entries: int = 512, retry_budget: float = 1.0,
-                 retry_backoff: float = 0.001,
+    def __init__(self, host: str | MooncakeOptions, max_batch_entries: int = 512,
+                 retry_budget: float = 1.0, retry_backoff: float = 0.001,
                  submit_hook: Callable[[str, int, int], int | None] | None = None) -> None:
-        os.environ.setdefault("GLOG_minloglevel", "1")
-        try:
-            from mooncake.engine import TransferEngine as _Native
-        except ImportError as exc:  # pragma: no cover - depends on the install
-            raise TransportError(
-                "the Mooncake transfer engine is not installed: pip install "
-                "'kvd[cpu]' (mooncake-transfer-engine-non-cuda) or 'kvd[cuda]'") from exc
-        self._native = _Native()
-        rc = self._native.initialize(format_host(host), "P2PHANDSHAKE", "tcp", "")
-        if rc != 0:
-            raise TransportError(f"transfer engine initialize({host}, tcp) failed: rc={rc}", rc)
-        self._session_id = f"{format_host(host)}:{self._native.get_rpc_port()}"
+        opts = host if isinstance(host, MooncakeOptions) else MooncakeOptions(host)
+        self.options = opts
+        if opts.protocol == "rdma":
+            check_rdma(opts.devices)
+        self._native = self._start(opts)
+        self._session_id = f"{format_host(opts.host)}:{self._native.get_rpc_port()}"
         self.max_batch_entries = max_batch_entries
         self.retry_budget = retry_budget
         self.retry_backoff = retry_backoff
@@ -60,12 +133,49 @@ class MooncakeEngine:
         self._batch_no = itertools.count()
         self.retried = 0
 
+    @staticmethod
+    def _start(opts: MooncakeOptions) -> Any:
+        os.environ.setdefault("GLOG_minloglevel", "1")
+        if opts.port_range is not None:  # read once, when the engine's config first loads
+            os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = map(
+                str, opts.port_range)
+        try:
+            from mooncake.engine import TransferEngine as _Native
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise TransportError(
+                "the Mooncake transfer engine is not installed: pip install "
+                "'kvd[cpu]' (mooncake-transfer-engine-non-cuda), 'kvd[cuda]' (CUDA 12) or "
+                "'kvd[cuda13]'") from exc
+        native = _Native()
+        bind = opts.bind_host or opts.host
+        devices = ",".join(opts.devices)
+        host = format_host(opts.host)
+        if bind in ("0.0.0.0", ""):
+            rc = native.initialize(host, "P2PHANDSHAKE", opts.protocol, devices)
+        else:
+            with pinned_binds(bind, "mooncake") as patched:
+                if not patched:
+                    log.warning("could not pin the transfer engine's listeners to %s: they "
+                                "listen on every interface (see kvd doctor)", bind)
+                rc = native.initialize(host, "P2PHANDSHAKE", opts.protocol, devices)
+        if rc != 0:
+            raise TransportError(f"transfer engine initialize({opts.host}, {opts.protocol}, "
+                                 f"devices={devices or 'auto'}) failed: rc={rc}", rc)
+        port = int(native.get_rpc_port())
+        if opts.port_range is not None and not opts.port_range[0] <= port <= opts.port_range[1]:
+            raise TransportError(f"the transfer engine took port {port}, outside "
+                                 f"transfer_port_range {opts.port_range[0]}-"
+                                 f"{opts.port_range[1]}: another engine in this process "
+                                 f"loaded Mooncake's configuration first")
+        return native
+
     @property
     def session_id(self) -> str:
         return self._session_id
 
-    def register(self, addr: int, length: int) -> None:
-        rc = self._native.register_memory(addr, length)
+    def register(self, addr: int, length: int, device: str = "cpu") -> None:
+        location = device if device.startswith("cuda") else "*"  # "*": the engine finds it
+        rc = self._native.register_memory(addr, length, location)
         if rc != 0:
             raise TransportError(f"register_memory({addr:#x}, {length}) failed: rc={rc}", rc)
 
@@ -89,22 +199,15 @@ class MooncakeEngine:
     def _write_batch(self, peer: str, batch: Descriptors, deadline: float | None) -> None:
         src, dst, ln = batch.src.tolist(), batch.dst.tolist(), batch.length.tolist()
         batch_no, start = next(self._batch_no), time.monotonic()
-        stop = start + self.retry_budget
-        if deadline is not None:
-            stop = min(stop, deadline)
-        delay = self.retry_backoff
-        for attempt in itertools.count():
-            rc = self._submit(peer, batch_no, attempt, src, dst, ln)
-            if rc == 0:
-                if attempt:
-                    log.info("batch %d to %s accepted after %d retries", batch_no, peer,
-                             attempt)
-                return
-            if time.monotonic() + delay > stop:
-                break
-            self.retried += 1
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
+        rc, attempts = submit_with_retry(
+            lambda attempt: self._submit(peer, batch_no, attempt, src, dst, ln),
+            self.retry_budget, deadline, self.retry_backoff)
+        self.retried += attempts - 1
+        if rc == 0:
+            if attempts > 1:
+                log.info("batch %d to %s accepted after %d retries", batch_no, peer,
+                         attempts - 1)
+            return
         raise TransportError(
             f"batch of {len(src)} entries to {peer} refused (queue full or peer unreachable) "
-            f"for {time.monotonic() - start:.1f}s after {attempt + 1} attempts: rc={rc}", rc)
+            f"for {time.monotonic() - start:.1f}s after {attempts} attempts: rc={rc}", rc)

@@ -168,3 +168,13 @@ def test_random_route_queries_never_5xx(params: list[tuple[str, str]]) -> None:
 def test_raw_query_strings_never_5xx(query: str) -> None:
     r = fuzz_client().get("/route?" + quote(query, safe="=&"))
     assert r.status_code in (200, 400, 404, 503), (query, r.status_code, r.text)
+
+
+def test_docs_are_off_unless_asked_for() -> None:
+    """/docs and /redoc load their scripts from a CDN (blank offline): off by default;
+    the schema itself is always served."""
+    off = TestClient(create_app(lambda: {"status": "ok"}, None))
+    assert off.get("/docs").status_code == 404 and off.get("/redoc").status_code == 404
+    assert "/health" in off.get("/openapi.json").json()["paths"]
+    on = TestClient(create_app(lambda: {"status": "ok"}, None, docs=True))
+    assert on.get("/docs").status_code == 200 and "swagger" in on.get("/docs").text.lower()

@@ -73,6 +73,11 @@ def test_unreadable_file_and_bad_set_are_one_line(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "show", "-c", str(tmp_path / "missing.toml")]) == 2
     err = capsys.readouterr().err
+    assert "missing.toml' does not exist" in err and len(err.strip().splitlines()) == 1
+    bad = tmp_path / "bad.toml"
+    bad.write_text("role = \n")
+    assert main(["config", "show", "-c", str(bad)]) == 2
+    err = capsys.readouterr().err
     assert "cannot read config file" in err and len(err.strip().splitlines()) == 1
     assert main(["config", "show", "--role", "decode", "--set", "http_port"]) == 2
     assert "--set expects KEY=VALUE" in capsys.readouterr().err

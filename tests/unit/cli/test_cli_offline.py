@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -102,7 +103,7 @@ def test_socket_checks(tmp_path: Path) -> None:
         s.bind(str(live))
         s.listen()
         c = doctor.check_socket(live)
-    assert c.status == "warn" and "already serving" in c.detail
+    assert c.status == "fail" and "already served by pid" in c.detail  # serve refuses it
 
 
 def test_shm_and_memlock_and_rdma_checks(tmp_path: Path) -> None:
@@ -124,3 +125,212 @@ def test_doctor_reports_bad_config_and_still_checks(capsys: pytest.CaptureFixtur
     assert "transfer_threads" in checks["config"]["detail"]
     assert {"transfer engine", "rdma devices", "memlock limit", "shared memory", "http port",
             "zmq port", "engine socket"} <= set(checks)
+
+
+# ---- every option a user types is validated: one line, exit 2 ---------------------------------
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["status", "--timeout", "-1"], "-1 is not a positive number of seconds"),
+    (["status", "--timeout", "0"], "0 is not a positive number of seconds"),
+    (["peers", "--timeout", "nan"], "'--timeout'"),
+    (["rooms", "--limit", "0"], "'--limit'"),
+    (["rooms", "--limit", "100001"], "'--limit'"),
+    (["serve", "--http-port", "70000"], "'--http-port'"),
+    (["status", "-c", "/nonexistent/kvd.toml"], "does not exist"),
+    (["doctor", "-c", "/"], "is a directory"),
+    (["demo", "--prompts", "0"], "'--prompts'"),
+    (["demo", "--chunk-pages", "-3"], "'--chunk-pages'"),
+])
+def test_bad_options_are_one_line_and_exit_2(argv: list[str], says: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err
+    assert err.startswith(f"kvd {argv[0]}: ") and "Traceback" not in err
+
+
+def test_every_numeric_and_file_option_is_validated() -> None:
+    """The kind, not the instances: a new numeric option without a range (or a checking
+    callback), or a settings-file option that does not check its file, fails here."""
+    import typing
+
+    import typer.models
+
+    from kvd.cli.main import app
+
+    def callbacks(t: typer.Typer) -> Iterator[tuple[str, typing.Any]]:
+        for c in t.registered_commands:
+            yield c.name or c.callback.__name__, c.callback  # type: ignore[union-attr]
+        for g in t.registered_groups:
+            assert g.typer_instance is not None
+            yield from callbacks(g.typer_instance)
+
+    seen = 0
+    for name, fn in callbacks(app):
+        for param, hint in typing.get_type_hints(fn, include_extras=True).items():
+            if typing.get_origin(hint) is not typing.Annotated:
+                continue
+            base, *meta = typing.get_args(hint)
+            info = next(m for m in meta if isinstance(m, typer.models.ParameterInfo))
+            types = set(typing.get_args(base)) or {base}
+            where = f"kvd {name} {param}"
+            if types & {int, float}:
+                seen += 1
+                assert info.min is not None or info.callback is not None, f"{where}: no range"
+            if Path in types and param == "config":
+                seen += 1
+                assert info.exists and info.readable and not info.dir_okay, where
+    assert seen >= 10, seen
+
+
+def test_a_daemon_error_answer_is_shown_not_called_not_a_kvd(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx
+
+    from kvd.cli import client
+
+    def fake_get(url: str, **kw: object) -> httpx.Response:
+        return httpx.Response(400, json={"error": "bad request",
+                                         "detail": ["query.limit: must be >= 1"]})
+
+    monkeypatch.setattr(httpx, "get", fake_get)
+    with pytest.raises(client.DaemonUnreachable, match=r"answered 400 .*query.limit: must be"):
+        client.get("127.0.0.1:1", "/v1/rooms")
+    monkeypatch.setattr(httpx, "get", lambda url, **kw: httpx.Response(404, text="nope"))
+    with pytest.raises(client.DaemonUnreachable, match="not a kvd daemon"):
+        client.get("127.0.0.1:1", "/v1/rooms")
+
+
+def test_cli_ignores_proxy_settings(monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A dead proxy in the environment does not stand between the CLI and a local daemon."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'[{"endpoint": "tcp://x:1", "kind": "prefill", "state": "ok"}]'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    dead = f"http://127.0.0.1:{free_port()}"
+    for var in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(var, dead)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    try:
+        assert main(["rooms", "--json", "-a", f"127.0.0.1:{server.server_port}"]) == 0
+        assert json.loads(capsys.readouterr().out)[0]["endpoint"] == "tcp://x:1"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ---- serve refuses, before anything starts, what doctor reports -----------------------------
+
+def _no_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(doctor, "check_transfer_engine",
+                        lambda host: doctor.Check("transfer engine", "ok", "skipped"))
+
+
+def _serve_never_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvd.daemon
+
+    def run(settings: object) -> int:
+        raise AssertionError("serve started a daemon despite a refusal")
+
+    monkeypatch.setattr(kvd.daemon, "serve", run)
+
+
+@pytest.mark.parametrize("case", ["no-secret", "empty-secret-file", "short-secret",
+                                  "live-socket", "file-in-the-way", "parent-is-a-file",
+                                  "no-such-group"])
+def test_doctor_fails_whatever_serve_refuses(case: str, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv("KVD_CLUSTER_SECRET", raising=False)
+    secret = tmp_path / "cluster.secret"
+    secret.write_text("0123456789abcdef0123\n")
+    sock_path = tmp_path / "run" / "kvd.sock"
+    sock_path.parent.mkdir()
+    settings = {"cluster_secret_file": str(secret), "engine_socket": str(sock_path)}
+    listener = None
+    if case == "no-secret":
+        del settings["cluster_secret_file"]
+    elif case == "empty-secret-file":
+        secret.write_text("")
+    elif case == "short-secret":
+        secret.write_text("short\n")
+    elif case == "live-socket":
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(sock_path))
+        listener.listen()
+    elif case == "file-in-the-way":
+        sock_path.write_text("")
+    elif case == "parent-is-a-file":
+        sock_path.parent.rmdir()
+        sock_path.parent.write_text("")
+    elif case == "no-such-group":
+        settings["engine_socket_group"] = "kvd-no-such-group"
+    argv = [arg for k, v in settings.items() for arg in ("--set", f"{k}={v}")]
+    _no_engine(monkeypatch)
+    _serve_never_runs(monkeypatch)
+    try:
+        assert main(["serve", "--role", "decode", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("kvd: ") and "Traceback" not in err
+        assert main(["doctor", "--json", "--role", "decode", *argv]) == 1
+        failed = [c for c in json.loads(capsys.readouterr().out) if c["status"] == "fail"]
+    finally:
+        if listener is not None:
+            listener.close()
+    assert len(failed) == 1 and failed[0]["fix"], failed
+    assert failed[0]["name"] in ("cluster secret", "engine socket", "engine socket group")
+
+
+def test_doctor_passes_what_serve_accepts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVD_CLUSTER_SECRET", "0123456789abcdef0123")
+    _no_engine(monkeypatch)
+    sock = tmp_path / "new" / "kvd.sock"
+    assert main(["doctor", "--json", "--role", "decode", "--set", f"engine_socket={sock}"]) == 0
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert checks["cluster secret"]["status"] == "ok"
+    assert checks["engine socket"]["status"] == "ok"
+    assert "will be created" in checks["engine socket"]["detail"]
+
+
+def test_socket_path_too_long_is_a_setting_error(capsys: pytest.CaptureFixture[str]) -> None:
+    long_path = "/tmp/" + "x" * 110 + ".sock"
+    assert main(["serve", "--role", "decode", "--engine-socket", long_path]) == 2
+    err = capsys.readouterr().err
+    assert "too long for a Unix socket path (at most 107)" in err and "Traceback" not in err
+
+
+# ---- kvd secret -------------------------------------------------------------------------------
+
+def test_secret_command_writes_a_0600_secret_kvd_accepts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvd.config import Settings, read_secret
+
+    path = tmp_path / "cluster.secret"
+    assert main(["secret", str(path)]) == 0
+    assert path.stat().st_mode & 0o777 == 0o600
+    first = path.read_text()
+    assert len(first.strip()) == 64 and int(first, 16) >= 0
+    settings = Settings(role="decode", cluster_secret_file=path)
+    assert read_secret(settings) == first.strip().encode()
+    assert main(["secret", str(path)]) == 2  # never overwritten by accident
+    assert "--force" in capsys.readouterr().err and path.read_text() == first
+    assert main(["secret", str(path), "--force"]) == 0
+    assert path.read_text() != first and path.stat().st_mode & 0o777 == 0o600
+    assert main(["secret", str(tmp_path / "missing" / "x")]) == 2
+    assert "cannot write" in capsys.readouterr().err

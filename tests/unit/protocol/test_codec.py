@@ -41,7 +41,7 @@ def test_bad_magic_or_short_frame_refused(data: bytes) -> None:
         codec.decode(data, PING_DECODER)
 
 
-@pytest.mark.parametrize("version", [0, 2, 255])
+@pytest.mark.parametrize("version", [0, 1, 3, 255])
 def test_unknown_version_refused(version: int) -> None:
     assert version != codec.VERSION
     body = codec.encode(Ping(1, "a"))[4:]
@@ -123,8 +123,9 @@ def test_structured_garbage_never_raises_anything_but_protocol_error(obj: object
 
 @given(st.binary(min_size=1, max_size=60), st.integers(0, 59), st.integers(0, 255))
 def test_corrupted_valid_frames(seed: bytes, pos: int, byte: int) -> None:
-    msg = control.RoomPages(room=int.from_bytes(seed[:4], "little"), endpoint=seed.hex(),
-                            instance_id="i", dst_pages=seed, aux_index=len(seed))
+    msg = control.RoomPages(room=int.from_bytes(seed[:4], "little"), inc=len(seed),
+                            endpoint=seed.hex(), instance_id="i", dst_pages=seed,
+                            aux_index=len(seed), write_within=1.0)
     frame = bytearray(control.encode(msg))
     frame[pos % len(frame)] = byte
     _decodes_or_protocol_error(bytes(frame))
@@ -204,6 +205,7 @@ def test_pack_not_1d_refused(bad: object) -> None:
 
 
 def test_to_builtins() -> None:
-    out = codec.to_builtins(control.RoomAbort(room=1, reason="r", endpoint="e", instance_id="i"))
-    assert out == {"type": "room_abort", "room": 1, "reason": "r", "endpoint": "e",
-                   "instance_id": "i"}
+    out = codec.to_builtins(control.RoomAbort(room=1, inc=2, kind="aborted", reason="r",
+                                              endpoint="e", instance_id="i"))
+    assert out == {"type": "room_abort", "room": 1, "inc": 2, "kind": "aborted", "reason": "r",
+                   "endpoint": "e", "instance_id": "i"}

@@ -38,13 +38,14 @@ kv_args_wire = st.builds(
 
 register_rank = st.builds(control.RegisterRank, instance_id=TEXT, endpoint=TEXT,
                           attn_tp_rank=I64, attn_tp_size=I64, kv_args=kv_args_wire)
-room_pages = st.builds(control.RoomPages, room=I64, endpoint=TEXT, instance_id=TEXT,
-                       dst_pages=st.binary(max_size=64), aux_index=I64,
+FLOATS = st.floats(allow_nan=False)
+room_pages = st.builds(control.RoomPages, room=I64, inc=I64, endpoint=TEXT, instance_id=TEXT,
+                       dst_pages=st.binary(max_size=64), aux_index=I64, write_within=FLOATS,
                        required_dst_info_num=I64, is_dummy=st.booleans())
-room_status = st.builds(control.RoomStatus, room=I64, status=I64, reason=TEXT, endpoint=TEXT,
-                        instance_id=TEXT, quiesced=st.booleans())
-room_abort = st.builds(control.RoomAbort, room=I64, reason=TEXT, endpoint=TEXT,
-                       instance_id=TEXT)
+room_status = st.builds(control.RoomStatus, room=I64, inc=I64, status=I64, kind=TEXT,
+                        reason=TEXT, endpoint=TEXT, instance_id=TEXT, quiesced=st.booleans())
+room_abort = st.builds(control.RoomAbort, room=I64, inc=I64, kind=TEXT, reason=TEXT,
+                       endpoint=TEXT, instance_id=TEXT)
 control_messages = st.one_of(register_rank, room_pages, room_status, room_abort)
 
 
@@ -67,19 +68,21 @@ def test_every_control_message_has_a_strategy() -> None:
 
 
 def test_room_status_defaults_to_quiesced() -> None:
-    body = msgspec.msgpack.encode({"type": "room_status", "room": 1, "status": 0, "reason": "x",
-                                   "endpoint": "e", "instance_id": "i"})
+    body = msgspec.msgpack.encode({"type": "room_status", "room": 1, "inc": 1, "status": 0,
+                                   "kind": "aborted", "reason": "x", "endpoint": "e",
+                                   "instance_id": "i"})
     out = control.decode(codec.MAGIC + bytes([codec.VERSION]) + body)
     assert isinstance(out, control.RoomStatus) and out.quiesced is True
 
 
 def _sample_abort() -> control.RoomAbort:
-    return control.RoomAbort(room=7, reason="engine gone", endpoint="tcp://h:1", instance_id="i")
+    return control.RoomAbort(room=7, inc=3, kind="aborted", reason="engine gone",
+                             endpoint="tcp://h:1", instance_id="i")
 
 
 def test_decoded_type_follows_the_tag() -> None:
-    pages = control.RoomPages(room=1, endpoint="e", instance_id="i", dst_pages=b"\x01\x00\x00\x00",
-                              aux_index=3)
+    pages = control.RoomPages(room=1, inc=2, endpoint="e", instance_id="i",
+                              dst_pages=b"\x01\x00\x00\x00", aux_index=3, write_within=1.5)
     out = control.decode(control.encode(pages))
     assert isinstance(out, control.RoomPages)
     assert out.required_dst_info_num == 1

@@ -17,14 +17,17 @@ I64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
 TEXT = st.text(max_size=40)
 INT_LISTS = st.lists(U64, max_size=8)
 
-shm_handles = st.builds(rpc.ShmHandle, path=TEXT, offset=U64, length=U64, kind=TEXT)
+shm_handles = (st.builds(rpc.ShmHandle, path=TEXT, offset=U64, length=U64)
+               | st.builds(rpc.FdHandle, fd=I64, offset=U64, length=U64)
+               | st.builds(rpc.CudaIpcHandle, handle=st.binary(min_size=64, max_size=64),
+                           offset=U64, length=U64, device_uuid=TEXT, device=I64))
 
 CALLS = {
     "RegisterKV": st.builds(
         rpc.RegisterKV, kv_buffers=st.lists(shm_handles, max_size=4), kv_item_lens=INT_LISTS,
         aux_buffers=st.lists(shm_handles, max_size=3), aux_item_lens=INT_LISTS, page_size=I64,
         num_kv_heads=I64, head_dim=I64, dtype_size=I64, num_layers=I64, layer_start=I64,
-        is_mla=st.booleans(), layout=TEXT),
+        is_mla=st.booleans(), layout=TEXT, engine_id=TEXT),
     "SenderCreate": st.builds(rpc.SenderCreate, room=I64),
     "SenderInit": st.builds(rpc.SenderInit, room=I64, num_pages=I64, aux_index=I64),
     "SenderSend": st.builds(rpc.SenderSend, room=I64, pages=st.binary(max_size=64),
@@ -36,9 +39,11 @@ CALLS = {
     "Poll": st.builds(rpc.Poll, rooms=st.lists(I64, max_size=10)),
     "Wait": st.builds(rpc.Wait, rooms=st.lists(I64, max_size=10),
                       timeout=st.floats(allow_nan=False)),
-    "Abort": st.builds(rpc.Abort, room=I64, reason=TEXT),
+    "Abort": st.builds(rpc.Abort, room=I64, reason=TEXT, bootstrap_addr=st.none() | TEXT,
+                       dp_rank=st.none() | I64),
     "Clear": st.builds(rpc.Clear, room=I64),
     "Info": st.just(rpc.Info()),
+    "Release": st.just(rpc.Release()),
 }
 
 # Values that survive a msgpack round trip unchanged and compare equal (no NaN, no tuples).
@@ -161,3 +166,42 @@ def test_deeply_nested_reply_result_is_a_protocol_error() -> None:
     assert len(frame) < codec.DEFAULT_MAX_FRAME
     with pytest.raises(ProtocolError):
         rpc.decode_reply(frame)
+
+
+def test_handles_are_tagged_by_kind_on_the_wire() -> None:
+    reg = rpc.RegisterKV(kv_buffers=[rpc.ShmHandle("/dev/shm/p", 0, 8), rpc.FdHandle(0, 8, 8)],
+                         kv_item_lens=[8, 8], aux_buffers=[
+                             rpc.CudaIpcHandle(b"h" * 64, 0, 8, "GPU-1")], aux_item_lens=[8],
+                         page_size=1, num_kv_heads=1, head_dim=1, dtype_size=1, num_layers=1)
+    body = msgspec.msgpack.decode(codec.encode(rpc.Request(id=1, call=reg))[4:])
+    kinds = [h["kind"] for h in body["call"]["kv_buffers"] + body["call"]["aux_buffers"]]
+    assert kinds == ["shm", "fd", "cuda_ipc"]
+    frame = rpc.encode(rpc.Request(id=1, call=reg))
+    assert rpc.decode_request(_split(frame)).call == reg
+
+
+def test_unknown_handle_kind_is_a_protocol_error() -> None:
+    call = {"type": "register_kv", "kv_buffers": [{"kind": "nfs", "path": "x", "offset": 0,
+                                                   "length": 1}],
+            "kv_item_lens": [1], "aux_buffers": [], "aux_item_lens": [], "page_size": 1,
+            "num_kv_heads": 1, "head_dim": 1, "dtype_size": 1, "num_layers": 1}
+    frame = codec.MAGIC + bytes([codec.VERSION]) + msgspec.msgpack.encode(
+        {"id": 1, "call": call})
+    with pytest.raises(ProtocolError, match="malformed"):
+        rpc.decode_request(frame)
+
+
+def test_number_fds_renumbers_descriptors_in_order() -> None:
+    reg = rpc.RegisterKV(kv_buffers=[rpc.FdHandle(17, 0, 8), rpc.ShmHandle("/dev/shm/p", 0, 8),
+                                     rpc.FdHandle(9, 8, 8), rpc.FdHandle(17, 16, 8)],
+                         kv_item_lens=[8] * 4, aux_buffers=[rpc.FdHandle(9, 0, 8)],
+                         aux_item_lens=[8], page_size=1, num_kv_heads=1, head_dim=1,
+                         dtype_size=1, num_layers=2)
+    wire, fds = rpc.number_fds(reg)
+    assert fds == [17, 9]
+    assert [getattr(h, "fd", None) for h in wire.kv_buffers] == [0, None, 1, 0]
+    assert wire.aux_buffers[0] == rpc.FdHandle(1, 0, 8)
+    rpc.check_fd_indices(wire, 2)
+    with pytest.raises(ProtocolError, match="carried 1"):
+        rpc.check_fd_indices(wire, 1)
+    assert rpc.number_fds(rpc.Poll(rooms=[1])) == (rpc.Poll(rooms=[1]), [])

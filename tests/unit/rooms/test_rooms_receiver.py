@@ -246,20 +246,22 @@ def test_k32_send_failure_fails_room_at_once() -> None:
     out = d.send_failed(R, 1, P0, f, 1.0)
     assert d.rooms[R].failure == f
     assert [s.to for s in of(out, Send)] == [P1]  # no more messages queued to the dead peer
-    assert d.send_failed(R, 1, P1, f, 1.0) == []
+    assert state(d, 1.0) == (KVPoll.Failed, False)  # P1 holds the pages: it must confirm
+    # P1's pages never left either: nobody can write them, they are releasable at once
+    assert of(d.send_failed(R, 1, P1, f, 1.0), Wake)
+    assert state(d, 1.0) == (KVPoll.Failed, True)
 
 
-def test_peer_lost_fails_rooms_of_that_prefill_created_before() -> None:
+def test_peer_lost_fails_the_rooms_of_that_prefill_only() -> None:
     d = receiver()
     d.create(1, BOOT, None, 0.0)
     d.create(2, BOOT, None, 5.0)
     d.create(3, "other:1", None, 0.0)
     f = RoomFailure(FailureKind.PEER, "prefill restarted", "decode")
-    d.peer_lost(BOOT, f, 6.0, created_before=4.0)
+    out = d.peer_lost(BOOT, f, 6.0)
     assert [d.rooms[k].status for k in (1, 2, 3)] == [
-        KVPoll.Failed, KVPoll.Bootstrapping, KVPoll.Bootstrapping]
-    d.peer_lost(BOOT, f, 6.0)
-    assert d.rooms[2].status == KVPoll.Failed and d.rooms[3].status == KVPoll.Bootstrapping
+        KVPoll.Failed, KVPoll.Failed, KVPoll.Bootstrapping]
+    assert d.rooms[1].failure == f and len(of(out, Ended)) == 2
 
 
 # ---- deadlines and release safety ---------------------------------------------------------
@@ -347,11 +349,9 @@ def test_k06_clear_refused_while_not_releasable() -> None:
 
 def test_clear_of_unfinished_room_tells_its_writers() -> None:
     d, _ = waiting(P0)
-    try:
-        out = d.clear(R, 1.0)
-    except RoomError:
-        out = []
-    out += d.tick(1.1)
+    with pytest.raises(RoomError, match="not releasable") as refused:
+        d.clear(R, 1.0)
+    out = refused.value.effects
     (s,) = of(out, Send)  # the prefill must stop writing whatever clear answers
     assert isinstance(s.msg, control.RoomAbort) and s.to == P0
     assert one(out, Ended).status == KVPoll.Failed

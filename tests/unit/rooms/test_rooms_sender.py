@@ -103,12 +103,12 @@ def test_init_and_send_of_unknown_room_raise() -> None:
 
 def test_send_source_page_outside_pool_fails_room_and_tells_decode() -> None:
     s = bound()
-    with pytest.raises(RoomError, match="source page index"):
+    with pytest.raises(RoomError, match="source page index") as refused:
         s.send(R, pages(0, POOL), True, 1.0)
     assert status(s) == KVPoll.Failed
     assert s.rooms[R].failure.kind == FailureKind.LAYOUT
-    # the decode must hear it now, not at its waiting timeout: the next tick says it
-    rep = one(s.tick(1.5), Report)
+    # the decode must hear it now, not at its waiting timeout: the refusal carries it
+    rep = one(refused.value.effects, Report)
     assert (rep.to, rep.inc, rep.status, rep.quiesced) == (D0, 1, KVPoll.Failed, True)
     assert rep.failure.kind == FailureKind.LAYOUT
 
@@ -157,7 +157,7 @@ def test_k03_second_incarnation_from_bound_rank_refused() -> None:
 
 
 @pytest.mark.parametrize("msg_kw, kind, match", [
-    ({"dst": (0, POOL)}, FailureKind.LAYOUT, "outside the decode pool"),
+    ({"dst": (0, POOL)}, FailureKind.LAYOUT, "outside the registered pool"),
     ({"aux_index": AUX}, FailureKind.LAYOUT, "aux_index"),
     ({"within": 0.0}, FailureKind.TIMEOUT, "deadline already passed"),
     ({"required": 0}, FailureKind.LAYOUT, "required_dst_info_num"),

@@ -45,7 +45,6 @@ The default run is sized for ``make test`` (about 18 000 steps); ``test_rooms_wo
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass, field, replace
 
@@ -461,8 +460,9 @@ class RoomsWorld(RuleBasedStateMachine):
         e.offset += n
         try:
             self.run_p(p, p.machine.send(room, src, e.last, self.now))
-        except RoomError:
+        except RoomError as refused:  # the room failed: its decode ranks must hear it
             assert variant == "bad_source"
+            self.run_p(p, refused.effects)
         self._settle()
 
     @rule(k=INDEX, room=st.sampled_from(ROOMS))
@@ -517,8 +517,9 @@ class RoomsWorld(RuleBasedStateMachine):
             d = self.d[k % len(self.d)]
             try:
                 effects = d.machine.clear(room, self.now)
-            except RoomError:
-                return  # pages not releasable yet: the engine keeps them
+            except RoomError as refused:  # pages not releasable yet: the engine keeps them
+                self.run_d(d, refused.effects)  # (an unfinished room was aborted all the same)
+                return
             assert d.machine.rooms.get(room) is None
             self.run_d(d, effects)
         self._settle()
@@ -593,8 +594,9 @@ class RoomsWorld(RuleBasedStateMachine):
         * ``resolve`` lookup ``i``: resolved, or (``i`` % 5 == 0) failed;
         * ``land`` write ``i``'s pages (``flag``: one page only), if not too late;
         * ``complete`` write ``i``: returns ok, or (``i`` % 4 == 0) failed;
-        * ``lose`` message ``i``: its send fails (its room is told); ``flag``: it still
-          arrives (a send that timed out yet went through);
+        * ``lose`` message ``i``: its send fails (nothing reached the peer; a decode room
+          whose pages it carried is told), or (``flag``) it is lost silently (a socket
+          dropped with messages queued in it);
         * ``duplicate`` message ``i``.
         """
         match action:
@@ -611,11 +613,10 @@ class RoomsWorld(RuleBasedStateMachine):
             case "complete" if self.writes:
                 self._complete(self.writes[i % len(self.writes)], ok=i % 4 != 0)
             case "lose" if self.net:
-                m = self.net[i % len(self.net)]
-                if not flag:
-                    self.net.remove(m)
+                m = self.net.pop(i % len(self.net))
                 self._lost(m)
-                self._send_failed(m)
+                if not flag:
+                    self._send_failed(m)
             case "duplicate" if self.net:
                 self.net.append(replace(self.net[i % len(self.net)]))
         self._settle()
@@ -648,8 +649,10 @@ class RoomsWorld(RuleBasedStateMachine):
                     if kind == "d_abort":
                         self.run_d(d, d.machine.abort(room, "client gone", self.now))
                     else:
-                        with contextlib.suppress(RoomError):  # refused: pages still out
+                        try:
                             self.run_d(d, d.machine.clear(room, self.now))
+                        except RoomError as refused:  # pages still out: aborted, kept
+                            self.run_d(d, refused.effects)
             case "p_abort" | "p_clear" if not w.dead:
                 if kind == "p_abort":
                     self.run_p(w.p, w.p.machine.abort(room, "client gone", self.now))

@@ -330,16 +330,18 @@ def test_concat_and_nbytes() -> None:
 
 # --------------------------------------------------------------------------- Regions / bounds
 
-def test_regions_sorted_and_merged() -> None:
-    r = Regions.of([500, 0, 50, 1000, 2000, 2010], [100, 100, 100, 10, 10, 5])
-    # [0,100) and [50,150) overlap; [2000,2010) and [2010,2015) are adjacent: both merged
-    assert r.start.tolist() == [0, 500, 1000, 2000]
-    assert r.end.tolist() == [150, 600, 1010, 2015]
+def test_regions_sorted_never_merged() -> None:
+    r = Regions.of([500, 0, 1000, 2000, 2010], [100, 100, 10, 10, 5])
+    # [2000,2010) and [2010,2015) are adjacent: still two buffers, with their ids
+    assert r.start.tolist() == [0, 500, 1000, 2000, 2010]
+    assert r.end.tolist() == [100, 600, 1010, 2010, 2015]
+    assert r.ids.tolist() == [1, 0, 2, 3, 4]
 
 
-def test_regions_nested() -> None:
-    r = Regions.of([0, 10, 20], [1000, 5, 5])
-    assert r.start.tolist() == [0] and r.end.tolist() == [1000]
+@pytest.mark.parametrize(("ptrs", "lens"), [([0, 50], [100, 100]), ([0, 10, 20], [1000, 5, 5])])
+def test_s07_overlapping_buffers_refused(ptrs: list[int], lens: list[int]) -> None:
+    with pytest.raises(LayoutError, match="overlap"):
+        Regions.of(ptrs, lens)
 
 
 def test_regions_wrap_refused() -> None:
@@ -360,11 +362,11 @@ def test_check_bounds_inside_and_edges() -> None:
         check_bounds(u64(0x10F0), u64(0x7000), regions, "src")  # spans the gap
 
 
-def test_check_bounds_across_merged_overlap() -> None:
-    regions = Regions.of([0, 64], [128, 128])
-    check_bounds(u64(10), u64(180), regions, "dst")
+def test_s07_range_straddling_two_adjacent_buffers_refused() -> None:
+    regions = Regions.of([0, 128], [128, 128])
+    check_bounds(u64(10, 128), u64(118, 128), regions, "dst")
     with pytest.raises(BoundsError):
-        check_bounds(u64(10), u64(183), regions, "dst")
+        check_bounds(u64(10), u64(180), regions, "dst")  # inside the union, not one buffer
 
 
 def test_check_bounds_wrap_past_2_64() -> None:

@@ -1,0 +1,200 @@
+"""The memory plane: buffers the engine (or a same-host peer daemon) gives kvd.
+
+One interface, :class:`Buffer`, per imported buffer whatever its handle kind
+(:mod:`kvd.protocol.memory`): ``address`` in this process, ``length`` bytes,
+``device`` (``"cpu"`` or ``"cuda:N"``), ``host_addressable`` (may the CPU read it:
+nothing in kvd assumes so unless this says it), ``release()``. Importers by kind:
+``shm`` and ``fd`` and ``proc_fd`` -> :mod:`kvd.memory.host`, ``cuda_ipc`` ->
+:mod:`kvd.memory.cuda` (the only module that imports the CUDA bindings, on first use).
+
+:class:`EngineMemory` holds one engine's registration and makes it transactional
+(case S12): every handle is imported, then the KV args are checked, then each BUFFER
+(never a whole file: case S01) is registered with the transfer engine; if any step
+fails, everything done so far is undone and nothing stays mapped or registered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from kvd.errors import HandleError, KvdError
+from kvd.memory import cuda as _cuda
+from kvd.memory.host import HostFiles, check_passed_fd, open_proc_fd, open_shm
+from kvd.protocol.memory import (
+    CudaIpcHandle,
+    ExportedBuffer,
+    ExportedPool,
+    FdHandle,
+    MemoryHandle,
+    PeerHandle,
+    ProcFdHandle,
+    ShmHandle,
+)
+from kvd.transfer.backends.base import TransferEngine
+
+log = logging.getLogger("kvd.memory")
+
+
+class Buffer(Protocol):
+    """One imported buffer (see the module docstring)."""
+
+    @property
+    def address(self) -> int: ...
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def device(self) -> str: ...
+
+    @property
+    def host_addressable(self) -> bool: ...
+
+    def export(self) -> PeerHandle: ...
+
+    def release(self) -> None: ...
+
+
+@dataclass
+class Importer:
+    """Maps handles into this process; one per daemon (files and CUDA segments are shared
+    by the buffers inside them)."""
+
+    shm_dir: Path
+    host: HostFiles = field(default_factory=HostFiles)
+    gpu: _cuda.CudaImports = field(default_factory=_cuda.CudaImports)
+
+    def engine_buffer(self, h: MemoryHandle, fds: Sequence[int], engine_uid: int) -> Buffer:
+        """Import a handle from the local engine. ``fds``: descriptors that came with the
+        request (``FdHandle.fd`` indexes them; they stay owned by the caller).
+        Raises :class:`HandleError` (or :class:`~kvd.errors.CudaUnavailable`)."""
+        if isinstance(h, ShmHandle):
+            fd = open_shm(h.path, self.shm_dir, engine_uid)
+            return self.host.buffer(fd, h.offset, h.length, h.path)
+        if isinstance(h, FdHandle):
+            if not 0 <= h.fd < len(fds):
+                raise HandleError(f"fd handle names descriptor #{h.fd} of {len(fds)} passed")
+            what = f"passed descriptor #{h.fd}"
+            check_passed_fd(fds[h.fd], what)
+            return self.host.buffer(os.dup(fds[h.fd]), h.offset, h.length, what)
+        if isinstance(h, CudaIpcHandle):
+            return self.gpu.buffer(h)
+        raise HandleError(f"unsupported buffer handle {type(h).__name__}")
+
+    def peer_buffer(self, h: PeerHandle) -> Buffer:
+        """Import a same-host peer daemon's exported handle; raises :class:`HandleError`."""
+        if isinstance(h, ProcFdHandle):
+            fd = open_proc_fd(h)
+            return self.host.buffer(fd, h.offset, h.length, f"pid {h.pid} fd {h.fd}")
+        if isinstance(h, CudaIpcHandle):
+            return self.gpu.buffer(h)
+        raise HandleError(f"unsupported peer handle {type(h).__name__}")
+
+    def close(self) -> None:
+        """Unmap every file and close every CUDA segment still open (shutdown)."""
+        for mapped in list(self.host.files.values()):
+            self.host._drop(mapped)
+        for key, seg in list(self.gpu.opened.items()):
+            with contextlib.suppress(KvdError):
+                self.gpu._close(key, seg)
+
+
+def import_all(make: Callable[[object], Buffer], handles: Sequence[object]) -> list[Buffer]:
+    """``[make(h) for h in handles]``, all or nothing: on an error every buffer made so
+    far is released before the error propagates."""
+    out: list[Buffer] = []
+    try:
+        for h in handles:
+            out.append(make(h))
+    except BaseException:
+        release_all(out)
+        raise
+    return out
+
+
+def release_all(buffers: Sequence[Buffer]) -> None:
+    """Release every buffer (errors are logged: release must not stop half-way)."""
+    for b in buffers:
+        try:
+            b.release()
+        except Exception as exc:
+            log.warning("releasing buffer %#x: %s", b.address, exc)
+
+
+def check_disjoint(buffers: Sequence[Buffer]) -> None:
+    """Raise :class:`HandleError` if two buffers overlap (bounds are per buffer: two
+    overlapping buffers would let a write planned for one land in the other)."""
+    spans = sorted((b.address, b.address + b.length, i) for i, b in enumerate(buffers))
+    for (_, end, i), (start, _, j) in itertools.pairwise(spans):
+        if start < end:
+            raise HandleError(f"buffers {min(i, j)} and {max(i, j)} overlap")
+
+
+@dataclass
+class EngineMemory:
+    """One engine's registered buffers: KV then aux, and what the transfer engine knows."""
+
+    kv: list[Buffer]
+    aux: list[Buffer]
+    registered: list[int] = field(default_factory=list)
+
+    @property
+    def buffers(self) -> list[Buffer]:
+        return [*self.kv, *self.aux]
+
+    def register(self, engine: TransferEngine) -> None:
+        """Register each buffer (not the files around them) with ``engine``; all or
+        nothing. Raises the engine's TransportError after undoing what it did."""
+        try:
+            for b in self.buffers:
+                engine.register(b.address, b.length, b.device)
+                self.registered.append(b.address)
+        except KvdError:
+            self.unregister(engine)
+            raise
+
+    def unregister(self, engine: TransferEngine) -> None:
+        """Unregister from ``engine`` (errors logged)."""
+        for addr in self.registered:
+            try:
+                engine.unregister(addr)
+            except Exception as exc:
+                log.warning("unregister %#x: %s", addr, exc)
+        self.registered.clear()
+
+    def release(self) -> None:
+        """Unmap / close everything (call :meth:`unregister` first)."""
+        release_all(self.buffers)
+
+    def export(self, host_id: str) -> ExportedPool:
+        """This registration for a same-host peer daemon's ``local`` backend."""
+        return ExportedPool(host_id=host_id, buffers=[
+            ExportedBuffer(address=b.address, length=b.length, handle=b.export())
+            for b in self.buffers])
+
+
+def import_engine(importer: Importer, kv: Sequence[MemoryHandle], aux: Sequence[MemoryHandle],
+                  fds: Sequence[int], engine_uid: int) -> EngineMemory:
+    """Import an engine's KV and aux handles, all or nothing (S12), and refuse overlaps."""
+    bufs = import_all(lambda h: importer.engine_buffer(h, fds, engine_uid),  # type: ignore[arg-type]
+                      [*kv, *aux])
+    try:
+        check_disjoint(bufs)
+    except HandleError:
+        release_all(bufs)
+        raise
+    return EngineMemory(bufs[:len(kv)], bufs[len(kv):])
+
+
+def close_quietly(fds: Sequence[int]) -> None:
+    """Close descriptors received with a request (they were dup'ed where kept)."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)

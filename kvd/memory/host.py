@@ -1,0 +1,255 @@
+"""Host memory the daemon maps: ``shm`` files by name, ``fd`` descriptors, peers' ``proc_fd``.
+
+Every file is opened ONCE and checked on the open descriptor (never by name
+after the fact: case S10):
+
+* ``shm``: the name must lie under ``shm_dir`` (lexically: absolute, no ``.``/``..``
+  parts); each folder below ``shm_dir`` is opened with ``O_DIRECTORY|O_NOFOLLOW`` and
+  the file with ``O_NOFOLLOW`` relative to it (``openat``), so neither a symlink nor a
+  rename race leads outside. On the descriptor: a regular file, owned by the engine
+  that registers it (``SO_PEERCRED`` uid: a member of ``engine_socket_group`` cannot
+  make kvd map another user's file), not writable by others, not empty.
+* ``fd``: the engine passed the descriptor itself (``SCM_RIGHTS``); possession is the
+  proof of access. On the descriptor: a regular file opened read-write; a memfd must be
+  sealed against shrinking (``F_SEAL_SHRINK``; :class:`kvd.client.FdPool` does), since a
+  file that shrinks under a mapping kills the mapper with ``SIGBUS``.
+* ``proc_fd`` (a peer daemon's export, same host): ``/proc/<pid>/fd/<n>`` in the same
+  pid namespace, and the reopened file must have the exported device and inode.
+
+Files are mapped whole with ``mmap`` (``MAP_SHARED``; not
+``multiprocessing.shared_memory``, whose resource tracker would unlink the engine's
+pool when kvd exits on Python < 3.13) and shared by every buffer inside them (keyed
+by device and inode). The descriptor stays open while a buffer uses the file, so that
+a same-host peer can import it (:meth:`HostBuffer.export`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+import numpy as np
+
+from kvd.errors import HandleError
+from kvd.protocol.memory import ProcFdHandle
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace (``pid:[4026531836]``), or "" if unknown."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+@dataclass
+class MappedFile:
+    """One open, mapped file: ``fd`` (kept open), ``base`` address of the mapping in this
+    process, ``size`` bytes, ``dev``/``ino`` identity, ``refs`` buffers using it."""
+
+    fd: int
+    mm: mmap.mmap
+    base: int
+    size: int
+    dev: int
+    ino: int
+    what: str
+    refs: int = 0
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):  # a view is alive: the OS unmaps at exit
+            self.mm.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+@dataclass
+class HostBuffer:
+    """``length`` bytes at ``address`` of a mapped file (offset ``offset`` in it)."""
+
+    file: MappedFile
+    offset: int
+    length: int
+    owner: HostFiles
+    released: bool = False
+
+    @property
+    def address(self) -> int:
+        return self.file.base + self.offset
+
+    @property
+    def device(self) -> str:
+        return "cpu"
+
+    @property
+    def host_addressable(self) -> bool:
+        return True
+
+    def export(self) -> ProcFdHandle:
+        """How a process on this host (same pid namespace, same uid) maps this buffer."""
+        return ProcFdHandle(pid=os.getpid(), fd=self.file.fd, st_dev=self.file.dev,
+                            st_ino=self.file.ino, offset=self.offset, length=self.length,
+                            pid_ns=pid_namespace())
+
+    def release(self) -> None:
+        """Drop this buffer; the file is unmapped and closed with its last buffer."""
+        if not self.released:
+            self.released = True
+            self.owner.unref(self.file)
+
+
+@dataclass
+class HostFiles:
+    """The files mapped by this daemon, keyed by ``(st_dev, st_ino)``."""
+
+    files: dict[tuple[int, int], MappedFile] = field(default_factory=dict)
+
+    def buffer(self, fd: int, offset: int, length: int, what: str) -> HostBuffer:
+        """A buffer of the file open at ``fd`` (which this call takes over: it is closed
+        here unless it becomes the file's kept descriptor). Raises :class:`HandleError`
+        for a bad range; the caller has checked the descriptor."""
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            mapped = self.files.get(key)
+            if mapped is None:
+                mapped = self._map(fd, st, what)
+                fd = -1  # kept by the mapping
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        if offset < 0 or length <= 0 or offset + length > mapped.size:
+            if mapped.refs == 0:
+                self._drop(mapped)
+            raise HandleError(f"buffer [{offset}, +{length}) is outside {what} "
+                              f"({mapped.size} bytes)")
+        mapped.refs += 1
+        return HostBuffer(mapped, offset, length, self)
+
+    def _map(self, fd: int, st: os.stat_result, what: str) -> MappedFile:
+        try:
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError) as exc:
+            raise HandleError(f"cannot map {what}: {exc}") from exc
+        base = np.frombuffer(mm, dtype=np.uint8).ctypes.data
+        mapped = MappedFile(fd, mm, base, st.st_size, st.st_dev, st.st_ino, what)
+        self.files[(st.st_dev, st.st_ino)] = mapped
+        return mapped
+
+    def unref(self, mapped: MappedFile) -> None:
+        mapped.refs -= 1
+        if mapped.refs <= 0:
+            self._drop(mapped)
+
+    def _drop(self, mapped: MappedFile) -> None:
+        self.files.pop((mapped.dev, mapped.ino), None)
+        mapped.close()
+
+
+def open_shm(path: str, shm_dir: Path, engine_uid: int) -> int:
+    """Open ``path`` (a name under ``shm_dir``) read-write, following no link; returns the
+    descriptor after :func:`check_shm_file`. Raises :class:`HandleError` (case S10)."""
+    parts = _parts_under(path, shm_dir)
+    dir_fd = _open_dir(shm_dir)
+    try:
+        for part in parts[:-1]:
+            nxt = _openat(part, os.O_RDONLY | os.O_DIRECTORY, dir_fd, path)
+            os.close(dir_fd)
+            dir_fd = nxt
+        fd = _openat(parts[-1], os.O_RDWR | os.O_NONBLOCK, dir_fd, path)
+    finally:
+        os.close(dir_fd)
+    try:
+        check_shm_file(fd, path, engine_uid)
+    except HandleError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _parts_under(path: str, shm_dir: Path) -> list[str]:
+    p = PurePosixPath(path)
+    roots = {PurePosixPath(os.path.normpath(shm_dir)), PurePosixPath(os.path.realpath(shm_dir))}
+    if not p.is_absolute() or any(part in (".", "..") for part in path.split("/")):
+        raise HandleError(f"{path!r} must be an absolute path without . or .. parts")
+    for root in roots:
+        if p != root and p.is_relative_to(root):
+            return list(p.relative_to(root).parts)
+    raise HandleError(f"{path} is not under the shared-memory folder {shm_dir}")
+
+
+def _open_dir(shm_dir: Path) -> int:
+    try:
+        return os.open(os.path.realpath(shm_dir), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HandleError(f"cannot open shm_dir {shm_dir}: {exc.strerror}") from exc
+
+
+def _openat(name: str, flags: int, dir_fd: int, path: str) -> int:
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        hint = " (a symbolic link: refused)" if exc.errno in (40, 20) else ""  # ELOOP, ENOTDIR
+        raise HandleError(f"cannot open {path}: {exc.strerror}{hint}") from exc
+
+
+def check_shm_file(fd: int, path: str, engine_uid: int) -> None:
+    """On the open descriptor: a non-empty regular file owned by ``engine_uid`` and not
+    writable by others. Raises :class:`HandleError`."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise HandleError(f"{path} is not a regular file")
+    if st.st_uid != engine_uid:
+        raise HandleError(f"{path} is owned by uid {st.st_uid}, not by the engine (uid "
+                          f"{engine_uid}) that registers it")
+    if st.st_mode & stat.S_IWOTH:
+        raise HandleError(f"{path} is writable by every user (mode {stat.S_IMODE(st.st_mode):o})"
+                          f": create the KV pool with mode 0600 or 0660")
+    if st.st_size == 0:
+        raise HandleError(f"{path} is empty")
+
+
+def check_passed_fd(fd: int, what: str) -> None:
+    """On a descriptor passed with ``SCM_RIGHTS``: a non-empty regular file opened
+    read-write; a memfd sealed against shrinking. Raises :class:`HandleError`."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise HandleError(f"{what} is not a regular file (a memfd or a shared-memory file)")
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDWR:
+        raise HandleError(f"{what} was not opened read-write (O_RDWR)")
+    if st.st_size == 0:
+        raise HandleError(f"{what} is empty")
+    if _is_memfd(fd) and not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
+        raise HandleError(f"{what} is a memfd that may shrink under kvd's mapping (SIGBUS): "
+                          f"seal it with F_SEAL_SHRINK (kvd.client.FdPool does)")
+
+
+def _is_memfd(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+    except OSError:
+        return False
+
+
+def open_proc_fd(h: ProcFdHandle) -> int:
+    """Reopen a same-host peer's exported descriptor; raises :class:`HandleError` unless it
+    is in this pid namespace and still the exported file (device and inode)."""
+    if h.pid_ns and h.pid_ns != pid_namespace():
+        raise HandleError(f"pid {h.pid} lives in another pid namespace ({h.pid_ns})")
+    if h.pid == os.getpid():
+        raise HandleError("a proc_fd handle may not name this process's own memory")
+    try:
+        fd = os.open(f"/proc/{h.pid}/fd/{h.fd}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise HandleError(f"cannot open descriptor {h.fd} of pid {h.pid}: {exc.strerror} "
+                          f"(both daemons must run as one user in one pid namespace)") from exc
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (h.st_dev, h.st_ino) or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise HandleError(f"descriptor {h.fd} of pid {h.pid} is no longer the exported file")
+    return fd

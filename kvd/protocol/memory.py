@@ -1,0 +1,120 @@
+"""Memory handles: how an engine (or a peer daemon) names a buffer kvd may map. PURE.
+
+A handle is a tagged union, the tag on the wire being the field ``kind``:
+
+=================  =========================================================================
+``shm``            :class:`ShmHandle`: a file under the daemon's ``shm_dir`` (a ``/dev/shm``
+                   name), opened once without following links and checked on the open
+                   descriptor.
+``fd``             :class:`FdHandle`: ANY file descriptor (a memfd, an open ``/dev/shm``
+                   file) passed over the engine's Unix socket with ``SCM_RIGHTS``: no file
+                   name travels; possession of the descriptor is the engine's proof of access.
+``cuda_ipc``       :class:`CudaIpcHandle`: a CUDA IPC memory handle (``cudaIpcGetMemHandle``
+                   of a ``cudaMalloc`` segment, what PyTorch's CUDA storage sharing gives)
+                   plus the offset of the buffer inside that segment.
+=================  =========================================================================
+
+Every handle carries ``offset`` and ``length`` in bytes. Aux buffers use the
+same union as KV buffers.
+
+Daemon to daemon (the ``local`` transfer backend, both daemons on one host):
+:class:`ExportedPool` lists a daemon's registered buffers -- their address in
+the exporting daemon and a handle another process on the same host can import:
+:class:`ProcFdHandle` for host memory (the exporter's open descriptor, named by
+pid and number and pinned by device and inode) or :class:`CudaIpcHandle`.
+It rides in the control plane's ``RegisterRank`` message.
+
+This module imports nothing from kvd: it is a leaf, so every layer can read
+these types without an import cycle.
+"""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+import msgspec
+
+#: Bytes of a CUDA IPC memory handle (``cudaIpcMemHandle_t``, CUDA runtime API).
+CUDA_IPC_HANDLE_BYTES = 64
+
+
+class ShmHandle(msgspec.Struct, tag="shm", tag_field="kind", frozen=True):
+    """A buffer in a shared-memory file: ``path`` under the daemon's ``shm_dir``
+    (absolute, no ``..``), ``offset`` and ``length`` in bytes."""
+
+    path: str
+    offset: int
+    length: int
+
+
+class FdHandle(msgspec.Struct, tag="fd", tag_field="kind", frozen=True):
+    """A buffer in a file passed with ``SCM_RIGHTS`` alongside the request.
+
+    ``fd``: in the engine process, the descriptor number; on the wire, the
+    position of that descriptor in the request's ``SCM_RIGHTS`` list
+    (:func:`kvd.protocol.rpc.number_fds` rewrites one into the other).
+    ``offset``/``length`` in bytes.
+    """
+
+    fd: int
+    offset: int
+    length: int
+
+
+class CudaIpcHandle(msgspec.Struct, tag="cuda_ipc", tag_field="kind", frozen=True):
+    """A buffer in GPU memory: ``handle`` (64 bytes, ``cudaIpcMemHandle_t``) names a whole
+    ``cudaMalloc`` segment; the buffer is ``[offset, offset + length)`` bytes of it.
+
+    ``device_uuid`` ("GPU-xxxxxxxx-...", as ``nvidia-smi -L`` prints it) says which GPU
+    holds the segment, whatever ``CUDA_VISIBLE_DEVICES`` each process has;
+    ``device`` is the exporter's ordinal, kept for messages only.
+    """
+
+    handle: bytes
+    offset: int
+    length: int
+    device_uuid: str
+    device: int = 0
+
+
+class ProcFdHandle(msgspec.Struct, tag="proc_fd", tag_field="kind", frozen=True):
+    """Daemon to daemon on one host: descriptor ``fd`` of process ``pid``, reopened by the
+    importer as ``/proc/<pid>/fd/<fd>``; ``st_dev``/``st_ino`` pin the file (a reused pid
+    or descriptor number is refused), ``pid_ns`` names the pid namespace the pid lives
+    in (``readlink /proc/self/ns/pid``). ``offset``/``length`` in bytes."""
+
+    pid: int
+    fd: int
+    st_dev: int
+    st_ino: int
+    offset: int
+    length: int
+    pid_ns: str = ""
+
+
+#: What an engine may register (RegisterKV).
+MemoryHandle: TypeAlias = ShmHandle | FdHandle | CudaIpcHandle
+
+#: What a daemon may export to another daemon on its host.
+PeerHandle: TypeAlias = ProcFdHandle | CudaIpcHandle
+
+
+class ExportedBuffer(msgspec.Struct, frozen=True):
+    """One registered buffer as a peer daemon imports it: ``address`` is the buffer's
+    address in the EXPORTING daemon (the ``kv_data_ptrs``/``aux_data_ptrs`` entry peers
+    plan with), ``length`` bytes, ``handle`` how to map the same memory."""
+
+    address: int
+    length: int
+    handle: PeerHandle
+
+
+class ExportedPool(msgspec.Struct, frozen=True):
+    """A daemon's registered memory, for the ``local`` backend of a peer on the same host.
+
+    ``host_id`` (:func:`kvd.hostid.host_identity`) proves the host; ``buffers`` are
+    the KV buffers then the aux buffers, in ``KVArgsWire`` order.
+    """
+
+    host_id: str
+    buffers: list[ExportedBuffer]

@@ -1,0 +1,70 @@
+"""S01: every listening socket of a real daemon, the transfer engine's included, is bound to
+the configured host, with the transfer engine's ports inside the configured range."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvd.cli import doctor
+from kvd.config import Settings
+from kvd.launch import start_daemon
+from kvd.netstat import listeners, wider_than
+
+pytestmark = pytest.mark.integration
+
+
+def _settings() -> Settings:
+    return Settings(role="decode")
+
+
+def _two_free_ports() -> tuple[int, int]:
+    """Two consecutive ports outside the kernel's ephemeral range that nothing holds now
+    (other tests' transfer engines take ports from Mooncake's default 15000-17000)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 30000, 2)
+        try:
+            for port in (base, base + 1):
+                with socket.socket(socket.AF_INET6) as s6:
+                    s6.bind(("::", port))
+        except OSError:
+            continue
+        return base, base + 1
+    raise AssertionError("no two consecutive free ports")
+
+
+def test_s01_transfer_engine_listeners_bind_only_the_configured_host(tmp_path: Path) -> None:
+    lo, hi = _two_free_ports()
+    daemon = start_daemon("decode", tmp_path, host="127.0.0.1", http_host="127.0.0.1",
+                          transfer_port_range=f"{lo}-{hi}")
+    try:
+        found = listeners(daemon.proc.pid)
+        assert len(found) >= 4  # REST, ZMQ control, transfer handshake, transfer TCP data
+        assert wider_than(found, {"127.0.0.1"}) == [], [str(x) for x in found]
+        rpc_port = int(daemon.ready["session_id"].rsplit(":", 1)[1])
+        transfer = {x.port for x in found} - {daemon.ready["http_port"],
+                                              int(daemon.ready["control_endpoint"]
+                                                  .rsplit(":", 1)[1])}
+        assert rpc_port in transfer and transfer <= {lo, hi}, transfer
+        c = doctor.check_listeners(doctor.daemon_pid(Path(daemon.socket)) or 0, _settings())
+        assert c.status == "ok", c.detail
+        assert f"127.0.0.1:{rpc_port}" in c.detail
+    finally:
+        daemon.stop()
+
+
+def test_s01_listeners_of_base_code_were_wider(tmp_path: Path) -> None:
+    """Positive control of the check itself: bind host 0.0.0.0 keeps Mooncake's own
+    behaviour (every interface), and the check sees it."""
+    daemon = start_daemon("decode", tmp_path, transfer_bind_host="0.0.0.0")
+    try:
+        wide = wider_than(listeners(daemon.proc.pid), {"127.0.0.1"})
+        assert wide and all(x.wildcard for x in wide)
+        c = doctor.check_listeners(doctor.daemon_pid(Path(daemon.socket)) or 0, _settings())
+        assert c.status == "warn" and "wider than configured" in c.detail
+    finally:
+        daemon.stop()
