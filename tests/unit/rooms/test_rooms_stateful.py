@@ -3,11 +3,13 @@
 One or two prefill machines (:class:`SenderRooms`) and one or two decode machines
 (:class:`ReceiverRooms`) — TP 1→1, 2→1 or 1→2 — run against a simulated network,
 transfer backend, bootstrap lookup and clock. Rules are engine calls on both sides
-(create/init/send/abort/clear, retries that reuse a room id, engine disconnects),
-network faults (deliver in any order, drop, duplicate, a send reported failed that
-still arrives), write results (land a write's pages, complete or fail it), lookups
-(resolve or fail), decode restarts (a new instance at the same endpoint, possibly
-refused by the prefill), heartbeat loss, and time.
+(create/init/send/abort/clear, retries that reuse a room id, a busy prefill engine,
+engine disconnects), network faults (deliver in any order, a failed send, a silent
+loss, a duplicate), write results (land a write's pages, complete or fail it), races
+(an engine ends a room while its write is in flight; the write lands as late as it
+may), lookups (resolve or fail), restarts (a new decode or prefill instance at the
+same endpoint, a decode the prefill refuses, a decode registering again), heartbeat
+loss, and time (with the sweep on time or late).
 
 The simulated decode pool stamps every page a write lands on with
 ``(room, incarnation, index in the room)`` (the incarnation the prefill machine had
@@ -25,7 +27,7 @@ Checked after every step:
 (a) a write lands only on pages owned by the room and incarnation it was started for
     (never on pages the decode reported releasable, whether or not reused since);
 (b) every non-terminal room is within its state's deadline and its total lifetime
-    bound (the sweep ran at every clock step);
+    bound, as of the last sweep;
 (c) the decode reports Success only when every page of the room holds, from every
     prefill rank it needs, the bytes of that incarnation at the right position;
 (d) a prefill rank never tells a decode both Success and Failed for one incarnation,
