@@ -8,10 +8,11 @@ last chunk and aux have landed by then); any state may move to ``Failed``.
 
 Rules this module guarantees (tested in ``tests/unit/rooms``):
 
-* **Incarnations.** Each ``Receiver(room)`` is a new incarnation (``inc``); every
-  message about it carries ``inc``, and a status naming another incarnation or
-  coming from another instance of the target than the one resolved is dropped
-  and counted (K26, K28).
+* **Incarnations.** Each ``Receiver(room)`` is a new incarnation (``inc``), numbered
+  apart from every other instance's (:func:`first_incarnation`); every message about
+  it carries ``inc``, and a status naming another incarnation or coming from another
+  instance of the target than the one resolved is dropped and counted (K26, K28) —
+  the latter also fails the room at once: that target restarted.
 * **Success** only when every target reported Success for this incarnation.
 * **Any end cancels every writer.** Whatever ends a room here (a target's
   failure, a deadline, bad aux, the engine, a lost peer), every target that has
@@ -29,6 +30,7 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections import Counter
 from dataclasses import dataclass, field
@@ -96,6 +98,16 @@ class ReceiverRoom:
         return None if limit is None else self.since + limit
 
 
+def first_incarnation(instance: str) -> int:
+    """Where instance ``instance`` starts numbering incarnations: 1 + 2**24 * (32 bits of
+    a hash of the instance id). Two instances of a decode daemon at one endpoint thus
+    number their rooms apart (unless one creates 2**24 rooms and their hashes fall that
+    close, about 2**-31), so a status sent to a previous instance, delivered to the new
+    one after a restart, names no incarnation of it and is dropped (K28)."""
+    digest = hashlib.blake2b(instance.encode(), digest_size=4).digest()
+    return 1 + (int.from_bytes(digest, "big") << 24)
+
+
 @dataclass(frozen=True)
 class Poll:
     """What the engine sees of a room."""
@@ -119,7 +131,7 @@ class ReceiverRooms:
     """
 
     def __init__(self, endpoint: str, instance: str, timeouts: Timeouts | None = None,
-                 first_inc: int = 1) -> None:
+                 first_inc: int | None = None) -> None:
         self.endpoint = endpoint
         self.instance = instance
         self.timeouts = timeouts or Timeouts()
@@ -128,7 +140,10 @@ class ReceiverRooms:
         self.aux_sizes: tuple[int, ...] = ()
         self.rooms: dict[int, ReceiverRoom] = {}
         self.dropped: Counter[str] = Counter()
-        self._incs = itertools.count(first_inc)
+        self._incs = itertools.count(first_inc if first_inc is not None else
+                                     first_incarnation(instance))
+        self._base_instance = instance
+        self._registrations = 0
 
     # ---- engine events ----------------------------------------------------------------
 
@@ -199,6 +214,21 @@ class ReceiverRooms:
         del self.rooms[room]
         return out
 
+    def engine_released(self, now: float) -> list[Effect]:
+        """The engine went away and its memory is unregistered: every unfinished room is
+        aborted (its targets told), every room forgotten (nothing can land in that memory
+        any more), and this rank takes a new instance id for what it registers next, so
+        the prefill ranks treat the new memory as a restart: pages sent for the old memory
+        can never be written into the new one (K28). Registrations must use
+        :attr:`instance` from now on."""
+        out: list[Effect] = []
+        for room in [k for k, r in self.rooms.items() if not r.done]:
+            out += self.abort(room, "engine disconnected", now)
+        self.rooms.clear()
+        self._registrations += 1
+        self.instance = f"{self._base_instance}+{self._registrations}"
+        return out
+
     # ---- results ----------------------------------------------------------------------
 
     def resolved(self, room: int, inc: int, targets: list[Target], now: float) -> list[Effect]:
@@ -210,6 +240,8 @@ class ReceiverRooms:
         r.targets = tuple(targets)
         if r.done:  # ended while resolving: the prefill ranks must hear it (K34)
             self._abort_targets(r, out)
+            return out
+        if self._overdue(r, now, out):  # too late: no new deadline for it
             return out
         r.status, r.since = KVPoll.WaitingForInput, now
         self._send_pages(r, now, out)
@@ -259,7 +291,13 @@ class ReceiverRooms:
             self.dropped["unbound"] += 1
             return out
         if target.instance != msg.instance_id:
+            # Not trusted (nor as quiescence), but telling: the pages went to whatever
+            # instance listens at that endpoint, so the one this room was sent to is gone.
             self.dropped["stale_instance"] += 1
+            self._fail(r, RoomFailure(FailureKind.PEER, f"room {r.room}: prefill rank "
+                                      f"{msg.endpoint} answered as instance {msg.instance_id}"
+                                      f", not {target.instance}: it restarted", ORIGIN),
+                       now, out)
             return out
         status = KVPoll(msg.status) if msg.status in (0, 4) else None
         if status is None:
@@ -303,13 +341,7 @@ class ReceiverRooms:
         rooms the engine never cleared."""
         out: list[Effect] = []
         for r in list(self.rooms.values()):
-            deadline = r.deadline(self.timeouts)
-            if deadline is not None and now > deadline:
-                limit = self.timeouts.limit(r.status) or 0.0
-                self._fail(r, RoomFailure(FailureKind.TIMEOUT, f"room {r.room}: timed out in "
-                                          f"{r.status.name} after {now - r.since:.1f}s (limit "
-                                          f"{limit:.1f}s; prefill {r.bootstrap_addr})", ORIGIN),
-                           now, out)
+            if self._overdue(r, now, out):
                 continue
             if not r.done:
                 continue
@@ -347,8 +379,22 @@ class ReceiverRooms:
     def _peer(r: ReceiverRoom) -> str:
         return ",".join(t.endpoint for t in r.targets or ()) or r.bootstrap_addr
 
+    def _overdue(self, r: ReceiverRoom, now: float, out: list[Effect]) -> bool:
+        """Fail ``r`` if it is past its state's deadline. Checked by the sweep and before
+        any move to a later state, so a room never outlives its deadlines because the
+        sweep ran late."""
+        deadline = r.deadline(self.timeouts)
+        if deadline is None or now <= deadline:
+            return False
+        limit = self.timeouts.limit(r.status) or 0.0
+        self._fail(r, RoomFailure(FailureKind.TIMEOUT, f"room {r.room}: timed out in "
+                                  f"{r.status.name} after {now - r.since:.1f}s (limit "
+                                  f"{limit:.1f}s; prefill {r.bootstrap_addr})", ORIGIN), now, out)
+        return True
+
     def _send_pages(self, r: ReceiverRoom, now: float, out: list[Effect]) -> None:
-        if r.done or r.targets is None or r.dst_pages is None or r.sent:
+        if r.done or r.targets is None or r.dst_pages is None or r.sent or \
+                self._overdue(r, now, out):
             return
         deadline = r.deadline(self.timeouts)
         assert deadline is not None

@@ -13,6 +13,10 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
   by another instance of the peer than the one that registered, never change it
   (K26, K28). Engine-side re-creation of a room id makes a new *attempt*; write
   results name their attempt, so an old write cannot decide a new attempt.
+* **One word per incarnation.** The final status this rank tells a decode
+  incarnation (endpoint, instance, ``inc``) is remembered (bounded in time and
+  count) and never taken back: a late or repeated message about it is answered
+  with the same word, and no later attempt binds it (K05, K26).
 * **Release safety.** No write starts for a room that ended, nor for a
   destination after its ``write_within`` bound (K22). Every destination hears
   the final status; a failure while a write is in flight is reported twice:
@@ -154,12 +158,21 @@ class EarlyAbort:
 
 @dataclass(frozen=True)
 class Tombstone:
-    """What is left of an ended room after the engine cleared it."""
+    """What is left of an ended room after the engine cleared it (``dests``: how many
+    decode ranks its last attempt had bound)."""
 
     room: int
     status: KVPoll
     failure: RoomFailure | None
-    bound: dict[str, int]  # decode endpoint -> incarnation it was bound to
+    dests: int
+
+
+#: A decode incarnation as this rank knows it: (endpoint, instance, inc).
+Incarnation = tuple[str, str, int]
+#: What this rank said about one: its final status and failure.
+Word = tuple[KVPoll, RoomFailure | None]
+#: Words kept per room (retries reusing one room id add more).
+MAX_WORDS = 16
 
 
 @dataclass(frozen=True)
@@ -211,6 +224,9 @@ class SenderRooms:
                                                               self.limits.tombstones)
         self.tombstones: Bounded[int, Tombstone] = Bounded(self.timeouts.tombstone,
                                                            self.limits.tombstones)
+        # every final word said to a decode incarnation, per room: never taken back
+        self.words: Bounded[int, dict[Incarnation, Word]] = Bounded(self.timeouts.tombstone,
+                                                                    self.limits.tombstones)
         self.dropped: Counter[str] = Counter()  # stale / unbound / unregistered messages
         self._attempts = 0
 
@@ -230,7 +246,7 @@ class SenderRooms:
         for early in self.early.pop(room) or []:  # already answered when it arrived
             self._fail(r, early.failure, now, out)
         for p in self._take_pending(room):
-            self._bind(r, p.msg, p.pages, now, out)
+            self._bind(r, p.msg, p.pages, now, out, arrived=p.at)
         return out
 
     def init(self, room: int, num_pages: int, aux_index: int, now: float) -> list[Effect]:
@@ -250,7 +266,8 @@ class SenderRooms:
 
         A chunk for a room that already ended is dropped (the engine learns the outcome
         from ``poll``: aborts race with sends). A page outside the local pool fails the
-        room and raises RoomError."""
+        room and raises RoomError (the reports to its decode ranks leave with the next
+        :meth:`tick`)."""
         r = self._room(room)
         if r.done:
             return []
@@ -322,7 +339,7 @@ class SenderRooms:
         if pages is None:
             failure = RoomFailure(FailureKind.LAYOUT, f"room {msg.room}: malformed page "
                                   f"indices from {msg.endpoint}", ORIGIN)
-            out.append(self._answer(peer, msg, failure))
+            out.append(self._answer(peer, msg, failure, now))
             return out
         self._bind(r, msg, pages, now, out)
         return out
@@ -336,13 +353,20 @@ class SenderRooms:
         failure = RoomFailure(FailureKind.parse(msg.kind), msg.reason, "decode")
         r = self.rooms.get(msg.room)
         d = r.dests.get(msg.endpoint) if r is not None else None
+        if d is not None and d.peer.instance != peer.instance:
+            d = None  # bound to an earlier instance at that endpoint, not to this one
         if r is not None and d is not None:
             if msg.inc not in (0, d.inc):
                 self.dropped["stale"] += 1
                 return out
             self._fail(r, failure, now, out)
             if not r.writing:  # _fail told the others; confirm to this one too
-                out.append(self._report(r, msg.endpoint, d.inc))
+                out.append(self._report(r, msg.endpoint, d.inc, now))
+            return out
+        word = self._ended_word(msg.room, peer, msg.inc)
+        if word is not None:  # late: that incarnation's attempt ended; say how, again
+            self.dropped["late"] += 1
+            out.append(word)
             return out
         full = r is not None and r.required is not None and len(r.dests) >= r.required
         if full or not self._routes_here(peer, msg.room):
@@ -356,8 +380,8 @@ class SenderRooms:
             early = self.early.get(msg.room) or []
             if len(early) < 16:
                 self.early.put(msg.room, [*early, EarlyAbort(msg.endpoint, inc, failure)], now)
-        out.append(Report(msg.endpoint, peer.instance, msg.room, inc, KVPoll.Failed, failure,
-                          quiesced=True))
+        out.append(self._say(Report(msg.endpoint, peer.instance, msg.room, inc, KVPoll.Failed,
+                                    failure, quiesced=True), now))
         return out
 
     # ---- results and time -------------------------------------------------------------
@@ -376,7 +400,7 @@ class SenderRooms:
         r.nbytes += nbytes
         r.seconds += seconds
         if r.done:  # ended while the write was in flight: now it is quiet
-            self._report_all(r, out)
+            self._report_all(r, now, out)
             return out
         if failure is not None:
             self._fail(r, failure, now, out)
@@ -392,14 +416,14 @@ class SenderRooms:
         early aborts, tombstones, unclaimed finished rooms and idle peers."""
         out: list[Effect] = []
         for r in list(self.rooms.values()):
-            deadline = r.deadline(self.timeouts)
-            if deadline is not None and now > deadline:
-                self._fail(r, self._timeout(r, now), now, out)
-            elif r.done and not r.writing and now - r.since > self.timeouts.finished_ttl:
+            if self._overdue(r, now, out):
+                continue
+            if r.done and not r.writing and now - r.since > self.timeouts.finished_ttl:
                 self._retire(r, now)
         self._expire_pending(now, out)
         self.early.expire(now)
         self.tombstones.expire(now)
+        self.words.expire(now)
         self._forget_idle_peers(now, out)
         return out
 
@@ -417,6 +441,7 @@ class SenderRooms:
         return {"rooms": len(self.rooms), "retired": len(self.retired),
                 "pending": len(self.pending), "pending_bytes": self.pending_bytes,
                 "early_aborts": len(self.early), "tombstones": len(self.tombstones),
+                "words": len(self.words),
                 "peers": len(self.peers)}
 
     # ---- internals: binding -----------------------------------------------------------
@@ -439,6 +464,28 @@ class SenderRooms:
         peer.last_seen = now
         return peer
 
+    def _ended_word(self, room: int, peer: DecodePeer, inc: int) -> Report | None:
+        """What this rank already said about incarnation ``inc`` of ``room`` on ``peer``
+        (this instance), said again — quiesced unless a write bound to it is still in
+        flight (its return reports again) — or None if nothing was said."""
+        word = (self.words.get(room) or {}).get((peer.endpoint, peer.instance, inc))
+        if word is None:
+            return None
+        attempts = [self.rooms.get(room), *(r for r in self.retired.values() if r.room == room)]
+        writing = any(r is not None and r.writing and (d := r.dests.get(peer.endpoint))
+                      is not None and (d.peer.instance, d.inc) == (peer.instance, inc)
+                      for r in attempts)
+        return Report(peer.endpoint, peer.instance, room, inc, *word, quiesced=not writing)
+
+    def _say(self, rep: Report, now: float) -> Report:
+        """Remember a final word (this rank never binds that incarnation afterwards)."""
+        words = dict(self.words.get(rep.room) or {})
+        words[(rep.to, rep.to_instance, rep.inc)] = (rep.status, rep.failure)
+        for key in list(words)[:-MAX_WORDS]:
+            del words[key]
+        self.words.put(rep.room, words, now)
+        return rep
+
     def _routes_here(self, peer: DecodePeer, room: int) -> bool:
         """Could ``peer`` target this rank for ``room``? (TP and PP; the decode may name
         any DP group explicitly, so DP is not checked.)"""
@@ -452,20 +499,21 @@ class SenderRooms:
 
     def _pages_before_room(self, peer: DecodePeer, msg: control.RoomPages,
                            pages: Pages | None, now: float, out: list[Effect]) -> None:
+        word = self._ended_word(msg.room, peer, msg.inc)
+        if word is not None:  # pages this rank already used: the same answer again
+            out.append(word)
+            return
         tomb = self.tombstones.get(msg.room)
-        if tomb is not None and tomb.bound.get(msg.endpoint, msg.inc) == msg.inc and (
-                msg.endpoint in tomb.bound or not tomb.bound):
-            failure = tomb.failure or RoomFailure(
-                FailureKind.DUPLICATE, f"room {msg.room}: duplicate room (already ended: "
-                f"Success on prefill)", ORIGIN)
-            out.append(self._answer(peer, msg, failure))
+        if tomb is not None and not tomb.dests:  # ended before any decode rank bound (K21)
+            assert tomb.failure is not None  # no destination: it cannot have succeeded
+            out.append(self._answer(peer, msg, tomb.failure, now))
             return
         for early in self.early.get(msg.room) or []:
             if early.endpoint == msg.endpoint and early.inc in (0, msg.inc):
-                out.append(self._answer(peer, msg, early.failure))
+                out.append(self._answer(peer, msg, early.failure, now))
                 return
         if peer.rejected is not None:  # K30: refuse now, and fail the room when it appears
-            out.append(self._answer(peer, msg, peer.rejected))
+            out.append(self._answer(peer, msg, peer.rejected, now))
             self.early.put(msg.room, [*(self.early.get(msg.room) or []),
                                       EarlyAbort(msg.endpoint, msg.inc, peer.rejected)], now)
             return
@@ -479,48 +527,61 @@ class SenderRooms:
                                   f"{self.pending_bytes} bytes) waiting for a sender on this "
                                   f"prefill rank" if pages is not None else
                                   f"room {msg.room}: malformed page indices", ORIGIN)
-            out.append(self._answer(peer, msg, failure))
+            out.append(self._answer(peer, msg, failure, now))
             return
         self.pending.setdefault(msg.room, []).append(Pending(msg, pages, now))
         self.pending_by_peer[msg.endpoint] += 1
         self.pending_bytes += size
 
     def _bind(self, r: SenderRoom, msg: control.RoomPages, pages: Pages, now: float,
-              out: list[Effect]) -> None:
-        """Add a destination to a live (or ended) room, or answer why not."""
+              out: list[Effect], arrived: float | None = None) -> None:
+        """Add a destination to a live (or ended) room, or answer why not. The write bound
+        counts from when the pages ``arrived`` (buffered pages waited for the room), never
+        from when they were bound: the decode's release margin starts at its send."""
         peer = self.peers[msg.endpoint]
         existing = r.dests.get(msg.endpoint)
+        if existing is not None and existing.peer.instance == peer.instance and \
+                existing.inc == msg.inc:  # the same pages again: nothing changes
+            self.dropped["duplicate"] += 1
+            if r.done:
+                out.append(self._report(r, msg.endpoint, msg.inc, now))  # the outcome again
+            return
+        word = self._ended_word(r.room, peer, msg.inc)
+        if word is not None:  # this rank already gave its final word on that incarnation
+            self.dropped["late"] += 1
+            out.append(word)
+            return
+        if not r.done:
+            self._overdue(r, now, out)  # too late to bind: answered as an ended room
         if r.done:
-            if existing is not None and existing.inc == msg.inc:
-                out.append(self._report(r, msg.endpoint, msg.inc))  # a duplicate: say again
-            else:
-                out.append(self._answer(peer, msg, r.failure or RoomFailure(
-                    FailureKind.DUPLICATE, f"room {r.room}: duplicate room (already ended: "
-                    f"Success on prefill for {r.peers})", ORIGIN)))
+            out.append(self._answer(peer, msg, r.failure or RoomFailure(
+                FailureKind.DUPLICATE, f"room {r.room}: duplicate room (already ended: "
+                f"Success on prefill for {r.peers})", ORIGIN), now))
             return
         if existing is not None or (r.required is not None and len(r.dests) >= r.required):
             out.append(self._answer(peer, msg, RoomFailure(
                 FailureKind.DUPLICATE, f"room {r.room}: duplicate room (already bound to "
-                f"{r.peers}; refused {msg.endpoint})", ORIGIN)))
+                f"{r.peers}; refused {msg.endpoint})", ORIGIN), now))
             return
-        problem = self._check_dest(peer, msg, pages)
+        write_deadline = (now if arrived is None else arrived) + msg.write_within
+        problem = self._check_dest(peer, msg, pages, write_deadline > now)
         if problem is not None:
-            out.append(self._answer(peer, msg, problem))
+            out.append(self._answer(peer, msg, problem, now))
             self._fail(r, problem, now, out)
             return
         r.dests[msg.endpoint] = Dest(peer, msg.inc, pages, msg.aux_index, msg.is_dummy,
-                                     now + msg.write_within)
+                                     write_deadline)
         r.required = msg.required_dst_info_num
         if len(r.dests) >= r.required and r.status == KVPoll.Bootstrapping:
             self._advance(r, KVPoll.WaitingForInput, now)
             self._kick(r, now, out)
 
-    def _check_dest(self, peer: DecodePeer, msg: control.RoomPages,
-                    pages: Pages) -> RoomFailure | None:
+    def _check_dest(self, peer: DecodePeer, msg: control.RoomPages, pages: Pages,
+                    in_time: bool) -> RoomFailure | None:
         room = msg.room
         if peer.rejected is not None:
             return peer.rejected
-        if msg.write_within <= 0:
+        if not in_time:
             return RoomFailure(FailureKind.TIMEOUT, f"room {room}: the decode's write "
                                f"deadline already passed", ORIGIN)
         if msg.required_dst_info_num < 1:
@@ -547,6 +608,8 @@ class SenderRooms:
             self._fail(r, RoomFailure(FailureKind.TIMEOUT, f"room {r.room}: the decode's "
                                       f"write deadline passed before chunk at page "
                                       f"{r.offset} (decode: {r.peers})", ORIGIN), now, out)
+            return
+        if self._overdue(r, now, out):
             return
         pages, is_last = r.chunks.popleft()
         dests = []
@@ -579,7 +642,7 @@ class SenderRooms:
 
     def _succeed(self, r: SenderRoom, now: float, out: list[Effect]) -> None:
         self._advance(r, KVPoll.Success, now)
-        self._report_all(r, out)
+        self._report_all(r, now, out)
         out.append(Ended(r.room, r.attempt, KVPoll.Success, None, r.peers, r.created,
                          r.nbytes, r.seconds))
         out.append(Wake())
@@ -591,32 +654,43 @@ class SenderRooms:
         self._advance(r, KVPoll.Failed, now)
         r.failure = failure
         r.chunks.clear()
-        self._report_all(r, out)
+        self._report_all(r, now, out)
         out.append(Ended(r.room, r.attempt, KVPoll.Failed, failure, r.peers, r.created,
                          r.nbytes, r.seconds))
         out.append(Wake())
 
-    def _report_all(self, r: SenderRoom, out: list[Effect]) -> None:
+    def _report_all(self, r: SenderRoom, now: float, out: list[Effect]) -> None:
         """The room's status to every destination still registered as the instance the
         room is bound to (a restarted decode does not know the room; the same instance
         registering again, e.g. after a new bootstrap epoch, still does)."""
         for endpoint, d in r.dests.items():
             peer = self.peers.get(endpoint)
             if peer is not None and peer.instance == d.peer.instance:
-                out.append(self._report(r, endpoint, d.inc))
+                out.append(self._report(r, endpoint, d.inc, now))
 
-    def _report(self, r: SenderRoom, endpoint: str, inc: int) -> Report:
+    def _report(self, r: SenderRoom, endpoint: str, inc: int, now: float) -> Report:
         d = r.dests.get(endpoint)
         peer = d.peer if d is not None else self.peers[endpoint]
         aux = r.aux_index if r.status == KVPoll.Success and d is not None and \
             not d.is_dummy else None
-        return Report(endpoint, peer.instance, r.room, inc, r.status, r.failure,
-                      quiesced=not r.writing, aux_index=aux)
+        return self._say(Report(endpoint, peer.instance, r.room, inc, r.status, r.failure,
+                                quiesced=not r.writing, aux_index=aux), now)
 
-    def _answer(self, peer: DecodePeer, msg: control.RoomPages, failure: RoomFailure) -> Report:
+    def _answer(self, peer: DecodePeer, msg: control.RoomPages, failure: RoomFailure,
+                now: float) -> Report:
         """Refuse ``msg`` (nothing was or will be written for it)."""
-        return Report(peer.endpoint, peer.instance, msg.room, msg.inc, KVPoll.Failed, failure,
-                      quiesced=True)
+        return self._say(Report(peer.endpoint, peer.instance, msg.room, msg.inc,
+                                KVPoll.Failed, failure, quiesced=True), now)
+
+    def _overdue(self, r: SenderRoom, now: float, out: list[Effect]) -> bool:
+        """Fail ``r`` if it is past its state's deadline. Checked by the sweep and before
+        any move to a later state, so a room never outlives its deadlines because the
+        sweep ran late."""
+        deadline = r.deadline(self.timeouts)
+        if deadline is None or now <= deadline:
+            return False
+        self._fail(r, self._timeout(r, now), now, out)
+        return True
 
     def _timeout(self, r: SenderRoom, now: float) -> RoomFailure:
         limit = self.timeouts.limit(r.status) or 0.0
@@ -631,8 +705,7 @@ class SenderRooms:
             del self.rooms[r.room]
         if r.writing:
             self.retired[(r.room, r.attempt)] = r
-        self.tombstones.put(r.room, Tombstone(r.room, r.status, r.failure,
-                                              {ep: d.inc for ep, d in r.dests.items()}), now)
+        self.tombstones.put(r.room, Tombstone(r.room, r.status, r.failure, len(r.dests)), now)
 
     def _peer_restarted(self, old: DecodePeer, now: float, out: list[Effect]) -> None:
         failure = RoomFailure(FailureKind.PEER, f"decode rank {old.endpoint} restarted "
@@ -688,7 +761,7 @@ class SenderRooms:
                 if peer is not None and peer.instance == p.msg.instance_id:
                     out.append(self._answer(peer, p.msg, RoomFailure(
                         FailureKind.TIMEOUT, f"room {room}: no sender appeared on this "
-                        f"prefill rank within {limit:.1f}s", ORIGIN)))
+                        f"prefill rank within {limit:.1f}s", ORIGIN), now))
 
     def _forget_idle_peers(self, now: float, out: list[Effect]) -> None:
         """Peers unused for ``peer_ttl`` (no message, no room bound) are forgotten (S08)."""
