@@ -277,7 +277,7 @@ class Daemon:
             case rpc.Poll():
                 return side.poll(call.rooms)
             case rpc.Wait():
-                return await side.wait(call.rooms, call.timeout)
+                return await side.wait(call.rooms, call.timeout, call.any_done)
             case rpc.Info():
                 return self.health()
             case rpc.Abort():

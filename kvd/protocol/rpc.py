@@ -104,11 +104,14 @@ class Poll(msgspec.Struct, tag="poll", frozen=True):
 
 
 class Wait(msgspec.Struct, tag="wait", frozen=True):
-    """Block until every room is Success/Failed/unknown or ``timeout`` seconds pass;
-    answers like :class:`Poll`. Cheaper than polling in a loop: no RPC per round."""
+    """Block until every room is Success/Failed/unknown (``any_done``: until one is) or
+    ``timeout`` seconds pass; answers like :class:`Poll`. Cheaper than polling in a loop:
+    no RPC per round. An engine that only waits for transfers sleeps here with
+    ``any_done`` and reports each room as soon as it ends."""
 
     rooms: list[int]
     timeout: float
+    any_done: bool = False
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):
