@@ -154,6 +154,7 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     sends: list[SendTask] = field(default_factory=list)
     recvs: list[RecvTask] = field(default_factory=list)
     aborts: list[AbortTask] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # requests whose receive to abort
     idle: bool = False
 
 
@@ -301,11 +302,13 @@ class _Scheduler:
         self.is_producer, self.is_consumer = kt.is_kv_producer, kt.is_kv_consumer
         self.meta = KvdConnectorMetadata()
         self.pending: dict[str, _Pending] = {}
+        self.receiving: set[str] = set()  # decode requests whose receive is in flight
         # (bootstrap addr, first room) -> rooms of that request already claimed by samples
         self.claims: OrderedDict[tuple[str, int], int] = OrderedDict()
 
     def has_queued(self) -> bool:
-        return bool(self.meta.sends or self.meta.aborts or self.meta.recvs)
+        m = self.meta
+        return bool(m.sends or m.aborts or m.recvs or m.cancels)
 
     def _remote(self, request: Request) -> RemotePrefill | None:
         params = request.kv_transfer_params
@@ -361,6 +364,7 @@ class _Scheduler:
         block_ids = [int(b) for b in group[pending.first_page:end]]
         self.meta.recvs.append(RecvTask(request.request_id, room, remote.bootstrap_addr,
                                         block_ids, pending.first_page, remote.dp_rank))
+        self.receiving.add(request.request_id)
 
     def _claim(self, remote: RemotePrefill) -> int | None:
         """The next unclaimed room of the request (each sample its own, K33); None when
@@ -385,6 +389,11 @@ class _Scheduler:
         params = request.kv_transfer_params
         if not params:
             return False, None
+        if request.request_id in self.receiving:
+            self.receiving.discard(request.request_id)
+            if request.status == RequestStatus.FINISHED_ABORTED:  # the client left (K35):
+                self.meta.cancels.append(request.request_id)  # kvd stops the transfer too
+            return False, None  # vLLM holds the blocks until the receive reports
         remote = self._remote(request)
         if remote is not None:  # finished (aborted) before its KV was ever received
             self._own_params(request)["do_remote_prefill"] = False
@@ -547,6 +556,18 @@ class _Worker:
         for a in meta.aborts:
             self.transfers[a.req_id] = _Transfer(
                 "abort", [self._open(a.req_id, a.room, lambda a=a: self._abort(a))])
+        for req_id in meta.cancels:
+            self._cancel(req_id)
+
+    def _cancel(self, req_id: str) -> None:
+        """The request was aborted while its receive is in flight: end its rooms in kvd
+        (the prefill stops writing); the request is reported once kvd says its pages are
+        releasable."""
+        t = self.transfers.get(req_id)
+        for r in t.rooms if t is not None else ():
+            if r.obj is not None and r.state is None:
+                with contextlib.suppress(KvdError):
+                    r.obj.abort("the decode request was aborted (client gone)")
 
     def _open(self, req_id: str, room: int, create: Any) -> _Room:
         """One room of request ``req_id``. A room number another live request of this
