@@ -20,6 +20,9 @@ request, and the engine aborts the request: a prefill aborted mid-prompt hands n
 off and frees its blocks; a decode aborted while its KV is in flight aborts the room in
 kvd (the adapter names the prefill's bootstrap address, so the abort reaches the prefill
 even before its room exists, K34). A streamed decode leg is closed when the client goes.
+A client that leaves between the legs (the prefill handed its KV off, no decode has the
+request yet) gets a one-token "release" decode leg in the background, so the room ends
+now instead of at kvd's bootstrap timeout.
 
 Health: every ``health_interval`` s each server's ``GET /health``; ``max_failures``
 failed probes or requests in a row take a server out of the choice until a probe
@@ -110,6 +113,7 @@ class Proxy:
         self.client = client or httpx.AsyncClient(timeout=config.timeout, trust_env=False,
                                                   limits=httpx.Limits(max_connections=None))
         self.metrics = Metrics()
+        self._releases: set[asyncio.Task[None]] = set()
         self._gauges()
 
     def _gauges(self) -> None:
@@ -156,7 +160,12 @@ class Proxy:
                         self.metrics.requests.labels("client_error").inc()
                         return answer
                     params, have_params = answer, True
-                response = await self._decode(path, body, params, tried["decode"])
+                try:
+                    response = await self._decode(path, body, params, tried["decode"])
+                except asyncio.CancelledError:
+                    if params is not None and not tried["decode"]:
+                        self._release(path, body, params)
+                    raise
                 self.metrics.requests.labels(
                     "ok" if response.status_code < 400 else "client_error").inc()
                 return response
@@ -170,6 +179,26 @@ class Proxy:
                 break
         self.metrics.requests.labels("failed").inc()
         return _error(502, f"no attempt succeeded: {last}", "proxy_error")
+
+    def _release(self, path: str, body: dict[str, Any], params: dict[str, Any]) -> None:
+        """The client left after the prefill handed its KV off but before any decode got
+        the request: nothing would ever claim the room, and the prefill would hold its
+        blocks until kvd's bootstrap timeout. A one-token decode leg in the background
+        takes the KV and lets both sides free it."""
+        leg = {k: v for k, v in decode_body(body, params).items() if k not in ("stream",
+                                                                              "stream_options")}
+        leg.update(max_tokens=1, min_tokens=0)  # n stays: each sample claims its room
+        leg.pop("max_completion_tokens", None)
+        server = self.pools["decode"].choose()
+
+        async def release() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                await self.client.post(f"{server.url}{path}", json=leg)
+
+        task = asyncio.create_task(release(), name="proxy-release")
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        self.metrics.attempts.labels("decode", "release").inc()
 
     async def _prefill(self, path: str, body: dict[str, Any],
                        tried: set[str]) -> dict[str, Any] | Response | None:
@@ -190,8 +219,8 @@ class Proxy:
     async def _decode(self, path: str, body: dict[str, Any], params: dict[str, Any] | None,
                       tried: set[str]) -> Response:
         server = self.pools["decode"].choose(tried)
-        tried.add(server.url)
         leg = decode_body(body, params)
+        tried.add(server.url)
         req = self.client.build_request("POST", f"{server.url}{path}", json=leg)
         r = await self._leg("decode", server, lambda: self.client.send(req, stream=True),
                             keep=True)

@@ -276,3 +276,17 @@ def test_cli_refuses_urls_without_a_scheme(cli_args: list[str]) -> None:
     from kvd.cli.main import main
 
     assert main(["proxy", *cli_args]) == 2
+
+
+async def test_k35_a_client_leaving_between_the_legs_releases_the_room() -> None:
+    """The prefill handed its KV off, the client left before any decode got the request:
+    a one-token decode leg with the same params claims every room in the background."""
+    engines = Engines()
+    proxy: Proxy = proxy_app(engines).state.proxy
+    params = {"do_remote_prefill": True, "bootstrap_room": 7, "bootstrap_rooms": [7, 8]}
+    proxy._release("/v1/completions", {"prompt": "x", "n": 2, "stream": True,
+                                       "max_tokens": 99, "min_tokens": 50}, params)
+    await asyncio.gather(*proxy._releases)
+    (host, leg), = engines.legs("d")
+    assert host == "d0" and leg["kv_transfer_params"] == params
+    assert (leg["max_tokens"], leg["min_tokens"], leg["n"]) == (1, 0, 2) and "stream" not in leg
