@@ -201,8 +201,10 @@ class KvdKVManager(BaseKVManager):
         self.server_args = server_args
         self.is_mla_backend = bool(is_mla_backend)
         self.client = KvdClient(socket_path(args), timeout=30.0)
+        self.fds: dict[str, int] = {}  # descriptors of unnamed shared memory, kept open
         self.registration = msgspec.structs.replace(
-            registration(args, self.is_mla_backend, read_maps()), ranks=engine_ranks(args))
+            registration(args, self.is_mla_backend, read_maps(), fds=self.fds),
+            ranks=engine_ranks(args))
         self.client.call(self.registration)
         self.board = _Board(self.client, poll_interval)
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
