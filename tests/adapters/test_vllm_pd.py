@@ -182,6 +182,9 @@ def test_k35_a_client_leaving_during_prefill_leaves_nothing_pinned(cluster: PdCl
     def idle() -> bool:
         live = [s for k in cluster.kvd_p for s, n in health(k)["rooms"].items()
                 if n and s in ("Bootstrapping", "WaitingForInput", "Transferring")]
+        for e in cluster.prefill:  # a short local request: vLLM reports its KV usage at
+            httpx.post(f"{e.url}/v1/chat/completions",  # the end of the request's last step
+                       json=chat_body("Hi", 1), timeout=120).raise_for_status()
         usage = sum(metric(e.url, "vllm:kv_cache_usage_perc") for e in cluster.prefill)
         return not live and usage == 0.0
     until(idle, 60, "prefill rooms ended and prefill KV blocks freed")
