@@ -281,9 +281,11 @@ class KvdConnector(KVConnectorBase_V1):
 
 @dataclass
 class _Pending:
-    """A decode request between ``matched_tokens`` and ``after_alloc``."""
+    """A decode request between ``matched_tokens`` and ``after_alloc``: its room (claimed
+    once, however often vLLM asks) and the first page it needs."""
 
     remote: RemotePrefill
+    room: int
     first_page: int
 
 
@@ -303,7 +305,9 @@ class _Scheduler:
         self.meta = KvdConnectorMetadata()
         self.pending: dict[str, _Pending] = {}
         self.receiving: set[str] = set()  # decode requests whose receive is in flight
-        # (bootstrap addr, first room) -> rooms of that request already claimed by samples
+        # (bootstrap addr, first room) -> rooms of that request claimed by samples so far
+        # (least recently used dropped past MAX_CLAIMS; a finished request's entry stays so
+        # that no later request with the same params ever claims a room twice)
         self.claims: OrderedDict[tuple[str, int], int] = OrderedDict()
 
     def has_queued(self) -> bool:
@@ -337,9 +341,17 @@ class _Scheduler:
         remote = self._remote(request)
         count = len(request.prompt_token_ids or ()) - num_computed
         if remote is None or count <= 0 or num_computed % self.block_size:
-            self.pending.pop(request.request_id, None)
             return 0, False
-        self.pending[request.request_id] = _Pending(remote, num_computed // self.block_size)
+        pending = self.pending.get(request.request_id)
+        room = pending.room if pending is not None else self._claim(remote)
+        if room is None:
+            log.warning("request %s: every room of prefill room %d is taken by other "
+                        "samples; computing this one locally", request.request_id,
+                        remote.room)
+            self._own_params(request)["do_remote_prefill"] = False
+            return 0, False
+        self.pending[request.request_id] = _Pending(remote, room,
+                                                    num_computed // self.block_size)
         return count, True
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
@@ -348,12 +360,9 @@ class _Scheduler:
             return
         self._own_params(request)["do_remote_prefill"] = False  # one transfer per request
         pending = self.pending.pop(request.request_id, None)
-        room = self._claim(remote)
+        room = pending.room if pending is not None else self._claim(remote)
         if room is None:
-            log.warning("request %s: every room of prefill room %d is taken by other "
-                        "samples; computing this one locally", request.request_id,
-                        remote.room)
-            return
+            return  # every room taken by other samples: computed locally
         if num_external <= 0 or pending is None:
             self.meta.aborts.append(AbortTask(request.request_id, room, remote.bootstrap_addr,
                                               "decode computes this prompt locally",
@@ -371,13 +380,10 @@ class _Scheduler:
         every room is taken."""
         key = (remote.bootstrap_addr, remote.room)
         taken = self.claims.pop(key, 0)
-        if taken >= len(remote.rooms):
-            return None
-        if taken + 1 < len(remote.rooms):
-            self.claims[key] = taken + 1
-            while len(self.claims) > MAX_CLAIMS:
-                self.claims.popitem(last=False)
-        return remote.rooms[taken]
+        self.claims[key] = min(taken + 1, len(remote.rooms))  # exhausted ones stay: no reuse
+        while len(self.claims) > MAX_CLAIMS:
+            self.claims.popitem(last=False)
+        return remote.rooms[taken] if taken < len(remote.rooms) else None
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KvdConnectorMetadata:
         meta, self.meta = self.meta, KvdConnectorMetadata()
@@ -397,8 +403,8 @@ class _Scheduler:
         remote = self._remote(request)
         if remote is not None:  # finished (aborted) before its KV was ever received
             self._own_params(request)["do_remote_prefill"] = False
-            self.pending.pop(request.request_id, None)
-            room = self._claim(remote)
+            pending = self.pending.pop(request.request_id, None)
+            room = pending.room if pending is not None else self._claim(remote)
             if room is not None:
                 self.meta.aborts.append(AbortTask(request.request_id, room,
                                                   remote.bootstrap_addr,
