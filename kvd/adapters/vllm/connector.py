@@ -69,6 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
+from kvd.adapters.vllm.idle import IdleSleeper
 from kvd.adapters.vllm.shm import ShmAllocation
 from kvd.adapters.vllm.spec import (
     ConnectorConfig,
@@ -204,8 +205,9 @@ class KvdConnector(KVConnectorBase_V1):
         return self.scheduler.finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Nothing to track: vLLM itself holds a finished request's blocks until the
-        worker reports it in ``finished_sending``."""
+        """Requests the workers finished no longer keep the engine waiting on kvd."""
+        assert self.scheduler is not None
+        self.scheduler.done(connector_output)
 
     def has_pending_push_work(self) -> bool:
         """Only work not yet handed to the workers (sends, aborts queued by
@@ -305,6 +307,8 @@ class _Scheduler:
         self.meta = KvdConnectorMetadata()
         self.pending: dict[str, _Pending] = {}
         self.receiving: set[str] = set()  # decode requests whose receive is in flight
+        self.inflight: dict[str, tuple[int, ...]] = {}  # request -> its rooms in kvd
+        self.sleeper = IdleSleeper(config.socket_for(0, 0), rpc_timeout=config.rpc_timeout)
         # (bootstrap addr, first room) -> rooms of that request claimed by samples so far
         # (least recently used dropped past MAX_CLAIMS; a finished request's entry stays so
         # that no later request with the same params ever claims a room twice)
@@ -386,9 +390,20 @@ class _Scheduler:
         return remote.rooms[taken] if taken < len(remote.rooms) else None
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KvdConnectorMetadata:
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        if idle and not self.has_queued():  # only waiting for kvd: sleep, do not spin
+            self.sleeper.sleep(sorted({r for rooms in self.inflight.values() for r in rooms}))
         meta, self.meta = self.meta, KvdConnectorMetadata()
-        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        meta.idle = idle
+        for s in meta.sends:
+            self.inflight[s.req_id] = s.rooms
+        for r in meta.recvs:
+            self.inflight[r.req_id] = (r.room,)
         return meta
+
+    def done(self, output: KVConnectorOutput) -> None:
+        for req_id in (*(output.finished_sending or ()), *(output.finished_recving or ())):
+            self.inflight.pop(req_id, None)
 
     def finished(self, request: Request, block_ids: list[int]) -> tuple[bool,
                                                                          dict[str, Any] | None]:
