@@ -36,10 +36,12 @@ the bytes): the proxy (``kvd proxy``) prefills with ``max_tokens=1`` and
   reads another request's room (K33).
 
 Waiting costs nothing (K36): vLLM steps an engine as long as a request's blocks wait for
-the connector, model or not. One RPC per step polls the rooms in flight (``Poll``); in a
-step that runs no model the worker instead blocks in kvd's ``Wait`` until one of its
-rooms ends, for up to ``idle_wait`` seconds, so such an engine sleeps in kvd instead of
-spinning (a request arriving meanwhile waits at most ``idle_wait``).
+the connector, model or not, and each step is a round trip through the executor's
+busy-waiting queues. So a step that schedules nothing and has no work for the workers
+sleeps in the scheduler before it reaches them (:mod:`kvd.adapters.vllm.idle`: kvd's
+``Wait`` on the rooms in flight, woken by a room's end or by new engine input). One RPC
+per step polls the worker's rooms (``Poll``); in a step that runs no model the worker
+waits in kvd for up to ``idle_wait`` seconds instead.
 
 Statistics: each finished room is recorded in :class:`~kvd.adapters.vllm.stats.
 KvdConnectorStats`, which vLLM logs and exports on its ``/metrics`` (``vllm:kvd_*``).
