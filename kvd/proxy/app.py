@@ -166,8 +166,9 @@ class Proxy:
                     if params is not None and not tried["decode"]:
                         self._release(path, body, params)
                     raise
-                self.metrics.requests.labels(
-                    "ok" if response.status_code < 400 else "client_error").inc()
+                if not isinstance(response, StreamingResponse):  # a stream counts at its end
+                    self.metrics.requests.labels(
+                        "ok" if response.status_code < 400 else "client_error").inc()
                 return response
             except Retry as exc:
                 last = str(exc)
@@ -274,10 +275,13 @@ class Proxy:
     async def _relay(self, server: Server, r: httpx.Response) -> AsyncIterator[bytes]:
         """The decode's stream, chunk by chunk; closing it (the client left) closes the
         decode request, and the decode engine aborts it."""
+        outcome = "cancelled"
         try:
             async for chunk in r.aiter_raw():
                 yield chunk
+            outcome = "ok" if r.status_code < 400 else "client_error"
         finally:
+            self.metrics.requests.labels(outcome).inc()
             await self._done(server, r)
 
     async def _done(self, server: Server, r: httpx.Response, role: str = "decode") -> None:

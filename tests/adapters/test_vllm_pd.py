@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -177,10 +178,13 @@ def test_k35_a_client_leaving_during_prefill_leaves_nothing_pinned(cluster: PdCl
     engine holds KV blocks; min_tokens (whole-request option) did not make a 400."""
     prompt = " ".join(f"word{i}" for i in range(280))  # ~1000 tokens with SmolLM2's BPE
     cancelled = metric(cluster.proxy_url, "kvd_proxy_requests_total", outcome="cancelled")
-    body = chat_body(prompt, 64, stream=True, min_tokens=8)
-    with httpx.Client(timeout=60) as client, \
-            client.stream("POST", f"{cluster.proxy_url}/v1/chat/completions", json=body):
-        time.sleep(0.3)  # the response has not started: the prefill leg is running
+    body = json.dumps(chat_body(prompt, 64, stream=True, min_tokens=8)).encode()
+    host, port = cluster.proxy_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:  # a raw client: it leaves
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"  # before any
+                     b"Content-Type: application/json\r\nContent-Length: "  # response byte
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.3)  # 0.3 s into the prefill leg
     def idle() -> bool:
         live = [s for k in cluster.kvd_p for s, n in health(k)["rooms"].items()
                 if n and s in ("Bootstrapping", "WaitingForInput", "Transferring")]
@@ -218,7 +222,8 @@ def test_kvd_stats_appear_in_vllm_metrics(cluster: PdCluster) -> None:
     sent = sum(metric(e.url, "vllm:kvd_transfers_total", role="send", outcome="success")
                for e in cluster.prefill)
     moved = sum(metric(e.url, "vllm:kvd_bytes_transferred_total") for e in cluster.prefill)
-    assert sent >= len(PROMPTS) and moved == cluster.prefill_counter("bytes_sent")
+    # bytes of successful rooms (kvd's own counter also has those of rooms that failed)
+    assert sent >= len(PROMPTS) and 0 < moved <= cluster.prefill_counter("bytes_sent")
     d = cluster.decode.url
     assert metric(d, "vllm:kvd_transfers_total", role="recv", outcome="success") >= len(PROMPTS)
     assert metric(d, "vllm:kvd_room_seconds_count") >= len(PROMPTS)

@@ -194,10 +194,13 @@ async def test_streams_are_relayed_chunk_by_chunk() -> None:
                               stream=httpx.ByteStream(b"".join(chunks)))
 
     engines.behaviour = {"d0": sse}
-    r = await post(proxy_app(engines), {"prompt": "x", "stream": True}, "/v1/chat/completions")
+    app = proxy_app(engines)
+    r = await post(app, {"prompt": "x", "stream": True}, "/v1/chat/completions")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     assert r.text.count("data:") == 3
     assert "stream" not in engines.legs("p")[0][1]
+    text = app.state.proxy.metrics.render()
+    assert b'kvd_proxy_requests_total{outcome="ok"} 1.0' in text
 
 
 def _request(app: Any, body: dict[str, Any], gone: asyncio.Event) -> Request:
