@@ -12,14 +12,28 @@ from kvd.adapters.vllm.idle import IdleSleeper, find_input_queue
 from kvd.protocol.rpc import PollResult
 
 
+class Scheduler:
+    """Stands in for vLLM's Scheduler: it knows its unfinished requests."""
+
+    def __init__(self, unfinished: int) -> None:
+        self.unfinished = unfinished
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.unfinished
+
+    def schedule(self, sleeper: IdleSleeper, rooms: list[int], receiving: int) -> None:
+        sleeper.sleep(rooms, receiving)
+
+
 class Engine:
-    """Stands in for vLLM's EngineCore: it has an input queue and calls the connector."""
+    """Stands in for vLLM's EngineCore: it has an input queue and calls the scheduler."""
 
-    def __init__(self) -> None:
+    def __init__(self, unfinished: int = 0) -> None:
         self.input_queue: queue.Queue[Any] = queue.Queue()
+        self.scheduler = Scheduler(unfinished)
 
-    def step(self, sleeper: IdleSleeper, rooms: list[int]) -> None:
-        sleeper.sleep(rooms)
+    def step(self, sleeper: IdleSleeper, rooms: list[int], receiving: int = 0) -> None:
+        self.scheduler.schedule(sleeper, rooms, receiving)
 
 
 def sleeper(answers: list[list[int]]) -> tuple[IdleSleeper, list[float]]:
@@ -75,3 +89,14 @@ def test_without_an_engine_queue_or_rooms_it_does_not_sleep() -> None:
     s.sleep([5])  # not called from an engine: nothing to wake it, so no sleep
     Engine().step(s, [])
     assert not calls
+
+
+def test_a_request_waiting_for_something_else_is_never_delayed() -> None:
+    """Two unfinished requests, one of them waiting for its KV: the other may be waiting
+    for a grammar or streamed input, which wakes nobody -- no sleep."""
+    s, calls = sleeper([[2]])
+    Engine(unfinished=2).step(s, [5], receiving=1)
+    assert not calls
+    s2, calls2 = sleeper([[2], [4]])
+    Engine(unfinished=1).step(s2, [5], receiving=1)  # the only one waits for kvd: sleep
+    assert len(calls2) == 2

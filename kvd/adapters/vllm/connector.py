@@ -394,7 +394,8 @@ class _Scheduler:
     def build_meta(self, scheduler_output: SchedulerOutput) -> KvdConnectorMetadata:
         idle = scheduler_output.total_num_scheduled_tokens == 0
         if idle and not self.has_queued():  # only waiting for kvd: sleep, do not spin
-            self.sleeper.sleep(sorted({r for rooms in self.inflight.values() for r in rooms}))
+            self.sleeper.sleep(sorted({r for rooms in self.inflight.values() for r in rooms}),
+                               waiting_on_kvd=len(self.receiving))
         meta, self.meta = self.meta, KvdConnectorMetadata()
         meta.idle = idle
         for s in meta.sends:

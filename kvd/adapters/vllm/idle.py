@@ -14,9 +14,15 @@ kvd, for the rooms in flight) until one of them ends, or until the engine gets n
 s keeps a new request's extra wait that short. The workers see no step meanwhile and go
 idle too.
 
-The engine's input queue is found once, by walking up the calling frames to the object
-whose ``input_queue`` is a ``queue.Queue`` (vLLM's ``EngineCore``). If it is not found
-(another vLLM version), the sleeper does nothing and the engine steps as before.
+It sleeps only when every unfinished request of the scheduler is one whose KV is in
+flight through kvd (the prefill: none at all, only finished requests holding blocks): a
+request waiting for anything else (a grammar, streamed input) is never delayed.
+
+The engine's input queue and its scheduler are found once, by walking up the calling
+frames to the objects with an ``input_queue`` that is a ``queue.Queue`` (vLLM's
+``EngineCore``) and a ``get_num_unfinished_requests`` method (its ``Scheduler``). If either
+is not found (another vLLM version), the sleeper does nothing and the engine steps as
+before.
 """
 
 from __future__ import annotations
@@ -34,18 +40,27 @@ from kvd.errors import KvdError
 MAX_FRAMES = 12
 
 
-def find_input_queue(max_frames: int = MAX_FRAMES) -> queue.Queue[Any] | None:
-    """The ``input_queue`` of the nearest caller object that has one, or None."""
+def find_callers(max_frames: int = MAX_FRAMES) -> tuple[queue.Queue[Any] | None, Any]:
+    """The ``input_queue`` of the nearest caller object that has one, and the nearest
+    caller object with a ``get_num_unfinished_requests`` method (None where not found)."""
     frame: FrameType | None = sys._getframe(1)
+    found_q, found_s = None, None
     for _ in range(max_frames):
         if frame is None:
-            return None
+            break
         owner = frame.f_locals.get("self")
         q = getattr(owner, "input_queue", None)
-        if isinstance(q, queue.Queue):
-            return q
+        if found_q is None and isinstance(q, queue.Queue):
+            found_q = q
+        if found_s is None and callable(getattr(owner, "get_num_unfinished_requests", None)):
+            found_s = owner
         frame = frame.f_back
-    return None
+    return found_q, found_s
+
+
+def find_input_queue(max_frames: int = MAX_FRAMES) -> queue.Queue[Any] | None:
+    """The ``input_queue`` of the nearest caller object that has one, or None."""
+    return find_callers(max_frames + 1)[0]
 
 
 class IdleSleeper:
@@ -59,15 +74,20 @@ class IdleSleeper:
         self.client = KvdClient(socket, timeout=rpc_timeout)
         self.slice_s, self.max_sleep = slice_s, max_sleep
         self.queue: queue.Queue[Any] | None = None
+        self.scheduler: Any = None
         self.searched = False
         self.sleeps, self.slept_s = 0, 0.0
 
-    def sleep(self, rooms: list[int]) -> None:
+    def sleep(self, rooms: list[int], waiting_on_kvd: int = 0) -> None:
         """Block until one of ``rooms`` ends in kvd (or its pages are released), new input
-        arrives, or ``max_sleep`` passes. Returns at once without rooms or engine queue."""
+        arrives, or ``max_sleep`` passes. ``waiting_on_kvd``: unfinished requests that wait
+        for these rooms; with any other unfinished request, or without rooms, engine queue
+        or scheduler, it returns at once."""
         if not self.searched:
-            self.queue, self.searched = find_input_queue(MAX_FRAMES + 1), True
-        if not rooms or self.queue is None:
+            (self.queue, self.scheduler), self.searched = find_callers(MAX_FRAMES + 1), True
+        if not rooms or self.queue is None or self.scheduler is None:
+            return
+        if self.scheduler.get_num_unfinished_requests() > waiting_on_kvd:
             return
         started = time.monotonic()
         self.sleeps += 1
