@@ -50,10 +50,10 @@ def tree_cpu_s(pid: int) -> float:
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / TICK
-            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+            for task in Path(f"/proc/{p}/task").iterdir():  # children of every thread
+                todo += [int(k) for k in (task / "children").read_text().split()]
         except OSError:
             continue
-        todo += [int(k) for k in kids]
     return total
 
 

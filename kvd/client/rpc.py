@@ -150,6 +150,15 @@ class KvdClient:
         (length,) = rpc.LENGTH.unpack(header)
         return _recv_exact(sock, length)
 
+    def interrupt(self) -> None:
+        """From another thread: end the call in progress on this connection now (it raises
+        :class:`KvdUnreachable`; the next call reconnects). For a long ``Wait`` that is no
+        longer needed."""
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         """Say goodbye and close the connection: kvd fails this engine's rooms and releases
         its memory at once (a dropped connection instead keeps them for the reconnect

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from typing import Any
 
 from kvd.adapters.vllm.idle import IdleSleeper, find_input_queue
+from kvd.errors import KvdUnreachable
 from kvd.protocol.rpc import PollResult
 
 
@@ -36,21 +36,36 @@ class Engine:
         self.scheduler.schedule(sleeper, rooms, receiving)
 
 
-def sleeper(answers: list[list[int]]) -> tuple[IdleSleeper, list[float]]:
-    """A sleeper whose kvd answers ``answers[i]`` (statuses) to its i-th Wait (the last one
-    from then on); the returned list collects each call's time."""
-    s = IdleSleeper("/nonexistent.sock", slice_s=0.01)
-    calls: list[float] = []
+class FakeKvd:
+    """Answers the sleeper's Wait: its rooms end after ``end_after`` s (None: never);
+    ``interrupt`` ends a Wait in progress the way a shut-down socket does."""
 
-    def wait(rooms: list[int], timeout: float, any_done: bool = False) -> PollResult:
+    def __init__(self, end_after: float | None) -> None:
+        self.end_after = end_after
+        self.calls = 0
+        self.interrupted = threading.Event()
+
+    def wait(self, rooms: list[int], timeout: float, any_done: bool = False) -> PollResult:
         assert any_done
-        calls.append(time.monotonic())
-        time.sleep(timeout)
-        statuses = answers[min(len(calls) - 1, len(answers) - 1)]
-        return PollResult(statuses=statuses, releasable=list(rooms))
+        self.calls += 1
+        limit = timeout if self.end_after is None else min(self.end_after, timeout)
+        if self.interrupted.wait(limit):
+            raise KvdUnreachable("interrupted", "KvdUnreachable")
+        ended = self.end_after is not None
+        return PollResult(statuses=[4 if ended else 2] * len(rooms), releasable=list(rooms))
 
-    s.client.wait = wait  # type: ignore[method-assign]
-    return s, calls
+    def interrupt(self) -> None:
+        self.interrupted.set()
+
+    def close(self) -> None:
+        pass
+
+
+def sleeper(end_after: float | None) -> tuple[IdleSleeper, FakeKvd]:
+    s = IdleSleeper("/nonexistent.sock", max_sleep=30.0)
+    fake = FakeKvd(end_after)
+    s.connect = lambda: fake  # type: ignore[assignment, method-assign, return-value]
+    return s, fake
 
 
 def test_the_engine_queue_is_found_from_the_calling_frames() -> None:
@@ -68,35 +83,36 @@ def test_the_engine_queue_is_found_from_the_calling_frames() -> None:
 
 
 def test_sleeps_until_a_room_ends() -> None:
-    s, calls = sleeper([[2, 2], [2, 2], [2, 4]])
+    s, fake = sleeper(end_after=0.2)
     Engine().step(s, [5, 6])
-    assert len(calls) == 3 and s.sleeps == 1
+    assert fake.calls == 1 and s.sleeps == 1 and not fake.interrupted.is_set()
+    assert s.slept_s < s.max_sleep
 
 
-def test_new_input_ends_the_sleep() -> None:
-    s, calls = sleeper([[2]])  # the room never ends
+def test_new_input_ends_the_sleep_and_the_wait_in_kvd() -> None:
+    s, fake = sleeper(end_after=None)  # the room never ends
     engine = Engine()
     timer = threading.Timer(0.1, engine.input_queue.put, args=(("add", None),))
     timer.start()
     engine.step(s, [5])
     timer.join()
-    assert not engine.input_queue.empty() and len(calls) >= 2
+    assert not engine.input_queue.empty() and fake.interrupted.wait(5)
     assert s.slept_s < s.max_sleep
 
 
 def test_without_an_engine_queue_or_rooms_it_does_not_sleep() -> None:
-    s, calls = sleeper([[2]])
+    s, fake = sleeper(end_after=None)
     s.sleep([5])  # not called from an engine: nothing to wake it, so no sleep
     Engine().step(s, [])
-    assert not calls
+    assert fake.calls == 0
 
 
 def test_a_request_waiting_for_something_else_is_never_delayed() -> None:
     """Two unfinished requests, one of them waiting for its KV: the other may be waiting
     for a grammar or streamed input, which wakes nobody -- no sleep."""
-    s, calls = sleeper([[2]])
+    s, fake = sleeper(end_after=None)
     Engine(unfinished=2).step(s, [5], receiving=1)
-    assert not calls
-    s2, calls2 = sleeper([[2], [4]])
+    assert fake.calls == 0
+    s2, fake2 = sleeper(end_after=0.05)
     Engine(unfinished=1).step(s2, [5], receiving=1)  # the only one waits for kvd: sleep
-    assert len(calls2) == 2
+    assert fake2.calls == 1

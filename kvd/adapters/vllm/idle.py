@@ -8,11 +8,11 @@ for their decode therefore burns a core or more in steps that do nothing.
 
 :class:`IdleSleeper` is called by the scheduler-side connector in ``build_connector_meta``
 of a step that schedules no tokens and has nothing to hand to the workers: it blocks the
-engine thread -- before any worker is involved -- in kvd's ``Wait`` (on the local rank-0
-kvd, for the rooms in flight) until one of them ends, or until the engine gets new input
-(its input queue), or ``max_sleep`` s passed. Checking the input queue every ``slice_s``
-s keeps a new request's extra wait that short. The workers see no step meanwhile and go
-idle too.
+engine thread -- before any worker is involved -- until one of the rooms in flight ends
+(a helper thread waits in kvd's ``Wait`` on the local rank-0 kvd), the engine gets new
+input (the engine thread waits on its input queue's condition, which every ``put``
+notifies), or ``max_sleep`` s passed. Nothing polls: the engine and its workers use no
+CPU meanwhile, and a new request is seen at once.
 
 It sleeps only when every unfinished request of the scheduler is one whose KV is in
 flight through kvd (the prefill: none at all, only finished requests holding blocks): a
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import queue
 import sys
+import threading
 import time
 from types import FrameType
 from typing import Any
@@ -69,10 +70,9 @@ class IdleSleeper:
     ``socket``: rank 0's kvd engine socket. Times in seconds. ``sleeps`` and ``slept_s``
     count what it did (for logs and tests)."""
 
-    def __init__(self, socket: str, slice_s: float = 0.02, max_sleep: float = 10.0,
-                 rpc_timeout: float = 30.0) -> None:
-        self.client = KvdClient(socket, timeout=rpc_timeout)
-        self.slice_s, self.max_sleep = slice_s, max_sleep
+    def __init__(self, socket: str, max_sleep: float = 10.0, rpc_timeout: float = 30.0
+                 ) -> None:
+        self.socket, self.rpc_timeout, self.max_sleep = socket, rpc_timeout, max_sleep
         self.queue: queue.Queue[Any] | None = None
         self.scheduler: Any = None
         self.searched = False
@@ -89,19 +89,30 @@ class IdleSleeper:
             return
         if self.scheduler.get_num_unfinished_requests() > waiting_on_kvd:
             return
+        q, woke = self.queue, threading.Event()
+        client = self.connect()  # one per sleep: an interrupted one may linger a while
+
+        def watch() -> None:  # blocks in kvd until a room ends; then wakes the engine
+            try:
+                client.wait(rooms, self.max_sleep, any_done=True)
+            except KvdError:
+                pass  # interrupted, or kvd gone: the workers' own calls report that
+            finally:
+                woke.set()
+                with q.not_empty:
+                    q.not_empty.notify_all()
+                client.close()
+
         started = time.monotonic()
         self.sleeps += 1
-        try:
-            while self.queue.empty() and time.monotonic() - started < self.max_sleep:
-                res = self.client.wait(rooms, self.slice_s, any_done=True)
-                free = set(res.releasable)
-                if any(s not in (1, 2, 3) and r in free
-                       for r, s in zip(rooms, res.statuses, strict=True)):
-                    return
-        except KvdError:
-            return  # the workers' own calls will report what is wrong
-        finally:
-            self.slept_s += time.monotonic() - started
+        threading.Thread(target=watch, name="kvd-idle-wait", daemon=True).start()
+        with q.not_empty:  # Queue.put notifies this condition; len(q.queue) under its lock
+            q.not_empty.wait_for(lambda: woke.is_set() or len(q.queue) > 0, self.max_sleep)
+        if not woke.is_set():  # new input: stop the Wait (if it is not connected yet, it
+            client.interrupt()  # ends by itself within max_sleep; nobody waits for it)
+        self.slept_s += time.monotonic() - started
 
-    def close(self) -> None:
-        self.client.close()
+    def connect(self) -> KvdClient:
+        """A fresh connection to the rank-0 kvd (tests replace this)."""
+        return KvdClient(self.socket, timeout=self.rpc_timeout)
+
