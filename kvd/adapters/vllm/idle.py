@@ -67,10 +67,13 @@ def find_input_queue(max_frames: int = MAX_FRAMES) -> queue.Queue[Any] | None:
 class IdleSleeper:
     """Blocks an idle engine step until a room ends or input arrives (see module doc).
 
+    ``max_sleep`` is long on purpose: each step that does happen costs the workers a second
+    of busy waiting, and every room ends by kvd's deadlines anyway (which wakes the engine).
+
     ``socket``: rank 0's kvd engine socket. Times in seconds. ``sleeps`` and ``slept_s``
     count what it did (for logs and tests)."""
 
-    def __init__(self, socket: str, max_sleep: float = 10.0, rpc_timeout: float = 30.0
+    def __init__(self, socket: str, max_sleep: float = 60.0, rpc_timeout: float = 30.0
                  ) -> None:
         self.socket, self.rpc_timeout, self.max_sleep = socket, rpc_timeout, max_sleep
         self.queue: queue.Queue[Any] | None = None
