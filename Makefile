@@ -52,7 +52,7 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_PIP   := $(VLLM_PY) -m pip --disable-pip-version-check -q
 VLLM_STAMP := $(VLLM_VENV)/.installed-vllm
 
-.PHONY: venv-vllm test-vllm
+.PHONY: venv-vllm test-vllm bench-vllm
 
 venv-vllm: $(VLLM_STAMP)
 
@@ -69,5 +69,13 @@ $(VLLM_STAMP): pyproject.toml constraints.txt scripts/system-deps.sh
 	$(VLLM_PIP) install -c constraints.txt --no-deps sglang==0.5.23 orjson ipython traitlets
 	touch $@
 
+# tests/adapters: the connector (2 prefills + 1 decode behind `kvd proxy`, decode prefix
+# caching, K33 n=2, K35 client leaving), heterogeneous TP (prefill TP 1 -> decode TP 2),
+# the proxy against fakes, and the SGLang backend conformance tests.
 test-vllm: venv-vllm
-	$(VLLM_PY) -m pytest tests/adapters -s -p no:cacheprovider
+	$(VLLM_PY) -m pytest tests/adapters tests/unit/proxy -s -p no:cacheprovider
+
+# K36: a prefill engine's CPU while its rooms wait, and PD req/s against one engine at
+# equal total cores (results in benchmarks/results/vllm_pd.json; minutes on 2 cores)
+bench-vllm: venv-vllm
+	$(VLLM_PY) benchmarks/vllm_pd.py

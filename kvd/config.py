@@ -161,12 +161,21 @@ class Settings(BaseSettings):
     shm_dir: Path = _setting(Path("/dev/shm"), unit="path",
                              help="only shared-memory files under this folder are mapped")
 
-    attn_tp_size: int = _setting(1, ge=1, help="attention tensor-parallel size of the engine")
-    attn_tp_rank: int = _setting(0, ge=0, help="this engine rank's attention TP rank")
-    attn_dp_size: int = _setting(1, ge=1, help="attention data-parallel size")
-    attn_dp_rank: int = _setting(0, ge=0, help="this engine rank's attention DP rank")
-    pp_size: int = _setting(1, ge=1, help="pipeline-parallel size")
-    pp_rank: int = _setting(0, ge=0, help="this engine rank's pipeline stage")
+    # Ranks: unset (the default) = taken from the engine when it registers; set = the
+    # engine's value must be equal (kvd/ranks.py). Engines that do not send their ranks get
+    # rank 0 of size 1 for every unset one.
+    attn_tp_size: int | None = _setting(
+        None, ge=1, help="attention tensor-parallel size of the engine (unset: the engine's)")
+    attn_tp_rank: int | None = _setting(
+        None, ge=0, help="this engine rank's attention TP rank (unset: the engine's)")
+    attn_dp_size: int | None = _setting(
+        None, ge=1, help="attention data-parallel size (unset: the engine's)")
+    attn_dp_rank: int | None = _setting(
+        None, ge=0, help="this engine rank's attention DP rank (unset: the engine's)")
+    pp_size: int | None = _setting(None, ge=1, help="pipeline-parallel size (unset: the "
+                                   "engine's)")
+    pp_rank: int | None = _setting(None, ge=0, help="this engine rank's pipeline stage "
+                                   "(unset: the engine's)")
 
     bootstrap_timeout: float = _setting(
         300.0, gt=0, unit="s", validation_alias=_env("bootstrap_timeout"),
@@ -293,7 +302,8 @@ class Settings(BaseSettings):
         problems = []
         for rank, size in (("attn_tp_rank", "attn_tp_size"), ("attn_dp_rank", "attn_dp_size"),
                            ("pp_rank", "pp_size")):
-            if getattr(self, rank) >= getattr(self, size):
+            if getattr(self, rank) is not None and getattr(self, size) is not None and \
+                    getattr(self, rank) >= getattr(self, size):
                 problems.append(f"{rank}={getattr(self, rank)} must be < {size}="
                                 f"{getattr(self, size)}")
         if self.role == "prefill" and not (self.bootstrap_addr or self.serve_bootstrap):

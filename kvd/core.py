@@ -27,6 +27,7 @@ from kvd.metrics import RoomEvents
 from kvd.protocol import control
 from kvd.protocol.control import ControlMessage, KVArgsWire
 from kvd.protocol.rpc import RegisterKV
+from kvd.ranks import Ranks
 from kvd.security import Authenticator
 from kvd.transfer.backends.base import TransferEngine
 from kvd.transfer.executor import TransferExecutor
@@ -96,6 +97,15 @@ class Core:
     events: RoomEvents = field(default_factory=RoomEvents)  # metrics + recent failures hooks
     clock: Callable[[], float] = time.monotonic
     outboxes: dict[str, Outbox] = field(default_factory=dict)
+    ranks: Ranks | None = None  # the engine's position, resolved at its registration
+
+    def position(self) -> Ranks:
+        """This rank's resolved :class:`~kvd.ranks.Ranks`. Raises RegistrationError before
+        an engine registered (the ranks come from it, or from the settings with it)."""
+        if self.ranks is None:
+            raise RegistrationError("no engine has registered with this kvd (its ranks are "
+                                    "not known yet)")
+        return self.ranks
 
     def notify(self) -> None:
         """Wake every :meth:`wait_changed` caller (a room reached Success or Failed)."""
@@ -228,7 +238,7 @@ class Core:
             aux_item_lens=list(req.aux_item_lens), page_size=req.page_size,
             num_kv_heads=req.num_kv_heads, head_dim=req.head_dim, dtype_size=req.dtype_size,
             num_layers=req.num_layers, layer_start=req.layer_start, is_mla=req.is_mla,
-            layout=req.layout, total_kv_heads=req.total_kv_heads)
+            layout=req.layout, total_kv_heads=req.total_kv_heads, fused_kv=req.fused_kv)
 
     def unregister_all(self) -> None:
         """Unregister the engine's buffers from the transfer engine (errors are logged)."""

@@ -34,6 +34,7 @@ from kvd.engine_rpc.server import Connection, EngineRpcServer
 from kvd.errors import ConfigError, RegistrationError, RoomError
 from kvd.memory import Importer
 from kvd.protocol import rpc
+from kvd.ranks import PAIRS, Ranks, resolve
 from kvd.security import Authenticator
 from kvd.side import Side, make_side
 from kvd.status import DaemonOps
@@ -291,7 +292,7 @@ class Daemon:
             case rpc.Poll():
                 return side.poll(call.rooms)
             case rpc.Wait():
-                return await side.wait(call.rooms, call.timeout)
+                return await side.wait(call.rooms, call.timeout, call.any_done)
             case rpc.Info():
                 return self.health()
             case rpc.Abort():
@@ -323,9 +324,11 @@ class Daemon:
         else:
             if core.local is not None and self.engine_conn is not None:
                 raise RegistrationError("an engine is already registered with this kvd")
+            ranks = self._engine_ranks(call)
             if core.local is not None or self._releasing is not None:
                 await self._release_now()  # an engine that left, in its grace period
             args = core.register_local(call, conn.fds, conn.uid)
+            core.ranks = ranks
             self.engine_id, self._registered_call = call.engine_id, call
             self._attach(conn)
             side.engine_registered(args)
@@ -333,6 +336,21 @@ class Daemon:
         assert local is not None
         return rpc.RegisterResult(num_pages=local.num_pages, num_aux_slots=local.num_aux_slots,
                                   session_id=core.engine.session_id)
+
+    def _engine_ranks(self, call: rpc.RegisterKV) -> Ranks:
+        """The engine's ranks checked against the settings (unset ones taken from the
+        engine). A daemon keeps the ranks of its first engine for its whole life: peers
+        and the bootstrap server know it under them. Raises RegistrationError."""
+        names = [n for pair in PAIRS for n in pair]
+        ranks = resolve({n: getattr(self.settings, n) for n in names}, call.ranks)
+        first = self.core.ranks if self.core is not None else None
+        if first is not None and ranks != first:
+            raise RegistrationError(f"this kvd serves {first.describe()} (from its first "
+                                    f"engine); the engine says {ranks.describe()}: restart "
+                                    f"kvd to serve another rank")
+        if self.core is not None and self.core.ranks is None:
+            log.info("engine ranks: %s", ranks.describe())
+        return ranks
 
     def _attach(self, conn: Connection) -> None:
         if self._release is not None:

@@ -156,7 +156,8 @@ class DecodeSide(Side):
                 self._used(call.bootstrap_addr, now)
                 self.core.events.room_started(self.role, call.room, call.bootstrap_addr)
             case rpc.ReceiverInit():
-                effects = self.rooms.init(call.room, call.dst_pages, call.aux_index, now)
+                effects = self.rooms.init(call.room, call.dst_pages, call.aux_index, now,
+                                          call.first_page)
             case _:
                 raise not_available(call, self.role)
         self.run(effects)
@@ -235,11 +236,12 @@ class DecodeSide(Side):
                      else self.rooms.resolve_failed(eff.room, eff.inc, failure, now))
 
     async def _targets(self, room: int, addr: str, dp_rank: int | None) -> list[Target]:
-        s, local = self.core.settings, self.core.local
-        if local is None:
+        local, ranks = self.core.local, self.core.ranks
+        if local is None or ranks is None:
             raise RegistrationError("the engine released its KV buffers")
         info = await self.bootstrap.parallel_info(addr)
-        routes = resolve_targets(room, s.attn_tp_rank, s.attn_tp_size, info.prefill_attn_tp_size,
+        routes = resolve_targets(room, ranks.attn_tp_rank, ranks.attn_tp_size,
+                                 info.prefill_attn_tp_size,
                                  info.prefill_dp_size, info.prefill_pp_size, local.wire.is_mla,
                                  dp_rank)
         out = []
@@ -265,15 +267,16 @@ class DecodeSide(Side):
         await asyncio.shield(fut)
 
     async def _register(self, endpoint: str, instance: str) -> None:
-        local, s = self.core.local, self.core.settings
-        if local is None:
+        local, ranks = self.core.local, self.core.ranks
+        if local is None or ranks is None:
             raise RegistrationError("the engine released its KV buffers")
         pool = None
         mem = self.core.engine_memory
-        if s.transfer_backend != "mooncake" and mem is not None:  # a same-host prefill may copy
+        if self.core.settings.transfer_backend != "mooncake" and mem is not None:
+            # a same-host prefill may copy directly
             pool = mem.export(host_identity())
         msg = control.RegisterRank(self.core.instance_id, self.core.control.endpoint,
-                                   s.attn_tp_rank, s.attn_tp_size, local.wire, pool)
+                                   ranks.attn_tp_rank, ranks.attn_tp_size, local.wire, pool)
         if not await self.core.send(endpoint, msg, instance):  # sealed for that instance
             raise PeerUnreachable(f"cannot reach prefill rank {endpoint}")
         self.registered[endpoint] = instance

@@ -51,10 +51,8 @@ class PrefillSide(Side):
     def __init__(self, core: Core) -> None:
         super().__init__(core)
         s = core.settings
-        self.rooms = SenderRooms(
-            self.timeouts,
-            RankPosition(s.attn_tp_rank, s.attn_tp_size, s.attn_dp_rank, s.attn_dp_size,
-                         s.pp_rank, s.pp_size),
+        self.rooms = SenderRooms(  # its position is the engine's, set at registration
+            self.timeouts, RankPosition(),
             Limits(max_peers=s.max_peers, max_rooms_per_peer=s.max_rooms_per_peer,
                    peer_ttl=s.peer_ttl))
         self._registrations: dict[str, control.RegisterRank] = {}
@@ -131,8 +129,8 @@ class PrefillSide(Side):
             num_pages, num_slots = args.num_pages, args.num_aux_slots
             local = self._local()
             check_pair(self._local_layout(), layout)
-            s = self.core.settings
-            check_coverage(self._local_layout(), layout, s.pp_rank, s.pp_size)
+            ranks = self.core.position()
+            check_coverage(self._local_layout(), layout, ranks.pp_rank, ranks.pp_size)
             _check_aux(local.wire, msg.kv_args)
             self._attach(msg)
             plan = PeerPlan(args, layout)
@@ -252,9 +250,10 @@ class PrefillSide(Side):
             return Descriptors.empty()
         peer: PeerPlan = d.peer
         local = self._local()
-        desc = plan_transfer(self._local_layout(), peer.layout, eff.src_pages, d.dst_pages)
-        s = self.core.settings
-        last_stage = s.pp_rank == s.pp_size - 1  # only the last PP stage has the outputs
+        desc = plan_transfer(self._local_layout(), peer.layout, eff.src_pages[d.src_from:],
+                             d.dst_pages)
+        s, ranks = self.core.settings, self.core.position()
+        last_stage = ranks.pp_rank == ranks.pp_size - 1  # only the last stage has outputs
         if eff.is_last and last_stage and s.aux_transport == "mooncake" and \
                 local.aux_ptrs.size and eff.aux_index is not None:
             desc = desc.concat(plan_aux(local.aux_ptrs, peer.args.aux_ptrs, local.aux_item_lens,
@@ -283,9 +282,9 @@ class PrefillSide(Side):
     def _aux_payload(self, aux_index: int) -> list[bytes] | None:
         """The room's aux slot read from the engine's aux buffers (aux_transport =
         control, last PP stage only); None when aux travels with the transfer."""
-        s, local = self.core.settings, self.core.local
-        if s.aux_transport != "control" or s.pp_rank != s.pp_size - 1 or local is None or \
-                not local.aux_ptrs.size:
+        s, local, ranks = self.core.settings, self.core.local, self.core.ranks
+        if s.aux_transport != "control" or ranks is None or \
+                ranks.pp_rank != ranks.pp_size - 1 or local is None or not local.aux_ptrs.size:
             return None
         return [ctypes.string_at(int(p) + aux_index * int(n), int(n))
                 for p, n in zip(local.aux_ptrs, local.aux_item_lens, strict=True)]
@@ -303,6 +302,9 @@ class PrefillSide(Side):
         """New local buffers: check every known decode rank against them again, and
         register with the bootstrap server (once)."""
         self.rooms.num_pages, self.rooms.num_aux_slots = args.num_pages, args.num_aux_slots
+        r = self.core.position()
+        self.rooms.position = RankPosition(r.attn_tp_rank, r.attn_tp_size, r.attn_dp_rank,
+                                           r.attn_dp_size, r.pp_rank, r.pp_size)
         self._layout = None
         now = self.core.clock()
         for msg in list(self._registrations.values()):
@@ -330,19 +332,19 @@ class PrefillSide(Side):
 
     def _local_layout(self) -> RankLayout:
         if self._layout is None:
-            s = self.core.settings
-            self._layout = RankLayout.from_wire(self._local().wire, s.attn_tp_rank,
-                                                s.attn_tp_size)
+            r = self.core.position()
+            self._layout = RankLayout.from_wire(self._local().wire, r.attn_tp_rank,
+                                                r.attn_tp_size)
         return self._layout
 
     # ---- bootstrap registration -------------------------------------------------------
 
     def _registration(self) -> dict[str, Any]:
-        s = self.core.settings
+        s, r = self.core.settings, self.core.position()
         host, port = self.core.control.endpoint.removeprefix("tcp://").rsplit(":", 1)
-        return {"role": "Prefill", "attn_tp_size": s.attn_tp_size, "attn_tp_rank": s.attn_tp_rank,
-                "attn_dp_size": s.attn_dp_size, "attn_dp_rank": s.attn_dp_rank,
-                "pp_size": s.pp_size, "pp_rank": s.pp_rank, "rank_ip": host.strip("[]"),
+        return {"role": "Prefill", "attn_tp_size": r.attn_tp_size, "attn_tp_rank": r.attn_tp_rank,
+                "attn_dp_size": r.attn_dp_size, "attn_dp_rank": r.attn_dp_rank,
+                "pp_size": r.pp_size, "pp_rank": r.pp_rank, "rank_ip": host.strip("[]"),
                 "rank_port": int(port), "instance_id": s.instance_id,
                 "page_size": self._local().wire.page_size}
 
@@ -391,11 +393,13 @@ class PrefillSide(Side):
 
     async def deregister_from_bootstrap(self) -> None:
         """Remove this rank from the bootstrap table (best effort, one bounded request)."""
-        s = self.core.settings
+        s, r = self.core.settings, self.core.ranks
         assert s.bootstrap_addr is not None
-        params: dict[str, str | int] = {"engine_rank": s.attn_tp_rank,
-                                        "target_dp_group": s.attn_dp_rank,
-                                        "target_pp_rank": s.pp_rank, "instance_id": s.instance_id}
+        if r is None:  # never registered: nothing to remove
+            return
+        params: dict[str, str | int] = {"engine_rank": r.attn_tp_rank,
+                                        "target_dp_group": r.attn_dp_rank,
+                                        "target_pp_rank": r.pp_rank, "instance_id": s.instance_id}
         try:
             await self.core.http("DELETE", http_url(s.bootstrap_addr, "/route"), params=params)
             self.bootstrap_registered = False

@@ -113,9 +113,10 @@ class Side(abc.ABC):
         return rpc.PollResult(statuses=statuses, reasons=reasons, kinds=kinds, stats=stats,
                               releasable=releasable)
 
-    async def wait(self, rooms: list[int], seconds: float) -> rpc.PollResult:
-        """Until every room ended (and its pages are releasable) or ``seconds`` passed
-        (capped at :data:`MAX_WAIT_S`)."""
+    async def wait(self, rooms: list[int], seconds: float,
+                   any_done: bool = False) -> rpc.PollResult:
+        """Until every room ended (``any_done``: one room) -- and its pages are
+        releasable -- or ``seconds`` passed (capped at :data:`MAX_WAIT_S`)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(seconds, 0.0), MAX_WAIT_S)
         while True:
@@ -124,7 +125,7 @@ class Side(abc.ABC):
             pending = [r for r, s in zip(rooms, result.statuses, strict=True)
                        if s not in (UNKNOWN_ROOM, KVPoll.Success, KVPoll.Failed) or r not in free]
             remaining = deadline - loop.time()
-            if not pending or remaining <= 0:
+            if not pending or remaining <= 0 or (any_done and len(pending) < len(rooms)):
                 return result
             await self.core.wait_changed(remaining)
 

@@ -98,3 +98,62 @@ def _convert(gguf_path: Path, out: Path) -> None:
         else model.config.eos_token_id
     GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=eos,
                      pad_token_id=model.config.pad_token_id).save_pretrained(str(out))
+
+
+def ensure_widened_model(base: str | os.PathLike[str], factor: int = 2) -> Path:
+    """An equivalent copy of the Llama-style model at ``base`` with every attention head
+    repeated ``factor`` times, next to it (``<base>-heads-x<factor>``); converted once.
+
+    SmolLM2-135M has 9 query and 3 KV heads, which no tensor-parallel size 2 splits. The
+    widened model computes the same function -- each query head and each KV head appears
+    ``factor`` times in a row (so every query head still reads a copy of its own KV head:
+    grouping is preserved), and ``o_proj`` weights are divided by ``factor`` so the copies'
+    outputs sum to the original -- with ``factor`` times the heads, so TP ``factor`` (and
+    heterogeneous TP between prefill and decode) runs on it. Its greedy output equals the
+    base model's up to float rounding.
+    """
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = Path(base)
+    dest = src.parent / f"{src.name}-heads-x{factor}"
+    if (dest / "config.json").is_file():
+        return dest
+    cfg = json.loads((src / "config.json").read_text())
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+
+    def repeat_rows(w: torch.Tensor, n: int) -> torch.Tensor:
+        return w.view(n, dim, -1).repeat_interleave(factor, dim=0).reshape(n * factor * dim,
+                                                                           -1)
+
+    out = {}
+    for key, w in load_file(str(src / "model.safetensors")).items():
+        if key.endswith("q_proj.weight"):
+            w = repeat_rows(w, heads)
+        elif key.endswith(("k_proj.weight", "v_proj.weight")):
+            w = repeat_rows(w, kv)
+        elif key.endswith("o_proj.weight"):
+            rows = w.shape[0]
+            w = (w.view(rows, heads, dim).repeat_interleave(factor, dim=1) / factor).reshape(
+                rows, heads * factor * dim)
+        out[key] = w.contiguous()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=src.parent))
+    try:
+        save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg.update(num_attention_heads=heads * factor, num_key_value_heads=kv * factor,
+                   head_dim=dim)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        for f in src.iterdir():
+            if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+                shutil.copy(f, tmp / f.name)
+        try:
+            tmp.rename(dest)
+        except OSError:
+            if not (dest / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest

@@ -213,6 +213,34 @@ def secret(
 
 
 @app.command()
+def proxy(
+    prefill: Annotated[list[str], typer.Option(
+        "--prefill", "-p", help="base URL of a prefill engine (repeatable)")],
+    decode: Annotated[list[str], typer.Option(
+        "--decode", "-d", help="base URL of a decode engine (repeatable)")],
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="port to listen on")] = 8000,
+    retries: Annotated[int, typer.Option(min=0, help="extra attempts per request")] = 2,
+    timeout: Annotated[float, typer.Option(min=0.001, help="seconds per engine request")] = 600.0,
+    health_interval: Annotated[float, typer.Option(
+        min=0, help="seconds between health probes of each engine (0: none)")] = 5.0,
+    log_level: Annotated[str, typer.Option("--log-level")] = "WARNING",
+) -> None:
+    """PD router: each OpenAI request is prefilled on one engine and decoded on another,
+    the KV moving through kvd (least outstanding requests first; retries; streaming;
+    a client that leaves cancels both legs; /health and /metrics)."""
+    import uvicorn
+
+    from kvd.proxy.app import ProxyConfig, make_app
+
+    urls = [u for u in (*prefill, *decode) if not u.startswith(("http://", "https://"))]
+    if urls:
+        raise _fail(f"engine URLs must start with http:// or https://: {', '.join(urls)}", 2)
+    config = ProxyConfig(tuple(prefill), tuple(decode), retries, timeout, health_interval)
+    uvicorn.run(make_app(config), host=host, port=port, log_level=log_level.lower())
+
+
+@app.command()
 def version(json_: JsonOpt = False) -> None:
     """Print kvd's version."""
     if json_:

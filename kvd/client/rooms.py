@@ -166,8 +166,13 @@ class Receiver(_Room):
         client.call(rpc.ReceiverCreate(room=room, bootstrap_addr=bootstrap_addr,
                                        dp_rank=dp_rank))
 
-    def init(self, dst_page_indices: npt.ArrayLike, aux_index: int) -> None:
-        """Give the destination pages (int, 1-D) and the aux slot for this room."""
+    def init(self, dst_page_indices: npt.ArrayLike, aux_index: int,
+             first_page: int = 0) -> None:
+        """Give the destination pages (int, 1-D) and the aux slot for this room.
+
+        ``first_page``: how many of the room's leading pages this decode already holds
+        (a local prefix-cache hit); ``dst_page_indices[0]`` receives room page
+        ``first_page``, and the prefill writes nothing before it."""
         self.client.call(rpc.ReceiverInit(room=self.room,
                                           dst_pages=pack_indices(dst_page_indices),
-                                          aux_index=aux_index))
+                                          aux_index=aux_index, first_page=first_page))

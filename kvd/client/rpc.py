@@ -71,7 +71,7 @@ class KvdClient:
     def call(self, call: rpc.Call) -> Any:
         """Send one request and return its (typed) result."""
         if isinstance(call, rpc.Wait):
-            return self.wait(call.rooms, call.timeout)
+            return self.wait(call.rooms, call.timeout, call.any_done)
         if isinstance(call, rpc.RegisterKV) and not call.engine_id:
             call = msgspec.structs.replace(call, engine_id=self.engine_id)
         with self._lock:
@@ -81,17 +81,21 @@ class KvdClient:
         kind = RESULT_TYPES.get(type(call))
         return msgspec.convert(result, kind, strict=False) if kind is not None else result
 
-    def wait(self, rooms: list[int], timeout: float) -> rpc.PollResult:
-        """``Wait`` for up to ``timeout`` s, as several calls each shorter than the
-        transport timeout; returns the last answer."""
+    def wait(self, rooms: list[int], timeout: float, any_done: bool = False) -> rpc.PollResult:
+        """``Wait`` for up to ``timeout`` s (until every room ended, or with ``any_done``
+        one of them), as several calls each shorter than the transport timeout; returns
+        the last answer."""
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             remaining = deadline - time.monotonic()
             chunk = max(min(remaining, self.timeout * WAIT_SHARE), 0.0)
             with self._lock:
-                raw = self._exchange(rpc.Wait(rooms=list(rooms), timeout=chunk))
+                raw = self._exchange(rpc.Wait(rooms=list(rooms), timeout=chunk,
+                                              any_done=any_done))
             result = msgspec.convert(raw, rpc.PollResult, strict=False)
-            if remaining <= chunk or not _pending(rooms, result):
+            pending = _pending(rooms, result)
+            done = pending < len(rooms) if any_done else pending == 0
+            if remaining <= chunk or done:
                 return result
 
     def _exchange(self, call: rpc.Call) -> Any:
@@ -150,6 +154,15 @@ class KvdClient:
         (length,) = rpc.LENGTH.unpack(header)
         return _recv_exact(sock, length)
 
+    def interrupt(self) -> None:
+        """From another thread: end the call in progress on this connection now (it raises
+        :class:`KvdUnreachable`; the next call reconnects). For a long ``Wait`` that is no
+        longer needed."""
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def close(self) -> None:
         """Say goodbye and close the connection: kvd fails this engine's rooms and releases
         its memory at once (a dropped connection instead keeps them for the reconnect
@@ -171,8 +184,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _pending(rooms: list[int], result: rpc.PollResult) -> bool:
-    """Is any room still in flight (or, on decode, its pages not releasable)?"""
+def _pending(rooms: list[int], result: rpc.PollResult) -> int:
+    """How many rooms are still in flight (or, on decode, their pages not releasable)?"""
     free = set(result.releasable)
-    return any(s in (1, 2, 3) or room not in free
+    return sum(s in (1, 2, 3) or room not in free
                for room, s in zip(rooms, result.statuses, strict=True))

@@ -13,6 +13,11 @@ Version history:
       memory handles are a tagged union on ``kind`` (``shm``, ``fd`` passed with
       SCM_RIGHTS, ``cuda_ipc``; :mod:`kvd.protocol.memory`); RegisterRank may carry the
       decode rank's ExportedPool (``pool``) for the same-host ``local`` backend.
+  3 — decode-side prefix caching and engine ranks: RoomPages and ReceiverInit carry
+      ``first_page`` (the prefill skips the room's pages before it); KVArgsWire and
+      RegisterKV carry ``fused_kv`` (one MHA buffer per layer, K and V side by side);
+      RegisterKV carries the engine's ``ranks`` (attention TP/DP, PP). A v2 prefill
+      would ignore ``first_page`` and write pages the decode did not ask for.
 
 Control frames travel inside an authentication seal versioned on its own
 (:data:`kvd.security.SEAL_VERSION`, checked before this frame is parsed):
@@ -33,7 +38,7 @@ import numpy.typing as npt
 from kvd.errors import ProtocolError
 
 MAGIC = b"KVD"
-VERSION = 2
+VERSION = 3
 HEADER_LEN = len(MAGIC) + 1
 #: Default upper bound on a frame (bytes); daemons pass their configured limit.
 DEFAULT_MAX_FRAME = 64 << 20

@@ -21,7 +21,9 @@ class KVArgsWire(msgspec.Struct, frozen=True):
     """A rank's KV args as its peers see them.
 
     ``kv_data_ptrs``/``kv_data_lens`` list K buffers of every layer then V
-    buffers (MHA), or one buffer per layer (MLA); addresses are in the owning
+    buffers (MHA), or one buffer per layer (MLA, and MHA with ``fused_kv``: each token
+    slot of a head holds its K then its V, ``[..][2 * head_dim]``, as vLLM's CPU cache
+    ``[page][head][token][2 * head_dim]``); addresses are in the owning
     daemon's address space (u64), lengths and ``kv_item_lens`` in bytes
     (``kv_item_lens[i]`` = bytes of one page of buffer i). Aux buffers alike.
     """
@@ -42,6 +44,7 @@ class KVArgsWire(msgspec.Struct, frozen=True):
     is_mla: bool = False
     layout: str = "NHD"
     total_kv_heads: int = 0     # KV heads of the model; 0: num_kv_heads * attn_tp_size
+    fused_kv: bool = False      # MHA, one buffer per layer: a head's K and V side by side
 
 
 class RegisterRank(msgspec.Struct, tag="register_rank", frozen=True):
@@ -66,6 +69,9 @@ class RoomPages(msgspec.Struct, tag="room_pages", frozen=True):
     the same name). ``write_within`` (s, > 0): the prefill rank must not start a
     write for this destination later than this after receiving the message; the
     decode treats the pages as releasable ``release_timeout`` after that bound.
+    ``first_page``: the room page that ``dst_pages[0]`` receives; the decode already
+    holds the pages before it (decode-side prefix caching), so the prefill rank writes
+    only room pages ``[first_page, first_page + len(dst_pages))``.
     """
 
     room: int
@@ -77,6 +83,7 @@ class RoomPages(msgspec.Struct, tag="room_pages", frozen=True):
     write_within: float
     required_dst_info_num: int = 1
     is_dummy: bool = False
+    first_page: int = 0
 
 
 class RoomStatus(msgspec.Struct, tag="room_status", frozen=True):

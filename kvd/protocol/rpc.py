@@ -24,11 +24,25 @@ LENGTH = struct.Struct(">I")
 MAX_FDS = 64
 
 
+class EngineRanks(msgspec.Struct, frozen=True):
+    """Where the registering engine rank sits in its instance, as the engine knows it:
+    attention TP/DP and PP rank and size (ranks in ``[0, size)``). kvd checks them against
+    its settings and takes unset ones from here (:func:`kvd.ranks.resolve`)."""
+
+    attn_tp_rank: int
+    attn_tp_size: int
+    attn_dp_rank: int = 0
+    attn_dp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+
+
 class RegisterKV(msgspec.Struct, tag="register_kv", frozen=True):
     """The engine's KV and aux buffers (see :class:`~kvd.protocol.control.KVArgsWire`
     for the meaning of the fields; handles replace raw pointers). Handles of any kind
     (:data:`~kvd.protocol.memory.MemoryHandle`), mixed freely; :class:`FdHandle` ones
-    name descriptors sent with the request (:func:`number_fds`)."""
+    name descriptors sent with the request (:func:`number_fds`). ``ranks``: the engine's
+    parallel position (None: take kvd's settings). ``fused_kv``: see ``KVArgsWire``."""
 
     kv_buffers: list[MemoryHandle]
     kv_item_lens: list[int]
@@ -44,6 +58,8 @@ class RegisterKV(msgspec.Struct, tag="register_kv", frozen=True):
     layout: str = "NHD"
     total_kv_heads: int = 0
     engine_id: str = ""         # the same engine after a reconnect keeps its rooms
+    ranks: EngineRanks | None = None
+    fused_kv: bool = False
 
 
 class SenderCreate(msgspec.Struct, tag="sender_create", frozen=True):
@@ -71,9 +87,15 @@ class ReceiverCreate(msgspec.Struct, tag="receiver_create", frozen=True):
 
 
 class ReceiverInit(msgspec.Struct, tag="receiver_init", frozen=True):
+    """Destination pages (int32 LE bytes) and aux slot of a room. ``first_page``: the
+    index, in the room's page sequence, of the page ``dst_pages[0]`` receives -- the
+    decode already holds the ``first_page`` pages before it (a local prefix-cache hit)
+    and the prefill writes none of them."""
+
     room: int
     dst_pages: bytes
     aux_index: int
+    first_page: int = 0
 
 
 class Poll(msgspec.Struct, tag="poll", frozen=True):
@@ -83,11 +105,14 @@ class Poll(msgspec.Struct, tag="poll", frozen=True):
 
 
 class Wait(msgspec.Struct, tag="wait", frozen=True):
-    """Block until every room is Success/Failed/unknown or ``timeout`` seconds pass;
-    answers like :class:`Poll`. Cheaper than polling in a loop: no RPC per round."""
+    """Block until every room is Success/Failed/unknown (``any_done``: until one is) or
+    ``timeout`` seconds pass; answers like :class:`Poll`. Cheaper than polling in a loop:
+    no RPC per round. An engine that only waits for transfers sleeps here with
+    ``any_done`` and reports each room as soon as it ends."""
 
     rooms: list[int]
     timeout: float
+    any_done: bool = False
 
 
 class Abort(msgspec.Struct, tag="abort", frozen=True):

@@ -52,15 +52,18 @@ class Report:
 
 @dataclass(frozen=True)
 class WriteDest:
-    """One destination of a chunk: its pages (``dst_pages``, int64 page indices of the
-    same length as the chunk; empty for an MLA dummy) and the peer's registration
-    (``peer``: opaque to the machine, what the daemon plans with)."""
+    """One destination of a chunk: its pages (``dst_pages``, int64 page indices, one per
+    chunk page from ``src_from`` on; empty for an MLA dummy) and the peer's registration
+    (``peer``: opaque to the machine, what the daemon plans with). ``src_from``: leading
+    pages of the chunk this destination already holds (decode-side prefix caching):
+    ``src_pages[src_from:]`` go to ``dst_pages``."""
 
     endpoint: str
     dst_pages: Pages
     aux_index: int
     is_dummy: bool
     peer: Any
+    src_from: int = 0
 
 
 @dataclass(frozen=True)

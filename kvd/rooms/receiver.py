@@ -70,6 +70,7 @@ class ReceiverRoom:
     failure: RoomFailure | None = None
     dst_pages: bytes | None = None
     aux_index: int = 0
+    first_page: int = 0
     targets: tuple[Target, ...] | None = None
     sent: set[str] = field(default_factory=set)        # RoomPages handed to a send
     successes: set[str] = field(default_factory=set)
@@ -162,10 +163,14 @@ class ReceiverRooms:
         self.rooms[room] = r
         return [Resolve(room, r.inc, bootstrap_addr, dp_rank)]
 
-    def init(self, room: int, dst_pages: bytes, aux_index: int, now: float) -> list[Effect]:
-        """``receiver.init``: destination pages (int32 LE bytes) and aux slot. Raises
-        RoomError for an unknown room, a second init, or an index out of range."""
+    def init(self, room: int, dst_pages: bytes, aux_index: int, now: float,
+             first_page: int = 0) -> list[Effect]:
+        """``receiver.init``: destination pages (int32 LE bytes), aux slot, and the first
+        room page they receive (``first_page``: the pages before it are already here).
+        Raises RoomError for an unknown room, a second init, or an index out of range."""
         r = self._room(room)
+        if first_page < 0:
+            raise RoomError(f"room {room}: first_page {first_page} < 0")
         try:
             pages = unpack_indices(dst_pages)
         except ProtocolError as exc:
@@ -179,7 +184,7 @@ class ReceiverRooms:
                             f"[0, {self.num_aux_slots})")
         if r.dst_pages is not None:
             raise RoomError(f"room {room}: init called twice")
-        r.dst_pages, r.aux_index = dst_pages, aux_index
+        r.dst_pages, r.aux_index, r.first_page = dst_pages, aux_index, first_page
         out: list[Effect] = []
         self._send_pages(r, now, out)
         return out
@@ -403,7 +408,8 @@ class ReceiverRooms:
             msg = control.RoomPages(room=r.room, inc=r.inc, endpoint=self.endpoint,
                                     instance_id=self.instance, dst_pages=r.dst_pages,
                                     aux_index=r.aux_index, write_within=deadline - now,
-                                    required_dst_info_num=t.required, is_dummy=t.is_dummy)
+                                    required_dst_info_num=t.required, is_dummy=t.is_dummy,
+                                    first_page=r.first_page)
             r.sent.add(t.endpoint)
             out.append(Send(t.endpoint, t.instance, msg, r.room, r.inc))
 

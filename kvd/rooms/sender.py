@@ -96,7 +96,8 @@ class DecodePeer:
 
 @dataclass
 class Dest:
-    """Room R on one decode rank: its incarnation, pages and write bound (monotonic s)."""
+    """Room R on one decode rank: its incarnation, pages and write bound (monotonic s).
+    ``first``: the room page ``pages[0]`` receives (the decode holds those before it)."""
 
     peer: DecodePeer
     inc: int
@@ -104,6 +105,7 @@ class Dest:
     aux_index: int
     is_dummy: bool
     write_deadline: float
+    first: int = 0
 
 
 @dataclass
@@ -570,7 +572,7 @@ class SenderRooms:
             self._fail(r, problem, now, out)
             return
         r.dests[msg.endpoint] = Dest(peer, msg.inc, pages, msg.aux_index, msg.is_dummy,
-                                     write_deadline)
+                                     write_deadline, msg.first_page)
         r.required = msg.required_dst_info_num
         if len(r.dests) >= r.required and r.status == KVPoll.Bootstrapping:
             self._advance(r, KVPoll.WaitingForInput, now)
@@ -584,6 +586,9 @@ class SenderRooms:
         if not in_time:
             return RoomFailure(FailureKind.TIMEOUT, f"room {room}: the decode's write "
                                f"deadline already passed", ORIGIN)
+        if msg.first_page < 0:
+            return RoomFailure(FailureKind.LAYOUT, f"room {room}: first_page "
+                               f"{msg.first_page} < 0", ORIGIN)
         if msg.required_dst_info_num < 1:
             return RoomFailure(FailureKind.LAYOUT, f"room {room}: required_dst_info_num "
                                f"{msg.required_dst_info_num} < 1", ORIGIN)
@@ -614,15 +619,15 @@ class SenderRooms:
         pages, is_last = r.chunks.popleft()
         dests = []
         for endpoint, d in r.dests.items():
-            dst = d.pages[r.offset:r.offset + pages.size]
-            if not d.is_dummy and (dst.size != pages.size or (
-                    is_last and r.offset + pages.size != d.pages.size)):
-                remaining = max(d.pages.size - r.offset, 0)
+            dest = self._chunk_dest(r, d, endpoint, int(pages.size), is_last)
+            if dest is None:
                 self._fail(r, RoomFailure(FailureKind.LAYOUT, f"room {r.room}: index length "
-                                          f"mismatch {pages.size} vs {remaining} (decode "
-                                          f"{endpoint})", ORIGIN), now, out)
+                                          f"mismatch {pages.size} vs "
+                                          f"{max(d.first + d.pages.size - r.offset, 0)} "
+                                          f"(decode {endpoint}, from room page {d.first})",
+                                          ORIGIN), now, out)
                 return
-            dests.append(WriteDest(endpoint, dst, d.aux_index, d.is_dummy, d.peer.payload))
+            dests.append(dest)
         r.offset += int(pages.size)
         if r.status != KVPoll.Transferring:
             self._advance(r, KVPoll.Transferring, now)
@@ -634,6 +639,22 @@ class SenderRooms:
             r.chunks.clear()  # nothing after the last chunk is ever written
         out.append(Write(r.room, r.attempt, pages, tuple(dests), is_last,
                          r.aux_index if is_last else None, deadline))
+
+    @staticmethod
+    def _chunk_dest(r: SenderRoom, d: Dest, endpoint: str, n: int,
+                    is_last: bool) -> WriteDest | None:
+        """Where chunk pages ``[r.offset, r.offset + n)`` of the room go on ``d``: the part
+        from ``d.first`` on (the decode holds the pages before it). None when the decode's
+        pages do not match the chunk (too few, or the last chunk does not end the room
+        where the decode's pages end; case K10)."""
+        lo, hi = max(r.offset, d.first), r.offset + n
+        need = max(hi - lo, 0)
+        dst = d.pages[lo - d.first:hi - d.first] if need else d.pages[:0]
+        if not d.is_dummy and (dst.size != need or (
+                is_last and hi != d.first + d.pages.size)):
+            return None
+        return WriteDest(endpoint, dst, d.aux_index, d.is_dummy, d.peer.payload,
+                         min(lo - r.offset, n))
 
     # ---- internals: endings -----------------------------------------------------------
 

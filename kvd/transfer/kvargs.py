@@ -69,10 +69,14 @@ def _check_lists(w: KVArgsWire) -> None:
         problems.append("pointers and lengths must be non-negative")
     if w.page_size < 1 or w.dtype_size < 1 or w.num_layers < 1:
         problems.append("page_size, dtype_size and num_layers must be >= 1")
-    expected_bufs = w.num_layers * (1 if w.is_mla else 2)
+    one = w.is_mla or w.fused_kv
+    expected_bufs = w.num_layers * (1 if one else 2)
     if len(w.kv_data_ptrs) != expected_bufs:
+        kind = "MLA" if w.is_mla else "fused-KV MHA" if w.fused_kv else "MHA"
         problems.append(f"{len(w.kv_data_ptrs)} KV buffers for {w.num_layers} layers "
-                        f"({'MLA' if w.is_mla else 'MHA'} needs {expected_bufs})")
+                        f"({kind} needs {expected_bufs})")
+    if w.is_mla and w.fused_kv:
+        problems.append("fused_kv is an MHA layout (MLA has one latent buffer per layer)")
     if w.layout not in ("NHD", "HND"):
         problems.append(f"unknown layout {w.layout!r}")
     if problems:
@@ -90,6 +94,7 @@ def check_compatible(src: RankArgs, dst: RankArgs) -> None:
              ("head_dim", a.head_dim, b.head_dim), ("is_mla", a.is_mla, b.is_mla),
              ("num_kv_heads", a.num_kv_heads, b.num_kv_heads),
              ("num_layers", a.num_layers, b.num_layers), ("layout", a.layout, b.layout),
+             ("fused_kv", a.fused_kv, b.fused_kv),
              ("aux buffers", len(a.aux_item_lens), len(b.aux_item_lens))]
     problems = [f"{name} {x} vs {y}" for name, x, y in pairs if x != y]
     if not problems and a.kv_item_lens != b.kv_item_lens:

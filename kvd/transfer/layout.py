@@ -18,7 +18,9 @@ What is moved is what ``src`` holds AND ``dst`` needs:
 Buffer layouts (per layer; MHA: K then V buffers, MLA: one buffer), design.md:
 ``NHD`` = ``[page][token][head][dim]`` (SGLang's), a head slice is one run per
 token slot; ``HND`` = ``[page][head][token][dim]``, a head slice of a page is
-one contiguous run.
+one contiguous run. ``fused_kv`` (MHA): one buffer per layer whose ``dim`` is a
+token's K then V (``2 * head_dim`` elements; vLLM's CPU cache is HND like this), so
+it is planned as K-only MHA with heads twice as wide.
 
 Address arithmetic is ``numpy.uint64`` throughout (pointers may have bit 63
 set; every int64 operand is converted explicitly, so nothing becomes float64),
@@ -127,6 +129,7 @@ class RankLayout:
     layout: str
     tp_rank: int
     tp_size: int
+    fused_kv: bool = False
 
     def __post_init__(self) -> None:
         try:
@@ -157,7 +160,18 @@ class RankLayout:
                           total_kv_heads=total, head_dim=wire.head_dim,
                           dtype_size=wire.dtype_size, num_layers=wire.num_layers,
                           layer_start=wire.layer_start, is_mla=wire.is_mla,
-                          layout=wire.layout, tp_rank=tp_rank, tp_size=tp_size)
+                          layout=wire.layout, tp_rank=tp_rank, tp_size=tp_size,
+                          fused_kv=wire.fused_kv)
+
+    @property
+    def bufs_per_layer(self) -> int:
+        """KV buffers per layer: 2 (MHA: K, V), 1 (MLA, or MHA with fused K and V)."""
+        return 1 if self.is_mla or self.fused_kv else 2
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of one token slot in one buffer (K and V with fused_kv)."""
+        return self.head_dim * self.dtype_size * (2 if self.fused_kv else 1)
 
     @property
     def layer_end(self) -> int:
@@ -174,14 +188,14 @@ class RankLayout:
     def buffer_index(self, layers: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Buffer indices of absolute ``layers`` (int64 ``[L]``): MHA ``[2L]`` K then V."""
         local = np.asarray(layers, dtype=np.int64) - self.layer_start
-        if self.is_mla:
+        if self.bufs_per_layer == 1:
             return local
         return np.concatenate([local, local + self.num_layers])
 
 
 def _structure_problems(r: RankLayout) -> list[str]:
     problems = []
-    nbuf = r.num_layers * (1 if r.is_mla else 2)
+    nbuf = r.num_layers * r.bufs_per_layer
     if r.kv_ptrs.ndim != 1 or r.item_lens.shape != r.kv_ptrs.shape:
         problems.append(f"kv_ptrs {r.kv_ptrs.shape} and item_lens {r.item_lens.shape} "
                         f"must be 1-D of equal length")
@@ -230,7 +244,7 @@ def _pair_problems(src: RankLayout, dst: RankLayout) -> list[str]:
     if max(src.tp_size, dst.tp_size) % min(src.tp_size, dst.tp_size):
         problems.append(f"attention TP sizes {src.tp_size} vs {dst.tp_size}: "
                         f"neither divides the other")
-    names = ["page_size", "head_dim", "dtype_size", "is_mla", "layout"]
+    names = ["page_size", "head_dim", "dtype_size", "is_mla", "layout", "fused_kv"]
     if not (src.is_mla or dst.is_mla):
         names.append("total_kv_heads")
     problems += [f"{n} {getattr(src, n)} vs {getattr(dst, n)}" for n in names
@@ -264,7 +278,7 @@ def _item_len_problems(src: RankLayout, dst: RankLayout) -> list[str]:
     if src.is_mla:
         s_exp, d_exp = s_items, s_items
     else:
-        per_head = src.page_size * src.head_dim * src.dtype_size
+        per_head = src.page_size * src.head_bytes
         s_exp = np.full_like(s_items, per_head * src.num_kv_heads)
         d_exp = np.full_like(d_items, per_head * dst.num_kv_heads)
     bad = np.flatnonzero((s_items != s_exp) | (d_items != d_exp))
@@ -337,7 +351,7 @@ def plan_transfer(src: RankLayout, dst: RankLayout, src_pages: npt.ArrayLike,
     _check_no_wrap(d_ptr, d_item, dp, "destination")
     if src.is_mla or n_heads == src.num_kv_heads == dst.num_kv_heads:
         return plan_pages(s_ptr, d_ptr, s_item, d_item, sp, dp, sb, db)
-    head_bytes = src.head_dim * src.dtype_size
+    head_bytes = src.head_bytes
     if src.layout == "HND":  # [page][head][token][dim]: the slice is one run per page
         run = src.page_size * head_bytes
         s_in, d_in = np.array([s_off * run], dtype=U64), np.array([d_off * run], dtype=U64)

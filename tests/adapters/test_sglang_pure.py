@@ -85,3 +85,34 @@ def test_transfer_backend_gains_kvd_and_keeps_every_member() -> None:
     assert get_kv_class_around(lambda b, t: calls.append((b, t)) or "orig",
                                extended.NIXL, "manager") == "orig"
     assert calls == [(extended.NIXL, "manager")]
+
+
+def test_unnamed_shared_memory_is_passed_as_descriptors() -> None:
+    """A pool in a memfd (no /dev/shm name) becomes fd handles of the very file behind the
+    mapping, at the right offsets; anonymous memory is still refused."""
+    import os
+
+    from kvd.client import FdPool
+    from kvd.protocol.memory import FdHandle
+
+    pool = FdPool(1 << 16)
+    fds: dict[str, int] = {}
+    try:
+        args = _args(pool)  # type: ignore[arg-type]
+        with pytest.raises(KVArgsError, match="not in a file under"):
+            registration(args, False, read_maps())  # names only: refused
+        reg = registration(args, False, read_maps(), fds=fds)
+        handles = [*reg.kv_buffers, *reg.aux_buffers]
+        assert all(isinstance(h, FdHandle) for h in handles) and len(fds) == 1
+        pool.bytes[:] = np.arange(pool.nbytes, dtype=np.uint64).astype(np.uint8)
+        for h, ptr in zip(handles, [*args.kv_data_ptrs, *args.aux_data_ptrs], strict=True):
+            start = ptr - int(pool.bytes.ctypes.data)
+            assert os.pread(h.fd, 64, h.offset) == pool.bytes[start:start + 64].tobytes()
+        anon = np.zeros(4096, np.uint8)
+        bad = _args(pool, kv_data_ptrs=[int(anon.ctypes.data)] * 4)
+        with pytest.raises(KVArgsError, match="anonymous or private memory"):
+            registration(bad, False, read_maps(), fds=fds)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        pool.close()

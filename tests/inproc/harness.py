@@ -294,11 +294,14 @@ class Node:
         self.cluster.fabric.engines[session].closed = True
 
     async def shard_engine(self, spec: Any, tp_rank: int = 0, tp_size: int = 1,
-                           **shard: Any) -> Engine:
-        """Register a TP/PP shard of ``spec`` (see :class:`ShardPool`)."""
+                           ranks: rpc.EngineRanks | None = None, **shard: Any) -> Engine:
+        """Register a TP/PP shard of ``spec`` (see :class:`ShardPool`); ``ranks``: what the
+        engine says about its position (None: nothing, kvd's settings decide)."""
         from kvd.refengine.standin import ShardPool
 
         sp = ShardPool(spec, tp_rank, tp_size, shm_dir=str(self.cluster.shm_dir), **shard)
+        if ranks is not None:
+            sp.registration = msgspec.structs.replace(sp.registration, ranks=ranks)
         self.cluster.shards.append(sp)
         eng = Engine(self, sp, Connection(next(self.cluster._conns)))  # type: ignore[arg-type]
         await eng.call(sp.registration)

@@ -37,8 +37,9 @@ def test_defaults() -> None:
     assert s.serve_bootstrap is False
     assert s.bootstrap_addr is None
     assert s.shm_dir == Path("/dev/shm")
+    # ranks unset: taken from the engine at registration (kvd/ranks.py)
     assert (s.attn_tp_size, s.attn_tp_rank, s.attn_dp_size, s.attn_dp_rank, s.pp_size,
-            s.pp_rank) == (1, 0, 1, 0, 1, 0)
+            s.pp_rank) == (None,) * 6
     # the reference connector's defaults for the settings it shares
     assert s.bootstrap_timeout == 300.0
     assert s.waiting_timeout == 300.0
@@ -143,11 +144,13 @@ def test_rank_not_below_size_refused() -> None:
     with pytest.raises(ConfigError, match="attn_tp_rank=2 must be < attn_tp_size=2"):
         load_settings(role="decode", attn_tp_size=2, attn_tp_rank=2)
     with pytest.raises(ConfigError) as exc:
-        load_settings(role="decode", attn_dp_rank=1, pp_size=2, pp_rank=5)
+        load_settings(role="decode", attn_dp_rank=1, attn_dp_size=1, pp_size=2, pp_rank=5)
     assert "attn_dp_rank=1 must be < attn_dp_size=1" in str(exc.value)
     assert "pp_rank=5 must be < pp_size=2" in str(exc.value)
     s = load_settings(role="decode", attn_tp_size=2, attn_tp_rank=1, pp_size=2, pp_rank=1)
     assert (s.attn_tp_rank, s.pp_rank) == (1, 1)
+    # a rank without its size is checked when the engine says the size (kvd/ranks.py)
+    assert load_settings(role="decode", attn_tp_rank=3).attn_tp_size is None
 
 
 def test_prefill_needs_bootstrap() -> None:

@@ -13,9 +13,10 @@ Selected with ``--disaggregation-transfer-backend kvd`` once the plugin in
 * :class:`KvdKVManager` (each scheduler): connects to the local kvd
   (``SGLANG_KVD_SOCKET``, placeholders ``{engine_rank}`` ``{tp_rank}`` ``{pp_rank}``
   ``{dp_rank}``, default ``/tmp/kvd.sock``) and registers the rank's ``KVArgs``
-  (:mod:`kvd.adapters.sglang.kvargs`: the pool must live in ``/dev/shm``). The prefill
-  kvd registers itself with the bootstrap server; parallel layout (TP/DP/PP rank and size)
-  comes from each kvd's own settings, which must match the engine's.
+  (:mod:`kvd.adapters.sglang.kvargs`: the pool must live in ``/dev/shm``) with its
+  attention TP/DP and PP position (:func:`engine_ranks`): kvd takes them where its rank
+  settings are unset and refuses a mismatch where they are set. The prefill kvd registers
+  itself with the bootstrap server under those ranks.
 * :class:`KvdKVSender` / :class:`KvdKVReceiver`: one kvd room each
   (``Sender``/``Receiver`` of :mod:`kvd.client`). The receiver creates its kvd room in
   ``init(prefill_dp_rank)`` and hands its pages over in ``send_metadata``.
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 import numpy.typing as npt
 from sglang.srt.disaggregation.base.conn import (
@@ -78,6 +80,22 @@ def socket_path(args: Any, template: str | None = None) -> str:
     return template.format(engine_rank=rank, tp_rank=rank,
                            pp_rank=int(getattr(args, "pp_rank", 0) or 0),
                            dp_rank=int(getattr(args, "system_dp_rank", 0) or 0))
+
+
+def engine_ranks(args: Any) -> rpc.EngineRanks | None:
+    """This scheduler's attention TP/DP and PP position, from SGLang's published parallel
+    context (what its own Mooncake manager reads); None where SGLang has not published it
+    (then kvd's settings decide). kvd checks them against its settings (issue 13)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        p = get_parallel()
+        return rpc.EngineRanks(attn_tp_rank=int(p.attn_tp_rank), attn_tp_size=int(p.attn_tp_size),
+                               attn_dp_rank=int(p.attn_dp_rank), attn_dp_size=int(p.attn_dp_size),
+                               pp_rank=int(getattr(args, "pp_rank", 0) or 0),
+                               pp_size=int(p.pp_size))
+    except (ImportError, ValueError, RuntimeError, AttributeError, TypeError):
+        return None
 
 
 def cluster_secret() -> bytes | None:
@@ -181,7 +199,10 @@ class KvdKVManager(BaseKVManager):
         self.server_args = server_args
         self.is_mla_backend = bool(is_mla_backend)
         self.client = KvdClient(socket_path(args), timeout=30.0)
-        self.registration = registration(args, self.is_mla_backend, read_maps())
+        self.fds: dict[str, int] = {}  # descriptors of unnamed shared memory, kept open
+        self.registration = msgspec.structs.replace(
+            registration(args, self.is_mla_backend, read_maps(), fds=self.fds),
+            ranks=engine_ranks(args))
         self.client.call(self.registration)
         self.board = _Board(self.client, poll_interval)
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}

@@ -2,11 +2,13 @@
 
 SGLang describes a rank's KV pool by raw pointers (``kv_data_ptrs``/``_lens``/
 ``_item_lens``: MHA K buffers of every local layer, then V buffers; MLA one buffer per
-layer) plus aux (metadata) buffers. kvd maps memory from ``/dev/shm`` files only, so every
-pointer must lie in a mapping of such a file (:mod:`kvd.adapters.shmmaps`); the engine's
-pool must be allocated there. ``page_size``, ``kv_head_num``, ``total_kv_head_num``,
-``kv_layout`` ("nhd"/"hnd") and ``prefill_start_layer`` carry over; the element size
-comes from ``kv_cache_dtype_str`` and ``head_dim`` from the item length.
+layer) plus aux (metadata) buffers. Every pointer must lie in a SHARED mapping of a file
+(:mod:`kvd.adapters.shmmaps`): a live file under ``/dev/shm`` is named (``shm`` handle),
+any other (a memfd, an unlinked file) is passed as a descriptor (``fd`` handle, given
+``fds``); anonymous memory cannot be shared and is refused. ``page_size``,
+``kv_head_num``, ``total_kv_head_num``, ``kv_layout`` ("nhd"/"hnd") and
+``prefill_start_layer`` carry over; the element size comes from ``kv_cache_dtype_str``
+and ``head_dim`` from the item length.
 
 Not supported (refused with the reason): draft KV buffers (speculative decoding),
 state buffers (Mamba/SWA/DSA pools) and device (GPU) pointers.
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvd.adapters.shmmaps import Mapping, NotSharedMemory, handle_for
+from kvd.adapters.shmmaps import Mapping, NotSharedMemory, handle_for, handle_or_fd
 from kvd.protocol.memory import MemoryHandle
 from kvd.protocol.rpc import RegisterKV
 
@@ -39,10 +41,13 @@ def dtype_size(name: str | None) -> int:
 
 
 def _handles(ptrs: list[int], lens: list[int], maps: list[Mapping], shm_dir: str,
-             what: str) -> list[MemoryHandle]:
+             what: str, fds: dict[str, int] | None) -> list[MemoryHandle]:
     try:
-        return [handle_for(int(p), int(n), maps, shm_dir) for p, n in zip(ptrs, lens,
-                                                                            strict=True)]
+        if fds is None:
+            return [handle_for(int(p), int(n), maps, shm_dir)
+                    for p, n in zip(ptrs, lens, strict=True)]
+        return [handle_or_fd(int(p), int(n), maps, fds, shm_dir)
+                for p, n in zip(ptrs, lens, strict=True)]
     except NotSharedMemory as exc:
         raise KVArgsError(f"{what}: {exc}") from exc
     except ValueError as exc:
@@ -59,8 +64,12 @@ def _unsupported(args: Any) -> list[str]:
 
 
 def registration(args: Any, is_mla: bool, maps: list[Mapping],
-                 shm_dir: str = "/dev/shm") -> RegisterKV:
-    """The :class:`RegisterKV` of SGLang ``args`` (a ``KVArgs``). Raises KVArgsError."""
+                 shm_dir: str = "/dev/shm", fds: dict[str, int] | None = None) -> RegisterKV:
+    """The :class:`RegisterKV` of SGLang ``args`` (a ``KVArgs``). Raises KVArgsError.
+
+    ``fds`` (a dict the caller owns): memory that is a shared file mapping without a name
+    under ``shm_dir`` (a memfd, an unlinked file) is passed as a descriptor, opened into
+    ``fds``; the caller keeps them open while kvd uses the memory. None: names only."""
     problems = _unsupported(args)
     if problems:
         raise KVArgsError("kvd cannot move " + " and ".join(problems) + " yet")
@@ -81,9 +90,9 @@ def registration(args: Any, is_mla: bool, maps: list[Mapping],
     if layout not in ("NHD", "HND"):
         raise KVArgsError(f"KV layout {layout.lower()!r} is not one kvd plans (nhd, hnd)")
     return RegisterKV(
-        kv_buffers=_handles(ptrs, lens, maps, shm_dir, "KV buffer"), kv_item_lens=items,
+        kv_buffers=_handles(ptrs, lens, maps, shm_dir, "KV buffer", fds), kv_item_lens=items,
         aux_buffers=_handles(list(args.aux_data_ptrs), list(args.aux_data_lens), maps, shm_dir,
-                             "aux buffer"),
+                             "aux buffer", fds),
         aux_item_lens=[int(n) for n in args.aux_item_lens], page_size=page_size,
         num_kv_heads=heads, head_dim=head_dim, dtype_size=size,
         num_layers=len(ptrs) // per_layer,

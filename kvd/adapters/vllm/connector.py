@@ -13,32 +13,43 @@ Load it without patching vLLM::
 See :mod:`kvd.adapters.vllm.spec` for the transfer params and the KV args.
 
 Flow of one request (vLLM's push-style P/D, as in its Mooncake connector, with kvd doing
-the bytes): the proxy prefills with ``max_tokens=1`` and ``do_remote_decode``.
+the bytes): the proxy (``kvd proxy``) prefills with ``max_tokens=1`` and
+``do_remote_decode``.
 
 * Prefill scheduler, ``request_finished``: the request ended by length, so its prompt
-  blocks are held (``delay_free_blocks=True``) and a send is queued; the response carries
-  room, bootstrap address and block ids. ``has_pending_push_work`` keeps the engine
-  stepping until kvd reports the room finished.
-* Prefill worker, next step: ``Sender(room).init(n)`` + ``send(blocks)``; kvd(P) waits
-  for the decode's destination pages, then writes them. ``get_transfer_results`` reports
-  the room in ``finished_sending`` once it is Success or Failed; vLLM frees the blocks.
-* Decode scheduler: ``get_num_new_matched_tokens`` claims the whole prompt as an async
-  load; ``update_state_after_alloc`` queues a receive into the freshly allocated blocks.
-* Decode worker: ``Receiver(room, bootstrap_addr).init(blocks)`` in ``start_load_kv``;
-  ``get_transfer_results`` reports ``finished_recving`` on Success; on Failed (or kvd
-  unreachable) also ``failed_recving`` -- but only once kvd says no prefill write can
-  still land in the pages. vLLM then recomputes or fails the request
+  blocks are held (``delay_free_blocks=True``) and a send is queued, one room per decode
+  sample (``num_samples``); the response carries rooms, bootstrap address and block ids.
+* Prefill worker, next step: ``Sender(room).init(n)`` + ``send(blocks)`` per room; kvd(P)
+  waits for the decode's destination pages, then writes them. ``get_transfer_results``
+  reports the request in ``finished_sending`` once every room of it ended; vLLM frees the
+  blocks.
+* Decode scheduler: ``get_num_new_matched_tokens`` claims the prompt tokens the decode
+  does not hold (a local prefix-cache hit of ``k`` blocks stays local) as an async load;
+  ``update_state_after_alloc`` claims one of the request's rooms (each sample its own)
+  and queues a receive into the blocks after the hit, naming ``first_page = k``.
+* Decode worker: ``Receiver(room, bootstrap_addr).init(blocks, first_page=k)`` in
+  ``start_load_kv``; ``get_transfer_results`` reports ``finished_recving`` on Success; on
+  Failed (or kvd unreachable) also ``failed_recving`` -- but only once kvd says no prefill
+  write can still land in the pages. vLLM then recomputes or fails the request
   (``kv_load_failure_policy``). The decode recomputes the last prompt token itself, so no
-  aux data is sent.
+  aux data is sent. A status is looked up by the request's own rooms: a request never
+  reads another request's room (K33).
 
-One RPC per step polls every room in flight (``Poll``); when the scheduler had nothing
-to run, the worker blocks in kvd's ``Wait`` for up to ``idle_wait`` seconds instead, so
-an engine that only waits for transfers does not spin a core.
+Waiting costs nothing (K36): vLLM steps an engine as long as a request's blocks wait for
+the connector, model or not, and each step is a round trip through the executor's
+busy-waiting queues. So a step that schedules nothing and has no work for the workers
+sleeps in the scheduler before it reaches them (:mod:`kvd.adapters.vllm.idle`: kvd's
+``Wait`` on the rooms in flight, woken by a room's end or by new engine input). One RPC
+per step polls the worker's rooms (``Poll``); in a step that runs no model the worker
+waits in kvd for up to ``idle_wait`` seconds instead.
+
+Statistics: each finished room is recorded in :class:`~kvd.adapters.vllm.stats.
+KvdConnectorStats`, which vLLM logs and exports on its ``/metrics`` (``vllm:kvd_*``).
 
 Memory: on CPU the worker's ``get_mem_pool_context`` places the KV cache in ``/dev/shm``
 as it is allocated (:mod:`kvd.adapters.vllm.shm`); registration then describes those
 files to kvd. On CUDA the buffers are described by CUDA IPC handles (``kind="cuda_ipc"``,
-see :func:`cuda_ipc_handle`), which the kvd daemon does not import yet.
+see :func:`cuda_ipc_handle`).
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,17 +71,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
+from kvd.adapters.vllm.idle import IdleSleeper
 from kvd.adapters.vllm.shm import ShmAllocation
 from kvd.adapters.vllm.spec import (
     ConnectorConfig,
     KvdAdapterError,
     LayerCache,
     RemotePrefill,
+    num_samples,
     pages_for,
     prefill_reply,
     register_kv,
     room_of,
+    sample_rooms,
 )
+from kvd.adapters.vllm.stats import KvdConnectorStats, KvdPromMetrics
 from kvd.client import KvdClient, KVPoll, Receiver, Sender
 from kvd.errors import KvdError, KvdUnreachable
 from kvd.protocol import rpc
@@ -77,6 +93,12 @@ from kvd.protocol.memory import MemoryHandle
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -88,28 +110,33 @@ if TYPE_CHECKING:
 log = init_logger(f"vllm.{__name__}")  # under "vllm" so the engine's log config applies
 
 _DONE = (KVPoll.Success, KVPoll.Failed)
+#: Requests whose rooms the decode scheduler hands out one per sample, remembered at most.
+MAX_CLAIMS = 65_536
 
 
 # ---------------------------------------------------------------- scheduler -> worker
 
 @dataclass(frozen=True)
 class SendTask:
-    """Prefill: hand ``block_ids`` (the prompt's blocks, in order) to kvd as ``room``."""
+    """Prefill: hand ``block_ids`` (the prompt's blocks, in order) to kvd as every room of
+    ``rooms`` (one per decode sample)."""
 
     req_id: str
-    room: int
+    rooms: tuple[int, ...]
     block_ids: list[int]
 
 
 @dataclass(frozen=True)
 class RecvTask:
-    """Decode: receive ``room`` from ``bootstrap_addr`` into ``block_ids``."""
+    """Decode: receive ``room`` from ``bootstrap_addr`` into ``block_ids``, the room's
+    pages from ``first_page`` on (the decode holds the ones before it)."""
 
     req_id: str
     room: int
     bootstrap_addr: str
     block_ids: list[int]
-    prefill_tp_size: int
+    first_page: int = 0
+    dp_rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -120,6 +147,7 @@ class AbortTask:
     room: int
     bootstrap_addr: str
     reason: str
+    dp_rank: int | None = None
 
 
 @dataclass
@@ -129,6 +157,7 @@ class KvdConnectorMetadata(KVConnectorMetadata):
     sends: list[SendTask] = field(default_factory=list)
     recvs: list[RecvTask] = field(default_factory=list)
     aborts: list[AbortTask] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # requests whose receive to abort
     idle: bool = False
 
 
@@ -178,11 +207,15 @@ class KvdConnector(KVConnectorBase_V1):
         return self.scheduler.finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Requests the workers finished no longer keep the engine waiting on kvd."""
         assert self.scheduler is not None
-        self.scheduler.sending.difference_update(connector_output.finished_sending or ())
+        self.scheduler.done(connector_output)
 
     def has_pending_push_work(self) -> bool:
-        return self.scheduler is not None and bool(self.scheduler.sending)
+        """Only work not yet handed to the workers (sends, aborts queued by
+        ``request_finished``): one more step delivers it. Rooms in flight need no steps
+        (kvd moves them), so an engine with only those does not spin (K36)."""
+        return self.scheduler is not None and self.scheduler.has_queued()
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return tuple(self._kv_cache_config.transfer_group_ids)
@@ -223,12 +256,42 @@ class KvdConnector(KVConnectorBase_V1):
         res = self.get_transfer_results(finished_req_ids)
         return res.finished_sending, res.finished_recving
 
+    # -- statistics (vLLM's KVConnectorStats interface)
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """The rooms finished since the last call (worker side; None on the scheduler)."""
+        if self.worker is None or self.worker.stats.is_empty():
+            return None
+        return self.worker.stats.clone_and_reset()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KvdConnectorStats(data=data) if data is not None else KvdConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVConnectorPromMetrics | None:
+        return KvdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
 
 
 # ---------------------------------------------------------------- scheduler side
+
+@dataclass
+class _Pending:
+    """A decode request between ``matched_tokens`` and ``after_alloc``: its room (claimed
+    once, however often vLLM asks) and the first page it needs."""
+
+    remote: RemotePrefill
+    room: int
+    first_page: int
+
 
 class _Scheduler:
     """Decides which requests move KV and queues the work for the workers."""
@@ -239,10 +302,23 @@ class _Scheduler:
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
         self.engine_id = str(kt.engine_id)
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        parallel = vllm_config.parallel_config
+        self.tp_size = parallel.tensor_parallel_size
+        self.dp_rank = parallel.data_parallel_rank
         self.is_producer, self.is_consumer = kt.is_kv_producer, kt.is_kv_consumer
         self.meta = KvdConnectorMetadata()
-        self.sending: set[str] = set()  # prefill requests whose blocks kvd still reads
+        self.pending: dict[str, _Pending] = {}
+        self.receiving: set[str] = set()  # decode requests whose receive is in flight
+        self.inflight: dict[str, tuple[int, ...]] = {}  # request -> its rooms in kvd
+        self.sleeper = IdleSleeper(config.socket_for(0, 0), rpc_timeout=config.rpc_timeout)
+        # (bootstrap addr, first room) -> rooms of that request claimed by samples so far
+        # (least recently used dropped past MAX_CLAIMS; a finished request's entry stays so
+        # that no later request with the same params ever claims a room twice)
+        self.claims: OrderedDict[tuple[str, int], int] = OrderedDict()
+
+    def has_queued(self) -> bool:
+        m = self.meta
+        return bool(m.sends or m.aborts or m.recvs or m.cancels)
 
     def _remote(self, request: Request) -> RemotePrefill | None:
         params = request.kv_transfer_params
@@ -252,51 +328,106 @@ class _Scheduler:
             return RemotePrefill.parse(params)
         except KvdAdapterError as exc:
             log.warning("request %s: %s; computing it locally", request.request_id, exc)
-            params["do_remote_prefill"] = False
+            self._own_params(request)["do_remote_prefill"] = False
             return None
 
+    @staticmethod
+    def _own_params(request: Request) -> dict[str, Any]:
+        """The request's transfer params as its own dict: vLLM's ``n > 1`` children share
+        one dict with their parent, and a flag set for one sample must not change the
+        others (K33)."""
+        params = dict(request.kv_transfer_params or {})
+        request.kv_transfer_params = params
+        return params
+
     def matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
-        """The whole prompt loads asynchronously, unless part of it is cached locally
-        (kvd pairs prefill and decode pages one to one: a partial load is declined and
-        the room aborted in ``after_alloc``)."""
-        if self._remote(request) is None or num_computed > 0:
+        """The prompt tokens after the local prefix-cache hit load asynchronously. A hit
+        that does not end on a block boundary cannot be expressed in pages: declined (the
+        decode computes the prompt and the room is aborted in ``after_alloc``)."""
+        remote = self._remote(request)
+        count = len(request.prompt_token_ids or ()) - num_computed
+        if remote is None or count <= 0 or num_computed % self.block_size:
             return 0, False
-        count = len(request.prompt_token_ids or ())
-        return (count, True) if count > 0 else (0, False)
+        pending = self.pending.get(request.request_id)
+        room = pending.room if pending is not None else self._claim(remote)
+        if room is None:
+            log.warning("request %s: every room of prefill room %d is taken by other "
+                        "samples; computing this one locally", request.request_id,
+                        remote.room)
+            self._own_params(request)["do_remote_prefill"] = False
+            return 0, False
+        self.pending[request.request_id] = _Pending(remote, room,
+                                                    num_computed // self.block_size)
+        return count, True
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
         remote = self._remote(request)
         if remote is None:
             return
-        assert request.kv_transfer_params is not None
-        request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request
-        if num_external <= 0:
-            self.meta.aborts.append(AbortTask(request.request_id, remote.room,
-                                              remote.bootstrap_addr,
-                                              "decode computes this prompt locally"))
+        self._own_params(request)["do_remote_prefill"] = False  # one transfer per request
+        pending = self.pending.pop(request.request_id, None)
+        room = pending.room if pending is not None else self._claim(remote)
+        if room is None:
+            return  # every room taken by other samples: computed locally
+        if num_external <= 0 or pending is None:
+            self.meta.aborts.append(AbortTask(request.request_id, room, remote.bootstrap_addr,
+                                              "decode computes this prompt locally",
+                                              remote.dp_rank))
             return
         group = blocks.get_block_ids()[0]
-        block_ids = list(group[:pages_for(num_external, self.block_size)])
-        self.meta.recvs.append(RecvTask(request.request_id, remote.room,
-                                        remote.bootstrap_addr, block_ids,
-                                        remote.prefill_tp_size))
+        end = pages_for(len(request.prompt_token_ids or ()), self.block_size)
+        block_ids = [int(b) for b in group[pending.first_page:end]]
+        self.meta.recvs.append(RecvTask(request.request_id, room, remote.bootstrap_addr,
+                                        block_ids, pending.first_page, remote.dp_rank))
+        self.receiving.add(request.request_id)
+
+    def _claim(self, remote: RemotePrefill) -> int | None:
+        """The next unclaimed room of the request (each sample its own, K33); None when
+        every room is taken."""
+        key = (remote.bootstrap_addr, remote.room)
+        taken = self.claims.pop(key, 0)
+        self.claims[key] = min(taken + 1, len(remote.rooms))  # exhausted ones stay: no reuse
+        while len(self.claims) > MAX_CLAIMS:
+            self.claims.popitem(last=False)
+        return remote.rooms[taken] if taken < len(remote.rooms) else None
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KvdConnectorMetadata:
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        if idle and not self.has_queued():  # only waiting for kvd: sleep, do not spin
+            self.sleeper.sleep(sorted({r for rooms in self.inflight.values() for r in rooms}),
+                               waiting_on_kvd=len(self.receiving))
         meta, self.meta = self.meta, KvdConnectorMetadata()
-        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
+        meta.idle = idle
+        for s in meta.sends:
+            self.inflight[s.req_id] = s.rooms
+        for r in meta.recvs:
+            self.inflight[r.req_id] = (r.room,)
         return meta
+
+    def done(self, output: KVConnectorOutput) -> None:
+        for req_id in (*(output.finished_sending or ()), *(output.finished_recving or ())):
+            self.inflight.pop(req_id, None)
 
     def finished(self, request: Request, block_ids: list[int]) -> tuple[bool,
                                                                          dict[str, Any] | None]:
         params = request.kv_transfer_params
         if not params:
             return False, None
+        if request.request_id in self.receiving:
+            self.receiving.discard(request.request_id)
+            if request.status == RequestStatus.FINISHED_ABORTED:  # the client left (K35):
+                self.meta.cancels.append(request.request_id)  # kvd stops the transfer too
+            return False, None  # vLLM holds the blocks until the receive reports
         remote = self._remote(request)
         if remote is not None:  # finished (aborted) before its KV was ever received
-            params["do_remote_prefill"] = False
-            self.meta.aborts.append(AbortTask(request.request_id, remote.room,
-                                              remote.bootstrap_addr,
-                                              "decode request finished before its KV"))
+            self._own_params(request)["do_remote_prefill"] = False
+            pending = self.pending.pop(request.request_id, None)
+            room = pending.room if pending is not None else self._claim(remote)
+            if room is not None:
+                self.meta.aborts.append(AbortTask(request.request_id, room,
+                                                  remote.bootstrap_addr,
+                                                  "decode request finished before its KV",
+                                                  remote.dp_rank))
             return False, None
         if not (self.is_producer and params.get("do_remote_decode")):
             return False, None
@@ -310,33 +441,45 @@ class _Scheduler:
         if len(block_ids) < n or self.config.bootstrap_addr is None:
             return False, None
         try:
-            room = room_of(params)
+            rooms = sample_rooms(room_of(params), num_samples(params))
         except KvdAdapterError as exc:
             log.warning("request %s: %s; no KV hand-off", request.request_id, exc)
             return False, None
         pages = [int(b) for b in block_ids[:n]]
-        self.meta.sends.append(SendTask(request.request_id, room, pages))
-        self.sending.add(request.request_id)
-        return True, prefill_reply(room, self.config.bootstrap_addr, pages, self.engine_id,
-                                   self.tp_size, request.num_prompt_tokens)
+        self.meta.sends.append(SendTask(request.request_id, tuple(rooms), pages))
+        return True, prefill_reply(rooms, self.config.bootstrap_addr, pages, self.engine_id,
+                                   self.tp_size, request.num_prompt_tokens, self.dp_rank)
 
 
 # ---------------------------------------------------------------- worker side
 
 @dataclass
 class _Room:
-    kind: str  # "send" | "recv" | "abort"
-    obj: Sender | Receiver | None
+    """One kvd room of a transfer: its handle, or why it never reached kvd."""
+
     room: int
-    reason: str = ""  # set when the room failed on the engine side (never reached kvd)
+    obj: Sender | Receiver | None
+    reason: str = ""
+    state: KVPoll | None = None  # once ended (and, on decode, releasable)
+    stats: tuple[int, float] | None = None
+    kind: str = ""
+
+
+@dataclass
+class _Transfer:
+    """A request's transfer: its rooms (a prefill request sends one per decode sample)."""
+
+    kind: str  # "send" | "recv" | "abort"
+    rooms: list[_Room]
     started: float = field(default_factory=time.monotonic)
 
+    @property
+    def done(self) -> bool:
+        return all(r.state is not None for r in self.rooms)
 
-@dataclass(frozen=True)
-class _Status:
-    state: KVPoll | None  # None: in flight, or a failed decode room whose pages kvd holds
-    reason: str = ""
-    stats: tuple[int, float] | None = None  # prefill: (bytes written, s in transfers)
+    @property
+    def ok(self) -> bool:
+        return all(r.state == KVPoll.Success for r in self.rooms)
 
 
 def layer_cache(name: str, tensor: torch.Tensor) -> LayerCache:
@@ -347,7 +490,8 @@ def layer_cache(name: str, tensor: torch.Tensor) -> LayerCache:
     return LayerCache(name=name, layer=extract_layer_index(name), addr=tensor.data_ptr(),
                       num_blocks=int(tensor.shape[0]), block_stride=tensor.stride(0) * item,
                       block_bytes=math.prod(tensor.shape[1:]) * item,
-                      dense=bool(tensor[0].is_contiguous()))
+                      dense=bool(tensor[0].is_contiguous()),
+                      block_shape=tuple(int(d) for d in tensor.shape[1:]))
 
 
 def cuda_ipc_handle(tensor: torch.Tensor, addr: int, length: int) -> MemoryHandle:
@@ -371,16 +515,27 @@ class _Worker:
         self.vllm_config, self.config = vllm_config, config
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
-        pp_rank = get_pp_group().rank_in_group
-        self.client = KvdClient(config.socket_for(self.tp_rank, pp_rank),
+        pp = get_pp_group()
+        self.pp_rank, self.pp_size = pp.rank_in_group, pp.world_size
+        self.client = KvdClient(config.socket_for(self.tp_rank, self.pp_rank),
                                 timeout=config.rpc_timeout)
         on_cpu = vllm_config.device_config.device_type == "cpu"
         self.shm = ShmAllocation(shm_dir=config.shm_dir) if on_cpu else None
-        self.rooms: dict[str, _Room] = {}
+        self.transfers: dict[str, _Transfer] = {}
+        self.owner: dict[int, str] = {}  # live room -> the request that created it (K33)
+        self.stats = KvdConnectorStats()
+
+    def _ranks(self) -> rpc.EngineRanks:
+        parallel = self.vllm_config.parallel_config
+        return rpc.EngineRanks(attn_tp_rank=self.tp_rank, attn_tp_size=self.tp_size,
+                               attn_dp_rank=parallel.data_parallel_rank,
+                               attn_dp_size=parallel.data_parallel_size,
+                               pp_rank=self.pp_rank, pp_size=self.pp_size)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Describe the layers' KV cache views to kvd (RegisterKV). Raises
-        KvdAdapterError for a layout kvd cannot move and kvd's error if it refuses."""
+        """Describe the layers' KV cache views and this worker's ranks to kvd (RegisterKV).
+        Raises KvdAdapterError for a layout kvd cannot move and kvd's error if it refuses
+        (e.g. ranks that contradict kvd's settings)."""
         seen: dict[int, tuple[str, torch.Tensor]] = {}
         for name, tensor in kv_caches.items():
             seen.setdefault(tensor.data_ptr(), (name, tensor))  # layers sharing a cache
@@ -389,14 +544,17 @@ class _Worker:
         layers = [c for c, _ in views]
         handles = [self._handle(t, c.addr, c.num_blocks * c.block_stride) for c, t in views]
         model, parallel = self.vllm_config.model_config, self.vllm_config.parallel_config
-        kv_heads = model.get_num_kv_heads(parallel)
         registration = register_kv(
             layers, handles, block_size=self.vllm_config.cache_config.block_size,
-            num_kv_heads=kv_heads, head_dim=model.get_head_size(),
-            dtype_size=views[0][1].element_size(), total_kv_heads=kv_heads * self.tp_size)
+            num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
+            dtype_size=views[0][1].element_size(),
+            total_kv_heads=model.get_total_num_kv_heads(), is_mla=bool(model.use_mla),
+            ranks=self._ranks())
         self.client.call(registration)
-        log.info("kvd: registered %d KV layers (%d blocks of %d bytes each) with %s",
-                 len(layers), layers[0].num_blocks, layers[0].block_stride, self.client.path)
+        log.info("kvd: registered %d KV layers (%d blocks of %d bytes each, %s) with %s",
+                 len(layers), layers[0].num_blocks, layers[0].block_stride,
+                 "fused K/V heads" if registration.fused_kv else "whole blocks",
+                 self.client.path)
 
     def _handle(self, tensor: torch.Tensor, addr: int, length: int) -> MemoryHandle:
         if tensor.is_cuda:
@@ -413,96 +571,145 @@ class _Worker:
     def start(self, meta: KvdConnectorMetadata) -> None:
         """Create this step's rooms in kvd (one failure never stops the others)."""
         for s in meta.sends:
-            self._guard(s.req_id, s.room, "send", lambda s=s: self._send(s))
+            self.transfers[s.req_id] = _Transfer("send", [
+                self._open(s.req_id, room, lambda room=room, s=s: self._send(room, s))
+                for room in s.rooms])
         for r in meta.recvs:
-            self._guard(r.req_id, r.room, "recv", lambda r=r: self._recv(r))
+            self.transfers[r.req_id] = _Transfer(
+                "recv", [self._open(r.req_id, r.room, lambda r=r: self._recv(r))])
         for a in meta.aborts:
-            self._guard(a.req_id, a.room, "abort", lambda a=a: self._abort(a))
+            self.transfers[a.req_id] = _Transfer(
+                "abort", [self._open(a.req_id, a.room, lambda a=a: self._abort(a))])
+        for req_id in meta.cancels:
+            self._cancel(req_id)
 
-    def _guard(self, req_id: str, room: int, kind: str, create: Any) -> None:
+    def _cancel(self, req_id: str) -> None:
+        """The request was aborted while its receive is in flight: end its rooms in kvd
+        (the prefill stops writing); the request is reported once kvd says its pages are
+        releasable."""
+        t = self.transfers.get(req_id)
+        for r in t.rooms if t is not None else ():
+            if r.obj is not None and r.state is None:
+                with contextlib.suppress(KvdError):
+                    r.obj.abort("the decode request was aborted (client gone)")
+
+    def _open(self, req_id: str, room: int, create: Any) -> _Room:
+        """One room of request ``req_id``. A room number another live request of this
+        worker holds is refused here, before kvd: a request never reads another's status
+        (K33). A room kvd refuses is Failed at once."""
+        if room in self.owner:
+            reason = f"room {room} is already used by request {self.owner[room]}"
+            log.warning("kvd: request %s: %s", req_id, reason)
+            return _Room(room, None, reason, KVPoll.Failed, kind="duplicate")
+        self.owner[room] = req_id
         try:
-            self.rooms[req_id] = _Room(kind, create(), room)
+            return _Room(room, create())
         except KvdError as exc:
-            log.warning("kvd: room %d (%s %s) failed to start: %s", room, kind, req_id, exc)
-            self.rooms[req_id] = _Room(kind, None, room, f"{type(exc).__name__}: {exc}")
+            del self.owner[room]
+            log.warning("kvd: room %d (%s) failed to start: %s", room, req_id, exc)
+            return _Room(room, None, f"{type(exc).__name__}: {exc}", KVPoll.Failed,
+                         kind="engine")
 
-    def _send(self, task: SendTask) -> Sender:
-        sender = Sender(self.client, task.room)
-        sender.init(len(task.block_ids), 0)
-        sender.send(task.block_ids, is_last=True)
+    def _send(self, room: int, task: SendTask) -> Sender:
+        sender = Sender(self.client, room)
+        try:
+            sender.init(len(task.block_ids), 0)
+            sender.send(task.block_ids, is_last=True)
+        except KvdError:
+            with contextlib.suppress(KvdError):
+                sender.abort("the engine could not hand its pages to kvd")
+            raise
         return sender
 
     def _recv(self, task: RecvTask) -> Receiver:
-        receiver = Receiver(self.client, task.room, task.bootstrap_addr)
-        if task.prefill_tp_size != self.tp_size:
-            receiver.abort(f"prefill TP {task.prefill_tp_size} != decode TP {self.tp_size}: "
-                           f"the vLLM adapter moves whole blocks between equal TP sizes")
-            return receiver
-        receiver.init(task.block_ids, 0)
+        receiver = Receiver(self.client, task.room, task.bootstrap_addr, task.dp_rank)
+        try:
+            receiver.init(task.block_ids, 0, first_page=task.first_page)
+        except KvdError:
+            with contextlib.suppress(KvdError):
+                receiver.abort("the engine could not hand its pages to kvd")
+            raise
         return receiver
 
     def _abort(self, task: AbortTask) -> Receiver:
-        receiver = Receiver(self.client, task.room, task.bootstrap_addr)
-        receiver.abort(task.reason)
+        receiver = Receiver.attach(self.client, task.room)
+        receiver.bootstrap_addr, receiver.dp_rank = task.bootstrap_addr, task.dp_rank
+        receiver.abort(task.reason)  # reaches the prefill even for a room kvd never saw
         return receiver
 
     def results(self, idle: bool) -> KVConnectorTransferResults:
-        """Rooms that ended since the last step, in one kvd RPC (Wait when idle)."""
+        """Requests whose rooms all ended since the last step, in one kvd RPC (a ``Wait``
+        until one room ends when the step ran no model)."""
         out = KVConnectorTransferResults()
-        live = [r.room for r in self.rooms.values() if r.obj is not None and not r.reason]
-        status = self._statuses(live, idle)
-        for req_id, r in list(self.rooms.items()):
-            st = status.get(r.room, _Status(KVPoll.Failed, r.reason))
-            if st.state is not None:
-                self._finish(req_id, r, st, out)
+        live = [r for t in self.transfers.values() for r in t.rooms
+                if r.obj is not None and r.state is None]
+        self._update(live, idle)
+        for req_id, t in list(self.transfers.items()):
+            if t.done:
+                self._finish(req_id, t, out)
         return out
 
-    def _statuses(self, rooms: list[int], idle: bool) -> dict[int, _Status]:
+    def _update(self, rooms: list[_Room], idle: bool) -> None:
+        """Refresh the state of ``rooms`` (each looked up by its own number)."""
         if not rooms:
-            return {}
-        call: rpc.Call = (rpc.Wait(rooms=rooms, timeout=self.config.idle_wait) if idle
-                          else rpc.Poll(rooms=rooms))
+            return
+        numbers = [r.room for r in rooms]
         try:
-            res = self.client.call(call)
+            res = (self.client.wait(numbers, self.config.idle_wait, any_done=True) if idle
+                   else self.client.call(rpc.Poll(rooms=numbers)))
         except KvdUnreachable as exc:
-            return {room: _Status(KVPoll.Failed, f"kvd unreachable: {exc}") for room in rooms}
-        reasons, stats, releasable = res.reasons, res.stats, set(res.releasable)
-        out = {}
-        for room, s in zip(rooms, res.statuses, strict=True):
-            done = (s in _DONE or s < 0) and room in releasable
-            state = (KVPoll.Success if s == KVPoll.Success else KVPoll.Failed) if done else None
-            out[room] = _Status(state, reasons.get(room, "room unknown to kvd" if s < 0 else ""),
-                                stats.get(room))
-        return out
+            for r in rooms:
+                r.state, r.reason, r.kind = KVPoll.Failed, f"kvd unreachable: {exc}", \
+                    "unreachable"
+            return
+        releasable = set(res.releasable)
+        for r, s in zip(rooms, res.statuses, strict=True):
+            if not ((s in _DONE or s < 0) and r.room in releasable):
+                continue
+            r.state = KVPoll.Success if s == KVPoll.Success else KVPoll.Failed
+            r.reason = res.reasons.get(r.room, "room unknown to kvd" if s < 0 else "")
+            r.kind, r.stats = res.kinds.get(r.room, "unknown" if s < 0 else ""), \
+                res.stats.get(r.room)
 
-    def _finish(self, req_id: str, r: _Room, st: _Status,
-                out: KVConnectorTransferResults) -> None:
-        del self.rooms[req_id]
-        if r.obj is not None:
-            with contextlib.suppress(KvdError):
-                r.obj.clear()
-        if r.kind == "send":
+    def _finish(self, req_id: str, t: _Transfer, out: KVConnectorTransferResults) -> None:
+        del self.transfers[req_id]
+        for r in t.rooms:
+            if r.obj is not None:
+                self.owner.pop(r.room, None)
+                with contextlib.suppress(KvdError):
+                    r.obj.clear()
+        if t.kind == "send":
             out.finished_sending.add(req_id)
-        elif r.kind == "recv":
+        elif t.kind == "recv":
             out.finished_recving.add(req_id)
-            if st.state != KVPoll.Success:
+            if not t.ok:
                 out.failed_recving.add(req_id)
-        ms = (time.monotonic() - r.started) * 1e3
-        if st.state != KVPoll.Success and r.kind != "abort":
-            log.warning("kvd: room %d (%s %s) failed after %.1f ms: %s", r.room, r.kind,
-                        req_id, ms, st.reason)
-        elif st.state == KVPoll.Success:
-            nbytes, secs = st.stats or (0, 0.0)
-            log.info("kvd: room %d %s done in %.1f ms (%d bytes, %.1f ms in transfers)",
-                     r.room, r.kind, ms, nbytes, secs * 1e3)
+        self._account(req_id, t)
+
+    def _account(self, req_id: str, t: _Transfer) -> None:
+        """Stats and a log line per room."""
+        room_s = time.monotonic() - t.started
+        if t.kind == "abort":
+            return
+        for r in t.rooms:
+            nbytes, secs = r.stats or (0, 0.0)
+            outcome = "success" if r.state == KVPoll.Success else (r.kind or "failed")
+            self.stats.record(t.kind, outcome, room_s, secs, nbytes)
+            if r.state == KVPoll.Success:
+                log.info("kvd: room %d %s done in %.1f ms (%d bytes, %.1f ms in transfers)",
+                         r.room, t.kind, room_s * 1e3, nbytes, secs * 1e3)
+            else:
+                log.warning("kvd: room %d (%s %s) failed after %.1f ms: %s", r.room, t.kind,
+                            req_id, room_s * 1e3, r.reason)
 
     def shutdown(self) -> None:
         """Forget every room, close the socket, unlink the shared-memory files."""
-        for r in self.rooms.values():
-            if r.obj is not None:
-                with contextlib.suppress(KvdError):
-                    r.obj.abort("engine shutting down")
-        self.rooms.clear()
+        for t in self.transfers.values():
+            for r in t.rooms:
+                if r.obj is not None and r.state is None:
+                    with contextlib.suppress(KvdError):
+                        r.obj.abort("engine shutting down")
+        self.transfers.clear()
         self.client.close()
         if self.shm is not None:
             self.shm.close()

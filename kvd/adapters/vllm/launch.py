@@ -76,13 +76,12 @@ def engine_command(python: str, model: str | Path, port: int,
     if kv_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_config),
                 "--disable-hybrid-kv-cache-manager"]
-        if kv_config["kv_role"] == "kv_consumer":
-            cmd += ["--no-enable-prefix-caching"]  # kvd pairs whole prompts page by page
     return cmd + list(extra_args or [])
 
 
 def engine_env(cpus: str = "0-1", kv_cache_gib: int = 1) -> dict[str, str]:
-    """The environment for a CPU engine (offline; OpenMP bound to ``cpus``)."""
+    """The environment for a CPU engine (offline; OpenMP bound to ``cpus``; with tensor
+    parallelism one CPU list per rank, separated by ``|``, e.g. ``"0|1"``)."""
     env = dict(os.environ)
     env.update({"VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
                 "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",

@@ -5,32 +5,46 @@ plain values in, so everything here is unit-tested in the main virtualenv.
 
 Transfer params (``kv_transfer_params`` of a request / of a response), following vLLM's
 disaggregated proxies (NIXL, Mooncake): the proxy sends the prompt to the prefill engine
-with ``max_tokens=1`` and ``{"do_remote_decode": true, "bootstrap_room": R}`` (the room is
-optional: the prefill connector picks one when absent). The prefill response carries
+with ``max_tokens=1`` and ``{"do_remote_decode": true, "bootstrap_room": R,
+"num_samples": n}`` (the room is optional: the prefill connector picks one when absent;
+``num_samples``, default 1, is the decode request's ``n``). The prefill response carries
 :func:`prefill_reply`::
 
     {"do_remote_prefill": true, "do_remote_decode": false, "bootstrap_room": R,
-     "bootstrap_addr": "host:port", "remote_block_ids": [...], "remote_engine_id": "...",
-     "prefill_tp_size": N, "num_prompt_tokens": T}
+     "bootstrap_rooms": [R, R1, ...], "bootstrap_addr": "host:port",
+     "remote_block_ids": [...], "remote_engine_id": "...", "prefill_tp_size": N,
+     "prefill_dp_rank": D, "num_prompt_tokens": T}
 
 and the proxy forwards it unchanged to the decode engine, whose connector receives the
 room's pages from the prefill instance through kvd. ``bootstrap_addr`` is the prefill
 instance's kvd bootstrap server (SGLang's ``/route`` API), as SGLang routers pass it.
 
+Samples (K33): a decode request with ``n > 1`` is ``n`` child requests in vLLM, each of
+which loads the prompt's KV. Each needs its own room: the prefill sends the same pages
+as rooms :func:`sample_rooms` ``(R, n)`` (``R`` first) and lists them in
+``bootstrap_rooms``; each decode child claims a different entry of that list, and a child
+that finds none left computes its prompt itself. No two requests ever share a room.
+
+Prefix caching on the decode: a decode that already holds the first ``k`` blocks of the
+prompt receives only the rest -- its receiver names ``first_page = k`` and the prefill
+writes room pages ``k..`` only (kvd's ``RoomPages.first_page``).
+
 KV args (:func:`register_kv`): vLLM's KV cache is one buffer per layer whose page (block)
 ``b`` is ``block_stride`` bytes at ``base + b * block_stride``. With a layer-compact layout
 (``LBHNC``/``LBNHC``, the only ones the CPU backend and the connector accept) a block of
-a layer is ONE contiguous byte run; on the CPU backend it is ``[kv_heads][2 * block_size]
-[head_dim]`` (per head, the block's K rows then its V rows). kvd's MHA model wants separate
-K and V buffers per layer, which vLLM does not have; its "one buffer per layer" model
-(``is_mla=True``: ``num_layers`` buffers, whole pages copied byte for byte) fits exactly, so
-the connector registers that. Pages then move byte-exactly between engines of EQUAL
-attention-TP size (kvd pairs decode rank r with prefill rank r); a TP mismatch would need
-head slicing, which the one-buffer model cannot express, so the decode side refuses it.
+a layer is ONE contiguous byte run; on the CPU backend it is ``[kv_heads][block_size]
+[2 * head_dim]`` (``CPUAttentionBackendImpl.forward``: per token slot of a head, its K then
+its V). That is kvd's fused-KV MHA layout (``fused_kv``, HND): one buffer per layer, and a
+head's slice of a block is one contiguous run, so kvd plans heterogeneous TP between
+prefill and decode by head slices, as for any HND pool (decode TP a multiple of prefill
+TP or the reverse; GQA replication included). A layer whose block is not shaped like that
+(a GPU layout) is registered as whole blocks (``is_mla=True``, one buffer per layer): byte
+exact between EQUAL TP sizes only, and kvd refuses other pairs at registration.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import secrets
 from collections.abc import Iterable, Mapping
@@ -38,10 +52,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd.protocol.memory import MemoryHandle
-from kvd.protocol.rpc import RegisterKV
+from kvd.protocol.rpc import EngineRanks, RegisterKV
 
 ROOM_LIMIT = 2**63
 """Rooms the connector picks are below this (SGLang's routers use 63-bit rooms too)."""
+
+MAX_SAMPLES = 64
+"""Most rooms one prefill request sends (``num_samples``: the decode request's ``n``)."""
 
 LAYER_COMPACT_LAYOUTS = ("LBHNC", "LBNHC")
 
@@ -60,14 +77,16 @@ class ConnectorConfig:
     ``{rank}`` are replaced per worker (one kvd per engine rank). ``bootstrap_addr``
     (``host:port``, prefill only): the kvd bootstrap server of this prefill instance,
     returned to the proxy. ``rpc_timeout`` (s): bound of one kvd RPC. ``idle_wait`` (s):
-    how long an idle engine step blocks in kvd waiting for in-flight rooms instead of
-    spinning. ``shm_dir``: where the CPU KV cache files go (kvd's ``shm_dir``).
+    how long an engine step that runs no model blocks in kvd until one of its rooms ends
+    (vLLM keeps stepping while a request's blocks wait for kvd; blocking here is what
+    keeps such an engine near zero CPU, K36). A request that arrives meanwhile waits at
+    most this long. ``shm_dir``: where the CPU KV cache files go (kvd's ``shm_dir``).
     """
 
     kvd_socket: str
     bootstrap_addr: str | None = None
     rpc_timeout: float = 30.0
-    idle_wait: float = 0.005
+    idle_wait: float = 0.05
     shm_dir: str = "/dev/shm"
 
     @staticmethod
@@ -82,7 +101,7 @@ class ConnectorConfig:
         if is_producer and not _is_host_port(addr):
             problems.append(f"bootstrap_addr must be 'host:port' on a producer, got {addr!r}")
         numbers = {}
-        for key, default in (("rpc_timeout", 30.0), ("idle_wait", 0.005)):
+        for key, default in (("rpc_timeout", 30.0), ("idle_wait", 0.05)):
             value = extra.pop(key, default)
             if not isinstance(value, int | float) or value < 0:
                 problems.append(f"{key} must be a non-negative number, got {value!r}")
@@ -117,6 +136,27 @@ def pages_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def sample_rooms(room: int, n: int) -> list[int]:
+    """The rooms of ``n`` samples of one request whose first room is ``room``: ``room``
+    itself, then ``n - 1`` rooms derived by hashing ``(room, i)`` into ``[0, 2**63)`` --
+    no arithmetic on ``room``, so nothing overflows 64 bits, and distinct requests' rooms
+    collide no more often than random ones. KvdAdapterError for ``n`` outside
+    ``[1, MAX_SAMPLES]`` or a room outside ``[0, 2**64)``."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
+        raise KvdAdapterError(f"num_samples must be an int in [1, {MAX_SAMPLES}], got {n!r}")
+    if not 0 <= room < 2**64:
+        raise KvdAdapterError(f"room {room} is not a 64-bit unsigned int")
+    out = [room]
+    for i in range(1, n):
+        digest = hashlib.blake2b(room.to_bytes(8, "little") + i.to_bytes(4, "little"),
+                                 digest_size=8, person=b"kvd-sample").digest()
+        derived = int.from_bytes(digest, "little") % ROOM_LIMIT
+        while derived in out:  # astronomically rare; keep the rooms distinct anyway
+            derived = (derived + 1) % ROOM_LIMIT
+        out.append(derived)
+    return out
+
+
 def room_of(params: Mapping[str, Any]) -> int:
     """The request's room: ``bootstrap_room`` if given (a 64-bit unsigned int), else a
     fresh random 63-bit one. KvdAdapterError for a bad value."""
@@ -128,13 +168,24 @@ def room_of(params: Mapping[str, Any]) -> int:
     return room
 
 
-def prefill_reply(room: int, bootstrap_addr: str, block_ids: Iterable[int], engine_id: str,
-                  tp_size: int, num_prompt_tokens: int) -> dict[str, Any]:
-    """Transfer params the prefill engine returns (the proxy forwards them to decode)."""
-    return {"do_remote_prefill": True, "do_remote_decode": False, "bootstrap_room": room,
-            "bootstrap_addr": bootstrap_addr, "remote_block_ids": [int(b) for b in block_ids],
-            "remote_engine_id": engine_id, "prefill_tp_size": tp_size,
+def prefill_reply(rooms: list[int], bootstrap_addr: str, block_ids: Iterable[int],
+                  engine_id: str, tp_size: int, num_prompt_tokens: int,
+                  dp_rank: int = 0) -> dict[str, Any]:
+    """Transfer params the prefill engine returns (the proxy forwards them to decode);
+    ``rooms``: the request's rooms, one per decode sample (:func:`sample_rooms`)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "bootstrap_room": rooms[0],
+            "bootstrap_rooms": list(rooms), "bootstrap_addr": bootstrap_addr,
+            "remote_block_ids": [int(b) for b in block_ids], "remote_engine_id": engine_id,
+            "prefill_tp_size": tp_size, "prefill_dp_rank": dp_rank,
             "num_prompt_tokens": num_prompt_tokens}
+
+
+def num_samples(params: Mapping[str, Any]) -> int:
+    """``num_samples`` of a prefill request's params (default 1); KvdAdapterError if bad."""
+    n = params.get("num_samples", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SAMPLES:
+        raise KvdAdapterError(f"num_samples must be an int in [1, {MAX_SAMPLES}], got {n!r}")
+    return n
 
 
 @dataclass(frozen=True)
@@ -145,14 +196,23 @@ class RemotePrefill:
     bootstrap_addr: str
     prefill_tp_size: int
     num_prompt_tokens: int | None
+    rooms: tuple[int, ...] = ()   # one per sample, ``room`` first (``bootstrap_rooms``)
+    dp_rank: int | None = None    # the prefill's DP rank that holds the KV
 
     @staticmethod
     def parse(params: Mapping[str, Any]) -> RemotePrefill:
         """KvdAdapterError names every missing or bad field."""
         problems = []
         room = params.get("bootstrap_room")
-        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 2**64:
+        if not _is_room(room):
             problems.append(f"bootstrap_room {room!r}")
+        rooms = params.get("bootstrap_rooms", [room])
+        if not isinstance(rooms, list) or not rooms or not all(_is_room(r) for r in rooms) \
+                or rooms[0] != room or len(set(rooms)) != len(rooms):
+            problems.append(f"bootstrap_rooms {rooms!r} (distinct rooms, bootstrap_room first)")
+        dp = params.get("prefill_dp_rank")
+        if dp is not None and (isinstance(dp, bool) or not isinstance(dp, int) or dp < 0):
+            problems.append(f"prefill_dp_rank {dp!r}")
         addr = params.get("bootstrap_addr")
         if not _is_host_port(addr):
             problems.append(f"bootstrap_addr {addr!r}")
@@ -165,7 +225,12 @@ class RemotePrefill:
         if problems:
             raise KvdAdapterError("invalid kv_transfer_params for a remote prefill: "
                                   + ", ".join(problems))
-        return RemotePrefill(int(room), str(addr), int(tp), n)  # type: ignore[arg-type]
+        return RemotePrefill(int(room), str(addr), int(tp), n,  # type: ignore[arg-type]
+                             tuple(int(r) for r in rooms), dp)
+
+
+def _is_room(room: Any) -> bool:
+    return not isinstance(room, bool) and isinstance(room, int) and 0 <= room < 2**64
 
 
 # ---------------------------------------------------------------- KV cache description
@@ -177,7 +242,8 @@ class LayerCache:
     ``addr``: address of block 0 (bytes); ``num_blocks`` blocks, ``block_stride`` bytes
     apart; ``block_bytes``: bytes of one block's content (``prod(shape[1:]) * itemsize``);
     ``dense``: the block's content is one contiguous run starting at its block address.
-    ``layer``: absolute layer index (from the layer name).
+    ``layer``: absolute layer index (from the layer name). ``block_shape``: the shape of
+    one block (``tensor.shape[1:]``), e.g. ``(kv_heads, block_size, 2 * head_dim)`` on CPU.
     """
 
     name: str
@@ -187,6 +253,12 @@ class LayerCache:
     block_stride: int
     block_bytes: int
     dense: bool
+    block_shape: tuple[int, ...] = ()
+
+    def fused_heads(self, num_kv_heads: int, block_size: int, head_dim: int) -> bool:
+        """Is a block ``[kv_heads][block_size][2 * head_dim]`` (a head's K and V per token
+        slot side by side, one contiguous run per head: kvd's fused-KV HND layout)?"""
+        return self.dense and self.block_shape == (num_kv_heads, block_size, 2 * head_dim)
 
 
 def check_layer_compact(layers: list[LayerCache]) -> list[str]:
@@ -208,11 +280,15 @@ def check_layer_compact(layers: list[LayerCache]) -> list[str]:
 
 def register_kv(layers: list[LayerCache], handles: list[MemoryHandle], *, block_size: int,
                 num_kv_heads: int, head_dim: int, dtype_size: int,
-                total_kv_heads: int) -> RegisterKV:
+                total_kv_heads: int, is_mla: bool = False,
+                ranks: EngineRanks | None = None) -> RegisterKV:
     """The kvd registration of ``layers`` (sorted by layer; ``handles[i]`` covers
-    ``layers[i]``'s ``num_blocks * block_stride`` bytes). One buffer per layer with
-    ``item_len = block_stride`` and ``is_mla=True`` (see the module docstring); no aux
+    ``layers[i]``'s ``num_blocks * block_stride`` bytes), one buffer per layer with
+    ``item_len = block_stride``: fused-KV MHA (HND, ``num_kv_heads`` of ``total_kv_heads``
+    heads on this rank; any TP pair) when every block is shaped like vLLM's CPU cache,
+    else whole blocks (``is_mla=True``: equal TP only; see the module docstring). No aux
     buffers (vLLM's decode recomputes the last prompt token, so nothing rides along).
+    ``ranks``: the worker's TP/DP/PP position, sent to kvd.
 
     KvdAdapterError if the layers are not layer-compact or not consecutive layers.
     """
@@ -225,8 +301,12 @@ def register_kv(layers: list[LayerCache], handles: list[MemoryHandle], *, block_
     if problems:
         raise KvdAdapterError("vLLM KV cache layout not supported by kvd: "
                               + "; ".join(problems))
+    fused = not is_mla and all(c.fused_heads(num_kv_heads, block_size, head_dim)
+                               for c in layers)
     return RegisterKV(kv_buffers=list(handles), kv_item_lens=[c.block_stride for c in layers],
                       aux_buffers=[], aux_item_lens=[], page_size=block_size,
-                      num_kv_heads=num_kv_heads, head_dim=head_dim, dtype_size=dtype_size,
-                      num_layers=len(layers), layer_start=indices[0], is_mla=True,
-                      layout="HND", total_kv_heads=total_kv_heads)
+                      num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      dtype_size=dtype_size, num_layers=len(layers), layer_start=indices[0],
+                      is_mla=not fused, layout="HND",
+                      total_kv_heads=total_kv_heads, fused_kv=fused,
+                      ranks=ranks)

@@ -7,7 +7,6 @@ really load kvd, and the router's arguments parse."""
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -271,8 +270,6 @@ def test_every_engine_really_loads_kvd() -> None:
         producer = kt["kv_role"] == "kv_producer"
         ConnectorConfig.from_extra(kt["kv_connector_extra_config"], producer)  # raises if bad
         assert "--disable-hybrid-kv-cache-manager" in cmd.args, cmd.where
-        if not producer:
-            assert "--no-enable-prefix-caching" in cmd.args, cmd.where
         if cmd.pod is not None:  # the pod's kvd sidecars serve the engine's role
             pod_role = {"prefill-pod.yaml": "prefill", "decode-pod.yaml": "decode"}.get(
                 cmd.where.split(":")[0]) or ("prefill" if "prefill" in cmd.where else "decode")
@@ -296,18 +293,17 @@ def test_router_arguments_parse_and_point_at_the_engines(monkeypatch: pytest.Mon
                  if d["metadata"]["name"] == "llm-router"]
     (c,) = deploy["spec"]["template"]["spec"]["containers"]
     argv = [*c["command"], *c["args"]]
-    script = next(a for a in argv if a.endswith("pd_proxy.py"))
-    assert script == "/opt/kvd/examples/pd_proxy.py"
-    dockerfile = (REPO / "deploy" / "container" / "Dockerfile").read_text()
-    assert "COPY examples/pd_proxy.py /opt/kvd/examples/" in dockerfile  # the image has it
-    spec = importlib.util.spec_from_file_location("pd_proxy", REPO / "examples" / "pd_proxy.py")
-    assert spec is not None and spec.loader is not None
-    proxy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(proxy)
+    assert argv[argv.index("kvd") + 1] == "proxy"  # shipped in the kvd package (the image)
+    import uvicorn
+    from typer.testing import CliRunner
+
+    from kvd.cli.main import app
+
     served: dict[str, Any] = {}
-    monkeypatch.setattr(proxy.uvicorn, "run",
+    monkeypatch.setattr(uvicorn, "run",
                         lambda app, host, port, **kw: served.update(host=host, port=port))
-    proxy.main(argv[argv.index(script) + 1:])
+    result = CliRunner().invoke(app, argv[argv.index("kvd") + 1:])
+    assert result.exit_code == 0, result.output
     assert served["host"] == "0.0.0.0"
     router_port = {p["name"]: p["containerPort"] for p in c["ports"]}["http"]
     assert served["port"] == router_port

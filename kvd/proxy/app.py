@@ -1,0 +1,400 @@
+"""The PD proxy: FastAPI app forwarding OpenAI requests as a prefill leg then a decode leg.
+
+For each ``POST /v1/completions`` or ``/v1/chat/completions``:
+
+1. choose a prefill server and a decode server (least outstanding requests, healthy
+   first: :mod:`kvd.proxy.pool`), pick a fresh room;
+2. prefill leg (:func:`kvd.proxy.legs.prefill_body`): one token, no stream, the room;
+3. decode leg (:func:`kvd.proxy.legs.decode_body`): the client's request plus the
+   prefill's transfer params, streamed back if the client asked for a stream.
+
+Failures: a 4xx from an engine is the client's answer, as is. A prefill that cannot be
+reached or answers 5xx is retried on another prefill with a fresh room; a decode that
+cannot be reached (the request never left) is retried on another decode with the same
+room -- the prefill's KV is still waiting for it; a decode that failed after it took the
+request (its engine then aborts the room in kvd) is retried from the prefill with a fresh
+room. ``retries`` bounds the extra attempts; then 502.
+
+Cancellation (K35): a client that disconnects while a leg runs cancels that leg's HTTP
+request, and the engine aborts the request: a prefill aborted mid-prompt hands nothing
+off and frees its blocks; a decode aborted while its KV is in flight aborts the room in
+kvd (the adapter names the prefill's bootstrap address, so the abort reaches the prefill
+even before its room exists, K34). A streamed decode leg is closed when the client goes.
+A client that leaves between the legs (the prefill handed its KV off, no decode has the
+request yet) gets a one-token "release" decode leg in the background, so the room ends
+now instead of at kvd's bootstrap timeout.
+
+Health: every ``health_interval`` s each server's ``GET /health``; ``max_failures``
+failed probes or requests in a row take a server out of the choice until a probe
+succeeds. ``GET /health`` answers 200 while each role has a healthy server.
+
+Metrics (``GET /metrics``, the proxy's own registry): ``kvd_proxy_requests_total
+{outcome}``, ``kvd_proxy_attempts_total{role,outcome}``, ``kvd_proxy_leg_seconds{role}``,
+``kvd_proxy_outstanding{role,server}``, ``kvd_proxy_server_healthy{role,server}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvd.proxy.legs import LegError, decode_body, new_room, prefill_body, transfer_params
+from kvd.proxy.pool import NoServer, Pool, Server
+
+log = logging.getLogger("kvd.proxy")
+
+#: Response headers of an engine that are not forwarded (hop-by-hop or recomputed).
+_DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
+                 "content-encoding", "date", "server"}
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """What the proxy routes to and how hard it tries (times in seconds)."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    retries: int = 2
+    timeout: float = 600.0
+    health_interval: float = 5.0
+    max_failures: int = 2
+
+
+class Retry(Exception):
+    """An attempt failed in a way another attempt may not: ``fresh_room`` says whether
+    the prefill leg must run again (False: the decode never saw the request)."""
+
+    def __init__(self, reason: str, fresh_room: bool = True) -> None:
+        super().__init__(reason)
+        self.fresh_room = fresh_room
+
+
+class Metrics:
+    """The proxy's Prometheus series, in their own registry."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("kvd_proxy_requests", "Client requests by outcome (ok, "
+                                "client_error, failed, cancelled)", ["outcome"], registry=r)
+        self.attempts = Counter("kvd_proxy_attempts", "Legs sent, by role and outcome (ok, "
+                                "client_error, retried, cancelled)", ["role", "outcome"],
+                                registry=r)
+        self.leg_s = Histogram("kvd_proxy_leg_seconds", "Seconds of each leg (decode: until "
+                               "the response started)", ["role"], registry=r,
+                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120))
+        self.outstanding = Gauge("kvd_proxy_outstanding", "Requests in flight per server",
+                                 ["role", "server"], registry=r)
+        self.healthy = Gauge("kvd_proxy_server_healthy", "1 while a server takes requests",
+                             ["role", "server"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class Proxy:
+    """The routing state of one proxy (pools, HTTP client, metrics)."""
+
+    def __init__(self, config: ProxyConfig, client: httpx.AsyncClient | None = None) -> None:
+        self.config = config
+        self.pools = {"prefill": Pool.of("prefill", list(config.prefill), config.max_failures),
+                      "decode": Pool.of("decode", list(config.decode), config.max_failures)}
+        self.client = client or httpx.AsyncClient(timeout=config.timeout, trust_env=False,
+                                                  limits=httpx.Limits(max_connections=None))
+        self.metrics = Metrics()
+        self._releases: set[asyncio.Task[None]] = set()
+        self._gauges()
+
+    def _gauges(self) -> None:
+        for role, pool in self.pools.items():
+            for s in pool.servers:
+                self.metrics.outstanding.labels(role, s.url).set(s.outstanding)
+                self.metrics.healthy.labels(role, s.url).set(int(s.healthy))
+
+    # ---- one client request -----------------------------------------------------------
+
+    async def handle(self, path: str, request: Request) -> Response:
+        """Forward one request; a client that leaves cancels it (499 for the record)."""
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise LegError("the request body must be a JSON object")
+            prefill_body(body, 0)  # validates what the split needs (n)
+        except (ValueError, LegError) as exc:
+            self.metrics.requests.labels("client_error").inc()
+            return _error(400, f"invalid request: {exc}", "invalid_request_error")
+        work = asyncio.ensure_future(self._attempts(path, body))
+        gone = asyncio.ensure_future(_disconnected(request))
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            gone.cancel()
+            return work.result()
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        self.metrics.requests.labels("cancelled").inc()
+        log.info("client left during %s: both legs cancelled", path)
+        return Response(status_code=499)
+
+    async def _attempts(self, path: str, body: dict[str, Any]) -> Response:
+        tried: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+        params: dict[str, Any] | None = None
+        have_params = False
+        last = "no attempt"
+        for _ in range(self.config.retries + 1):
+            try:
+                if not have_params:
+                    answer = await self._prefill(path, body, tried["prefill"])
+                    if isinstance(answer, Response):
+                        self.metrics.requests.labels("client_error").inc()
+                        return answer
+                    params, have_params = answer, True
+                try:
+                    response = await self._decode(path, body, params, tried["decode"])
+                except asyncio.CancelledError:
+                    if params is not None and not tried["decode"]:
+                        self._release(path, body, params)
+                    raise
+                if not isinstance(response, StreamingResponse):  # a stream counts at its end
+                    self.metrics.requests.labels(
+                        "ok" if response.status_code < 400 else "client_error").inc()
+                return response
+            except Retry as exc:
+                last = str(exc)
+                have_params = have_params and not exc.fresh_room
+                log.warning("attempt failed (%s); retrying%s", exc,
+                            "" if have_params else " with a fresh room")
+            except NoServer as exc:
+                last = str(exc)
+                break
+        self.metrics.requests.labels("failed").inc()
+        return _error(502, f"no attempt succeeded: {last}", "proxy_error")
+
+    def _release(self, path: str, body: dict[str, Any], params: dict[str, Any]) -> None:
+        """The client left after the prefill handed its KV off but before any decode got
+        the request: nothing would ever claim the room, and the prefill would hold its
+        blocks until kvd's bootstrap timeout. A one-token decode leg in the background
+        takes the KV and lets both sides free it."""
+        leg = {k: v for k, v in decode_body(body, params).items() if k not in ("stream",
+                                                                              "stream_options")}
+        leg.update(max_tokens=1, min_tokens=0)  # n stays: each sample claims its room
+        leg.pop("max_completion_tokens", None)
+        server = self.pools["decode"].choose()
+
+        async def release() -> None:
+            with contextlib.suppress(httpx.HTTPError):
+                await self.client.post(f"{server.url}{path}", json=leg)
+
+        task = asyncio.create_task(release(), name="proxy-release")
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+        self.metrics.attempts.labels("decode", "release").inc()
+
+    async def _prefill(self, path: str, body: dict[str, Any],
+                       tried: set[str]) -> dict[str, Any] | Response | None:
+        """The prefill leg: its transfer params (None: it handed nothing off), or the
+        engine's 4xx answer for the client. Raises Retry."""
+        server = self.pools["prefill"].choose(tried)
+        tried.add(server.url)
+        leg = prefill_body(body, new_room())
+        r = await self._leg("prefill", server, lambda: self.client.post(
+            f"{server.url}{path}", json=leg))
+        if r.status_code >= 400:
+            return _forward(r, r.content)
+        try:
+            return transfer_params(r.json())
+        except ValueError as exc:
+            raise Retry(f"prefill {server.url} answered no JSON: {exc}") from exc
+
+    async def _decode(self, path: str, body: dict[str, Any], params: dict[str, Any] | None,
+                      tried: set[str]) -> Response:
+        server = self.pools["decode"].choose(tried)
+        leg = decode_body(body, params)
+        tried.add(server.url)
+        req = self.client.build_request("POST", f"{server.url}{path}", json=leg)
+        r = await self._leg("decode", server, lambda: self.client.send(req, stream=True),
+                            keep=True)
+        if not body.get("stream"):
+            try:
+                content = await r.aread()
+            finally:
+                await self._done(server, r)
+            return _forward(r, content)
+        return StreamingResponse(self._relay(server, r), status_code=r.status_code,
+                                 headers=_headers(r), media_type=r.headers.get("content-type"))
+
+    async def _leg(self, role: str, server: Server,
+                   send: Callable[[], Awaitable[httpx.Response]],
+                   keep: bool = False) -> httpx.Response:
+        """Send one leg to ``server``, counting it as outstanding there (``keep``: until
+        :meth:`_done`, for a streamed body). Raises Retry for transport errors and 5xx."""
+        pool, started = self.pools[role], time.perf_counter()
+        self._busy(role, server, +1)
+        try:
+            r = await send()
+        except asyncio.CancelledError:
+            self._busy(role, server, -1)
+            self.metrics.attempts.labels(role, "cancelled").inc()
+            raise
+        except httpx.HTTPError as exc:
+            self._busy(role, server, -1)
+            pool.failed(server)
+            self._gauges()
+            self.metrics.attempts.labels(role, "retried").inc()
+            never_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+            raise Retry(f"{role} {server.url} unreachable: {type(exc).__name__}",
+                        fresh_room=role == "prefill" or not never_sent) from exc
+        self.metrics.leg_s.labels(role).observe(time.perf_counter() - started)
+        if r.status_code >= 500:
+            with contextlib.suppress(httpx.HTTPError):
+                await r.aread()
+            await self._done(server, r, role)
+            pool.failed(server)
+            self._gauges()
+            self.metrics.attempts.labels(role, "retried").inc()
+            raise Retry(f"{role} {server.url} answered {r.status_code}")
+        pool.ok(server)
+        server.served += 1
+        self.metrics.attempts.labels(role, "ok" if r.status_code < 400 else
+                                     "client_error").inc()
+        if not keep:
+            self._busy(role, server, -1)
+        return r
+
+    async def _relay(self, server: Server, r: httpx.Response) -> AsyncIterator[bytes]:
+        """The decode's stream, chunk by chunk; closing it (the client left) closes the
+        decode request, and the decode engine aborts it."""
+        outcome = "cancelled"
+        try:
+            async for chunk in r.aiter_raw():
+                yield chunk
+            outcome = "ok" if r.status_code < 400 else "client_error"
+        finally:
+            self.metrics.requests.labels(outcome).inc()
+            await self._done(server, r)
+
+    async def _done(self, server: Server, r: httpx.Response, role: str = "decode") -> None:
+        await r.aclose()
+        self._busy(role, server, -1)
+
+    def _busy(self, role: str, server: Server, delta: int) -> None:
+        server.outstanding += delta
+        self.metrics.outstanding.labels(role, server.url).set(server.outstanding)
+
+    # ---- health -------------------------------------------------------------------------
+
+    async def probe_all(self) -> None:
+        """One health probe of every server (concurrently)."""
+        await asyncio.gather(*(self._probe(pool, s) for pool in self.pools.values()
+                               for s in pool.servers))
+        self._gauges()
+
+    async def _probe(self, pool: Pool, server: Server) -> None:
+        try:
+            r = await self.client.get(f"{server.url}/health",
+                                      timeout=max(self.config.health_interval, 1.0))
+            ok = r.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if ok:
+            pool.ok(server)
+        else:
+            pool.failed(server)
+
+    async def health_loop(self) -> None:
+        while True:
+            try:
+                await self.probe_all()
+            except Exception:  # a bug in one round must not stop the next
+                log.exception("health probe round failed")
+            await asyncio.sleep(self.config.health_interval)
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """``GET /health``: 200 while each role has a healthy server."""
+        view = {role: [{"url": s.url, "healthy": s.healthy, "outstanding": s.outstanding,
+                        "failures": s.failures, "served": s.served} for s in pool.servers]
+                for role, pool in self.pools.items()}
+        up = all(any(s.healthy for s in pool.servers) for pool in self.pools.values())
+        return (200 if up else 503), {"status": "ok" if up else "degraded", **view}
+
+
+def make_app(config: ProxyConfig, client: httpx.AsyncClient | None = None) -> FastAPI:
+    """The proxy app; ``client`` reaches the engines (tests pass one over a mock
+    transport). Health probes run while the app's lifespan runs (``health_interval`` > 0)."""
+    proxy = Proxy(config, client)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        task = (asyncio.create_task(proxy.health_loop(), name="proxy-health")
+                if config.health_interval > 0 else None)
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await proxy.client.aclose()
+
+    app = FastAPI(title="kvd PD proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.proxy = proxy
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy.handle("/v1/chat/completions", request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.handle("/v1/completions", request)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        code, body = proxy.health()
+        return JSONResponse(body, code)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        server = proxy.pools["decode"].choose()
+        try:
+            r = await proxy.client.get(f"{server.url}/v1/models")
+        except httpx.HTTPError as exc:
+            return _error(502, f"decode {server.url} unreachable: {type(exc).__name__}",
+                          "proxy_error")
+        return _forward(r, r.content)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(proxy.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client disconnects (the body was read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _headers(r: httpx.Response) -> dict[str, str]:
+    return {k: v for k, v in r.headers.items() if k.lower() not in _DROP_HEADERS}
+
+
+def _forward(r: httpx.Response, content: bytes) -> Response:
+    return Response(content, r.status_code, headers=_headers(r))
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status)
