@@ -620,7 +620,12 @@ class RoomsWorld(RuleBasedStateMachine):
                 if not flag:
                     self._send_failed(m)
             case "duplicate" if self.net:
-                self.net.append(replace(self.net[i % len(self.net)]))
+                # A copy exists only of a message that was sent: neither copy can come back
+                # as a failed send any more (losing one is silent), K32's rule is for sends
+                # that never left.
+                k = i % len(self.net)
+                self.net[k] = replace(self.net[k], sender=None, room=None)
+                self.net.append(replace(self.net[k]))
         self._settle()
 
     @rule(i=INDEX, kind=st.sampled_from(["d_abort", "d_clear", "p_abort", "p_clear", "none",
