@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -37,24 +36,7 @@ sys.path.insert(0, str(REPO))
 from kvd.adapters.hfmodel import ensure_hf_model  # noqa: E402
 from kvd.adapters.vllm import launch  # noqa: E402
 from kvd.launch import start_daemon  # noqa: E402
-from tests.adapters.vllm_env import free_port  # noqa: E402
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of ``pid`` and its descendants, now."""
-    total, todo = 0.0, [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / TICK
-            for task in Path(f"/proc/{p}/task").iterdir():  # children of every thread
-                todo += [int(k) for k in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return total
+from tests.adapters.vllm_env import free_port, tree_cpu_s  # noqa: E402
 
 
 def cores_used(pid: int, seconds: float) -> float:

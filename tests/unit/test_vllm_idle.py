@@ -68,7 +68,7 @@ def sleeper(end_after: float | None) -> tuple[IdleSleeper, FakeKvd]:
     return s, fake
 
 
-def test_the_engine_queue_is_found_from_the_calling_frames() -> None:
+def test_k36_the_engine_queue_is_found_from_the_calling_frames() -> None:
     engine = Engine()
 
     class Scheduler:
@@ -82,14 +82,14 @@ def test_the_engine_queue_is_found_from_the_calling_frames() -> None:
     assert find_input_queue() is None  # no engine above this test
 
 
-def test_sleeps_until_a_room_ends() -> None:
+def test_k36_sleeps_until_a_room_ends() -> None:
     s, fake = sleeper(end_after=0.2)
     Engine().step(s, [5, 6])
     assert fake.calls == 1 and s.sleeps == 1 and not fake.interrupted.is_set()
     assert s.slept_s < s.max_sleep
 
 
-def test_new_input_ends_the_sleep_and_the_wait_in_kvd() -> None:
+def test_k36_new_input_ends_the_sleep_and_the_wait_in_kvd() -> None:
     s, fake = sleeper(end_after=None)  # the room never ends
     engine = Engine()
     timer = threading.Timer(0.1, engine.input_queue.put, args=(("add", None),))
@@ -100,14 +100,14 @@ def test_new_input_ends_the_sleep_and_the_wait_in_kvd() -> None:
     assert s.slept_s < s.max_sleep
 
 
-def test_without_an_engine_queue_or_rooms_it_does_not_sleep() -> None:
+def test_k36_without_an_engine_queue_or_rooms_it_does_not_sleep() -> None:
     s, fake = sleeper(end_after=None)
     s.sleep([5])  # not called from an engine: nothing to wake it, so no sleep
     Engine().step(s, [])
     assert fake.calls == 0
 
 
-def test_a_request_waiting_for_something_else_is_never_delayed() -> None:
+def test_k36_a_request_waiting_for_something_else_is_never_delayed() -> None:
     """Two unfinished requests, one of them waiting for its KV: the other may be waiting
     for a grammar or streamed input, which wakes nobody -- no sleep."""
     s, fake = sleeper(end_after=None)
