@@ -180,6 +180,22 @@ def peer_row(daemon: DaemonProcess, endpoint: str) -> dict[str, Any] | None:
     return next((p for p in status(daemon)["peers"] if p["endpoint"] == endpoint), None)
 
 
+def transfer_ports() -> str:
+    """Two consecutive free ports below the ephemeral range, for ``transfer_port_range``
+    (the decode's transfer address is then known before it starts)."""
+    rng = np.random.default_rng()
+    for _ in range(200):
+        first = int(rng.integers(20000, 32000))
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", first))
+                b.bind(("127.0.0.1", first + 1))
+        except OSError:
+            continue
+        return f"{first}-{first + 1}"
+    raise AssertionError("no two free consecutive ports in 20000-32000")
+
+
 def snapshot(e: EngineStandIn) -> list[np.ndarray]:
     return [b.copy() for b in e.kv]
 
@@ -292,10 +308,11 @@ def test_s06_prefill_ranks_register_again_after_the_bootstrap_server_restarts(
 def test_s08_decode_churn_never_fills_max_peers(tmp_path: Path,
                                                 stack: contextlib.ExitStack) -> None:
     """P accepts 2 decode peers (``max_peers``) and forgets idle ones after 3 s
-    (``peer_ttl``). Two decodes each finish a room and stop (P is full: a third
-    registration is refused); once they are forgotten, two new decodes register and their
-    rooms succeed byte-exact; P's status lists only live peers, and their sockets are
-    closed."""
+    (``peer_ttl``). Two decodes each finish a room and stop (P is full: a third and a
+    fourth registration are refused, and leave nothing behind, not even their claims on
+    transfer addresses); once they are forgotten, two new decodes (one with a refused
+    claim's transfer address) register and their rooms succeed byte-exact; P's status
+    lists only live peers, and the forgotten peers' sockets are closed."""
     p = daemon(stack, "prefill", tmp_path, serve_bootstrap=True, max_peers=2, peer_ttl=3.0)
     pe = engine(stack, p, seed=1)
     first = [daemon(stack, "decode", tmp_path) for _ in range(2)]
@@ -307,27 +324,33 @@ def test_s08_decode_churn_never_fills_max_peers(tmp_path: Path,
             assert de.pages_equal(pe, [1 + i], [2 + i])
         finally:
             de.close()
-    # P is full now: a third registration is refused, so forgetting is what lets the
+    # P is full now: more registrations are refused, so forgetting is what lets the
     # decodes below in (the stopped ones never say goodbye)
     assert tables(p)["peers"] == 2
-    forge(p, register("tcp://127.0.0.1:9", "s08-third", "127.0.0.1:9"))
-    until(lambda: dropped(p, "max_peers") == 1, "the third registration refused at max_peers")
+    ports = transfer_ports()  # a later decode's transfer address is one of these two
+    forge(p, *(register(f"tcp://127.0.0.1:{9 + i}", f"s08-extra-{i}", f"127.0.0.1:{port}")
+               for i, port in enumerate(map(int, ports.split("-")))))
+    until(lambda: dropped(p, "max_peers") == 2, "two more registrations refused at max_peers")
     for d in first:
         d.stop()
     gone = [d.ready["control_endpoint"] for d in first]
     until(lambda: tables(p)["peers"] == 0, "the stopped decodes forgotten after peer_ttl")
     assert not {row["endpoint"] for row in status(p)["peers"]} & set(gone)
     assert tables(p)["control_sockets"] == 0  # no socket kept for a forgotten peer
-    live = [daemon(stack, "decode", tmp_path) for _ in range(2)]
+    # the refused registrations left nothing behind: a decode with one of their transfer
+    # addresses (from another endpoint) is accepted
+    live = [daemon(stack, "decode", tmp_path, transfer_port_range=ports),
+            daemon(stack, "decode", tmp_path)]
     engines = [engine(stack, d, seed=20 + i) for i, d in enumerate(live)]
     for i, de in enumerate(engines):
         transfer_room(pe, de, p.http_addr, 810 + i, [30 + i], [40 + i], chunk=1)
     for i, de in enumerate(engines):
-        assert wait_rooms(de.client, [810 + i], timeout=BOUND) == [KVPoll.Success]
+        assert wait_rooms(de.client, [810 + i], timeout=BOUND) == [KVPoll.Success], \
+            Receiver.attach(de.client, 810 + i).failure()
         assert de.pages_equal(pe, [30 + i], [40 + i])
     rows = {row["endpoint"]: row["state"] for row in status(p)["peers"]}
     assert rows == {d.ready["control_endpoint"]: "registered" for d in live}
-    assert dropped(p, "max_peers") == 1  # the new decodes were never refused
+    assert dropped(p, "max_peers") == 2  # the new decodes were never refused
 
 
 # ---- S11: rooms are bound to their parties --------------------------------------------------
