@@ -108,6 +108,8 @@ class PrefillSide(Side):
             case control.RegisterRank():
                 self._registrations[msg.endpoint] = msg
                 self.run(self._register(msg, now))
+                if msg.endpoint not in self.rooms.peers:  # refused outright (max_peers):
+                    self.forget_peer(msg.endpoint)  # keep nothing, not its session claim
             case control.RoomPages():
                 self.run(self.rooms.on_pages(msg, now))
             case control.RoomAbort():

@@ -565,6 +565,15 @@ class SenderRooms:
                 FailureKind.DUPLICATE, f"room {r.room}: duplicate room (already bound to "
                 f"{r.peers}; refused {msg.endpoint})", ORIGIN), now))
             return
+        if r.dests and msg.required_dst_info_num != r.required:
+            # The parties disagree on how many they are (S11): taking the later count would
+            # let whoever bound first with a larger one stay on as an extra destination.
+            conflict = RoomFailure(FailureKind.DUPLICATE, f"room {r.room}: destinations "
+                                   f"disagree: {r.peers} said {r.required} decode ranks, "
+                                   f"{msg.endpoint} says {msg.required_dst_info_num}", ORIGIN)
+            out.append(self._answer(peer, msg, conflict, now))
+            self._fail(r, conflict, now, out)
+            return
         write_deadline = (now if arrived is None else arrived) + msg.write_within
         problem = self._check_dest(peer, msg, pages, write_deadline > now)
         if problem is not None:

@@ -140,6 +140,24 @@ def test_two_destinations_required_tp_1_to_2() -> None:
     assert {(d.endpoint, tuple(d.dst_pages)) for d in w.dests} == {(D0, (0, 1)), (D1, (8, 9))}
 
 
+def test_s11_destinations_disagreeing_on_their_number_fail_the_room_unwritten() -> None:
+    """A peer binds first saying two decode ranks, the real one then says one: the later
+    count must not let the first stay on as an extra destination; the room fails on both,
+    before any write."""
+    s = sender()
+    registered(s, endpoint=D0)
+    registered(s, endpoint=D1, instance="d1-a")
+    s.create(R, 0.0)
+    assert s.on_pages(room_pages(R, 9, endpoint=D1, instance="d1-a", required=2), 0.0) == []
+    out = s.on_pages(room_pages(R, 1, required=1), 0.5)
+    assert not of(out, Write)
+    reps = {(r.to, r.status) for r in of(out, Report)}
+    assert reps == {(D0, KVPoll.Failed), (D1, KVPoll.Failed)}
+    assert status(s) == KVPoll.Failed
+    assert s.rooms[R].failure.kind == FailureKind.DUPLICATE
+    assert s.send(R, pages(10), True, 1.0) == []
+
+
 def test_destination_beyond_required_dst_info_num_refused() -> None:
     s = bound()
     registered(s, endpoint=D1, instance="d1-a")
