@@ -90,8 +90,10 @@ class Settings(BaseSettings):
     for sizes. Port 0 means "pick a free port" (the chosen one is reported).
     """
 
+    # allow_inf_nan=False: every float setting is a duration or a bound, and a room must
+    # end by its deadline -- ``inf`` (or a literal that overflows to it) is refused
     model_config = SettingsConfigDict(extra="forbid", populate_by_name=True,
-                                      env_prefix=ENV_PREFIX)
+                                      env_prefix=ENV_PREFIX, allow_inf_nan=False)
 
     role: Literal["prefill", "decode"] = _setting(
         help="which side of PD disaggregation this kvd serves (required)")
@@ -282,6 +284,15 @@ class Settings(BaseSettings):
             ipaddress.IPv4Address(v)  # Mooncake's handshake listener is IPv4
         return v
 
+    @field_validator("engine_socket", mode="before")
+    @classmethod
+    def _socket_path_names_a_file(cls, v: Any) -> Any:
+        if isinstance(v, str | Path) and (str(v).endswith("/") or
+                                           Path(v).name in ("", ".", "..")):
+            raise ValueError(f"{str(v)!r} names no socket file: give a path such as "
+                             f"/run/kvd/<rank>.sock")
+        return v
+
     @field_validator("engine_socket")
     @classmethod
     def _socket_path_fits(cls, v: Path) -> Path:
@@ -311,6 +322,20 @@ class Settings(BaseSettings):
         if self.transfer_host is None and ":" in self.host and self.host.strip("[]") != "::1":
             problems.append(f"host {self.host} is IPv6: set transfer_host to an IPv4 address "
                             f"(Mooncake's P2P handshake is IPv4-only)")
+        if self.host.strip("[]") in ("0.0.0.0", "::", ""):
+            problems.append(f"host {self.host!r} is not an address peers can reach: set it to "
+                            f"this machine's address (http_host and transfer_bind_host bind)")
+        elif self.transfer_backend != "local" and ":" not in self.host:
+            transfer = effective_bind_host(self)
+            try:
+                ipaddress.IPv4Address(transfer)
+            except ValueError:
+                which = "transfer_bind_host" if self.transfer_bind_host else (
+                    "transfer_host" if self.transfer_host else "host")
+                problems.append(f"{which} {transfer!r} is not an IPv4 address, which the "
+                                f"transfer engine needs (Mooncake's P2P handshake is "
+                                f"IPv4-only): set transfer_host to this machine's IPv4 "
+                                f"address")
         if self.cluster_secret is not None and self.cluster_secret.get_secret_value() and \
                 self.cluster_secret_file is not None:
             problems.append("set cluster_secret or cluster_secret_file, not both")
