@@ -73,3 +73,24 @@ def test_example_configs_have_fixed_http_ports() -> None:
         assert s.http_port != 0, name
     assert load_settings(REPO / "config" / "prefill.toml").http_port != \
         load_settings(REPO / "config" / "decode.toml").http_port  # one host in the examples
+
+
+def test_docs_cases_lists_every_k_case_and_where_its_tests_are() -> None:
+    """docs/cases.md is the in-repo index of the K cases (test names carry only the id):
+    each ``test_kNN_`` id in tests/ has a row naming every file that holds such a test,
+    and no document in docs/ points outside the repository."""
+    cases = (REPO / "docs" / "cases.md").read_text()
+    found: dict[str, set[str]] = {}
+    for path in (REPO / "tests").rglob("test_*.py"):
+        for k in set(re.findall(r"def test_k(\d\d)_", path.read_text())):
+            found.setdefault(k, set()).add(str(path.relative_to(REPO / "tests")))
+    assert found
+    for k, files in sorted(found.items()):
+        row = next((line for line in cases.splitlines() if line.startswith(f"| K{k} |")), "")
+        assert row, f"K{k} has tests but no row in docs/cases.md"
+        for f in files:
+            assert f"`{f}`" in row, f"K{k}: docs/cases.md does not name {f}"
+    for doc in (REPO / "docs").glob("*.md"):
+        text = doc.read_text()
+        assert "../shared" not in text and "shared/cases" not in text, doc
+        assert not re.search(r"(?<![\w.])/(work|home|root)/", text), doc
