@@ -26,13 +26,15 @@ import tomllib
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
     AliasChoices,
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -284,6 +286,18 @@ class Settings(BaseSettings):
             ipaddress.IPv4Address(v)  # Mooncake's handshake listener is IPv4
         return v
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """A TOML ``true`` in a number setting (``waiting_timeout = true``) would pass
+        as 1 (pydantic's lax mode): refuse it instead of running with a 1 s timeout."""
+        if isinstance(v, bool) and info.field_name is not None:
+            ann = cls.model_fields[info.field_name].annotation
+            types = set(get_args(ann)) if get_origin(ann) in (Union, UnionType) else {ann}
+            if bool not in types and types & {int, float}:
+                raise ValueError("expected a number, not true/false")
+        return v
+
     @field_validator("engine_socket", mode="before")
     @classmethod
     def _socket_path_names_a_file(cls, v: Any) -> Any:
@@ -448,6 +462,9 @@ def _read_file(path: Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib lets this one through
+        raise ConfigError(f"cannot read config file {path}: not UTF-8 text ({exc.reason} "
+                          f"at byte {exc.start})") from exc
 
 
 def _describe(exc: ValidationError, sources: dict[str, Source]) -> str:

@@ -347,3 +347,21 @@ def test_a_host_name_is_fine_with_an_ipv4_transfer_host() -> None:
     s = load_settings(role="decode", host="kvd-0.example.internal", transfer_host="10.0.0.2")
     assert s.host == "kvd-0.example.internal"
     assert load_settings(role="decode", host="kvd-0", transfer_backend="local").host == "kvd-0"
+
+
+def test_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    """A binary or Latin-1 file used to escape as a UnicodeDecodeError traceback (exit 1)."""
+    path = tmp_path / "kvd.toml"
+    path.write_bytes(b'role = "decode"\n# caf\xe9\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_settings(path)
+
+
+@pytest.mark.parametrize("line", ["waiting_timeout = true", "http_port = false",
+                                  "heartbeat_max_failures = true", "attn_tp_size = true"])
+def test_a_boolean_in_a_number_setting_is_refused(tmp_path: Path, line: str) -> None:
+    """``waiting_timeout = true`` used to load as a 1-second timeout."""
+    with pytest.raises(ConfigError, match="not true/false"):
+        load_settings(write_toml(tmp_path, f'role = "decode"\n{line}\n'))
+    s = load_settings(write_toml(tmp_path, 'role = "decode"\ninsecure = true\n'))
+    assert s.insecure is True
