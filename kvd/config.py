@@ -26,13 +26,15 @@ import tomllib
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 from pydantic import (
     AliasChoices,
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -90,8 +92,10 @@ class Settings(BaseSettings):
     for sizes. Port 0 means "pick a free port" (the chosen one is reported).
     """
 
+    # allow_inf_nan=False: every float setting is a duration or a bound, and a room must
+    # end by its deadline -- ``inf`` (or a literal that overflows to it) is refused
     model_config = SettingsConfigDict(extra="forbid", populate_by_name=True,
-                                      env_prefix=ENV_PREFIX)
+                                      env_prefix=ENV_PREFIX, allow_inf_nan=False)
 
     role: Literal["prefill", "decode"] = _setting(
         help="which side of PD disaggregation this kvd serves (required)")
@@ -282,6 +286,27 @@ class Settings(BaseSettings):
             ipaddress.IPv4Address(v)  # Mooncake's handshake listener is IPv4
         return v
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        """A TOML ``true`` in a number setting (``waiting_timeout = true``) would pass
+        as 1 (pydantic's lax mode): refuse it instead of running with a 1 s timeout."""
+        if isinstance(v, bool) and info.field_name is not None:
+            ann = cls.model_fields[info.field_name].annotation
+            types = set(get_args(ann)) if get_origin(ann) in (Union, UnionType) else {ann}
+            if bool not in types and types & {int, float}:
+                raise ValueError("expected a number, not true/false")
+        return v
+
+    @field_validator("engine_socket", mode="before")
+    @classmethod
+    def _socket_path_names_a_file(cls, v: Any) -> Any:
+        if isinstance(v, str | Path) and (str(v).endswith("/") or
+                                           Path(v).name in ("", ".", "..")):
+            raise ValueError(f"{str(v)!r} names no socket file: give a path such as "
+                             f"/run/kvd/<rank>.sock")
+        return v
+
     @field_validator("engine_socket")
     @classmethod
     def _socket_path_fits(cls, v: Path) -> Path:
@@ -311,6 +336,20 @@ class Settings(BaseSettings):
         if self.transfer_host is None and ":" in self.host and self.host.strip("[]") != "::1":
             problems.append(f"host {self.host} is IPv6: set transfer_host to an IPv4 address "
                             f"(Mooncake's P2P handshake is IPv4-only)")
+        if self.host.strip("[]") in ("0.0.0.0", "::", ""):
+            problems.append(f"host {self.host!r} is not an address peers can reach: set it to "
+                            f"this machine's address (http_host and transfer_bind_host bind)")
+        elif self.transfer_backend != "local" and ":" not in self.host:
+            transfer = effective_bind_host(self)
+            try:
+                ipaddress.IPv4Address(transfer)
+            except ValueError:
+                which = "transfer_bind_host" if self.transfer_bind_host else (
+                    "transfer_host" if self.transfer_host else "host")
+                problems.append(f"{which} {transfer!r} is not an IPv4 address, which the "
+                                f"transfer engine needs (Mooncake's P2P handshake is "
+                                f"IPv4-only): set transfer_host to this machine's IPv4 "
+                                f"address")
         if self.cluster_secret is not None and self.cluster_secret.get_secret_value() and \
                 self.cluster_secret_file is not None:
             problems.append("set cluster_secret or cluster_secret_file, not both")
@@ -423,6 +462,9 @@ def _read_file(path: Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; tomllib lets this one through
+        raise ConfigError(f"cannot read config file {path}: not UTF-8 text ({exc.reason} "
+                          f"at byte {exc.start})") from exc
 
 
 def _describe(exc: ValidationError, sources: dict[str, Source]) -> str:

@@ -172,6 +172,8 @@ class DecodeSide(Side):
 
     def abort(self, room: int, reason: str, bootstrap_addr: str | None = None,
               dp_rank: int | None = None) -> None:
+        if bootstrap_addr is not None:  # refused as ReceiverCreate refuses it, not dropped
+            parse_hostport(bootstrap_addr)  # later by the task that tells the prefill ranks
         self.run(self.rooms.abort(room, reason, self.core.clock(), bootstrap_addr, dp_rank))
 
     def clear(self, room: int) -> None:

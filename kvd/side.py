@@ -15,13 +15,14 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvd.core import Core
-from kvd.errors import RoomError
+from kvd.errors import ProtocolError, RoomError
 from kvd.logs import fields
 from kvd.protocol import control, rpc
 from kvd.rooms.effects import Effect, Ended, ForgetPeer, Wake
@@ -117,6 +118,9 @@ class Side(abc.ABC):
                    any_done: bool = False) -> rpc.PollResult:
         """Until every room ended (``any_done``: one room) -- and its pages are
         releasable -- or ``seconds`` passed (capped at :data:`MAX_WAIT_S`)."""
+        if math.isnan(seconds):  # min/max would pass NaN through to the loop's timer
+            raise ProtocolError("wait timeout is NaN: give seconds (capped at "
+                                f"{MAX_WAIT_S:g})")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + min(max(seconds, 0.0), MAX_WAIT_S)
         while True:

@@ -208,8 +208,10 @@ def secret(
                     f"of the cluster then needs the new secret)", 2) from None
     except OSError as exc:
         raise _fail(f"cannot write {path}: {exc.strerror or exc}", 2) from None
+    # the absolute path: a daemon started elsewhere (systemd: cwd /) reads a relative one
+    # from its own working directory
     typer.echo(f"wrote a new cluster secret to {path} (mode 0600); set "
-               f"cluster_secret_file = \"{path}\" in every kvd's settings", err=True)
+               f"cluster_secret_file = \"{path.resolve()}\" in every kvd's settings", err=True)
 
 
 @app.command()

@@ -133,7 +133,7 @@ def run_demo(n_prompts: int = 8, max_new_tokens: int = 16, page_size: int = 16,
     rank); the model has 3 KV heads and 30 layers. The prompts are split between
     ``backends`` in order (consecutive groups).
     """
-    console = console or Console()
+    console = console or demo_console()
     work = Path(tempfile.mkdtemp(prefix="kvd-demo-"))
     daemons: list[DaemonProcess] = []
     engines: list[EngineProcess] = []
@@ -220,6 +220,13 @@ def _row(prompt: str, tokens: list[int], p: dict[str, Any], d: dict[str, Any],
             "chunks": p.get("chunks", 0), "aux_ok": d.get("aux_room_ok", False),
             "equal": got is not None and got == want and d.get("aux_room_ok", False),
             "completion": got, "problem": problem}
+
+
+def demo_console() -> Console:
+    """Where the demo prints: a terminal's width, else 160 columns (as the CLI's views):
+    rich's 80-column default for a pipe or a CI log cut the table's numbers
+    ("2,211,8…", "transf…")."""
+    return Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _print_table(console: Console, rows: list[dict[str, Any]], page_size: int,

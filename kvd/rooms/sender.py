@@ -267,12 +267,16 @@ class SenderRooms:
         """``sender.send``: queue one chunk of source pages (int64).
 
         A chunk for a room that already ended is dropped (the engine learns the outcome
-        from ``poll``: aborts race with sends). A page outside the local pool fails the
+        from ``poll``: aborts race with sends); a chunk after the room's last one raises
+        RoomError (it used to be dropped silently). A page outside the local pool fails the
         room and raises RoomError (the reports to its decode ranks leave with the next
         :meth:`tick`)."""
         r = self._room(room)
         if r.done:
             return []
+        if r.last_sent or any(last for _, last in r.chunks):
+            raise RoomError(f"room {room}: a chunk after the last one (is_last) was refused: "
+                            f"its {pages.size} pages are not written")
         out: list[Effect] = []
         try:
             check_page_range(pages, self.num_pages, f"room {room} source")

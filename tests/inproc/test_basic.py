@@ -48,3 +48,30 @@ async def test_peers_carry_their_liveness(cluster: Cluster) -> None:
     (dp,) = [x for x in d.side.snapshot().peers if x.endpoint == p.endpoint]
     assert dp.heartbeat == "missed 1" and "heartbeat" in dp.last_error
     assert dp.last_error_time is not None
+
+
+async def test_wait_with_a_non_finite_timeout_is_a_clear_error(cluster: Cluster) -> None:
+    """``Wait(timeout=nan)`` used to escape as an InternalError ("cannot convert float NaN
+    to integer"); infinite timeouts are capped like any long one."""
+    import asyncio
+    import math
+
+    import pytest
+
+    from kvd.errors import ProtocolError
+    from kvd.protocol import rpc
+
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1)
+    await pe.sender(5, [10], send=False)
+    with pytest.raises(ProtocolError, match="NaN"):
+        await pe.call(rpc.Wait(rooms=[5], timeout=math.nan))
+    for t in (-math.inf, -1.0):
+        res = await pe.call(rpc.Wait(rooms=[5], timeout=t))
+        assert res.statuses == [1]
+    waiting = asyncio.ensure_future(pe.call(rpc.Wait(rooms=[5], timeout=math.inf)))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    await pe.call(rpc.Abort(room=5))
+    res = await asyncio.wait_for(waiting, 5)
+    assert res.statuses == [0]

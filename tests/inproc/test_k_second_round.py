@@ -385,6 +385,25 @@ async def test_k34_an_abort_from_a_restarted_decode_still_reaches_the_prefill(
     assert await pe.status(180) == FAILED
 
 
+@pytest.mark.parametrize("addr", ["zzz", "127.0.0.1:99999", "[::1"])
+async def test_k34_an_abort_naming_a_malformed_bootstrap_is_refused_not_dropped(
+        cluster: Cluster, addr: str) -> None:
+    """An engine's abort for a room this kvd does not know is delivered through the
+    bootstrap it names; a malformed one was answered ok and the abort silently never left
+    (the prefill room waited for its own deadline). It is refused as ReceiverCreate
+    refuses that address, and the same abort with a good address still reaches the
+    prefill."""
+    from kvd.errors import ConfigError
+
+    p, _d, pe, de = await pair(cluster)
+    with pytest.raises(ConfigError, match="bad address"):
+        await de.call(rpc.Abort(room=181, reason="cancelled", bootstrap_addr=addr))
+    await de.call(rpc.Abort(room=181, reason="cancelled", bootstrap_addr=p.http_addr))
+    await settle(cluster)
+    await pe.sender(181, [1], send=False)
+    assert await pe.status(181) == FAILED
+
+
 async def test_k21_a_prefill_restart_before_any_heartbeat_fails_rooms_from_the_stale_cache(
         cluster: Cluster) -> None:
     """The kind behind "restart between heartbeats": a decode caches a prefill's lookups,

@@ -310,3 +310,58 @@ def test_s15_short_and_unreadable_secrets_are_named_without_the_value(tmp_path: 
     missing = load_settings(role="decode", cluster_secret_file=str(tmp_path / "nope"))
     with pytest.raises(ConfigError, match="cannot read cluster_secret_file"):
         read_secret(missing)
+
+
+# ---- values that passed validation and then broke or hung the daemon ---------------------
+
+
+@pytest.mark.parametrize("text", ["inf", "+inf", "nan", "1e400"])
+@pytest.mark.parametrize("field", ["bootstrap_timeout", "waiting_timeout", "release_timeout"])
+def test_non_finite_durations_are_refused(tmp_path: Path, field: str, text: str) -> None:
+    """A room must end by its deadline: an infinite timeout (TOML ``inf``, or a number that
+    overflows to it) is a configuration error, not a room that never times out."""
+    with pytest.raises(ConfigError, match=field):
+        load_settings(role="decode", **{field: text})
+    path = write_toml(tmp_path, f'role = "decode"\n{field} = {text}\n')
+    with pytest.raises(ConfigError, match=field):
+        load_settings(path)
+
+
+@pytest.mark.parametrize("path", ["", ".", "/", "/run/kvd/", "/tmp/.."])
+def test_engine_socket_without_a_file_name_is_a_config_error(path: str) -> None:
+    """``--engine-socket ''`` (or a folder) used to crash kvd serve with a traceback."""
+    with pytest.raises(ConfigError, match="engine_socket"):
+        load_settings(role="decode", engine_socket=path)
+
+
+@pytest.mark.parametrize("host", ["not..a..host", "kvd-0.example.internal", "0.0.0.0"])
+def test_host_the_transfer_engine_cannot_use_is_a_config_error(host: str) -> None:
+    """``host`` is advertised and, unless ``transfer_host`` is set, is the transfer
+    engine's IPv4 address: a name or garbage crashed kvd serve with a traceback at start,
+    and 0.0.0.0 was advertised to peers as if it were reachable."""
+    with pytest.raises(ConfigError, match="host"):
+        load_settings(role="decode", host=host)
+
+
+def test_a_host_name_is_fine_with_an_ipv4_transfer_host() -> None:
+    s = load_settings(role="decode", host="kvd-0.example.internal", transfer_host="10.0.0.2")
+    assert s.host == "kvd-0.example.internal"
+    assert load_settings(role="decode", host="kvd-0", transfer_backend="local").host == "kvd-0"
+
+
+def test_config_file_that_is_not_utf8_is_a_config_error(tmp_path: Path) -> None:
+    """A binary or Latin-1 file used to escape as a UnicodeDecodeError traceback (exit 1)."""
+    path = tmp_path / "kvd.toml"
+    path.write_bytes(b'role = "decode"\n# caf\xe9\n')
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_settings(path)
+
+
+@pytest.mark.parametrize("line", ["waiting_timeout = true", "http_port = false",
+                                  "heartbeat_max_failures = true", "attn_tp_size = true"])
+def test_a_boolean_in_a_number_setting_is_refused(tmp_path: Path, line: str) -> None:
+    """``waiting_timeout = true`` used to load as a 1-second timeout."""
+    with pytest.raises(ConfigError, match="not true/false"):
+        load_settings(write_toml(tmp_path, f'role = "decode"\n{line}\n'))
+    s = load_settings(write_toml(tmp_path, 'role = "decode"\ninsecure = true\n'))
+    assert s.insecure is True

@@ -336,3 +336,15 @@ def test_secret_command_writes_a_0600_secret_kvd_accepts(
     assert path.read_text() != first and path.stat().st_mode & 0o777 == 0o600
     assert main(["secret", str(tmp_path / "missing" / "x")]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_secret_command_names_the_file_by_its_absolute_path(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """README runs ``kvd secret cluster.secret``: the hint it printed,
+    ``cluster_secret_file = "cluster.secret"``, only works for a daemon started in the same
+    folder (not under systemd, whose working directory is /)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["secret", "cluster.secret"]) == 0
+    err = capsys.readouterr().err
+    assert f'cluster_secret_file = "{tmp_path / "cluster.secret"}"' in err

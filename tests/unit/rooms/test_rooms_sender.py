@@ -796,3 +796,19 @@ def test_k16_a_late_sweep_never_lets_a_room_outlive_its_deadline() -> None:
               Report)
     assert (rep.status, rep.failure.kind) == (KVPoll.Failed, FailureKind.TIMEOUT)
     assert s.rooms[R + 1].status == KVPoll.Failed and not s.rooms[R + 1].dests
+
+
+@pytest.mark.parametrize("written", [False, True])
+def test_a_chunk_after_the_last_one_is_refused_not_dropped(written: bool) -> None:
+    """A chunk sent after ``is_last`` (queued or already written) used to be accepted
+    and silently never written; the engine now hears it, and the room is unaffected."""
+    s = bound() if written else sender()
+    if not written:
+        s.create(R, 0.0)
+        s.init(R, 2, 1, 0.0)
+    s.send(R, pages(3, 4), True, 0.0)
+    with pytest.raises(RoomError, match="after the last one"):
+        s.send(R, pages(5), True, 0.0)
+    with pytest.raises(RoomError, match="after the last one"):
+        s.send(R, pages(), False, 0.0)
+    assert status(s) in (KVPoll.Bootstrapping, KVPoll.Transferring)
