@@ -55,8 +55,9 @@ Check = Callable[[int], int]
 Done = Callable[[TransportError | None], None]
 
 MAX_BACKOFF = 0.05
-#: Sleep between polls while entries are in flight (s): short first, longer when idle.
-POLL_MIN, POLL_MAX = 20e-6, 1e-3
+#: Sleep between polls while entries are in flight (s): short first, doubling while nothing
+#: moves. Each wake-up takes the GIL from the daemon's loop: not shorter than this.
+POLL_MIN, POLL_MAX = 50e-6, 1e-3
 
 
 @dataclass(eq=False)
@@ -118,6 +119,7 @@ class WritePump:
         self._incoming: list[_Job] = []
         self._peers: dict[str, _Peer] = {}
         self._thread: threading.Thread | None = None
+        self._idle = False  # the thread waits on the condition (nothing in flight)
         self._closing = False
         self._batch_no = 0
         self.retried = 0
@@ -136,7 +138,8 @@ class WritePump:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            elif self._idle:
+                self._cond.notify()
 
     @property
     def active(self) -> int:
@@ -149,7 +152,7 @@ class WritePump:
         stop the thread."""
         with self._cond:
             self._closing = True
-            self._cond.notify()
+            self._cond.notify_all()
             thread = self._thread
         if thread is not None:
             thread.join(timeout)
@@ -161,7 +164,9 @@ class WritePump:
         while True:
             with self._cond:
                 while not self._incoming and not self._peers and not self._closing:
+                    self._idle = True
                     self._cond.wait()
+                    self._idle = False
                 for job in self._incoming:
                     self._peers.setdefault(job.peer, _Peer()).jobs.append(job)
                 self._incoming.clear()
