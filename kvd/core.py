@@ -131,16 +131,22 @@ class Core:
             box.task = self.spawn(self._drain(box), f"outbox-{endpoint}")
 
     async def _drain(self, box: Outbox) -> None:
+        """Send what is queued for one peer, in order: everything queued when the previous
+        send returned leaves as ONE frame (a :class:`~kvd.protocol.control.Batch` of up to
+        ``MAX_BATCH``), so a busy peer costs one seal and one send per batch, not per room."""
         try:
             while box.queue:
-                msg = box.queue[0][0]
+                n = min(len(box.queue), control.MAX_BATCH)
+                msgs = [box.queue[i][0] for i in range(n)]
                 try:
-                    await self.control.send(box.endpoint, self.auth.seal(control.encode(msg)))
+                    await self.control.send(box.endpoint,
+                                            self.auth.seal(control.encode_many(msgs)))
                 except PeerSendError as exc:
                     log.warning("%s (%d queued messages dropped)", exc, len(box.queue))
                     self._fail_queue(box, str(exc))
                     return
-                box.queue.popleft()
+                for _ in range(n):
+                    box.queue.popleft()
         finally:
             self._fail_queue(box, f"control send to {box.endpoint} abandoned (kvd stopping)")
             box.task = None
@@ -222,18 +228,19 @@ class Core:
         if mem is not None:
             asyncio.get_running_loop().call_later(unmap_after, mem.release)
 
-    def decode_control(self, frame: bytes) -> ControlMessage | None:
-        """Parse an inbound control frame; None (logged, counted) if malformed."""
+    def decode_control(self, frame: bytes) -> list[ControlMessage]:
+        """The messages of an inbound control frame (one, or a batch's in order); none
+        (logged, counted) if it is malformed or not authentic."""
         try:
-            return control.decode(self.auth.open(frame), self.settings.max_frame_bytes)
+            return control.decode_many(self.auth.open(frame), self.settings.max_frame_bytes)
         except AuthError as exc:
             self.counters.auth_failures += 1
             self._log_auth_once(str(exc).split(" (")[0], exc)
-            return None
+            return []
         except ProtocolError as exc:
             self.counters.protocol_errors += 1
             log.warning("dropped control frame: %s", exc)
-            return None
+            return []
 
     def _log_auth_once(self, key: str, exc: Exception) -> None:
         """Unauthenticated traffic is logged once per kind (the sender is unknown: an

@@ -246,8 +246,7 @@ class Daemon:
         assert self.core is not None and self.side is not None
         while True:
             frame = await self.core.control.recv()
-            msg = self.core.decode_control(frame)
-            if msg is not None:
+            for msg in self.core.decode_control(frame):  # one message, or a batch's
                 try:
                     self.side.on_control(msg)
                 except Exception:  # a bug must not stop the control plane (K31)

@@ -12,6 +12,7 @@ import asyncio
 import ctypes
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from kvd.protocol import control, rpc
 from kvd.protocol.codec import unpack_indices
 from kvd.rooms.effects import Effect, Report, Write, WriteDest
 from kvd.rooms.sender import Limits, RankPosition, SenderRooms
-from kvd.rooms.state import FailureKind, KVPoll, RoomFailure
+from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
 from kvd.side import RoomView, Side, Snapshot, not_available
 from kvd.transfer.backends.base import PeerAttach
@@ -89,6 +90,28 @@ class PrefillSide(Side):
             return None
         done = p.status in (KVPoll.Success, KVPoll.Failed)
         return RoomView(p.status, p.failure, True, (p.nbytes, p.seconds) if done else None)
+
+    def poll(self, rooms: Iterable[int]) -> rpc.PollResult:
+        """Like :meth:`Side.poll` (same answer), in one loop over the machine's table."""
+        rooms = list(rooms)
+        table = self.rooms.rooms
+        statuses: list[int] = []
+        reasons: dict[int, str] = {}
+        kinds: dict[int, str] = {}
+        stats: dict[int, tuple[int, float]] = {}
+        for room in rooms:
+            r = table.get(room)
+            if r is None:
+                statuses.append(UNKNOWN_ROOM)
+                continue
+            status = r.status
+            statuses.append(status.value)
+            if status is KVPoll.Success or status is KVPoll.Failed:
+                stats[room] = (r.nbytes, r.seconds)
+            if r.failure is not None:
+                reasons[room], kinds[room] = r.failure.reason, r.failure.kind.value
+        return rpc.PollResult(statuses=statuses, reasons=reasons, kinds=kinds, stats=stats,
+                              releasable=rooms)  # a prefill never holds pages back
 
     def abort(self, room: int, reason: str, bootstrap_addr: str | None = None,
               dp_rank: int | None = None) -> None:

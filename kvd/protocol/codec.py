@@ -13,6 +13,8 @@ Version history:
       memory handles are a tagged union on ``kind`` (``shm``, ``fd`` passed with
       SCM_RIGHTS, ``cuda_ipc``; :mod:`kvd.protocol.memory`); RegisterRank may carry the
       decode rank's ExportedPool (``pool``) for the same-host ``local`` backend.
+  3 — control: ``Batch`` carries several room messages for one peer in one frame (one
+      seal, one ZMQ send); a sender batches what is queued for a peer, in order.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy.typing as npt
 from kvd.errors import ProtocolError
 
 MAGIC = b"KVD"
-VERSION = 2
+VERSION = 3
 HEADER_LEN = len(MAGIC) + 1
 #: Default upper bound on a frame (bytes); daemons pass their configured limit.
 DEFAULT_MAX_FRAME = 64 << 20
