@@ -39,26 +39,55 @@ def rss_mb(pid: int) -> float:
 def _make_side(spec: dict[str, Any]) -> Any:
     import sides
 
+    pages = spec.get("pages", sides.PAGES)
     if spec["system"] == "kvd":
         return sides.KvdSide(spec["role"], spec["socket"], spec["bootstrap"], spec["layers"],
-                             spec["item"])
-    return sides.SglangSide(spec["role"], spec["bootstrap_port"], spec["layers"], spec["item"])
+                             spec["item"], pages)
+    return sides.SglangSide(spec["role"], spec["bootstrap_port"], spec["layers"], spec["item"],
+                            pages)
 
 
 def _side_main(spec: dict[str, Any], conn: Any) -> None:
     import sys
 
+    if spec.get("tree"):  # another checkout's kvd (before/after comparisons)
+        sys.path.insert(0, spec["tree"])
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     side = _make_side(spec)
     expected = None
     if spec["role"] == "decode":
         import sides
 
-        expected = sides.expected_kv(spec["layers"], spec["item"])
+        expected = sides.expected_kv(spec["layers"], spec["item"],
+                                     spec.get("pages", sides.PAGES))
     conn.send(("ready", os.getpid()))
     while (cmd := conn.recv()) is not None:
-        conn.send(_drive(side, cmd, expected))
+        conn.send(_bulk(side, cmd, expected) if "src" in cmd else _drive(side, cmd, expected))
     side.close()
+
+
+def _bulk(side: Any, cmd: dict[str, Any], expected: list[np.ndarray] | None) -> dict[str, Any]:
+    """One room of many pages: the prefill returns when it sent, the decode when the room
+    succeeded (monotonic times; the parent subtracts), bytes checked on the decode."""
+    import sides
+
+    room, src, dst = cmd["room"], np.asarray(cmd["src"]), np.asarray(cmd["dst"])
+    if expected is None:  # prefill: send at t0
+        while time.monotonic() < cmd["t0"]:
+            time.sleep(0.0005)
+        sent = time.monotonic()
+        side.bulk(room, src)
+    else:
+        side.bulk(room, dst)
+    while (st := side.poll([room])[0]) not in (sides.SUCCESS, sides.FAILED):
+        time.sleep(POLL_S)
+    done = time.monotonic()
+    ok = st == sides.SUCCESS
+    if ok and expected is not None:
+        ok = all(np.array_equal(k[dst], e[src]) for k, e in zip(side.kv(), expected,
+                                                                   strict=True))
+    side.clear(room)
+    return {"time": sent if expected is None else done, "ok": ok}
 
 
 def _drive(side: Any, cmd: dict[str, Any], expected: list[np.ndarray] | None) -> dict[str, Any]:
@@ -106,16 +135,23 @@ def _drive(side: Any, cmd: dict[str, Any], expected: list[np.ndarray] | None) ->
 class Pair:
     """A prefill and a decode engine process for one system (``kvd`` or ``sglang``)."""
 
-    def __init__(self, system: str, layers: int, item: int, work: str) -> None:
+    def __init__(self, system: str, layers: int, item: int, work: str,
+                 pages: int | None = None, tree: str | None = None, **daemon: Any) -> None:
         self.system, self.daemons = system, []
         ctx = mp.get_context("spawn")
         specs: list[dict[str, Any]] = []
         base = {"system": system, "layers": layers, "item": item}
+        if pages is not None:
+            base["pages"] = pages
+        if tree is not None:  # daemons and engine processes run that checkout's kvd
+            base["tree"] = tree
+            daemon["env"] = {"PYTHONPATH": tree}
         if system == "kvd":
             from kvd.launch import start_daemon
 
-            p = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING")
-            d = start_daemon("decode", work, log_level="WARNING")
+            p = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING",
+                             **daemon)
+            d = start_daemon("decode", work, log_level="WARNING", **daemon)
             self.daemons = [p, d]
             specs = [base | {"role": "prefill", "socket": p.socket, "bootstrap": p.http_addr},
                      base | {"role": "decode", "socket": d.socket, "bootstrap": p.http_addr}]
@@ -156,6 +192,16 @@ class Pair:
                 "bad_bytes": d_res["bad_bytes"], "cpu_cores": cpu / d_res["seconds"],
                 "cpu_ms_per_room": 1e3 * cpu / count, "send_p50_us": p_res["api_p50_us"],
                 "init_p50_us": d_res["api_p50_us"]}
+
+    def bulk(self, src: np.ndarray, dst: np.ndarray) -> tuple[float, bool]:
+        """Seconds from the prefill's send to the decode's Success of one room; bytes ok."""
+        room, self.next_room = self.next_room, self.next_room + 1
+        cmd = {"room": room, "src": src.tolist(), "dst": dst.tolist(),
+               "t0": time.monotonic() + 0.3}
+        for c in self.conns:
+            c.send(cmd)
+        p_res, d_res = (c.recv() for c in self.conns)
+        return d_res["time"] - p_res["time"], bool(d_res["ok"])
 
     def close(self) -> None:
         for c in self.conns:

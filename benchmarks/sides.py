@@ -22,26 +22,27 @@ PAGES, AUX_SLOTS, AUX_ITEM = 1024, 64, 64
 SUCCESS, FAILED = 4, 0
 
 
-def expected_kv(layers: int, item: int) -> list[np.ndarray]:
-    """The prefill rank's KV buffers (K of every layer, then V): ``[PAGES, item]`` each."""
-    return [np.random.default_rng(100 + b).integers(0, 256, (PAGES, item), dtype=np.uint8)
+def expected_kv(layers: int, item: int, pages: int = PAGES) -> list[np.ndarray]:
+    """The prefill rank's KV buffers (K of every layer, then V): ``[pages, item]`` each."""
+    return [np.random.default_rng(100 + b).integers(0, 256, (pages, item), dtype=np.uint8)
             for b in range(2 * layers)]
 
 
 class KvdSide:
     """An engine rank that talks to its kvd (``kvd.client``)."""
 
-    def __init__(self, role: str, socket: str, bootstrap: str, layers: int, item: int) -> None:
+    def __init__(self, role: str, socket: str, bootstrap: str, layers: int, item: int,
+                 pages: int = PAGES) -> None:
         from kvd.client import Receiver, Sender, poll_many
         from kvd.protocol import rpc
         from kvd.refengine.standin import EngineStandIn
 
         self.role, self.bootstrap = role, bootstrap
         self._Sender, self._Receiver, self._poll, self._rpc = Sender, Receiver, poll_many, rpc
-        self.eng = EngineStandIn(socket, num_layers=layers, num_pages=PAGES, item_len=item,
+        self.eng = EngineStandIn(socket, num_layers=layers, num_pages=pages, item_len=item,
                                  aux_slots=AUX_SLOTS, aux_item_len=AUX_ITEM, seed=7)
         if role == "prefill":
-            for mine, want in zip(self.eng.kv, expected_kv(layers, item), strict=True):
+            for mine, want in zip(self.eng.kv, expected_kv(layers, item, pages), strict=True):
                 mine[:] = want
         self.client = self.eng.client
         self.times: list[float] = []  # seconds of each init (decode) / send (prefill) call
@@ -59,6 +60,15 @@ class KvdSide:
             t = time.perf_counter()
             s.send(page)
             self.times.append(time.perf_counter() - t)
+
+    def bulk(self, room: int, pages: np.ndarray) -> None:
+        """One room of many pages, one chunk (prefill: ``pages`` are sources)."""
+        if self.role == "decode":
+            self._Receiver(self.client, room, self.bootstrap).init(pages, 0)
+        else:
+            s = self._Sender(self.client, room)
+            s.init(int(pages.size), 0)
+            s.send(pages)
 
     def poll(self, rooms: list[int]) -> list[int]:
         return [int(s) for s in self._poll(self.client, rooms)]
@@ -99,14 +109,18 @@ class SglangSide:
     way its prefill/decode schedulers drive it (``tests/adapters/test_sglang_backend.py``
     documents the order); CPU buffers, TCP transport (``MC_FORCE_TCP=1``)."""
 
-    def __init__(self, role: str, bootstrap_port: int, layers: int, item: int) -> None:
+    def __init__(self, role: str, bootstrap_port: int, layers: int, item: int,
+                 pages: int = PAGES) -> None:
         os.environ["MC_FORCE_TCP"] = "1"
+        # Its default puts every entry of a room in one batch call, which the TCP transport
+        # refuses above 1024 queued per peer: bound it to 64 pages x buffers per call.
+        os.environ.setdefault("SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES", "64")
         conn, KVArgs, Mode, te, ServerArgs = _sglang()
         self.conn, self.role = conn, role
         self.bootstrap = f"127.0.0.1:{bootstrap_port}"
         te.init_mooncake_transfer_engine("127.0.0.1")
-        rng_kv = (expected_kv(layers, item) if role == "prefill" else
-                  [np.zeros((PAGES, item), dtype=np.uint8) for _ in range(2 * layers)])
+        rng_kv = (expected_kv(layers, item, pages) if role == "prefill" else
+                  [np.zeros((pages, item), dtype=np.uint8) for _ in range(2 * layers)])
         self._kv = rng_kv
         self.aux = np.zeros((AUX_SLOTS, AUX_ITEM), dtype=np.uint8)
         a = KVArgs()
@@ -141,9 +155,13 @@ class SglangSide:
         self.rooms: dict[int, Any] = {}
         self.times: list[float] = []
         self.waiting: dict[int, Any] = {}  # prefill senders not yet given their chunk
+        self.chunks: dict[int, np.ndarray] = {}  # bulk rooms: their source pages
 
     def start(self, room: int) -> None:
-        page = np.array([room % PAGES], dtype=np.int32)
+        self.bulk(room, np.array([room % PAGES], dtype=np.int32), timed=True)
+
+    def bulk(self, room: int, pages: np.ndarray, timed: bool = False) -> None:
+        page = pages.astype(np.int32)
         if self.role == "decode":
             r = self.conn.MooncakeKVReceiver(mgr=self.mgr, bootstrap_addr=self.bootstrap,
                                              bootstrap_room=room)
@@ -153,7 +171,8 @@ class SglangSide:
             while r.poll() == 1:  # Bootstrapping: the scheduler retries next step
                 time.sleep(50e-6)
             r.send_metadata(page, room % AUX_SLOTS)
-            self.times.append(time.perf_counter() - t)
+            if timed:
+                self.times.append(time.perf_counter() - t)
             self.rooms[room] = r
         else:
             s = self.conn.MooncakeKVSender(mgr=self.mgr, bootstrap_addr=self.bootstrap,
@@ -161,6 +180,7 @@ class SglangSide:
                                            req_has_disagg_prefill_dp_rank=False)
             self.rooms[room] = s
             self.waiting[room] = s
+            self.chunks[room] = page
 
     def _feed(self) -> None:
         """Prefill: a sender whose decode metadata arrived gets its (only) chunk."""
@@ -168,9 +188,11 @@ class SglangSide:
             st = s.poll()
             if st == 2:  # WaitingForInput
                 t = time.perf_counter()
-                s.init(1, room % AUX_SLOTS)
-                s.send(np.array([room % PAGES], dtype=np.int32))
-                self.times.append(time.perf_counter() - t)
+                pages = self.chunks.pop(room)
+                s.init(int(pages.size), room % AUX_SLOTS)
+                s.send(pages)
+                if pages.size == 1:
+                    self.times.append(time.perf_counter() - t)
                 del self.waiting[room]
             elif st == FAILED:
                 del self.waiting[room]
@@ -183,6 +205,7 @@ class SglangSide:
     def clear(self, room: int) -> None:
         obj = self.rooms.pop(room)
         self.waiting.pop(room, None)
+        self.chunks.pop(room, None)
         obj.clear()
 
     def kv(self) -> list[np.ndarray]:

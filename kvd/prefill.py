@@ -30,7 +30,7 @@ from kvd.schemas import Peer, Room
 from kvd.side import RoomView, Side, Snapshot, not_available
 from kvd.transfer.backends.base import PeerAttach
 from kvd.transfer.kvargs import RankArgs
-from kvd.transfer.layout import RankLayout, check_coverage, check_pair, plan_transfer
+from kvd.transfer.layout import PairPlan, RankLayout, check_coverage, check_pair
 from kvd.transfer.plan import Descriptors, check_plan_bounds, plan_aux
 
 log = logging.getLogger("kvd.prefill")
@@ -61,6 +61,7 @@ class PrefillSide(Side):
         self._registrations: dict[str, control.RegisterRank] = {}
         self._sessions: dict[str, str] = {}  # decode endpoint -> its transfer address
         self._layout: RankLayout | None = None
+        self._pairs: dict[str, PairPlan] = {}  # decode endpoint -> its planning constants
         self._writes: set[asyncio.Task[None]] = set()
         self.failing_sessions: dict[str, int] = {}
         self.bootstrap_registered = False
@@ -185,6 +186,7 @@ class PrefillSide(Side):
     def forget_peer(self, endpoint: str) -> None:
         super().forget_peer(endpoint)
         self._registrations.pop(endpoint, None)
+        self._pairs.pop(endpoint, None)
         session = self._sessions.pop(endpoint, None)
         if session is not None:
             self.core.spawn(self._detach_later(session), f"detach-{session}")
@@ -258,7 +260,7 @@ class PrefillSide(Side):
             return Descriptors.empty()
         peer: PeerPlan = d.peer
         local = self._local()
-        desc = plan_transfer(self._local_layout(), peer.layout, eff.src_pages, d.dst_pages)
+        desc = self._pair(d.endpoint, peer).plan(eff.src_pages, d.dst_pages)
         s = self.core.settings
         last_stage = s.pp_rank == s.pp_size - 1  # only the last PP stage has the outputs
         if eff.is_last and last_stage and s.aux_transport == "mooncake" and \
@@ -267,6 +269,14 @@ class PrefillSide(Side):
                                         eff.aux_index, d.aux_index))
         check_plan_bounds(desc, local.regions, peer.args.regions, f"room {eff.room}")
         return desc
+
+    def _pair(self, endpoint: str, peer: PeerPlan) -> PairPlan:
+        """The pair's planning constants (kept while both layouts are the same objects)."""
+        local = self._local_layout()
+        pair = self._pairs.get(endpoint)
+        if pair is None or pair.src is not local or pair.dst is not peer.layout:
+            pair = self._pairs[endpoint] = PairPlan.of(local, peer.layout)
+        return pair
 
     def _session_failed(self, dests: tuple[WriteDest, ...]) -> None:
         """A failed write is evidence against its session, not a verdict: no blacklist."""

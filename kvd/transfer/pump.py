@@ -57,7 +57,7 @@ Done = Callable[[TransportError | None], None]
 MAX_BACKOFF = 0.05
 #: Sleep between polls while entries are in flight (s): short first, doubling while nothing
 #: moves. Each wake-up takes the GIL from the daemon's loop: not shorter than this.
-POLL_MIN, POLL_MAX = 50e-6, 1e-3
+POLL_MIN, POLL_MAX = 50e-6, 250e-6
 
 
 @dataclass(eq=False)

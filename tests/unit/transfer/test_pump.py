@@ -212,6 +212,8 @@ def test_close_fails_jobs_not_started(native: FakeNative) -> None:
     w1, w2 = Waiter(), Waiter()
     pump.start("p", _desc(src, dst, item, [0], [0]), None, w1)
     pump.start("p", _desc(src, dst, item, [1], [1]), None, w2)
+    while not native.entries:  # the first write is in flight
+        threading.Event().wait(0.001)
     closer = threading.Thread(target=pump.close, args=(5,))
     closer.start()
     assert isinstance(w2.wait(), TransportError)  # never started
