@@ -19,6 +19,7 @@ resynchronised).
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import grp
@@ -37,6 +38,7 @@ from kvd.protocol import rpc
 log = logging.getLogger(__name__)
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_FD = array.array("i")
 
 
 def _group_id(name: str) -> int:
@@ -72,6 +74,20 @@ class Connection:
         self.on_close: list[Callable[[], None]] = []
 
 
+_ANC_SPACE = socket.CMSG_LEN(rpc.MAX_FDS * _FD.itemsize)
+
+
+def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    """Descriptors passed with SCM_RIGHTS in ``recvmsg`` ancillary data."""
+    fds: list[int] = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[:len(data) - len(data) % arr.itemsize])
+            fds += arr
+    return fds
+
+
 class _Link:
     """One connection's reading, answering and writing, driven by one reader callback."""
 
@@ -90,14 +106,15 @@ class _Link:
 
     def _readable(self) -> None:
         while True:
-            try:
-                data, fds, flags, _ = socket.recv_fds(self.sock, 1 << 16, rpc.MAX_FDS)
+            try:  # recvmsg itself: socket.recv_fds costs ~5 us more per call
+                data, anc, flags, _ = self.sock.recvmsg(1 << 16, _ANC_SPACE)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:
                 self.close()
                 return
-            self.fds += fds
+            if anc:
+                self.fds += _fds_of(anc)
             if flags & socket.MSG_CTRUNC:
                 log.warning("engine socket: more than %d descriptors in one request; closing",
                             rpc.MAX_FDS)
