@@ -58,6 +58,8 @@ MAX_BACKOFF = 0.05
 #: Sleep between polls while entries are in flight (s): short first, doubling while nothing
 #: moves. Each wake-up takes the GIL from the daemon's loop: not shorter than this.
 POLL_MIN, POLL_MAX = 50e-6, 250e-6
+#: Entries of a job polled per round, oldest first.
+POLL_HEAD = 32
 
 
 @dataclass(eq=False)
@@ -268,7 +270,10 @@ class WritePump:
             return False
         keep: list[tuple[int, int, float]] = []
         check = self._check
-        for entry in job.inflight:
+        # Entries finish roughly in submission order: poll the oldest ones only (each check
+        # is a native call taking the GIL); the others are polled once they reach the head.
+        head, rest = job.inflight[:POLL_HEAD], job.inflight[POLL_HEAD:]
+        for entry in head:
             rc = check(entry[0])
             if rc == 0:
                 if now - entry[2] > self.timeout_s + job.length[entry[1]] * 1e-9:
@@ -286,9 +291,9 @@ class WritePump:
             else:
                 self._stop(job, TransportError(f"write to {job.peer}: entry failed "
                                                f"(rc={rc})", rc))
-        moved = len(keep) != len(job.inflight)
-        peer.inflight -= len(job.inflight) - len(keep)
-        job.inflight = keep
+        moved = len(keep) != len(head)
+        peer.inflight -= len(head) - len(keep)
+        job.inflight = keep + rest if moved else job.inflight
         return moved
 
     @staticmethod
