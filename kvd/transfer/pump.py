@@ -58,6 +58,8 @@ MAX_BACKOFF = 0.05
 #: Sleep between polls while entries are in flight (s): short first, doubling while nothing
 #: moves. Each wake-up takes the GIL from the daemon's loop: not shorter than this.
 POLL_MIN, POLL_MAX = 50e-6, 250e-6
+#: Sleep pacing for big entries: up to their expected time at this rate, at most PACE_MAX.
+PACE_BPS, PACE_MAX = 2e9, 2e-3
 #: Entries of a job polled per round, oldest first.
 POLL_HEAD = 32
 
@@ -183,7 +185,14 @@ class WritePump:
                 delay = POLL_MIN
                 continue
             time.sleep(delay)
-            delay = min(delay * 2, POLL_MAX)
+            delay = min(delay * 2, self._pace())
+
+    def _pace(self) -> float:
+        """Longest sleep between polls: about the time the smallest entry in flight takes
+        at ``PACE_BPS`` (big entries: fewer wake-ups, more CPU left to the transport)."""
+        smallest = min((job.length[job.inflight[0][1]] for peer in self._peers.values()
+                        for job in peer.jobs if job.inflight), default=0)
+        return min(max(POLL_MAX, smallest / PACE_BPS), PACE_MAX)
 
     def _round(self, now: float) -> bool:
         """Submit what the windows allow, poll what is in flight; True if anything moved."""
