@@ -4,8 +4,7 @@ Mooncake connector, each engine rank in its own process (benchmarks/sides.py).
 Both sides run the same schedule: room ``i`` is due at ``t0 + i / rate`` (or, at max
 rate, as soon as fewer than ``window`` rooms are in flight). The decode side polls every
 ``POLL_S`` and records, per room, the time from its due time to Success; every room's
-bytes are checked (KV page of every buffer and the aux slot... KV here; aux is in the
-same batch). Returned numbers are medians over the runs the caller interleaves.
+KV page is checked in every buffer. The caller interleaves runs and takes medians.
 """
 
 from __future__ import annotations
