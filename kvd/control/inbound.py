@@ -17,7 +17,8 @@ is already there never yields to the event loop. Here the loop:
    unauthenticated frames after the O(1) seal check (:meth:`Authenticator.open`)
    and before any parsing; a source whose unauthenticated frames exceed its
    :class:`SourceLimiter` budget goes into the penalty box;
-4. decodes what is left with the versioned codec. A frame that a holder of the
+4. decodes what is left with the versioned codec (a ``Batch`` frame, one seal over
+   several messages, yields each of them in order). A frame that a holder of the
    secret sealed for another instance (this daemon restarted since the sender
    looked it up, or a replay to another server) is not a message to act on: it is
    handed on as :class:`Misaddressed`, which the daemon only counts (it never
@@ -162,13 +163,15 @@ class Admission:
         self.stats = InboundStats()
         self._logged: set[str] = set()
 
-    def admit(self, source: bytes, frame: bytes, single: bool = True) -> Received | None:
-        """The message in ``frame`` from connection ``source``, or None (counted) if it
-        is dropped; ``single``: the frame was a one-part message."""
+    def admit(self, source: bytes, frame: bytes, single: bool = True) -> list[Received]:
+        """The messages in ``frame`` from connection ``source`` (one, or a
+        :class:`~kvd.protocol.control.Batch`'s in order: the whole batch is one sealed
+        frame, admitted or dropped as one), or none (counted) if it is dropped;
+        ``single``: the frame was a one-part message. Counts are per frame."""
         self.stats.received += 1
         if self.limiter.blocked(source):
             self.stats.penalized += 1
-            return None
+            return []
         try:
             if not single:
                 raise AuthError("multi-part message (a control frame is one part)")
@@ -176,25 +179,25 @@ class Admission:
         except WrongRecipient as exc:
             self._refused(source, exc)
             if exc.frame is None:
-                return None
+                return []
             self.stats.misaddressed += 1
             return self._decode(exc.frame, exc.sent_at, misaddressed=True)
         except AuthError as exc:
             self._refused(source, exc)
-            return None
+            return []
         return self._decode(opened.frame, opened.sent_at)
 
     def _decode(self, frame: bytes, sent_at: float, misaddressed: bool = False
-                ) -> Received | None:
+                ) -> list[Received]:
         try:
-            msg = control.decode(frame, self.max_frame)
+            msgs = control.decode_many(frame, self.max_frame)
         except ProtocolError as exc:
             self.stats.protocol_errors += 1
             log.warning("dropped control frame: %s", exc)
-            return None
+            return []
         if not misaddressed:
             self.stats.accepted += 1
-        return Received(msg, sent_at, misaddressed)
+        return [Received(msg, sent_at, misaddressed) for msg in msgs]
 
     def _refused(self, source: bytes, exc: AuthError) -> None:
         self.stats.auth_failures += 1
@@ -240,17 +243,16 @@ class Inbound(Admission):
             await asyncio.sleep(0)  # the point of the batch: let everything else run
 
     def read_batch(self) -> list[Received]:
-        """Read what is there, up to the batch bounds, without blocking."""
+        """Read what is there, up to the batch bounds (``batch`` frames or messages: a
+        Batch frame counts its messages), without blocking."""
         out: list[Received] = []
         deadline = time.perf_counter() + self.budget_s
         for i in range(self.batch):
             parts = self._recv()
             if parts is None:
                 break
-            msg = self.admit(*parts)
-            if msg is not None:
-                out.append(msg)
-            if i % 32 == 31 and time.perf_counter() > deadline:
+            out += self.admit(*parts)
+            if len(out) >= self.batch or (i % 32 == 31 and time.perf_counter() > deadline):
                 break
         return out
 
