@@ -4,8 +4,9 @@ Case S02: one process sending tiny frames to the control port froze the daemon,
 because the receive loop awaited one frame at a time and an await on a frame that
 is already there never yields to the event loop. Here the loop:
 
-1. waits until the socket is readable, then reads at most ``batch`` frames (or
-   ``budget_s`` seconds' worth) without awaiting, and yields to the event loop
+1. waits until the socket is readable, then reads at most ``batch`` frames or
+   messages (a ``Batch`` frame counts its messages; or ``budget_s`` seconds' worth)
+   without awaiting, and yields to the event loop
    after every batch — HTTP, the engine RPC, heartbeats and timers get a turn
    however fast frames arrive;
 2. names the source of every frame by its ZMQ connection: the control socket is a
@@ -220,8 +221,9 @@ class Admission:
 class Inbound(Admission):
     """Reads one ROUTER socket in bounded batches and yields authenticated messages.
 
-    ``batch`` (frames) and ``budget_s`` (seconds) bound the work between two yields
-    to the event loop; ``max_frame`` (bytes) bounds a decoded frame.
+    ``batch`` (frames, and messages: see :meth:`read_batch`) and ``budget_s`` (seconds)
+    bound the work between two yields to the event loop; ``max_frame`` (bytes) bounds a
+    decoded frame.
     """
 
     def __init__(self, sock: zmq.asyncio.Socket, auth: Authenticator, max_frame: int,
@@ -243,16 +245,21 @@ class Inbound(Admission):
             await asyncio.sleep(0)  # the point of the batch: let everything else run
 
     def read_batch(self) -> list[Received]:
-        """Read what is there, up to the batch bounds (``batch`` frames or messages: a
-        Batch frame counts its messages), without blocking."""
+        """Read what is there, up to the batch bounds, without blocking: at most ``batch``
+        frames, and no further frame once ``batch`` messages were read (a Batch frame counts
+        its messages, so one read hands the loop at most ``batch - 1 + MAX_BATCH``), nor
+        once ``budget_s`` passed (checked every 32 frames, and after each Batch frame)."""
         out: list[Received] = []
         deadline = time.perf_counter() + self.budget_s
         for i in range(self.batch):
             parts = self._recv()
             if parts is None:
                 break
-            out += self.admit(*parts)
-            if len(out) >= self.batch or (i % 32 == 31 and time.perf_counter() > deadline):
+            got = self.admit(*parts)
+            out += got
+            if len(out) >= self.batch:
+                break
+            if (i % 32 == 31 or len(got) > 1) and time.perf_counter() > deadline:
                 break
         return out
 

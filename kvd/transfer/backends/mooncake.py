@@ -157,6 +157,7 @@ class MooncakeEngine:
     def _submit_one(self, peer: str, src: int, dst: int, length: int) -> int:
         bid = int(self._native.transfer_submit_write(peer, src, dst, length))
         return -1 if bid == 0 or bid >= _REFUSED_IDS else bid
+
     @staticmethod
     def _start(opts: MooncakeOptions) -> Any:
         os.environ.setdefault("GLOG_minloglevel", "1")

@@ -11,7 +11,7 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvd.control.inbound import Misaddressed, SourceLimiter
+from kvd.control.inbound import Admission, Misaddressed, SourceLimiter
 from kvd.control.peers import ControlPlane
 from kvd.protocol import codec, control
 from kvd.security import Authenticator
@@ -230,6 +230,29 @@ async def test_a_read_batch_is_bounded_in_messages_too() -> None:
         rest = ctl.inbound.read_batch() + ctl.inbound.read_batch() + ctl.inbound.read_batch()
         assert [r.message.room for r in first + rest] == list(range(40))
         sock.close()
+
+
+def test_batch_frames_count_against_the_source_limits_as_frames() -> None:
+    """A Batch is one sealed frame: a forged or tampered one is refused from its seal
+    (one strike, nothing parsed, none of its messages yielded) and a source in the penalty
+    box has its authentic batches dropped whole, unread."""
+    clock = Clock()
+    adm = Admission(Authenticator(SECRET, "me"), 1 << 20,
+                    SourceLimiter(burst=2, refill_per_s=0.0, clock=clock))
+    peer, forger = Authenticator(SECRET, "peer"), Authenticator(b"another-secret-0123", "x")
+    batch = control.encode_many(aborts(range(50)))
+    assert len(adm.admit(b"ok", peer.seal(batch, "me"))) == 50
+    assert adm.admit(b"bad", forger.seal(batch, "me")) == []
+    tampered = bytearray(peer.seal(batch, "me"))
+    tampered[-5] ^= 1
+    assert adm.admit(b"bad", bytes(tampered)) == []
+    assert adm.stats.auth_failures == 2 and adm.stats.penalties == 0
+    assert adm.admit(b"bad", forger.seal(batch, "me")) == []  # third strike: penalty box
+    assert adm.stats.penalties == 1 and adm.limiter.blocked(b"bad")
+    assert adm.admit(b"bad", peer.seal(batch, "me")) == []  # even authentic: dropped unread
+    assert adm.stats.penalized == 1 and adm.stats.protocol_errors == 0
+    assert len(adm.admit(b"ok", peer.seal(batch, "me"))) == 50  # other sources unaffected
+    assert adm.stats.received == 6 and adm.stats.accepted == 2
 
 
 async def test_s02_a_flooding_connection_is_penalised_and_a_healthy_one_is_not() -> None:
