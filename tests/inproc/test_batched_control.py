@@ -22,7 +22,9 @@ async def test_queued_room_messages_travel_as_batch_frames_in_order(cluster: Clu
     core.control.send = recording  # type: ignore[method-assign]
     rooms = list(range(300, 316))
     await de.receiver(rooms[0], [0], p.http_addr)
-    await until(lambda: any(frames))  # registered and resolved: later rooms queue at once
+    # registered, resolved and its pages sent: later rooms resolve from the cache and queue
+    # at once (waiting only for the RegisterRank frame let a later room's pages go first)
+    await until(lambda: any(isinstance(m, control.RoomPages) for f in frames for m in f))
     for i, room in enumerate(rooms[1:], start=1):
         await de.receiver(room, [i], p.http_addr)
     for i, room in enumerate(rooms):
