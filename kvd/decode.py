@@ -125,6 +125,9 @@ class PeerHealth:
     last_ok: float = 0.0
     last_error: str = ""
     down: bool = False
+    # the cached lookup rooms are resolved from now; its instance is the one a heartbeat
+    # must see, or the rooms resolved from it are bound to a process that is gone
+    resolved_from: ParallelInfo | None = None
     # control endpoints resolved from this address whose sockets a soft forget (down,
     # restart, new epoch) kept: closed when the address itself is forgotten (K31)
     endpoints: set[str] = field(default_factory=set)
@@ -264,6 +267,7 @@ class DecodeSide(Side):
         if local is None or ranks is None:
             raise RegistrationError("the engine released its KV buffers")
         info = await self.bootstrap.parallel_info(addr)
+        self._resolved_from(addr, info)
         routes = resolve_targets(room, ranks.attn_tp_rank, ranks.attn_tp_size,
                                  info.prefill_attn_tp_size,
                                  info.prefill_dp_size, info.prefill_pp_size, local.wire.is_mla,
@@ -339,6 +343,21 @@ class DecodeSide(Side):
             self.health[addr] = PeerHealth(last_used=now)
         else:
             h.last_used = now
+
+    def _resolved_from(self, addr: str, info: ParallelInfo) -> None:
+        """Rooms of ``addr`` are being resolved from lookup ``info``: a freshly fetched one
+        names the instance the next heartbeat must still see. Lookups are only dropped
+        after the rooms resolved from them failed (restart, heartbeats missed) or when none
+        is left (peer_ttl), so a fresh lookup's instance is the baseline; without it a
+        restart before the first heartbeat went unseen and rooms resolved from the stale
+        cache waited for their timeout."""
+        h = self.health.get(addr)
+        if h is None:
+            h = self.health[addr] = PeerHealth(last_used=self.core.clock())
+        if info is not h.resolved_from:
+            h.resolved_from = info
+            if info.instance_id is not None:
+                h.instance_id = info.instance_id
 
     async def heartbeat_round(self) -> None:
         """Probe every prefill bootstrap address in use; forget those unused for

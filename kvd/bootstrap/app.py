@@ -78,7 +78,7 @@ def create_app(health: Callable[[], dict[str, Any]], table: BootstrapTable | Non
     if ops is not None:
         _add_ops_api(app, ops)
     if table is not None:
-        _add_route_api(app, table)
+        _add_route_api(app, table, health)
     return app
 
 
@@ -107,7 +107,8 @@ def _add_ops_api(app: FastAPI, ops: Ops) -> None:
         return ops.rooms(all, limit)
 
 
-def _add_route_api(app: FastAPI, table: BootstrapTable) -> None:
+def _add_route_api(app: FastAPI, table: BootstrapTable,
+                   health: Callable[[], dict[str, Any]]) -> None:
     @app.put("/route", response_class=PlainTextResponse)
     async def put_route(reg: PrefillRegistration) -> PlainTextResponse:
         try:
@@ -137,7 +138,8 @@ def _add_route_api(app: FastAPI, table: BootstrapTable) -> None:
             PlainTextResponse:
         try:
             if engine_rank == -1 and target_dp_group == -1 and target_pp_rank == -1:
-                return table.parallel_info()
+                instance = health().get("instance_id")
+                return table.parallel_info().model_copy(update={"instance_id": instance})
             if min(engine_rank, target_dp_group) < 0:
                 return PlainTextResponse("engine_rank and target_dp_group must be >= 0",
                                          status_code=400)

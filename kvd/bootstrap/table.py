@@ -60,6 +60,11 @@ class ParallelInfo(BaseModel):
     prefill_dp_size: int
     prefill_pp_size: int
     prefill_page_size: int | None = None
+    # kvd extension: the instance id of the daemon serving this bootstrap (the one its
+    # /health names). A decode records it with the lookups it caches, so its heartbeat can
+    # tell a restart even when no heartbeat ran before it (rooms resolved from a cache the
+    # heartbeat never saw, the K21 kind). None from other bootstrap servers.
+    instance_id: str | None = None
 
 
 Key = tuple[int, int, int]  # (dp, tp, pp)

@@ -383,3 +383,34 @@ async def test_k34_an_abort_from_a_restarted_decode_still_reaches_the_prefill(
     await settle(cluster)
     await pe.sender(180, [1], send=False)
     assert await pe.status(180) == FAILED
+
+
+async def test_k21_a_prefill_restart_before_any_heartbeat_fails_rooms_from_the_stale_cache(
+        cluster: Cluster) -> None:
+    """The kind behind "restart between heartbeats": a decode caches a prefill's lookups,
+    the prefill restarts before any heartbeat probed it, and a room resolved from the stale
+    cache is sealed for the old instance (dropped unanswered). The instance the lookups
+    came from is the heartbeat's baseline, so the first heartbeat fails that room with
+    kind "peer" (not at the waiting timeout); the next room registers again and succeeds."""
+    p, d, pe, de = await pair(cluster)
+    await de.receiver(140, [0], p.http_addr)
+    await pe.sender(140, [1])
+    await settle(cluster)
+    assert await de.status(140) == SUCCESS
+    http, endpoint = p.http_addr, p.endpoint
+    await p.stop()
+    p2 = await cluster.node("prefill", http_addr=http, endpoint=endpoint)
+    pe2 = await p2.engine(seed=3)
+    await de.receiver(141, [2], http)  # resolved from the cache of the old instance
+    await pe2.sender(141, [4], send=False)
+    await settle(cluster)
+    assert await de.status(141) == 2  # WaitingForInput: its pages went to the old instance
+    await d.heartbeat()  # the first heartbeat ever: sees a new instance
+    assert await de.status(141) == FAILED
+    kind, reason = await de.failure(141)
+    assert kind == "peer" and "restarted" in reason
+    await de.receiver(142, [3], http)
+    await pe2.sender(142, [5])
+    await settle(cluster)
+    assert await de.status(142) == SUCCESS
+    assert same_pages(de, pe2, [5], [3])

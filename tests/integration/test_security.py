@@ -26,6 +26,7 @@ from kvd.launch import LAUNCH_SECRET, DaemonProcess, start_daemon
 from kvd.protocol import control, rpc
 from kvd.protocol.codec import pack_indices
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
+from kvd.rooms.receiver import first_incarnation
 from kvd.security import Authenticator
 from tests.conftest import (
     PdPair,
@@ -426,7 +427,7 @@ def test_s09_captured_request_is_refused_by_another_bootstrap(pd_pair: PdPair,
 def test_s09_frame_for_one_decode_is_useless_at_another(pd_pair: PdPair, room_ids,
                                                         tmp_path: Path) -> None:
     """S09: a failure report sealed for decode D1 is refused by decode D2, which holds the
-    same room (same incarnation, same prefill); at D1 it works (the seal is good)."""
+    same room id with the same prefill; at D1 it works (the seal is good)."""
     d1, d2 = start_daemon("decode", tmp_path), start_daemon("decode", tmp_path)
     e1, e2 = EngineStandIn(d1.socket, seed=5), EngineStandIn(d2.socket, seed=7)
     try:
@@ -439,7 +440,8 @@ def test_s09_frame_for_one_decode_is_useless_at_another(pd_pair: PdPair, room_id
         while KVPoll.Bootstrapping in (r1.poll(), r2.poll()) and time.monotonic() < deadline:
             time.sleep(0.05)  # both resolved P: a report from P counts now
         assert r1.poll() == r2.poll() == KVPoll.WaitingForInput
-        report = control.RoomStatus(room=room, inc=1, status=int(KVPoll.Failed),
+        inc = first_incarnation(d1.ready["instance_id"])  # D1's first room
+        report = control.RoomStatus(room=room, inc=inc, status=int(KVPoll.Failed),
                                     kind="aborted", reason="captured report",
                                     endpoint=pd_pair.prefill.ready["control_endpoint"],
                                     instance_id=pd_pair.prefill.ready["instance_id"])
@@ -486,7 +488,8 @@ def test_s09_frame_for_a_prefill_is_useless_after_it_restarts(tmp_path: Path) ->
             time.sleep(0.05)
         assert sender.poll() == KVPoll.WaitingForInput  # bound to D's first incarnation
         abort = control.encode(control.RoomAbort(
-            room=77, inc=1, kind="aborted", reason="captured abort",
+            room=77, inc=first_incarnation(d.ready["instance_id"]), kind="aborted",
+            reason="captured abort",
             endpoint=d.ready["control_endpoint"], instance_id=d.ready["instance_id"]))
         push_frames(ep, [auth.seal(abort, first)])  # as captured before the restart
         deadline = time.monotonic() + 10

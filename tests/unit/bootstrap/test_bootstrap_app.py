@@ -36,7 +36,7 @@ def table() -> BootstrapTable:
 
 @pytest.fixture
 def client(table: BootstrapTable) -> TestClient:
-    return TestClient(create_app(lambda: {"status": "ok"}, table))
+    return TestClient(create_app(lambda: {"status": "ok", "instance_id": "i-1"}, table))
 
 
 def test_health_returns_the_provided_dict() -> None:
@@ -84,6 +84,7 @@ def test_k01_lookup_before_all_ranks_registered(client: TestClient) -> None:
     assert info["prefill_attn_tp_size"] == 2
     assert info["prefill_dp_size"] == 1
     assert info["prefill_pp_size"] == 1
+    assert info["instance_id"] == "i-1"  # the server's /health instance: the decode's baseline
     r = client.get(rank_url(1))
     assert r.status_code == 200 and r.json()["rank_port"] == 17001
 
