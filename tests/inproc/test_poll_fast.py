@@ -26,3 +26,31 @@ async def test_fast_poll_equals_the_generic_poll_on_both_sides(cluster: Cluster)
         fast, generic = node.side.poll(rooms), Side.poll(node.side, rooms)
         assert fast == generic
     assert d.side.poll(rooms).kinds.get(7) == "aborted"
+
+
+async def test_fast_poll_equals_the_generic_poll_while_a_failed_room_is_not_releasable(
+        cluster: Cluster) -> None:
+    """A decode room aborted while its write is in flight is Failed but not releasable
+    (K06) until the write returned: both polls say so, before and after."""
+    from kvd.protocol import rpc
+
+    p = await cluster.node("prefill")
+    d = await cluster.node("decode")
+    pe, de = await p.engine(seed=1), await d.engine(seed=2)
+    cluster.fabric.hold(d.session)
+    await de.receiver(1, list(range(4)), p.http_addr)
+    await pe.sender(1, list(range(8, 12)))
+    await de.receiver(2, [9], p.http_addr)  # waiting for its sender
+    await settle(cluster)
+    await de.call(rpc.Abort(room=1, reason="client gone"))
+    await settle(cluster)
+    rooms = [1, 2, 3]
+    for node in (p, d):
+        assert node.side.poll(rooms) == Side.poll(node.side, rooms)
+    held = d.side.poll(rooms)
+    assert held.statuses[0] == 0 and 1 not in held.releasable and 3 in held.releasable
+    cluster.fabric.release(d.session)
+    await settle(cluster)
+    for node in (p, d):
+        assert node.side.poll(rooms) == Side.poll(node.side, rooms)
+    assert 1 in d.side.poll(rooms).releasable
