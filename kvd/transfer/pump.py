@@ -25,7 +25,8 @@ Rules, same as the blocking path (:func:`kvd.transfer.backends.base.submit_with_
   starts, and a refusal it forces is retried like a refused submission;
 * a refused or failed entry is submitted again (the same bytes: idempotent) with
   backoff from ``retry_backoff`` doubling to 50 ms, for at most ``retry_budget``
-  seconds and never past the job's deadline;
+  seconds since the first refusal or failure with no entry landed since, and never past
+  the job's deadline;
 * no entry starts after the job's ``deadline`` (monotonic s): the job then fails
   once its entries in flight have returned;
 * an entry still pending ``timeout_s + length/1 GB/s`` after it was submitted
@@ -231,7 +232,9 @@ class WritePump:
                 break
             if job.retry and job.retry[0] == i:
                 job.retry.popleft()
-            job.retry_since = None
+            # An accepted submission does not end a streak of failures: a peer that
+            # accepts every entry and then rejects it (a restarted decode on the same
+            # transfer address) would be retried forever. Only a landed entry does.
             job.inflight.append((bid, i, now))
             peer.inflight += 1
             moved = True
@@ -293,6 +296,7 @@ class WritePump:
                     continue
                 keep.append(entry)
             elif rc == 1:
+                job.retry_since = None  # progress: a later failure starts a new budget
                 continue
             elif rc == -1 and not job.stopped:  # failed: the same bytes again, bounded
                 job.retry.append(entry[1])

@@ -179,6 +179,34 @@ def test_refusals_past_the_budget_fail_the_job(native: FakeNative) -> None:
     pump.close(5)
 
 
+def test_entries_accepted_then_always_failing_fail_the_job_within_the_budget(
+        native: FakeNative) -> None:
+    """A destination that accepts every submission and then rejects the write (a decode
+    restarted on the same transfer address: "WRITE rejected by server") must not be
+    retried forever: an accepted resubmission does not reset the failure streak, only a
+    landed entry does (found by tests/integration/test_second_round.py k28)."""
+    item = 8
+    src = np.arange(4 * item, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    native.gate("restarted").set()
+    plain_check = native.check
+
+    def rejecting(bid: int) -> int:
+        if native.entries[bid][0] == "restarted":
+            native.landed.add(bid)
+            return -1
+        return plain_check(bid)
+
+    native.check = rejecting  # type: ignore[method-assign]
+    pump = WritePump(native.submit, rejecting, retry_budget=0.05)
+    w = Waiter()
+    pump.start("restarted", _desc(src, dst, item, [0, 1, 2, 3], [0, 1, 2, 3]), None, w)
+    error = w.wait()
+    assert isinstance(error, TransportError) and "rc=-1" in str(error)
+    assert not dst.any()
+    pump.close(5)
+
+
 def test_hook_numbers_sub_batches_once_and_retries_them(native: FakeNative) -> None:
     item = 8
     src = np.arange(10 * item, dtype=np.uint8)
