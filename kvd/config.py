@@ -197,12 +197,13 @@ class Settings(BaseSettings):
         help="missed heartbeats before a prefill's rooms fail")
     transfer_threads: int = _setting(
         1, ge=1, le=64, unit="threads", validation_alias=_env("transfer_threads"),
-        help="accepted for SGLang compatibility (THREAD_POOL_SIZE) and ignored: each "
-             "destination has its own transfer thread, so a frozen decode stalls no other")
+        help="accepted for SGLang compatibility (THREAD_POOL_SIZE) and ignored: one pump "
+             "thread drives every Mooncake destination without blocking on any, so a frozen "
+             "decode stalls no other")
     transfer_queue_size: int = _setting(
         4, ge=1, validation_alias=_env("transfer_queue_size"),
-        help="writes handed to one destination's transfer thread at once (others wait on "
-             "the loop)")
+        help="local backend: writes handed to one destination's copy thread at once (others "
+             "wait on the loop); Mooncake writes are bounded per destination in entries")
     max_batch_entries: int = _setting(
         512, ge=1, le=1024, unit="descriptors",
         help="descriptors per Mooncake batch call (the TCP transport refuses > 1024)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import time
@@ -161,23 +162,44 @@ class Core:
             box.task = self.spawn(self._drain(box), f"outbox-{endpoint}")
 
     async def _drain(self, box: Outbox) -> None:
+        """Send what is queued for one peer, in order: everything queued when the previous
+        send returned leaves as ONE frame (a :class:`~kvd.protocol.control.Batch` of up to
+        ``MAX_BATCH``, split where the recipient instance changes, see :meth:`_batch`), so
+        a busy peer costs one seal and one send per batch, not per room."""
         try:
             while box.queue:
-                msg, instance, _ = box.queue[0]
+                instance = box.queue[0][1]
+                n, frame = self._batch(box, instance)
                 try:
-                    await self.control.send(box.endpoint, control.encode(msg), instance)
+                    await self.control.send(box.endpoint, frame, instance)
                 except PeerSendError as exc:
                     log.warning("%s (%d queued messages dropped)", exc, len(box.queue),
                                 extra=fields(peer=box.endpoint))
                     self.events.peer_error(box.endpoint, str(exc))
                     self._fail_queue(box, str(exc))
                     return
-                box.queue.popleft()
+                for _ in range(n):
+                    box.queue.popleft()
         finally:
             self._fail_queue(box, f"control send to {box.endpoint} abandoned (kvd stopping)")
             box.task = None
             if self.outboxes.get(box.endpoint) is box:
                 del self.outboxes[box.endpoint]
+
+    def _batch(self, box: Outbox, instance: str | None) -> tuple[int, bytes]:
+        """``(n, frame)``: the first ``n`` messages of ``box`` as one frame -- those sealed
+        for the same ``instance`` (one seal per frame), at most ``MAX_BATCH``, and no more
+        than fit in ``max_frame_bytes`` (a batch of long page lists is split)."""
+        msgs: list[ControlMessage] = []
+        for msg, inst, _ in itertools.islice(box.queue, control.MAX_BATCH):
+            if inst != instance:
+                break
+            msgs.append(msg)
+        frame = control.encode_many(msgs)
+        while len(msgs) > 1 and len(frame) > self.settings.max_frame_bytes:
+            msgs = msgs[:len(msgs) // 2]
+            frame = control.encode_many(msgs)
+        return len(msgs), frame
 
     @staticmethod
     def _fail_queue(box: Outbox, reason: str) -> None:

@@ -30,7 +30,7 @@ from kvd.config import Settings, read_secret
 from kvd.control.inbound import Misaddressed
 from kvd.control.peers import ControlPlane
 from kvd.core import Core, http_client
-from kvd.engine_rpc.server import Connection, EngineRpcServer
+from kvd.engine_rpc.server import LATER, Connection, EngineRpcServer
 from kvd.errors import ConfigError, RegistrationError, RoomError
 from kvd.memory import Importer
 from kvd.protocol import rpc
@@ -146,7 +146,7 @@ class Daemon:
         elif s.serve_bootstrap and s.bootstrap_addr is None:
             s.bootstrap_addr = join_hostport(s.http_host, self.http_server.port)
         self.rpc_server = EngineRpcServer(s.engine_socket, self.dispatch, s.max_frame_bytes,
-                                          s.engine_socket_group)
+                                          s.engine_socket_group, self.dispatch_now)
         await self.rpc_server.start()
 
     def app(self, with_route: bool = True) -> FastAPI:
@@ -285,14 +285,28 @@ class Daemon:
     async def dispatch(self, call: rpc.Call, conn: Connection) -> Any:
         """Run one engine call; kvd errors propagate to the RPC server as error replies."""
         assert self.core is not None and self.side is not None
-        side = self.side
         match call:
             case rpc.RegisterKV():
                 return await self._register(call, conn)
+            case rpc.Wait():
+                return await self.side.wait(call.rooms, call.timeout, call.any_done)
+            case rpc.Release():
+                if conn.id == self.engine_conn:
+                    self.engine_conn = None
+                    await self._release_now()
+                return None
+        return self.dispatch_now(call, conn)
+
+    def dispatch_now(self, call: rpc.Call, conn: Connection) -> Any:
+        """The calls answered without awaiting (the RPC server's fast path); returns
+        :data:`~kvd.engine_rpc.server.LATER` for the others (:meth:`dispatch`)."""
+        assert self.core is not None and self.side is not None
+        side = self.side
+        match call:
+            case rpc.RegisterKV() | rpc.Wait() | rpc.Release():
+                return LATER
             case rpc.Poll():
                 return side.poll(call.rooms)
-            case rpc.Wait():
-                return await side.wait(call.rooms, call.timeout, call.any_done)
             case rpc.Info():
                 return self.health()
             case rpc.Abort():
@@ -300,11 +314,6 @@ class Daemon:
                 return None
             case rpc.Clear():
                 side.clear(call.room)
-                return None
-            case rpc.Release():
-                if conn.id == self.engine_conn:
-                    self.engine_conn = None
-                    await self._release_now()
                 return None
         if self.draining and isinstance(call, rpc.SenderCreate | rpc.ReceiverCreate):
             raise RoomError(f"room {call.room}: kvd is draining (shutting down); "

@@ -12,6 +12,7 @@ import asyncio
 import ctypes
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +25,12 @@ from kvd.protocol import control, rpc
 from kvd.protocol.codec import unpack_indices
 from kvd.rooms.effects import Effect, Report, Write, WriteDest
 from kvd.rooms.sender import Limits, RankPosition, SenderRooms
-from kvd.rooms.state import FailureKind, KVPoll, RoomFailure
+from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
 from kvd.side import RoomView, Side, Snapshot, not_available
 from kvd.transfer.backends.base import PeerAttach
 from kvd.transfer.kvargs import RankArgs
-from kvd.transfer.layout import RankLayout, check_coverage, check_pair, plan_transfer
+from kvd.transfer.layout import PairPlan, RankLayout, check_coverage, check_pair
 from kvd.transfer.plan import Descriptors, check_plan_bounds, plan_aux
 
 log = logging.getLogger("kvd.prefill")
@@ -58,6 +59,7 @@ class PrefillSide(Side):
         self._registrations: dict[str, control.RegisterRank] = {}
         self._sessions: dict[str, str] = {}  # decode endpoint -> its transfer address
         self._layout: RankLayout | None = None
+        self._pairs: dict[str, PairPlan] = {}  # decode endpoint -> its planning constants
         self._writes: set[asyncio.Task[None]] = set()
         self.failing_sessions: dict[str, int] = {}
         self.bootstrap_registered = False
@@ -89,6 +91,28 @@ class PrefillSide(Side):
             return None
         done = p.status in (KVPoll.Success, KVPoll.Failed)
         return RoomView(p.status, p.failure, True, (p.nbytes, p.seconds) if done else None)
+
+    def poll(self, rooms: Iterable[int]) -> rpc.PollResult:
+        """Like :meth:`Side.poll` (same answer), in one loop over the machine's table."""
+        rooms = list(rooms)
+        table = self.rooms.rooms
+        statuses: list[int] = []
+        reasons: dict[int, str] = {}
+        kinds: dict[int, str] = {}
+        stats: dict[int, tuple[int, float]] = {}
+        for room in rooms:
+            r = table.get(room)
+            if r is None:
+                statuses.append(UNKNOWN_ROOM)
+                continue
+            status = r.status
+            statuses.append(status.value)
+            if status is KVPoll.Success or status is KVPoll.Failed:
+                stats[room] = (r.nbytes, r.seconds)
+            if r.failure is not None:
+                reasons[room], kinds[room] = r.failure.reason, r.failure.kind.value
+        return rpc.PollResult(statuses=statuses, reasons=reasons, kinds=kinds, stats=stats,
+                              releasable=rooms)  # a prefill never holds pages back
 
     def abort(self, room: int, reason: str, bootstrap_addr: str | None = None,
               dp_rank: int | None = None) -> None:
@@ -177,6 +201,7 @@ class PrefillSide(Side):
     def forget_peer(self, endpoint: str) -> None:
         super().forget_peer(endpoint)
         self._registrations.pop(endpoint, None)
+        self._pairs.pop(endpoint, None)
         session = self._sessions.pop(endpoint, None)
         if session is not None:
             self.core.spawn(self._detach_later(session), f"detach-{session}")
@@ -252,8 +277,7 @@ class PrefillSide(Side):
             return Descriptors.empty()
         peer: PeerPlan = d.peer
         local = self._local()
-        desc = plan_transfer(self._local_layout(), peer.layout, eff.src_pages[d.src_from:],
-                             d.dst_pages)
+        desc = self._pair(d.endpoint, peer).plan(eff.src_pages[d.src_from:], d.dst_pages)
         s, ranks = self.core.settings, self.core.position()
         last_stage = ranks.pp_rank == ranks.pp_size - 1  # only the last stage has outputs
         if eff.is_last and last_stage and s.aux_transport == "mooncake" and \
@@ -262,6 +286,14 @@ class PrefillSide(Side):
                                         eff.aux_index, d.aux_index))
         check_plan_bounds(desc, local.regions, peer.args.regions, f"room {eff.room}")
         return desc
+
+    def _pair(self, endpoint: str, peer: PeerPlan) -> PairPlan:
+        """The pair's planning constants (kept while both layouts are the same objects)."""
+        local = self._local_layout()
+        pair = self._pairs.get(endpoint)
+        if pair is None or pair.src is not local or pair.dst is not peer.layout:
+            pair = self._pairs[endpoint] = PairPlan.of(local, peer.layout)
+        return pair
 
     def _session_failed(self, dests: tuple[WriteDest, ...]) -> None:
         """A failed write is evidence against its session, not a verdict: no blacklist."""

@@ -13,9 +13,17 @@ from kvd.protocol import rpc
 from kvd.protocol.codec import pack_indices
 from kvd.rooms import UNKNOWN_ROOM, KVPoll
 
+#: KVPoll by value (index), for turning many statuses into enums without a call each.
+_BY_VALUE: tuple[KVPoll, ...] = tuple(sorted(KVPoll, key=int))
+
 
 def _status(value: int) -> KVPoll | int:
-    return KVPoll(value) if value != UNKNOWN_ROOM else UNKNOWN_ROOM
+    return _BY_VALUE[value] if value != UNKNOWN_ROOM else UNKNOWN_ROOM
+
+
+def _statuses(values: list[int]) -> list[KVPoll | int]:
+    by = _BY_VALUE
+    return [by[v] if v >= 0 else UNKNOWN_ROOM for v in values]
 
 
 def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
@@ -28,7 +36,7 @@ def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
         result: rpc.PollResult = client.call(rpc.Poll(rooms=list(rooms)))
     except KvdUnreachable:
         return [KVPoll.Failed] * len(rooms)
-    return [_status(s) for s in result.statuses]
+    return _statuses(result.statuses)
 
 
 def wait_many(client: KvdClient, rooms: list[int], timeout: float) -> list[KVPoll | int]:
@@ -38,7 +46,7 @@ def wait_many(client: KvdClient, rooms: list[int], timeout: float) -> list[KVPol
         result = client.wait(list(rooms), timeout)
     except KvdUnreachable:
         return [KVPoll.Failed] * len(rooms)
-    return [_status(s) for s in result.statuses]
+    return _statuses(result.statuses)
 
 
 class _Room:

@@ -15,13 +15,16 @@ from kvd.errors import KvdError, KvdUnreachable, ProtocolError
 from kvd.protocol import rpc
 
 
-def _error_from_reply(reply: rpc.Reply) -> Exception:
+def _error_from_reply(reply: rpc.Reply | rpc.RawReply) -> Exception:
     return rpc.error_from(reply.kind, reply.error)
 
 
 #: Typed results of the calls that have one (the others answer None or a dict).
 RESULT_TYPES: dict[type, type] = {rpc.Poll: rpc.PollResult, rpc.Wait: rpc.PollResult,
                                   rpc.RegisterKV: rpc.RegisterResult}
+_DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {
+    t: msgspec.msgpack.Decoder(t, strict=False) for t in set(RESULT_TYPES.values())}
+_ANY = msgspec.msgpack.Decoder()
 
 #: A server-side wait never runs longer than this fraction of the client's timeout:
 #: a long ``wait`` is several calls, never a transport timeout (K27).
@@ -53,6 +56,7 @@ class KvdClient:
         self._next_id = 0
         self._registration: rpc.RegisterKV | None = None
         self._replay = False
+        self._rbuf = bytearray()
         self.reconnects = 0
 
     def _connect(self) -> socket.socket:
@@ -74,12 +78,12 @@ class KvdClient:
             return self.wait(call.rooms, call.timeout, call.any_done)
         if isinstance(call, rpc.RegisterKV) and not call.engine_id:
             call = msgspec.structs.replace(call, engine_id=self.engine_id)
+        kind = RESULT_TYPES.get(type(call))
         with self._lock:
-            result = self._exchange(call)
+            result = self._exchange(call, kind)
             if isinstance(call, rpc.RegisterKV):
                 self._registration, self._replay = call, False
-        kind = RESULT_TYPES.get(type(call))
-        return msgspec.convert(result, kind, strict=False) if kind is not None else result
+        return result
 
     def wait(self, rooms: list[int], timeout: float, any_done: bool = False) -> rpc.PollResult:
         """``Wait`` for up to ``timeout`` s (until every room ended, or with ``any_done``
@@ -90,33 +94,34 @@ class KvdClient:
             remaining = deadline - time.monotonic()
             chunk = max(min(remaining, self.timeout * WAIT_SHARE), 0.0)
             with self._lock:
-                raw = self._exchange(rpc.Wait(rooms=list(rooms), timeout=chunk,
-                                              any_done=any_done))
-            result = msgspec.convert(raw, rpc.PollResult, strict=False)
+                result = self._exchange(rpc.Wait(rooms=list(rooms), timeout=chunk,
+                                                 any_done=any_done), rpc.PollResult)
             pending = _pending(rooms, result)
             done = pending < len(rooms) if any_done else pending == 0
             if remaining <= chunk or done:
                 return result
 
-    def _exchange(self, call: rpc.Call) -> Any:
-        """One call, registering again first after a reconnect. A connection that was
-        already open and turns out dead (kvd restarted since) is retried once on a fresh
-        one: the old daemon is gone, so the new one has not seen the request."""
+    def _exchange(self, call: rpc.Call, kind: type | None) -> Any:
+        """One call (its result decoded as ``kind``, None: plain), registering again first
+        after a reconnect. A connection that was already open and turns out dead (kvd
+        restarted since) is retried once on a fresh one: the old daemon is gone, so the
+        new one has not seen the request."""
         for attempt in (0, 1):
             reused = self._sock is not None
             try:
                 if self._replay and self._registration is not None and \
                         not isinstance(call, rpc.RegisterKV):
-                    self._roundtrip(self._registration)
+                    self._roundtrip(self._registration, None)
                     self.reconnects += 1
                     self._replay = False
-                return self._roundtrip(call)
+                return self._roundtrip(call, kind)
             except KvdUnreachable:
                 if not reused or attempt:
                     raise
         raise AssertionError("unreachable")
 
-    def _roundtrip(self, call: rpc.Call) -> Any:
+    def _roundtrip(self, call: rpc.Call, kind: type | None) -> Any:
+        """One request and its reply; the result decoded as ``kind`` (None: plain)."""
         self._next_id += 1
         req_id = self._next_id
         try:
@@ -128,7 +133,7 @@ class KvdClient:
                 sock.sendall(data[sent:])
             else:
                 sock.sendall(data)
-            reply = rpc.decode_reply(self._read_frame(sock))
+            reply = rpc.decode_raw_reply(self._read_frame(sock))
         except OSError as exc:
             self._drop()
             raise KvdUnreachable(f"kvd unreachable at {self.path}: {exc}",
@@ -140,19 +145,33 @@ class KvdClient:
             raise ProtocolError(f"reply id {reply.id} does not match request {req_id}")
         if not reply.ok:
             raise _error_from_reply(reply)
-        return reply.result
+        try:
+            return (_DECODERS[kind] if kind is not None else _ANY).decode(reply.result)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"malformed {getattr(kind, '__name__', 'reply')}: "
+                                f"{exc}") from exc
 
     def _drop(self) -> None:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._rbuf.clear()
         self._replay = self._registration is not None
 
-    @staticmethod
-    def _read_frame(sock: socket.socket) -> bytes:
-        header = _recv_exact(sock, rpc.LENGTH.size)
-        (length,) = rpc.LENGTH.unpack(header)
-        return _recv_exact(sock, length)
+    def _read_frame(self, sock: socket.socket) -> bytes:
+        """The next reply frame: usually ONE ``recv`` for header and body."""
+        buf, size = self._rbuf, rpc.LENGTH.size
+        while True:
+            if len(buf) >= size:
+                (length,) = rpc.LENGTH.unpack_from(buf)
+                if len(buf) >= size + length:
+                    frame = bytes(buf[size:size + length])
+                    del buf[:size + length]
+                    return frame
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                raise ConnectionError("kvd closed the connection")
+            buf += chunk
 
     def interrupt(self) -> None:
         """From another thread: end the call in progress on this connection now (it raises
@@ -170,18 +189,8 @@ class KvdClient:
         with self._lock:
             if self._sock is not None and self._registration is not None:
                 with contextlib.suppress(KvdError):
-                    self._roundtrip(rpc.Release())
+                    self._roundtrip(rpc.Release(), None)
             self._drop()
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("kvd closed the connection")
-        buf += chunk
-    return bytes(buf)
 
 
 def _pending(rooms: list[int], result: rpc.PollResult) -> int:

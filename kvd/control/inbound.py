@@ -4,8 +4,9 @@ Case S02: one process sending tiny frames to the control port froze the daemon,
 because the receive loop awaited one frame at a time and an await on a frame that
 is already there never yields to the event loop. Here the loop:
 
-1. waits until the socket is readable, then reads at most ``batch`` frames (or
-   ``budget_s`` seconds' worth) without awaiting, and yields to the event loop
+1. waits until the socket is readable, then reads at most ``batch`` frames or
+   messages (a ``Batch`` frame counts its messages; or ``budget_s`` seconds' worth)
+   without awaiting, and yields to the event loop
    after every batch — HTTP, the engine RPC, heartbeats and timers get a turn
    however fast frames arrive;
 2. names the source of every frame by its ZMQ connection: the control socket is a
@@ -17,7 +18,8 @@ is already there never yields to the event loop. Here the loop:
    unauthenticated frames after the O(1) seal check (:meth:`Authenticator.open`)
    and before any parsing; a source whose unauthenticated frames exceed its
    :class:`SourceLimiter` budget goes into the penalty box;
-4. decodes what is left with the versioned codec. A frame that a holder of the
+4. decodes what is left with the versioned codec (a ``Batch`` frame, one seal over
+   several messages, yields each of them in order). A frame that a holder of the
    secret sealed for another instance (this daemon restarted since the sender
    looked it up, or a replay to another server) is not a message to act on: it is
    handed on as :class:`Misaddressed`, which the daemon only counts (it never
@@ -162,13 +164,15 @@ class Admission:
         self.stats = InboundStats()
         self._logged: set[str] = set()
 
-    def admit(self, source: bytes, frame: bytes, single: bool = True) -> Received | None:
-        """The message in ``frame`` from connection ``source``, or None (counted) if it
-        is dropped; ``single``: the frame was a one-part message."""
+    def admit(self, source: bytes, frame: bytes, single: bool = True) -> list[Received]:
+        """The messages in ``frame`` from connection ``source`` (one, or a
+        :class:`~kvd.protocol.control.Batch`'s in order: the whole batch is one sealed
+        frame, admitted or dropped as one), or none (counted) if it is dropped;
+        ``single``: the frame was a one-part message. Counts are per frame."""
         self.stats.received += 1
         if self.limiter.blocked(source):
             self.stats.penalized += 1
-            return None
+            return []
         try:
             if not single:
                 raise AuthError("multi-part message (a control frame is one part)")
@@ -176,25 +180,25 @@ class Admission:
         except WrongRecipient as exc:
             self._refused(source, exc)
             if exc.frame is None:
-                return None
+                return []
             self.stats.misaddressed += 1
             return self._decode(exc.frame, exc.sent_at, misaddressed=True)
         except AuthError as exc:
             self._refused(source, exc)
-            return None
+            return []
         return self._decode(opened.frame, opened.sent_at)
 
     def _decode(self, frame: bytes, sent_at: float, misaddressed: bool = False
-                ) -> Received | None:
+                ) -> list[Received]:
         try:
-            msg = control.decode(frame, self.max_frame)
+            msgs = control.decode_many(frame, self.max_frame)
         except ProtocolError as exc:
             self.stats.protocol_errors += 1
             log.warning("dropped control frame: %s", exc)
-            return None
+            return []
         if not misaddressed:
             self.stats.accepted += 1
-        return Received(msg, sent_at, misaddressed)
+        return [Received(msg, sent_at, misaddressed) for msg in msgs]
 
     def _refused(self, source: bytes, exc: AuthError) -> None:
         self.stats.auth_failures += 1
@@ -217,8 +221,9 @@ class Admission:
 class Inbound(Admission):
     """Reads one ROUTER socket in bounded batches and yields authenticated messages.
 
-    ``batch`` (frames) and ``budget_s`` (seconds) bound the work between two yields
-    to the event loop; ``max_frame`` (bytes) bounds a decoded frame.
+    ``batch`` (frames, and messages: see :meth:`read_batch`) and ``budget_s`` (seconds)
+    bound the work between two yields to the event loop; ``max_frame`` (bytes) bounds a
+    decoded frame.
     """
 
     def __init__(self, sock: zmq.asyncio.Socket, auth: Authenticator, max_frame: int,
@@ -240,17 +245,21 @@ class Inbound(Admission):
             await asyncio.sleep(0)  # the point of the batch: let everything else run
 
     def read_batch(self) -> list[Received]:
-        """Read what is there, up to the batch bounds, without blocking."""
+        """Read what is there, up to the batch bounds, without blocking: at most ``batch``
+        frames, and no further frame once ``batch`` messages were read (a Batch frame counts
+        its messages, so one read hands the loop at most ``batch - 1 + MAX_BATCH``), nor
+        once ``budget_s`` passed (checked every 32 frames, and after each Batch frame)."""
         out: list[Received] = []
         deadline = time.perf_counter() + self.budget_s
         for i in range(self.batch):
             parts = self._recv()
             if parts is None:
                 break
-            msg = self.admit(*parts)
-            if msg is not None:
-                out.append(msg)
-            if i % 32 == 31 and time.perf_counter() > deadline:
+            got = self.admit(*parts)
+            out += got
+            if len(out) >= self.batch:
+                break
+            if (i % 32 == 31 or len(got) > 1) and time.perf_counter() > deadline:
                 break
         return out
 

@@ -7,8 +7,13 @@ owns the path, its mode and its lifetime, and the engine's connections queue in 
 backlog while kvd (re)starts.
 
 Each connection carries length-prefixed frames (:mod:`kvd.protocol.rpc`).
-Requests on one connection are answered in order. The server reads with
-``socket.recv_fds`` (a plain ``recv``, or an asyncio stream, drops descriptors):
+Requests on one connection are answered in order. A connection has one reader
+callback for its life (no ``add_reader``/``remove_reader`` per request); calls the
+daemon can answer at once (``dispatch_now``: polls, engine room calls) are answered
+from that callback with a plain non-blocking ``send``, without a task or a
+coroutine; the others (``Wait``, registration) run as a task while the connection's
+reading pauses, so answers stay in order. The server reads with
+``socket.recvmsg`` (a plain ``recv``, or an asyncio stream, drops descriptors):
 descriptors sent with ``SCM_RIGHTS`` belong to the request whose bytes carried them,
 are handed to the call (``fd`` memory handles), and are closed after its reply.
 More than :data:`~kvd.protocol.rpc.MAX_FDS` at once close the connection. A kvd error becomes a
@@ -20,6 +25,7 @@ resynchronised).
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import grp
@@ -41,6 +47,7 @@ from kvd.protocol import rpc
 log = logging.getLogger(__name__)
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_FD = array.array("i")
 
 
 def _group_id(name: str) -> int:
@@ -87,6 +94,9 @@ def inherited_socket(path: Path) -> socket.socket | None:
 
 
 Dispatch = Callable[[rpc.Call, "Connection"], Awaitable[Any]]
+#: ``dispatch_now(call, conn)``: the result at once, or :data:`LATER` for ``dispatch``.
+DispatchNow = Callable[[rpc.Call, "Connection"], Any]
+LATER = object()
 
 
 class Connection:
@@ -101,50 +111,144 @@ class Connection:
         self.on_close: list[Callable[[], None]] = []
 
 
-class _FdStream:
-    """Length-prefixed frames from a non-blocking Unix socket, with their descriptors."""
+_ANC_SPACE = socket.CMSG_LEN(rpc.MAX_FDS * _FD.itemsize)
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
+
+def _fds_of(anc: list[tuple[int, int, bytes]]) -> list[int]:
+    """Descriptors passed with SCM_RIGHTS in ``recvmsg`` ancillary data."""
+    fds: list[int] = []
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[:len(data) - len(data) % arr.itemsize])
+            fds += arr
+    return fds
+
+
+class _Link:
+    """One connection's reading, answering and writing, driven by one reader callback."""
+
+    def __init__(self, server: EngineRpcServer, sock: socket.socket, conn: Connection) -> None:
+        self.server, self.sock, self.conn = server, sock, conn
+        self.loop = asyncio.get_running_loop()
+        self.fd = sock.fileno()
         self.buf = bytearray()
         self.fds: list[int] = []
+        self.busy = False  # a call or a write is being awaited: do not read ahead
+        self.closed: asyncio.Future[None] = self.loop.create_future()
+        self.task: asyncio.Task[None] | None = None
 
-    async def _fill(self) -> None:
-        loop = asyncio.get_running_loop()
+    def start(self) -> None:
+        self.loop.add_reader(self.fd, self._readable)
+
+    def _readable(self) -> None:
         while True:
-            try:
-                data, fds, flags, _ = socket.recv_fds(self.sock, 1 << 16, rpc.MAX_FDS)
-            except BlockingIOError:
-                ready = loop.create_future()
-                loop.add_reader(self.sock.fileno(), ready.set_result, None)
-                try:
-                    await ready
-                finally:
-                    loop.remove_reader(self.sock.fileno())
-                continue
-            self.fds += fds
+            try:  # recvmsg itself: socket.recv_fds costs ~5 us more per call
+                data, anc, flags, _ = self.sock.recvmsg(1 << 16, _ANC_SPACE)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self.close()
+                return
+            if anc:
+                self.fds += _fds_of(anc)
             if flags & socket.MSG_CTRUNC:
-                raise ConnectionError(f"more than {rpc.MAX_FDS} descriptors in one request")
+                log.warning("engine socket: more than %d descriptors in one request; closing",
+                            rpc.MAX_FDS)
+                self.close()
+                return
             if not data:
-                raise asyncio.IncompleteReadError(bytes(self.buf), None)
+                self.close()
+                return
             self.buf += data
+            if len(data) < 1 << 16:
+                break
+        self._process()
+
+    def _process(self) -> None:
+        """Answer every complete frame in the buffer (stops while a call is awaited)."""
+        size = rpc.LENGTH.size
+        while not self.busy and not self.closed.done() and len(self.buf) >= size:
+            (length,) = rpc.LENGTH.unpack_from(self.buf)
+            if length > self.server.max_frame:
+                log.warning("engine frame of %d bytes over the limit; closing connection",
+                            length)
+                self.close()
+                return
+            if len(self.buf) < size + length:
+                return
+            frame = bytes(self.buf[size:size + length])
+            del self.buf[:size + length]
+            self.conn.fds, self.fds = self.fds, []
+            reply = self.server.answer_now(frame, self.conn)
+            if reply is None:  # needs the loop: run it as a task, reading paused
+                self._later(frame)
+                return
+            self._done_with_fds()
+            self._send(rpc.encode(reply))
+
+    def _later(self, frame: bytes) -> None:
+        self.busy = True
+        self.loop.remove_reader(self.fd)
+        self.task = self.loop.create_task(self._answer_later(frame))
+
+    async def _answer_later(self, frame: bytes) -> None:
+        try:
+            reply = await self.server.answer(frame, self.conn)
+        finally:
+            self._done_with_fds()
+        await self._write_all(rpc.encode(reply))
+        self._resume()
+
+    def _send(self, data: bytes) -> None:
+        try:
+            sent = self.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self.close()
             return
+        if sent < len(data):  # the socket is full: finish it on the loop, reading paused
+            self.busy = True
+            self.loop.remove_reader(self.fd)
+            self.task = self.loop.create_task(self._finish_write(data[sent:]))
 
-    async def read_exactly(self, n: int) -> bytes:
-        while len(self.buf) < n:
-            await self._fill()
-        out = bytes(self.buf[:n])
-        del self.buf[:n]
-        return out
+    async def _finish_write(self, rest: bytes) -> None:
+        await self._write_all(rest)
+        self._resume()
 
-    def take_fds(self) -> list[int]:
-        fds, self.fds = self.fds, []
-        return fds
+    async def _write_all(self, data: bytes) -> None:
+        try:
+            await self.loop.sock_sendall(self.sock, data)
+        except OSError:
+            self.close()
 
-    def close_fds(self) -> None:
-        for fd in self.take_fds():
+    def _resume(self) -> None:
+        self.busy, self.task = False, None
+        if self.closed.done():
+            return
+        self.loop.add_reader(self.fd, self._readable)
+        self._process()
+
+    def _done_with_fds(self) -> None:
+        for fd in self.conn.fds:  # the call dup'ed what it keeps
             with contextlib.suppress(OSError):
                 os.close(fd)
+        self.conn.fds = []
+
+    def close(self) -> None:
+        if self.closed.done():
+            return
+        with contextlib.suppress(Exception):
+            self.loop.remove_reader(self.fd)
+        self.closed.set_result(None)
+
+    def close_fds(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+        self._done_with_fds()
 
 
 class EngineRpcServer:
@@ -157,9 +261,10 @@ class EngineRpcServer:
     """
 
     def __init__(self, path: Path, dispatch: Dispatch, max_frame: int,
-                 group: str | None = None) -> None:
+                 group: str | None = None, dispatch_now: DispatchNow | None = None) -> None:
         self.path = path
         self.dispatch = dispatch
+        self.dispatch_now = dispatch_now
         self.max_frame = max_frame
         self.gid = _group_id(group) if group else None
         self.refused = 0
@@ -219,13 +324,16 @@ class EngineRpcServer:
             return
         self._next_id += 1
         conn = Connection(self._next_id, pid=creds[0], uid=creds[1])
-        stream = _FdStream(sock)
+        link = _Link(self, sock, conn)
         try:
-            await self._loop_frames(stream, sock, conn)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass
+            link.start()
+            await link.closed
         finally:
-            stream.close_fds()
+            link.close()
+            if link.task is not None and not link.task.done():
+                link.task.cancel()
+                await asyncio.gather(link.task, return_exceptions=True)
+            link.close_fds()
             for cb in conn.on_close:
                 try:
                     cb()
@@ -247,27 +355,35 @@ class EngineRpcServer:
         log.warning("engine socket: refused connection from pid %d uid %d", pid, uid)
         return None
 
-    async def _loop_frames(self, stream: _FdStream, sock: socket.socket,
-                           conn: Connection) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            header = await stream.read_exactly(rpc.LENGTH.size)
-            (length,) = rpc.LENGTH.unpack(header)
-            if length > self.max_frame:
-                log.warning("engine frame of %d bytes over the limit; closing connection", length)
-                return
-            frame = await stream.read_exactly(length)
-            conn.fds = stream.take_fds()
-            try:
-                reply = await self._answer(frame, conn)
-            finally:
-                for fd in conn.fds:  # the call dup'ed what it keeps
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-                conn.fds = []
-            await loop.sock_sendall(sock, rpc.encode(reply))
+    def answer_now(self, frame: bytes, conn: Connection) -> rpc.Reply | None:
+        """The reply to ``frame`` if the daemon answers it at once; None: use :meth:`answer`."""
+        try:
+            req = rpc.decode_request(frame, self.max_frame)
+        except ProtocolError as exc:
+            log.warning("malformed engine frame: %s", exc)
+            return rpc.Reply(id=0, ok=False, error=str(exc), kind="ProtocolError")
+        if self.dispatch_now is None:
+            return None
+        try:
+            rpc.check_fd_indices(req.call, len(conn.fds))
+            context = message_context(req.call)  # as in answer(); a poll has none
+            if context:
+                with log_context(**context):
+                    result = self.dispatch_now(req.call, conn)
+            else:
+                result = self.dispatch_now(req.call, conn)
+        except KvdError as exc:
+            return rpc.Reply(id=req.id, ok=False, error=str(exc), kind=rpc.error_kind(exc))
+        except Exception as exc:
+            log.exception("engine call %s failed", type(req.call).__name__)
+            return rpc.Reply(id=req.id, ok=False, error=f"internal error: {exc}",
+                             kind="InternalError")
+        if result is LATER:
+            return None
+        return rpc.Reply(id=req.id, ok=True, result=result)
 
-    async def _answer(self, frame: bytes, conn: Connection) -> rpc.Reply:
+    async def answer(self, frame: bytes, conn: Connection) -> rpc.Reply:
+        """The reply to ``frame``, awaiting the daemon's ``dispatch``."""
         try:
             req = rpc.decode_request(frame, self.max_frame)
         except ProtocolError as exc:

@@ -18,6 +18,8 @@ Version history:
       RegisterKV carry ``fused_kv`` (one MHA buffer per layer, K and V side by side);
       RegisterKV carries the engine's ``ranks`` (attention TP/DP, PP). A v2 prefill
       would ignore ``first_page`` and write pages the decode did not ask for.
+  4 — control: ``Batch`` carries several room messages for one peer in one frame (one
+      seal, one ZMQ send); a sender batches what is queued for a peer, in order.
 
 Control frames travel inside an authentication seal versioned on its own
 (:data:`kvd.security.SEAL_VERSION`, checked before this frame is parsed):
@@ -38,7 +40,7 @@ import numpy.typing as npt
 from kvd.errors import ProtocolError
 
 MAGIC = b"KVD"
-VERSION = 3
+VERSION = 4
 HEADER_LEN = len(MAGIC) + 1
 #: Default upper bound on a frame (bytes); daemons pass their configured limit.
 DEFAULT_MAX_FRAME = 64 << 20

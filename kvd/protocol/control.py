@@ -4,7 +4,8 @@ Flow for room R (equal names to SGLang's connector where they exist):
 decode kvd -> prefill kvd: :class:`RegisterRank` once per (decode rank,
 prefill rank), then :class:`RoomPages` per room and :class:`RoomAbort` when the
 decode ends a room; prefill kvd -> decode kvd: :class:`RoomStatus` when the room
-ends (and again, quiesced, once a write in flight returned).
+ends (and again, quiesced, once a write in flight returned). Messages queued for one
+peer travel together in a :class:`Batch` frame.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TypeAlias
 
 import msgspec
 
+from kvd.errors import ProtocolError
 from kvd.protocol import codec
 from kvd.protocol.memory import ExportedPool
 
@@ -125,14 +127,49 @@ class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):
 
 ControlMessage: TypeAlias = RegisterRank | RoomPages | RoomStatus | RoomAbort
 
-_decoder: msgspec.msgpack.Decoder[ControlMessage] = msgspec.msgpack.Decoder(ControlMessage)
+#: Most messages one :class:`Batch` may carry (a longer one is malformed).
+MAX_BATCH = 256
 
 
-def encode(msg: ControlMessage) -> bytes:
-    """One versioned frame for ``msg``."""
+class Batch(msgspec.Struct, tag="batch", frozen=True):
+    """Several messages to one peer in one frame, in the order they were queued (wire
+    version 4). A batch never nests and carries at most :data:`MAX_BATCH` messages."""
+
+    messages: list[ControlMessage]
+
+
+Frame: TypeAlias = ControlMessage | Batch
+
+_decoder: msgspec.msgpack.Decoder[Frame] = msgspec.msgpack.Decoder(Frame)
+
+
+def encode(msg: ControlMessage | Batch) -> bytes:
+    """One versioned frame for ``msg`` (a message or a :class:`Batch`)."""
     return codec.encode(msg)
 
 
+def encode_many(msgs: list[ControlMessage]) -> bytes:
+    """One frame for ``msgs``: the message itself when there is one, else a Batch."""
+    if len(msgs) == 1:
+        return codec.encode(msgs[0])
+    return codec.encode(Batch(messages=msgs))
+
+
+def decode_many(data: bytes, max_frame: int = codec.DEFAULT_MAX_FRAME) -> list[ControlMessage]:
+    """The messages of a control frame (one, or a Batch's, in order); raises
+    :class:`~kvd.errors.ProtocolError`."""
+    msg = codec.decode(data, _decoder, max_frame)
+    if isinstance(msg, Batch):
+        if len(msg.messages) > MAX_BATCH:
+            raise ProtocolError(f"batch of {len(msg.messages)} messages exceeds {MAX_BATCH}")
+        return msg.messages
+    return [msg]
+
+
 def decode(data: bytes, max_frame: int = codec.DEFAULT_MAX_FRAME) -> ControlMessage:
-    """Parse a control frame; raises :class:`~kvd.errors.ProtocolError`."""
-    return codec.decode(data, _decoder, max_frame)
+    """Parse a control frame holding ONE message; raises :class:`~kvd.errors.ProtocolError`
+    (also for a Batch: use :func:`decode_many`)."""
+    msg = codec.decode(data, _decoder, max_frame)
+    if isinstance(msg, Batch):
+        raise ProtocolError("a batch where one message was expected")
+    return msg

@@ -181,8 +181,20 @@ class Reply(msgspec.Struct, frozen=True):
     kind: str = ""
 
 
+class RawReply(msgspec.Struct, frozen=True):
+    """A :class:`Reply` whose result is left undecoded (the client decodes it into the
+    call's typed result directly, without an intermediate ``Any`` tree)."""
+
+    id: int
+    ok: bool
+    result: msgspec.Raw = msgspec.Raw(b"\xc0")  # msgpack nil
+    error: str = ""
+    kind: str = ""
+
+
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
+_raw_reply_decoder = msgspec.msgpack.Decoder(RawReply)
 
 
 def encode(msg: Request | Reply) -> bytes:
@@ -199,6 +211,11 @@ def decode_request(frame: bytes, max_frame: int = codec.DEFAULT_MAX_FRAME) -> Re
 def decode_reply(frame: bytes, max_frame: int = codec.DEFAULT_MAX_FRAME) -> Reply:
     """Parse one reply frame (without its length prefix); raises ProtocolError."""
     return codec.decode(frame, _reply_decoder, max_frame)
+
+
+def decode_raw_reply(frame: bytes, max_frame: int = codec.DEFAULT_MAX_FRAME) -> RawReply:
+    """Parse one reply frame leaving ``result`` raw; raises ProtocolError."""
+    return codec.decode(frame, _raw_reply_decoder, max_frame)
 
 
 def number_fds(call: Call) -> tuple[Call, list[int]]:

@@ -1,8 +1,14 @@
-"""Runs blocking transfer-backend writes off the loop: one thread per destination.
+"""Runs transfer-backend writes off the loop.
 
-Each destination session gets its own single-thread executor, created on
-first use, so one session's writes stay in order and a slow or frozen
-destination delays only the rooms that go to it — whatever the number of
+Backends that start writes without a thread (:class:`~kvd.transfer.backends.base.
+StartWrite`: ``mooncake``, driven by :class:`~kvd.transfer.pump.WritePump`) are called
+directly: the write is started from the loop and its completion comes back through
+``call_soon_threadsafe``; the pump bounds what is in flight per destination and a
+frozen destination holds no shared thread (K24).
+
+For blocking backends (``local``, ``fake``) each destination session gets its own
+single-thread executor, created on first use, so one session's writes stay in
+order and a slow or frozen destination delays only the rooms that go to it — whatever the number of
 destinations (case K24: isolation must not depend on hashing peers onto a few
 threads). A session's thread is stopped once it has been idle for
 ``idle_s`` seconds. At most ``queue_size`` writes per session are handed to its
@@ -20,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvd.transfer.backends.base import TransferEngine
+from kvd.transfer.backends.base import StartWrite, TransferEngine
 from kvd.transfer.plan import Descriptors
 
 
@@ -78,6 +84,10 @@ class TransferExecutor:
         raises TransportError from the backend."""
         if len(desc) == 0:
             return
+        engine = self.engine
+        if isinstance(engine, StartWrite) and engine.can_start(session):
+            await self._started(engine, session, desc, deadline)
+            return
         lane = self._lane(session)
         lane.active += 1
         try:
@@ -97,6 +107,25 @@ class TransferExecutor:
             lane.active -= 1
             lane.last_used = time.monotonic()
 
+    async def _started(self, engine: StartWrite, session: str, desc: Descriptors,
+                       deadline: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+
+        def done(error: BaseException | None) -> None:
+            loop.call_soon_threadsafe(_settle, fut, error)
+
+        engine.start_write(session, desc, deadline, done)
+        self.busy += 1
+        try:
+            await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # The entries are still in flight: wait them out before unwinding.
+            await asyncio.wait([fut])
+            raise
+        finally:
+            self.busy -= 1
+
     def shutdown(self) -> None:
         """Wait for running writes, then stop the threads."""
         for lane in self._lanes.values():
@@ -105,3 +134,14 @@ class TransferExecutor:
             pool.shutdown(wait=True)
         self._lanes.clear()
         self._retired.clear()
+        if isinstance(self.engine, StartWrite):  # entries in flight get a bounded wait
+            self.engine.close_writes(5.0)
+
+
+def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:
+    if fut.done():
+        return
+    if error is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(error)

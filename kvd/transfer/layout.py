@@ -335,33 +335,64 @@ def plan_transfer(src: RankLayout, dst: RankLayout, src_pages: npt.ArrayLike,
     bad indices or a range wrapping past 2**64. Page indices are not checked
     against pool sizes: callers run ``check_bounds`` on the result.
     """
-    check_pair(src, dst)
-    sp = as_pages(src_pages, "source page indices")
-    dp = as_pages(dst_pages, "destination page indices")
-    if sp.size != dp.size:
-        raise IndexLengthMismatch(f"index length mismatch {sp.size} vs {dp.size}")
-    s_off, d_off, n_heads = head_overlap(src, dst)
-    if sp.size == 0 or n_heads == 0:
-        return Descriptors.empty()
-    layers = np.arange(src.layer_start, src.layer_end, dtype=np.int64)
-    sb, db = src.buffer_index(layers), dst.buffer_index(layers)
-    s_ptr, d_ptr = src.kv_ptrs[sb], dst.kv_ptrs[db]
-    s_item, d_item = src.item_lens[sb], dst.item_lens[db]
-    _check_no_wrap(s_ptr, s_item, sp, "source")
-    _check_no_wrap(d_ptr, d_item, dp, "destination")
-    if src.is_mla or n_heads == src.num_kv_heads == dst.num_kv_heads:
-        return plan_pages(s_ptr, d_ptr, s_item, d_item, sp, dp, sb, db)
-    head_bytes = src.head_bytes
-    if src.layout == "HND":  # [page][head][token][dim]: the slice is one run per page
-        run = src.page_size * head_bytes
-        s_in, d_in = np.array([s_off * run], dtype=U64), np.array([d_off * run], dtype=U64)
-        return _strided((s_ptr, s_item, sp, s_in), (d_ptr, d_item, dp, d_in), n_heads * run,
-                        (sb, db))
-    tokens = np.arange(src.page_size, dtype=U64)  # [page][token][head][dim]: one run per slot
-    s_in = tokens * U64(src.num_kv_heads * head_bytes) + U64(s_off * head_bytes)
-    d_in = tokens * U64(dst.num_kv_heads * head_bytes) + U64(d_off * head_bytes)
-    return _strided((s_ptr, s_item, sp, s_in), (d_ptr, d_item, dp, d_in), n_heads * head_bytes,
-                    (sb, db))
+    return PairPlan.of(src, dst).plan(src_pages, dst_pages)
+
+
+@dataclass(frozen=True)
+class PairPlan:
+    """What :func:`plan_transfer` derives from a (prefill, decode) layout pair alone,
+    computed once per pair: a 1-page room then costs only its per-page arithmetic.
+    :meth:`plan` returns exactly what ``plan_transfer`` does for the same pages."""
+
+    src: RankLayout
+    dst: RankLayout
+    s_off: int
+    d_off: int
+    n_heads: int
+    sb: Pages
+    db: Pages
+    s_ptr: Addrs
+    d_ptr: Addrs
+    s_item: Addrs
+    d_item: Addrs
+
+    @staticmethod
+    def of(src: RankLayout, dst: RankLayout) -> PairPlan:
+        """Raises :class:`RegistrationError` as :func:`check_pair`."""
+        check_pair(src, dst)
+        s_off, d_off, n_heads = head_overlap(src, dst)
+        layers = np.arange(src.layer_start, src.layer_end, dtype=np.int64)
+        sb, db = src.buffer_index(layers), dst.buffer_index(layers)
+        return PairPlan(src, dst, s_off, d_off, n_heads, sb, db, src.kv_ptrs[sb],
+                        dst.kv_ptrs[db], src.item_lens[sb], dst.item_lens[db])
+
+    def plan(self, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike) -> Descriptors:
+        """Descriptors for one chunk (see :func:`plan_transfer`)."""
+        src, dst = self.src, self.dst
+        sp = as_pages(src_pages, "source page indices")
+        dp = as_pages(dst_pages, "destination page indices")
+        if sp.size != dp.size:
+            raise IndexLengthMismatch(f"index length mismatch {sp.size} vs {dp.size}")
+        if sp.size == 0 or self.n_heads == 0:
+            return Descriptors.empty()
+        s_ptr, d_ptr, s_item, d_item = self.s_ptr, self.d_ptr, self.s_item, self.d_item
+        sb, db, n_heads = self.sb, self.db, self.n_heads
+        _check_no_wrap(s_ptr, s_item, sp, "source")
+        _check_no_wrap(d_ptr, d_item, dp, "destination")
+        if src.is_mla or n_heads == src.num_kv_heads == dst.num_kv_heads:
+            return plan_pages(s_ptr, d_ptr, s_item, d_item, sp, dp, sb, db)
+        head_bytes = src.head_bytes
+        if src.layout == "HND":  # [page][head][token][dim]: the slice is one run per page
+            run = src.page_size * head_bytes
+            s_in = np.array([self.s_off * run], dtype=U64)
+            d_in = np.array([self.d_off * run], dtype=U64)
+            return _strided((s_ptr, s_item, sp, s_in), (d_ptr, d_item, dp, d_in),
+                            n_heads * run, (sb, db))
+        tokens = np.arange(src.page_size, dtype=U64)  # [page][token][head][dim]: per slot
+        s_in = tokens * U64(src.num_kv_heads * head_bytes) + U64(self.s_off * head_bytes)
+        d_in = tokens * U64(dst.num_kv_heads * head_bytes) + U64(self.d_off * head_bytes)
+        return _strided((s_ptr, s_item, sp, s_in), (d_ptr, d_item, dp, d_in),
+                        n_heads * head_bytes, (sb, db))
 
 
 _Side = tuple[Addrs, Addrs, Pages, Addrs]

@@ -127,8 +127,7 @@ class LocalControl(Addressing):
 
     async def _received(self, inbound: Admission) -> AsyncIterator[Received]:
         while True:
-            got = inbound.admit(*await self.queue.get())
-            if got is not None:
+            for got in inbound.admit(*await self.queue.get()):  # a Batch: each message
                 yield got
 
     async def send(self, endpoint: str, frame: bytes, instance: str | None = None) -> None:

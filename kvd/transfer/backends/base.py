@@ -73,6 +73,31 @@ def submit_with_retry(submit: Callable[[int], int], budget: float, deadline: flo
     raise AssertionError("unreachable")
 
 
+#: ``done(error)``: a started write returned (error None) or failed (a TransportError).
+WriteDone = Callable[[BaseException | None], None]
+
+
+@runtime_checkable
+class StartWrite(Protocol):
+    """Backends that write without holding a thread per write (``mooncake``, and ``auto``
+    for its mooncake peers).
+
+    ``start_write`` returns at once; ``done(error)`` is called exactly once, from any
+    thread, when every byte of ``desc`` that was handed to the transport has landed or
+    failed -- never while a submitted entry may still land. ``can_start(peer)`` says
+    whether writes to ``peer`` go this way (AutoEngine: not for locally attached peers).
+    """
+
+    def can_start(self, peer_session: str) -> bool: ...
+
+    def start_write(self, peer_session: str, desc: Descriptors, deadline: float | None,
+                    done: WriteDone) -> None: ...
+
+    def close_writes(self, timeout: float | None = None) -> None:
+        """Fail writes not started yet; wait up to ``timeout`` s for those in flight."""
+        ...
+
+
 @runtime_checkable
 class PeerAttach(Protocol):
     """Backends that can write into a same-host peer's imported memory."""

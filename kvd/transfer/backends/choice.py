@@ -16,7 +16,7 @@ from typing import Literal
 from kvd.errors import HandleError, RegistrationError
 from kvd.hostid import same_host
 from kvd.protocol.memory import ExportedPool
-from kvd.transfer.backends.base import TransferEngine
+from kvd.transfer.backends.base import StartWrite, TransferEngine, WriteDone
 from kvd.transfer.backends.local import LocalEngine
 from kvd.transfer.plan import Descriptors
 
@@ -95,6 +95,20 @@ class AutoEngine:
     def detach_peer(self, address: str) -> None:
         self.routes.pop(address, None)
         self.local.detach_peer(address)
+
+    def can_start(self, peer_session: str) -> bool:
+        """Writes to a peer that is not copied locally go through the mooncake pump."""
+        return self.routes.get(peer_session) != "local" and isinstance(self.mooncake,
+                                                                       StartWrite)
+
+    def start_write(self, peer_session: str, desc: Descriptors, deadline: float | None,
+                    done: WriteDone) -> None:
+        assert isinstance(self.mooncake, StartWrite)
+        self.mooncake.start_write(peer_session, desc, deadline, done)
+
+    def close_writes(self, timeout: float | None = None) -> None:
+        if isinstance(self.mooncake, StartWrite):
+            self.mooncake.close_writes(timeout)
 
     def write(self, peer_session: str, desc: Descriptors, deadline: float | None = None) -> None:
         if self.routes.get(peer_session) == "local":

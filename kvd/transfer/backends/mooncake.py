@@ -18,15 +18,22 @@ Facts this module relies on (measured on the CPU machines, see design.md):
 one batch call accepts at most 1024 queued + 1024 waiting entries per peer, so
 writes are split into sub-batches of ``max_batch_entries`` (<= 1024); a refused
 sub-batch may have partly landed, and a retry rewrites the same bytes, which
-is idempotent. The binding releases the GIL; callers run it in an executor.
+is idempotent.
+
+Writes are driven without spinning (:class:`~kvd.transfer.pump.WritePump`): each
+descriptor is one non-blocking ``transfer_submit_write``, polled with
+``transfer_check_status`` from one thread for every destination, with at most
+``per_peer_inflight`` entries in flight per destination. The batch calls
+(``batch_transfer_sync_write``) busy-wait a core per caller and keep one batch in
+flight; they are not used. :meth:`MooncakeEngine.start_write` returns at once and
+calls back; :meth:`MooncakeEngine.write` blocks on the same path.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
-import time
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -35,9 +42,9 @@ from typing import Any
 
 from kvd.addr import format_host
 from kvd.errors import TransportError
-from kvd.transfer.backends.base import submit_with_retry
 from kvd.transfer.backends.bindaddr import pinned_binds
 from kvd.transfer.plan import Descriptors
+from kvd.transfer.pump import Done, WritePump
 
 RDMA_SYSFS = Path("/sys/class/infiniband")
 #: The Mooncake distributions that provide the ``mooncake`` module (install exactly one).
@@ -106,20 +113,26 @@ def build_info() -> dict[str, str]:
 log = logging.getLogger(__name__)
 
 
+#: ``transfer_submit_write`` returns ``(batch_id_t)-1`` (a u64) when it refuses.
+_REFUSED_IDS = 1 << 63
+
+
 class MooncakeEngine:
     """A real Mooncake Transfer Engine, TCP transport, P2P handshake.
 
     Create one per daemon and keep it: destroying an engine takes about 1 s.
-    ``max_batch_entries`` bounds each batch call (<= 1024, the TCP transport's
-    per-peer queue). A refused sub-batch (a full queue answers like a dead peer:
-    rc -1) is retried with backoff from ``retry_backoff`` doubling up to 50 ms,
-    for at most ``retry_budget`` seconds and never past the caller's deadline.
-    ``submit_hook`` (fault injection, tests only) may force a submission's rc.
+    ``max_batch_entries`` is the sub-batch size the fault hook counts in (<= 1024,
+    the TCP transport's per-peer queue); ``per_peer_inflight`` bounds the entries in
+    flight per destination. A refused entry (a full queue answers like a dead peer)
+    is retried with backoff from ``retry_backoff`` doubling up to 50 ms, for at most
+    ``retry_budget`` seconds and never past the caller's deadline.
+    ``submit_hook`` (fault injection, tests only) may force a sub-batch's rc.
     """
 
     def __init__(self, host: str | MooncakeOptions, max_batch_entries: int = 512,
                  retry_budget: float = 1.0, retry_backoff: float = 0.001,
-                 submit_hook: Callable[[str, int, int], int | None] | None = None) -> None:
+                 submit_hook: Callable[[str, int, int], int | None] | None = None,
+                 per_peer_inflight: int = 256) -> None:
         opts = host if isinstance(host, MooncakeOptions) else MooncakeOptions(host)
         self.options = opts
         if opts.protocol == "rdma":
@@ -130,8 +143,20 @@ class MooncakeEngine:
         self.retry_budget = retry_budget
         self.retry_backoff = retry_backoff
         self.submit_hook = submit_hook
-        self._batch_no = itertools.count()
-        self.retried = 0
+        timeout = max(5, int(os.environ.get("MC_TRANSFER_TIMEOUT", "30") or 30))
+        self.pump = WritePump(self._submit_one, self._native.transfer_check_status,
+                              per_peer=per_peer_inflight, batch_entries=max_batch_entries,
+                              retry_budget=retry_budget, retry_backoff=retry_backoff,
+                              timeout_s=float(timeout), hook=submit_hook)
+
+    @property
+    def retried(self) -> int:
+        """Refused or failed submissions that were retried."""
+        return self.pump.retried
+
+    def _submit_one(self, peer: str, src: int, dst: int, length: int) -> int:
+        bid = int(self._native.transfer_submit_write(peer, src, dst, length))
+        return -1 if bid == 0 or bid >= _REFUSED_IDS else bid
 
     @staticmethod
     def _start(opts: MooncakeOptions) -> Any:
@@ -184,30 +209,30 @@ class MooncakeEngine:
         if rc != 0:
             raise TransportError(f"unregister_memory({addr:#x}) failed: rc={rc}", rc)
 
+    def can_start(self, peer_session: str) -> bool:
+        return True
+
+    def start_write(self, peer_session: str, desc: Descriptors, deadline: float | None,
+                    done: Done) -> None:
+        """Start writing ``desc``; ``done(error)`` is called once from the pump thread,
+        when every submitted entry returned (error: a TransportError, or None)."""
+        self.pump.start(peer_session, desc, deadline, done)
+
     def write(self, peer_session: str, desc: Descriptors, deadline: float | None = None) -> None:
-        for batch in desc.batches(self.max_batch_entries):
-            self._write_batch(peer_session, batch, deadline)
-
-    def _submit(self, peer: str, batch_no: int, attempt: int, src: list[int], dst: list[int],
-                ln: list[int]) -> int:
-        if self.submit_hook is not None:
-            forced = self.submit_hook(peer, batch_no, attempt)
-            if forced is not None:
-                return forced
-        return int(self._native.batch_transfer_sync_write(peer, src, dst, ln))
-
-    def _write_batch(self, peer: str, batch: Descriptors, deadline: float | None) -> None:
-        src, dst, ln = batch.src.tolist(), batch.dst.tolist(), batch.length.tolist()
-        batch_no, start = next(self._batch_no), time.monotonic()
-        rc, attempts = submit_with_retry(
-            lambda attempt: self._submit(peer, batch_no, attempt, src, dst, ln),
-            self.retry_budget, deadline, self.retry_backoff)
-        self.retried += attempts - 1
-        if rc == 0:
-            if attempts > 1:
-                log.info("batch %d to %s accepted after %d retries", batch_no, peer,
-                         attempts - 1)
+        if len(desc) == 0:
             return
-        raise TransportError(
-            f"batch of {len(src)} entries to {peer} refused (queue full or peer unreachable) "
-            f"for {time.monotonic() - start:.1f}s after {attempts} attempts: rc={rc}", rc)
+        finished = threading.Event()
+        result: list[TransportError | None] = []
+
+        def done(error: TransportError | None) -> None:
+            result.append(error)
+            finished.set()
+
+        self.start_write(peer_session, desc, deadline, done)
+        finished.wait()
+        if result[0] is not None:
+            raise result[0]
+
+    def close_writes(self, timeout: float | None = None) -> None:
+        """Stop the pump (writes not started fail; those in flight get ``timeout`` s)."""
+        self.pump.close(timeout)

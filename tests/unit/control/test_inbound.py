@@ -11,9 +11,9 @@ import zmq
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvd.control.inbound import Misaddressed, SourceLimiter
+from kvd.control.inbound import Admission, Misaddressed, SourceLimiter
 from kvd.control.peers import ControlPlane
-from kvd.protocol import control
+from kvd.protocol import codec, control
 from kvd.security import Authenticator
 
 SECRET = b"0123456789abcdef-cluster"
@@ -172,6 +172,87 @@ async def test_a_frame_for_a_previous_instance_comes_as_misaddressed() -> None:
         assert isinstance(msg, Misaddressed) and msg.message.room == 3  # type: ignore[attr-defined]
         assert ctl.stats.misaddressed == 1 and ctl.stats.accepted == 0
         sock.close()
+
+
+def aborts(rooms: range, instance: str = "peer") -> list[control.ControlMessage]:
+    return [control.RoomAbort(room=r, inc=1, kind="aborted", reason="r",
+                              endpoint="tcp://127.0.0.1:1", instance_id=instance) for r in rooms]
+
+
+async def test_a_batch_frame_yields_each_of_its_messages_in_order() -> None:
+    async with plane() as ctl:
+        sock = dealer(ctl.endpoint)
+        sock.send(Authenticator(SECRET, "peer").seal(control.encode_many(aborts(range(5))),
+                                                     "me"))
+        msgs = await take(ctl, 5)
+        assert [m.room for m in msgs] == list(range(5))  # type: ignore[attr-defined]
+        assert ctl.stats.received == ctl.stats.accepted == 1  # counted per frame
+        sock.close()
+
+
+async def test_a_batch_for_a_previous_instance_comes_as_misaddressed_messages() -> None:
+    async with plane("new") as ctl:
+        sock = dealer(ctl.endpoint)
+        sock.send(Authenticator(SECRET, "peer").seal(control.encode_many(aborts(range(3))),
+                                                     "old"))
+        msgs = await take(ctl, 3)
+        assert all(isinstance(m, Misaddressed) for m in msgs)
+        assert [m.message.room for m in msgs] == [0, 1, 2]  # type: ignore[attr-defined]
+        assert ctl.stats.misaddressed == 1 and ctl.stats.accepted == 0
+        sock.close()
+
+
+async def test_an_oversized_batch_is_a_protocol_error_and_nothing_of_it_is_yielded() -> None:
+    async with plane() as ctl:
+        sock = dealer(ctl.endpoint)
+        peer = Authenticator(SECRET, "peer")
+        too_many = codec.encode(control.Batch(messages=aborts(range(control.MAX_BATCH + 1))))
+        sock.send(peer.seal(too_many, "me"))
+        sock.send(peer.seal(abort(7), "me"))
+        (msg,) = await take(ctl, 1)
+        assert msg.room == 7  # type: ignore[attr-defined]
+        assert ctl.stats.protocol_errors == 1 and ctl.stats.accepted == 1
+        sock.close()
+
+
+async def test_a_read_batch_is_bounded_in_messages_too() -> None:
+    async with plane() as ctl:
+        assert ctl.inbound is not None
+        ctl.inbound.batch = 8
+        sock = dealer(ctl.endpoint)
+        peer = Authenticator(SECRET, "peer")
+        for i in range(4):
+            sock.send(peer.seal(control.encode_many(aborts(range(10 * i, 10 * i + 10))), "me"))
+        await until(lambda: ctl.inbound is not None and bool(ctl.inbound._sync.poll(0)))
+        await asyncio.sleep(0.2)  # let all four arrive
+        first = ctl.inbound.read_batch()
+        assert len(first) == 10  # one whole frame, then the message bound stops the read
+        rest = ctl.inbound.read_batch() + ctl.inbound.read_batch() + ctl.inbound.read_batch()
+        assert [r.message.room for r in first + rest] == list(range(40))
+        sock.close()
+
+
+def test_batch_frames_count_against_the_source_limits_as_frames() -> None:
+    """A Batch is one sealed frame: a forged or tampered one is refused from its seal
+    (one strike, nothing parsed, none of its messages yielded) and a source in the penalty
+    box has its authentic batches dropped whole, unread."""
+    clock = Clock()
+    adm = Admission(Authenticator(SECRET, "me"), 1 << 20,
+                    SourceLimiter(burst=2, refill_per_s=0.0, clock=clock))
+    peer, forger = Authenticator(SECRET, "peer"), Authenticator(b"another-secret-0123", "x")
+    batch = control.encode_many(aborts(range(50)))
+    assert len(adm.admit(b"ok", peer.seal(batch, "me"))) == 50
+    assert adm.admit(b"bad", forger.seal(batch, "me")) == []
+    tampered = bytearray(peer.seal(batch, "me"))
+    tampered[-5] ^= 1
+    assert adm.admit(b"bad", bytes(tampered)) == []
+    assert adm.stats.auth_failures == 2 and adm.stats.penalties == 0
+    assert adm.admit(b"bad", forger.seal(batch, "me")) == []  # third strike: penalty box
+    assert adm.stats.penalties == 1 and adm.limiter.blocked(b"bad")
+    assert adm.admit(b"bad", peer.seal(batch, "me")) == []  # even authentic: dropped unread
+    assert adm.stats.penalized == 1 and adm.stats.protocol_errors == 0
+    assert len(adm.admit(b"ok", peer.seal(batch, "me"))) == 50  # other sources unaffected
+    assert adm.stats.received == 6 and adm.stats.accepted == 2
 
 
 async def test_s02_a_flooding_connection_is_penalised_and_a_healthy_one_is_not() -> None:

@@ -153,3 +153,36 @@ def test_bad_magic_and_version_refused() -> None:
         control.decode(b"KVX" + frame[3:])
     with pytest.raises(ProtocolError, match="version"):
         control.decode(frame[:3] + bytes([codec.VERSION + 1]) + frame[4:])
+
+
+@given(msgs=st.lists(control_messages, min_size=1, max_size=20))
+def test_batch_round_trips_messages_in_order(msgs: list[control.ControlMessage]) -> None:
+    frame = control.encode_many(msgs)
+    assert frame[3] == codec.VERSION == 4
+    assert control.decode_many(frame) == msgs
+
+
+def test_one_message_is_not_wrapped_in_a_batch() -> None:
+    msg = control.RoomAbort(room=1, inc=2, kind="aborted", reason="x", endpoint="e",
+                            instance_id="i")
+    assert control.encode_many([msg]) == control.encode(msg)
+    assert control.decode_many(control.encode(msg)) == [msg]
+
+
+def test_batch_where_one_message_is_expected_is_refused() -> None:
+    msg = control.RoomAbort(room=1, inc=2, kind="aborted", reason="x", endpoint="e",
+                            instance_id="i")
+    with pytest.raises(ProtocolError, match="batch"):
+        control.decode(control.encode_many([msg, msg]))
+
+
+def test_oversized_or_nested_batch_is_refused() -> None:
+    msg = control.RoomAbort(room=1, inc=2, kind="aborted", reason="x", endpoint="e",
+                            instance_id="i")
+    too_many = codec.encode(control.Batch(messages=[msg] * (control.MAX_BATCH + 1)))
+    with pytest.raises(ProtocolError, match="exceeds"):
+        control.decode_many(too_many)
+    nested = codec.MAGIC + bytes([codec.VERSION]) + msgspec.msgpack.encode(
+        {"type": "batch", "messages": [{"type": "batch", "messages": []}]})
+    with pytest.raises(ProtocolError):
+        control.decode_many(nested)

@@ -1,0 +1,383 @@
+"""Issue 14's table: every row measured in one run, each beside its baseline and goal.
+
+P1   bulk P -> D through kvd vs the raw transfer engine driven the best way found
+     (non-blocking single-entry submit + status polling, 256 in flight; or sync
+     sub-batches of 512: the faster of the two per size), same pages, 12 KiB / 64 KiB /
+     1 MiB items, bytes checked.
+P1b  the same rooms through SGLang 0.5.23's own MooncakeKVManager (in-process, CPU buffers,
+     TCP; skipped with a reason where SGLang is not installed: `make bench` installs it).
+P4   1-page rooms: max rooms/s with many in flight, latency p50/p99 at 100 and 500 rooms/s
+     offered, kvd vs SGLang (benchmarks/rooms.py; runs interleaved, medians).
+P5   engine API: Sender.send / Receiver.init p50 (from the 100 rooms/s runs), poll_many of
+     1 000 rooms, a trivial RPC vs a bare Unix-socket echo (uvloop server, blocking client).
+P6   daemon RSS idle, and after N rooms created -> succeeded -> cleared (flat within 5 %).
+P8   isolation: a decode frozen (SIGSTOP) mid-transfer while 1-page rooms to a healthy
+     decode continue: their p99 against the same rooms without the frozen one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rooms
+
+LAYERS_ROOMS, ITEM_ROOMS = 4, 4096  # a 1-page room: 8 KV entries + aux
+
+
+def have_sglang() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("sglang") is not None
+
+
+def _work() -> str:
+    return tempfile.mkdtemp(prefix="kvd-bench-")
+
+
+# ---- P1 / P1b: bulk --------------------------------------------------------------------
+
+
+def _raw_receiver(nbytes: int, conn: Any) -> None:
+    os.environ.setdefault("GLOG_minloglevel", "2")
+    from mooncake.engine import TransferEngine
+
+    e = TransferEngine()
+    e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    buf = np.zeros(nbytes, dtype=np.uint8)
+    e.register_memory(buf.ctypes.data, nbytes)
+    conn.send((f"127.0.0.1:{e.get_rpc_port()}", buf.ctypes.data))
+    while (req := conn.recv()) is not None:  # (item, dst rows): a digest of those rows
+        item, rows = req
+        conn.send(_digest(buf.reshape(-1, item)[rows]))
+
+
+def _digest(rows: np.ndarray) -> str:
+    import hashlib
+
+    return hashlib.sha256(rows.tobytes()).hexdigest()
+
+
+class RawBest:
+    """The same descriptors through the bare Mooncake binding, two ways (no kvd code)."""
+
+    def __init__(self, layers: int, item: int, pages: int, src: np.ndarray,
+                 dst: np.ndarray) -> None:
+        os.environ.setdefault("GLOG_minloglevel", "2")
+        from mooncake.engine import TransferEngine
+
+        nbufs, per = 2 * layers, pages * item
+        self.parent, child = mp.get_context("spawn").Pipe()
+        self.proc = mp.get_context("spawn").Process(target=_raw_receiver,
+                                                    args=(nbufs * per, child), daemon=True)
+        self.proc.start()
+        self.session, base = self.parent.recv()
+        self.e = TransferEngine()
+        self.e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        self.buf = np.random.default_rng(5).integers(0, 256, nbufs * per, dtype=np.uint8)
+        self.e.register_memory(self.buf.ctypes.data, self.buf.nbytes)
+        b = np.arange(nbufs, dtype=np.uint64)[:, None] * np.uint64(per)
+        self.S = (np.uint64(self.buf.ctypes.data) + b + src.astype(np.uint64) * np.uint64(item)
+                  ).ravel().tolist()
+        self.D = (np.uint64(base) + b + dst.astype(np.uint64) * np.uint64(item)).ravel().tolist()
+        self.L = [item] * len(self.S)
+        self.item = item
+        self.src_rows = (np.arange(nbufs)[:, None] * pages + src).ravel()
+        self.dst_rows = (np.arange(nbufs)[:, None] * pages + dst).ravel()
+
+    def submit_poll(self, window: int = 256) -> None:
+        sub, chk, n = self.e.transfer_submit_write, self.e.transfer_check_status, len(self.S)
+        inflight: list[int] = []
+        i, delay = 0, 50e-6
+        while i < n or inflight:
+            while i < n and len(inflight) < window:
+                bid = sub(self.session, self.S[i], self.D[i], self.L[i])
+                assert 0 < bid < 1 << 63, "refused"
+                inflight.append(bid)
+                i += 1
+            keep = []
+            for bid in inflight:
+                rc = chk(bid)
+                if rc == 0:
+                    keep.append(bid)
+                else:
+                    assert rc == 1, f"entry failed: {rc}"
+            if len(keep) == len(inflight):
+                time.sleep(delay)
+                delay = min(delay * 2, 1e-3)
+            else:
+                delay = 50e-6
+            inflight = keep
+
+    def sync(self, batch: int = 512) -> None:
+        for i in range(0, len(self.S), batch):
+            rc = self.e.batch_transfer_sync_write(self.session, self.S[i:i + batch],
+                                                  self.D[i:i + batch], self.L[i:i + batch])
+            assert rc == 0, f"batch refused: {rc}"
+
+    def run(self, how: str) -> tuple[float, bool]:
+        t0 = time.perf_counter()
+        getattr(self, how)()
+        elapsed = time.perf_counter() - t0
+        self.parent.send((self.item, self.dst_rows))
+        ok = self.parent.recv() == _digest(self.buf.reshape(-1, self.item)[self.src_rows])
+        return elapsed, ok
+
+    def close(self) -> None:
+        self.parent.send(None)
+        self.proc.join(10)
+
+
+def bench_bulk(mib: int, layers: int, repeats: int, sizes: tuple[int, ...] = (12, 64, 1024)
+               ) -> dict[str, Any]:
+    """P1 and P1b for each item size (KiB)."""
+    out: dict[str, Any] = {}
+    for kib in sizes:
+        item = kib * 1024
+        move = max(1, (mib << 20) // (2 * layers * item))
+        pages = move + move // 4 + 1
+        rng = np.random.default_rng(kib)
+        src, dst = rng.permutation(pages)[:move], rng.permutation(pages)[:move]
+        nbytes = 2 * layers * move * item
+        paths: dict[str, Any] = {"kvd": rooms.Pair("kvd", layers, item, _work(), pages=pages),
+                                 "raw": RawBest(layers, item, pages, src, dst)}
+        if have_sglang():
+            paths["sglang"] = rooms.Pair("sglang", layers, item, _work(), pages=pages)
+        times: dict[str, list[float]] = {k: [] for k in ("kvd", "raw_submit_poll", "raw_sync",
+                                                         "sglang") if k != "sglang" or
+                                         "sglang" in paths}
+        ok = True
+        try:
+            for rep in range(repeats + 1):  # interleaved; round 0 warms connections up
+                for name in times:
+                    if name.startswith("raw_"):
+                        t, good = paths["raw"].run(name[4:])
+                    else:
+                        t, good = paths[name].bulk(src, dst)
+                    ok &= good
+                    if rep:
+                        times[name].append(t)
+        finally:
+            for p in paths.values():
+                p.close()
+        gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
+        best = max(gbps["raw_submit_poll"], gbps["raw_sync"])
+        row: dict[str, Any] = {"bytes": nbytes, "entries": 2 * layers * move, "gbps": gbps,
+                               "seconds": times, "raw_best_gbps": best,
+                               "ratio_vs_raw_best": gbps["kvd"] / best, "bytes_equal": ok}
+        if "sglang" in gbps:
+            row["ratio_vs_sglang"] = gbps["kvd"] / gbps["sglang"]
+        out[f"{kib}KiB"] = row
+    return out
+
+
+# ---- P4 / P5 / P6: rooms ---------------------------------------------------------------
+
+
+def bench_rooms(repeats: int, max_rooms: int, rate_rooms: int) -> dict[str, Any]:
+    """P4 (and the send/init part of P5), kvd and SGLang interleaved, medians."""
+    systems = ["kvd", "sglang"] if have_sglang() else ["kvd"]
+    pairs = {s: rooms.Pair(s, LAYERS_ROOMS, ITEM_ROOMS, _work()) for s in systems}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {"max": [], "100": [], "500": []}
+                                                        for s in systems}
+    try:
+        for s in systems:
+            pairs[s].run(300, None, 64)  # warm-up: registration, connections
+        for _ in range(repeats):
+            for s in systems:
+                runs[s]["max"].append(pairs[s].run(max_rooms, None, 128))
+                runs[s]["100"].append(pairs[s].run(rate_rooms, 100.0, 256))
+                runs[s]["500"].append(pairs[s].run(rate_rooms, 500.0, 256))
+    finally:
+        for p in pairs.values():
+            p.close()
+    med = {s: {k: {f: statistics.median(r[f] for r in v) for f in v[0]
+                   if isinstance(v[0][f], int | float)}
+               for k, v in runs[s].items()} for s in systems}
+    return {"median": med, "runs": runs,
+            "bad_bytes": sum(r["bad_bytes"] for s in systems for v in runs[s].values()
+                             for r in v),
+            "failed": sum(r["failed"] for s in systems for v in runs[s].values() for r in v)}
+
+
+def _echo_server(path: str) -> None:
+    import asyncio
+
+    import uvloop
+
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport: Any) -> None:
+            self.t = transport
+
+        def data_received(self, data: bytes) -> None:
+            self.t.write(data)
+
+    async def main() -> None:
+        server = await asyncio.get_running_loop().create_unix_server(Echo, path)
+        await server.serve_forever()
+
+    uvloop.run(main())
+
+
+def _p50_us(fn: Any, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)
+
+
+def bench_api(n: int = 3000) -> dict[str, Any]:
+    """P5: trivial RPC vs echo (interleaved blocks), poll_many of 1 000 rooms."""
+    from kvd.client import Sender, poll_many
+    from kvd.launch import start_daemon
+    from kvd.protocol import rpc
+    from kvd.refengine.standin import EngineStandIn
+
+    work = _work()
+    path = os.path.join(work, "echo.sock")
+    echo = mp.get_context("spawn").Process(target=_echo_server, args=(path,), daemon=True)
+    echo.start()
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    msg = b"\x00\x00\x00\x1cKVD\x03" + b"x" * 24  # a frame the size of a trivial request
+
+    def echo_once() -> None:
+        sock.sendall(msg)
+        got = 0
+        while got < len(msg):
+            got += len(sock.recv(65536))
+
+    d = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING")
+    eng = EngineStandIn(d.socket, num_layers=1, num_pages=2048, item_len=1024, seed=1)
+    try:
+        client, empty = eng.client, rpc.Poll(rooms=[])
+        trivial, echoes = [], []
+        for _ in range(5):
+            echoes.append(_p50_us(echo_once, n // 5))
+            trivial.append(_p50_us(lambda: client.call(empty), n // 5))
+        ids = list(range(1, 1001))
+        for room in ids:  # 1 000 live rooms (Bootstrapping: no decode)
+            Sender(client, room)
+        poll = _p50_us(lambda: poll_many(client, ids), 300)
+        for room in ids:
+            client.call(rpc.Abort(room=room))
+            client.call(rpc.Clear(room=room))
+    finally:
+        eng.close()
+        d.stop()
+        sock.close()
+        echo.kill()
+    t, e = statistics.median(trivial), statistics.median(echoes)
+    return {"trivial_rpc_p50_us": t, "echo_p50_us": e, "ratio_trivial_over_echo": t / e,
+            "poll_many_1000_p50_us": poll}
+
+
+def bench_rss(count: int) -> dict[str, Any]:
+    """P6: RSS of both daemons idle, after a tenth of ``count`` rooms, after all of them."""
+    pair = rooms.Pair("kvd", LAYERS_ROOMS, ITEM_ROOMS, _work())
+    try:
+        pids = pair.daemon_pids()
+        idle = [rooms.rss_mb(p) for p in pids]
+        pair.run(max(count // 10, 100), None, 128)
+        warm = [rooms.rss_mb(p) for p in pids]
+        res = pair.run(count - count // 10, None, 128)
+        after = [rooms.rss_mb(p) for p in pids]
+    finally:
+        pair.close()
+    return {"rooms": count, "idle_mb": idle, "warm_mb": warm, "after_mb": after,
+            "growth_after_warm": max(a / w - 1 for a, w in zip(after, warm, strict=True)),
+            "failed": res["failed"], "bad_bytes": res["bad_bytes"]}
+
+
+# ---- P8: isolation ---------------------------------------------------------------------
+
+
+def _healthy_rooms(p: Any, d: Any, bootstrap: str, first: int, count: int,
+                   rate: float) -> list[float]:
+    """1-page rooms to the healthy decode at ``rate``; latency (s) from each due time."""
+    from kvd.client import KVPoll, Receiver, Sender, poll_many
+    from kvd.protocol import rpc
+
+    t0, pending, lat, i = time.monotonic() + 0.05, {}, [], 0
+    while i < count or pending:
+        now = time.monotonic()
+        while i < count and now >= t0 + i / rate:
+            room = first + i
+            Receiver(d.client, room, bootstrap).init([room % 512], 0)
+            s = Sender(p.client, room)
+            s.init(1, 0)
+            s.send([room % 512])
+            pending[room] = t0 + i / rate
+            i += 1
+        ids = list(pending)
+        for room, st in zip(ids, poll_many(d.client, ids), strict=True) if ids else ():
+            if st in (KVPoll.Success, KVPoll.Failed):
+                assert st == KVPoll.Success, f"healthy room {room} failed"
+                lat.append(time.monotonic() - pending.pop(room))
+                d.client.call(rpc.Clear(room=room))
+                p.client.call(rpc.Clear(room=room))
+        time.sleep(200e-6)
+    return sorted(lat)
+
+
+def bench_isolation(count: int = 300, rate: float = 100.0) -> dict[str, Any]:
+    """P8: healthy rooms' p99 with and without a decode frozen mid-transfer."""
+    from kvd.client import KVPoll, Receiver, Sender
+    from kvd.launch import start_daemon
+    from kvd.refengine.standin import EngineStandIn
+
+    work = _work()
+    opts = {"log_level": "WARNING", "transfer_timeout": 30.0}
+    pd = start_daemon("prefill", work, serve_bootstrap=True, **opts)
+    healthy = start_daemon("decode", work, **opts)
+    frozen = start_daemon("decode", work, **opts)
+    pool = {"num_layers": 4, "num_pages": 1024, "item_len": 64 << 10}
+    p = EngineStandIn(pd.socket, seed=1, **pool)
+    dh, df = EngineStandIn(healthy.socket, seed=2, **pool), EngineStandIn(frozen.socket, seed=3,
+                                                                          **pool)
+    try:
+        _healthy_rooms(p, dh, pd.http_addr, 1, 100, rate)  # warm-up
+        base = _healthy_rooms(p, dh, pd.http_addr, 1000, count, rate)
+        big = np.arange(1024)
+        Receiver(df.client, 99999, pd.http_addr).init(big, 1)
+        s = Sender(p.client, 99999)
+        s.init(big.size, 1)
+        s.send(big)  # 512 MiB to the decode about to freeze
+        time.sleep(0.2)
+        frozen.proc.send_signal(signal.SIGSTOP)
+        during = _healthy_rooms(p, dh, pd.http_addr, 5000, count, rate)
+        frozen.proc.send_signal(signal.SIGCONT)
+        big_state = s.wait(60)
+    finally:
+        frozen.proc.send_signal(signal.SIGCONT)
+        for e in (p, dh, df):
+            e.close()
+        for dm in (pd, healthy, frozen):
+            dm.stop()
+    p99 = {"without": rooms._q(base, 0.99), "with_frozen": rooms._q(during, 0.99)}
+    return {"p99_ms": {k: 1e3 * v for k, v in p99.items()},
+            "p50_ms": {"without": 1e3 * rooms._q(base, 0.5),
+                       "with_frozen": 1e3 * rooms._q(during, 0.5)},
+            "ratio_p99": p99["with_frozen"] / p99["without"], "rooms": count,
+            "frozen_room_end": KVPoll(big_state).name if big_state >= 0 else "unknown"}
+
+
+def machine_load() -> str:
+    out = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout
+    return out.strip()

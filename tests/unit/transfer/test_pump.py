@@ -1,0 +1,252 @@
+"""WritePump: non-blocking single-entry writes for every destination from one thread.
+
+A fake native layer stands in for ``transfer_submit_write``/``transfer_check_status``:
+an entry lands (memmove) when a destination's ``open`` event is set, so tests can
+freeze one destination and watch the others go on. No wall-clock thresholds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from kvd.errors import TransportError
+from kvd.transfer.plan import Descriptors
+from kvd.transfer.pump import WritePump
+
+
+class FakeNative:
+    """Entries land in submission order per destination once its gate is open."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.gates: dict[str, threading.Event] = {}
+        self.entries: dict[int, tuple[str, int, int, int]] = {}
+        self.landed: set[int] = set()
+        self.failed_once: set[int] = set()
+        self.fail_first: set[tuple[int, int]] = set()  # (src, dst) failing on first try
+        self.refuse: Callable[[str], bool] = lambda peer: False
+        self.max_inflight: dict[str, int] = {}
+        self._next = 1
+
+    def gate(self, peer: str) -> threading.Event:
+        return self.gates.setdefault(peer, threading.Event())
+
+    def submit(self, peer: str, src: int, dst: int, length: int) -> int:
+        if self.refuse(peer):
+            return -1
+        with self.lock:
+            bid, self._next = self._next, self._next + 1
+            self.entries[bid] = (peer, src, dst, length)
+            n = sum(1 for b, e in self.entries.items() if e[0] == peer and b not in self.landed)
+            self.max_inflight[peer] = max(self.max_inflight.get(peer, 0), n)
+        return bid
+
+    def check(self, bid: int) -> int:
+        peer, src, dst, length = self.entries[bid]
+        if not self.gate(peer).is_set():
+            return 0
+        if (src, dst) in self.fail_first and (src, dst) not in self.failed_once:
+            self.failed_once.add((src, dst))
+            self.landed.add(bid)
+            return -1
+        ctypes.memmove(dst, src, length)
+        with self.lock:
+            self.landed.add(bid)
+        return 1
+
+
+def _desc(src: np.ndarray, dst: np.ndarray, item: int, pages_src: list[int],
+          pages_dst: list[int]) -> Descriptors:
+    s = np.array([src.ctypes.data + p * item for p in pages_src], dtype=np.uint64)
+    d = np.array([dst.ctypes.data + p * item for p in pages_dst], dtype=np.uint64)
+    return Descriptors(s, d, np.full(len(s), item, dtype=np.uint64))
+
+
+class Waiter:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.error: BaseException | None = None
+        self.calls = 0
+
+    def __call__(self, error: BaseException | None) -> None:
+        self.error = error
+        self.calls += 1
+        self.event.set()
+
+    def wait(self) -> BaseException | None:
+        assert self.event.wait(30)
+        return self.error
+
+
+@pytest.fixture
+def native() -> FakeNative:
+    return FakeNative()
+
+
+def _pump(native: FakeNative, **kw: object) -> WritePump:
+    return WritePump(native.submit, native.check, **kw)  # type: ignore[arg-type]
+
+
+def test_writes_are_byte_exact_and_windows_bounded(native: FakeNative) -> None:
+    item, pages = 64, 300
+    src = np.random.default_rng(0).integers(0, 256, pages * item, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    perm = np.random.default_rng(1).permutation(pages).tolist()
+    native.gate("a").set()
+    pump = _pump(native, per_peer=16, batch_entries=50)
+    w = Waiter()
+    pump.start("a", _desc(src, dst, item, list(range(pages)), perm), None, w)
+    assert w.wait() is None and w.calls == 1
+    assert np.array_equal(dst.reshape(pages, item)[perm], src.reshape(pages, item))
+    assert native.max_inflight["a"] <= 16
+    pump.close(5)
+
+
+def test_frozen_destination_holds_only_its_own_window(native: FakeNative) -> None:
+    item = 32
+    src = np.arange(64 * item, dtype=np.uint8)
+    frozen_dst, ok_dst = np.zeros_like(src), np.zeros_like(src)
+    native.gate("ok").set()  # "frozen" stays closed
+    pump = _pump(native, per_peer=8)
+    frozen = Waiter()
+    pump.start("frozen", _desc(src, frozen_dst, item, list(range(64)), list(range(64))),
+               None, frozen)
+    for _ in range(5):  # rooms to the healthy destination finish while one is frozen
+        w = Waiter()
+        pump.start("ok", _desc(src, ok_dst, item, list(range(64)), list(range(64))), None, w)
+        assert w.wait() is None
+    assert np.array_equal(ok_dst, src)
+    assert not frozen.event.is_set() and native.max_inflight["frozen"] <= 8
+    native.gate("frozen").set()
+    assert frozen.wait() is None and np.array_equal(frozen_dst, src)
+    pump.close(5)
+
+
+def test_deadline_stops_new_entries_and_waits_for_those_in_flight(native: FakeNative) -> None:
+    item = 16
+    src = np.arange(40 * item, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    pump = _pump(native, per_peer=4)
+    w = Waiter()
+    pump.start("p", _desc(src, dst, item, list(range(40)), list(range(40))), 0.0, w)
+    # The deadline (monotonic 0.0) has passed: nothing may start, the job fails at once.
+    assert isinstance(w.wait(), TransportError)
+    assert "deadline passed" in str(w.error) and not native.entries
+    # A deadline that passes while entries are in flight: done only once they returned.
+    import time
+
+    w2 = Waiter()
+    pump.start("q", _desc(src, dst, item, list(range(40)), list(range(40))),
+               time.monotonic() + 0.2, w2)
+    while not native.entries:
+        time.sleep(0.001)
+    assert not w2.event.wait(0.4)  # past the deadline, 4 entries still in flight
+    native.gate("q").set()
+    error = w2.wait()
+    assert isinstance(error, TransportError) and "deadline passed" in str(error)
+    assert len(native.entries) == 4  # nothing started after the deadline
+    pump.close(5)
+
+
+def test_failed_entry_is_written_again(native: FakeNative) -> None:
+    item = 8
+    src = np.arange(10 * item, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    native.fail_first.add((src.ctypes.data + 3 * item, dst.ctypes.data + 3 * item))
+    native.gate("p").set()
+    pump = _pump(native)
+    w = Waiter()
+    pump.start("p", _desc(src, dst, item, list(range(10)), list(range(10))), None, w)
+    assert w.wait() is None and np.array_equal(dst, src) and pump.retried == 1
+    pump.close(5)
+
+
+def test_refusals_past_the_budget_fail_the_job(native: FakeNative) -> None:
+    item = 8
+    src = np.arange(4 * item, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    native.refuse = lambda peer: peer == "dead"
+    pump = _pump(native, retry_budget=0.02)
+    w = Waiter()
+    pump.start("dead", _desc(src, dst, item, [0, 1], [0, 1]), None, w)
+    error = w.wait()
+    assert isinstance(error, TransportError) and "refused" in str(error)
+    pump.close(5)
+
+
+def test_entries_accepted_then_always_failing_fail_the_job_within_the_budget(
+        native: FakeNative) -> None:
+    """A destination that accepts every submission and then rejects the write (a decode
+    restarted on the same transfer address: "WRITE rejected by server") must not be
+    retried forever: an accepted resubmission does not reset the failure streak, only a
+    landed entry does (found by tests/integration/test_second_round.py k28)."""
+    item = 8
+    src = np.arange(4 * item, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    native.gate("restarted").set()
+    plain_check = native.check
+
+    def rejecting(bid: int) -> int:
+        if native.entries[bid][0] == "restarted":
+            native.landed.add(bid)
+            return -1
+        return plain_check(bid)
+
+    native.check = rejecting  # type: ignore[method-assign]
+    pump = WritePump(native.submit, rejecting, retry_budget=0.05)
+    w = Waiter()
+    pump.start("restarted", _desc(src, dst, item, [0, 1, 2, 3], [0, 1, 2, 3]), None, w)
+    error = w.wait()
+    assert isinstance(error, TransportError) and "rc=-1" in str(error)
+    assert not dst.any()
+    pump.close(5)
+
+
+def test_hook_numbers_sub_batches_once_and_retries_them(native: FakeNative) -> None:
+    item = 8
+    src = np.arange(10 * item, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    native.gate("p").set()
+    seen: list[tuple[int, int]] = []
+
+    def hook(peer: str, batch_no: int, attempt: int) -> int | None:
+        seen.append((batch_no, attempt))
+        return -1 if batch_no == 0 else (-1 if attempt < 2 else None)
+
+    pump = _pump(native, batch_entries=5, retry_budget=0.02, hook=hook)
+    w = Waiter()
+    pump.start("p", _desc(src, dst, item, list(range(10)), list(range(10))), None, w)
+    assert isinstance(w.wait(), TransportError)  # batch 0 is refused on every attempt
+    assert {b for b, _ in seen} == {0}
+    seen.clear()
+    w2 = Waiter()
+    pump.start("p", _desc(src, dst, item, list(range(10)), list(range(10))), None, w2)
+    pump.retry_budget = 1.0
+    assert w2.wait() is None and np.array_equal(dst, src)
+    assert [b for b, a in seen if a == 2] == [1, 2]  # each sub-batch: two refusals, then on
+    pump.close(5)
+
+
+def test_close_fails_jobs_not_started(native: FakeNative) -> None:
+    item = 8
+    src = np.arange(4 * item, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    pump = _pump(native, per_peer=1)
+    w1, w2 = Waiter(), Waiter()
+    pump.start("p", _desc(src, dst, item, [0], [0]), None, w1)
+    pump.start("p", _desc(src, dst, item, [1], [1]), None, w2)
+    while not native.entries:  # the first write is in flight
+        threading.Event().wait(0.001)
+    closer = threading.Thread(target=pump.close, args=(5,))
+    closer.start()
+    assert isinstance(w2.wait(), TransportError)  # never started
+    native.gate("p").set()
+    assert w1.wait() is None  # the one in flight was waited for
+    closer.join()
+    with pytest.raises(TransportError):
+        pump.start("p", _desc(src, dst, item, [2], [2]), None, Waiter())
