@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,6 +31,7 @@ from kvd.refengine.standin import (
 )
 from kvd.security import Authenticator
 from tests.conftest import PdPair, free_port, health, push_frames, signed, start_pair, stop_pair
+from tests.integration.test_second_round import ended, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -42,26 +42,6 @@ AUTH = Authenticator(LAUNCH_SECRET.encode())
 
 
 # ---- helpers -------------------------------------------------------------------------------
-
-
-def until(probe: Callable[[], T], what: str, timeout: float = BOUND,
-          interval: float = 0.05) -> T:
-    """Poll ``probe()`` until it returns something truthy (returned); fail the test with
-    ``what`` after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout:.0f}s: {what} (last: {value!r})")
-        time.sleep(interval)
-
-
-def ended(room: Receiver | Sender, timeout: float = BOUND) -> KVPoll | int:
-    """Poll ``room`` until Success or Failed; returns the state."""
-    until(lambda: room.poll() in DONE, f"room {room.room} ended", timeout)
-    return room.poll()
 
 
 def status(daemon: DaemonProcess) -> dict[str, Any]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -399,10 +397,7 @@ def test_check_bounds_vectorised_100k() -> None:
     offs = rng.integers(0, (1 << 20) - 4096, size=100_000).astype(U)
     addrs = starts[which] + offs
     lens = rng.integers(1, 4097, size=100_000).astype(U)
-    t0 = time.perf_counter()
-    check_bounds(addrs, lens, regions, "src")
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 1.0
+    check_bounds(addrs, lens, regions, "src")  # 100k ranges, all inside: no error
     addrs[77_777] = starts[5] + U((1 << 20) - 1)
     lens[77_777] = U(2)
     with pytest.raises(BoundsError):
