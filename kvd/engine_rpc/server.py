@@ -372,12 +372,8 @@ class EngineRpcServer:
                     result = self.dispatch_now(req.call, conn)
             else:
                 result = self.dispatch_now(req.call, conn)
-        except KvdError as exc:
-            return rpc.Reply(id=req.id, ok=False, error=str(exc), kind=rpc.error_kind(exc))
         except Exception as exc:
-            log.exception("engine call %s failed", type(req.call).__name__)
-            return rpc.Reply(id=req.id, ok=False, error=f"internal error: {exc}",
-                             kind="InternalError")
+            return _failed(req, exc)
         if result is LATER:
             return None
         return rpc.Reply(id=req.id, ok=True, result=result)
@@ -395,10 +391,16 @@ class EngineRpcServer:
             # while it runs, and every task it starts
             with log_context(**message_context(req.call)):
                 result = await self.dispatch(req.call, conn)
-        except KvdError as exc:
-            return rpc.Reply(id=req.id, ok=False, error=str(exc), kind=rpc.error_kind(exc))
         except Exception as exc:
-            log.exception("engine call %s failed", type(req.call).__name__)
-            return rpc.Reply(id=req.id, ok=False, error=f"internal error: {exc}",
-                             kind="InternalError")
+            return _failed(req, exc)
         return rpc.Reply(id=req.id, ok=True, result=result)
+
+
+def _failed(req: rpc.Request, exc: Exception) -> rpc.Reply:
+    """The reply to engine call ``req`` that raised ``exc``: its kind from the error
+    table for a :class:`KvdError`, ``InternalError`` (logged with its traceback) for
+    anything else."""
+    if isinstance(exc, KvdError):
+        return rpc.Reply(id=req.id, ok=False, error=str(exc), kind=rpc.error_kind(exc))
+    log.exception("engine call %s failed", type(req.call).__name__)
+    return rpc.Reply(id=req.id, ok=False, error=f"internal error: {exc}", kind="InternalError")

@@ -94,15 +94,7 @@ class TransferExecutor:
             async with lane.slots:
                 loop = asyncio.get_running_loop()
                 fut = loop.run_in_executor(lane.pool, self.engine.write, session, desc, deadline)
-                self.busy += 1
-                try:
-                    await asyncio.shield(fut)
-                except asyncio.CancelledError:
-                    # The write is still running in its thread: wait it out before unwinding.
-                    await asyncio.wait([fut])
-                    raise
-                finally:
-                    self.busy -= 1
+                await self._wait_out(fut)
         finally:
             lane.active -= 1
             lane.last_used = time.monotonic()
@@ -116,11 +108,16 @@ class TransferExecutor:
             loop.call_soon_threadsafe(_settle, fut, error)
 
         engine.start_write(session, desc, deadline, done)
+        await self._wait_out(fut)
+
+    async def _wait_out(self, fut: asyncio.Future[None]) -> None:
+        """Await a write running outside the loop (a thread, or entries in the pump),
+        counted in ``busy``. Cancelled, it still waits the write out before unwinding: the
+        pages it reads stay in use until it returns. Raises what the write raised."""
         self.busy += 1
         try:
             await asyncio.shield(fut)
         except asyncio.CancelledError:
-            # The entries are still in flight: wait them out before unwinding.
             await asyncio.wait([fut])
             raise
         finally:
