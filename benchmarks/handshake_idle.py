@@ -4,8 +4,9 @@ Three Mooncake engines on loopback: P (this process), a decode D and a healthy p
 (child processes, 1 MiB registered each). P has already written to H. N idle TCP
 connections are opened to D's handshake port; then P writes 4 KiB to D (its first
 write: a handshake) in one thread and 4 KiB to H in another. Prints both durations.
-Usage: python benchmarks/handshake_idle.py N   (N = 0 is the baseline; each idle
-connection costs about 5 s, so keep N small). See docs/transfer.md.
+Usage: python benchmarks/handshake_idle.py N [--no-front]   (N = 0 is the baseline;
+``--no-front`` starts D without kvd's handshake front, where each idle connection costs
+about 5 s, so keep N small there). See docs/transfer.md.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from kvd.transfer.plan import Descriptors
 
 CHILD = """
 import os, sys, numpy as np
-from kvd.transfer.backends.mooncake import MooncakeEngine
-e = MooncakeEngine("127.0.0.1")
+from kvd.transfer.backends.mooncake import MooncakeEngine, MooncakeOptions
+e = MooncakeEngine(MooncakeOptions("127.0.0.1", handshake_front=sys.argv[1] == "front"))
 b = np.zeros(1 << 20, dtype=np.uint8)
 e.register(b.ctypes.data, b.nbytes)
 print(e.session_id, b.ctypes.data, flush=True)
@@ -35,16 +36,17 @@ os._exit(0)
 """
 
 
-def _peer() -> tuple[subprocess.Popen[str], str, int]:
-    p = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def _peer(front: bool = True) -> tuple[subprocess.Popen[str], str, int]:
+    p = subprocess.Popen([sys.executable, "-c", CHILD, "front" if front else "none"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
     assert p.stdout is not None
     session, addr = p.stdout.readline().split()
     return p, session, int(addr)
 
 
-def main(n_idle: int) -> dict[str, tuple[float, object]]:
-    _d, d_session, d_addr = _peer()
+def main(n_idle: int, front: bool = True) -> dict[str, tuple[float, object]]:
+    _d, d_session, d_addr = _peer(front)
     _h, h_session, h_addr = _peer()
     engine = MooncakeEngine("127.0.0.1", retry_budget=0.0)
     src = np.ones(1 << 20, dtype=np.uint8)
@@ -83,5 +85,7 @@ def main(n_idle: int) -> dict[str, tuple[float, object]]:
 
 if __name__ == "__main__":
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    print(n, "idle connections:", json.dumps(main(n)), flush=True)
+    front = "--no-front" not in sys.argv
+    print(n, "idle connections,", "front" if front else "no front", json.dumps(main(n, front)),
+          flush=True)
     os._exit(0)  # skip the engines' teardown

@@ -120,6 +120,12 @@ class Settings(BaseSettings):
         None, help="address the transfer engine's listeners bind to (default: the transfer "
                    "host); Mooncake itself binds every interface, kvd pins its listeners "
                    "(docs/transfer.md); 0.0.0.0 keeps Mooncake's behaviour")
+    transfer_handshake_front: bool = _setting(
+        True, help="serve the transfer engine's advertised handshake port from kvd, with "
+                   "Mooncake's single-threaded handshake listener on loopback behind it, so "
+                   "idle or slow connections to it cannot stall transfers (S05); false, or "
+                   "transfer_bind_host = 0.0.0.0: no front, Mooncake's listener is the "
+                   "advertised one")
     transfer_port_range: str | None = _setting(
         None, unit="port-port",
         help="ports of the transfer engine's two listeners (P2P handshake and TCP data), "

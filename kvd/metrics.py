@@ -131,6 +131,7 @@ class StateSample:
     engine_registered: bool
     ready: bool
     auth_failures: int = 0
+    handshake: dict[str, int] = field(default_factory=dict)
 
 
 class _StateCollector(Collector):
@@ -155,6 +156,12 @@ class _StateCollector(Collector):
         yield from self._gauges(s)
         yield CounterMetricFamily("kvd_protocol_errors", "Malformed control frames dropped",
                                   value=s.protocol_errors)
+        front = CounterMetricFamily("kvd_handshake_connections", "Connections to the "
+                                    "transfer engine's handshake port, by outcome (relayed, "
+                                    "idle, malformed, evicted, unanswered)", labels=["outcome"])
+        for outcome, n in sorted(s.handshake.items()):
+            front.add_metric([outcome], n)
+        yield front
         yield CounterMetricFamily("kvd_auth_failures", "Control frames and HTTP requests "
                                   "refused for missing or bad authentication",
                                   value=s.auth_failures)

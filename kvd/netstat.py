@@ -74,6 +74,15 @@ def listeners(pid: int) -> list[Listener]:
 
 
 def wider_than(found: list[Listener], allowed: set[str]) -> list[Listener]:
-    """Listeners bound anywhere but the ``allowed`` hosts (wildcards always count)."""
+    """Listeners bound anywhere but the ``allowed`` hosts and loopback (wildcards always
+    count; a loopback listener, such as the transfer engine's handshake listener behind
+    kvd's front, is reachable from this host only)."""
     norm = {h.strip("[]") for h in allowed}
-    return [x for x in found if x.wildcard or x.host not in norm]
+    return [x for x in found if x.wildcard or (x.host not in norm and not _loopback(x.host))]
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

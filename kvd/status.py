@@ -20,6 +20,7 @@ from kvd import __version__
 from kvd.metrics import StateSample
 from kvd.schemas import FailureRow, Peer, Readiness, Room, Status
 from kvd.side import Snapshot
+from kvd.transfer.backends import handshake_counts
 
 if TYPE_CHECKING:
     from kvd.core import Core
@@ -104,7 +105,8 @@ class DaemonOps:
             executor_threads=core.executor.threads,
             protocol_errors=totals["protocol_errors"],
             peers=len(snap.peers), engine_registered=core.local is not None,
-            ready=self.readiness().ready, auth_failures=totals["auth_failures"])
+            ready=self.readiness().ready, auth_failures=totals["auth_failures"],
+            handshake=handshake_counts(core.engine))
 
     def metrics(self) -> bytes:
         """Prometheus text for ``/metrics``."""

@@ -182,8 +182,10 @@ def check_transfer_settings(s: Settings) -> Check:
         nics = (f"NICs: auto, the engine's topology discovery among "
                 f"{', '.join(rdma_devices()) or 'none'}")
     ports = s.transfer_port_range or "15000-17000 (Mooncake's default)"
+    front = s.transfer_handshake_front and effective_bind_host(s) != "0.0.0.0"
     detail = (f"backend {s.transfer_backend}; protocol {s.transfer_protocol}; {nics}; "
-              f"listeners on {effective_bind_host(s)}, ports {ports}")
+              f"listeners on {effective_bind_host(s)}, ports {ports}; handshake front "
+              f"{'on' if front else 'off'}")
     if s.transfer_protocol == "rdma" and s.transfer_backend != "local":
         try:
             check_rdma(devices)
@@ -195,6 +197,10 @@ def check_transfer_settings(s: Settings) -> Check:
         return Check("transfer settings", "warn", detail + " (every interface: the TCP "
                      "transport authenticates nobody)", "set transfer_bind_host to the "
                      "address peers use, and firewall the transfer ports (docs/transfer.md)")
+    if not front:
+        return Check("transfer settings", "warn", detail + " (idle connections to the "
+                     "handshake port can stall transfers: S05)", "set transfer_handshake_front "
+                     "= true and transfer_bind_host to the address peers use")
     return Check("transfer settings", "ok", detail)
 
 
@@ -210,7 +216,8 @@ def check_transfer_engine(s: Settings) -> Check:
     host = effective_transfer_host(s)
     opts = {"host": host, "bind_host": effective_bind_host(s), "protocol": s.transfer_protocol,
             "devices": transfer_devices(s), "port_range": parse_port_range(
-                s.transfer_port_range) if s.transfer_port_range else None}
+                s.transfer_port_range) if s.transfer_port_range else None,
+            "handshake_front": s.transfer_handshake_front}
     try:
         proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(opts)],
                               capture_output=True, text=True, timeout=ENGINE_TIMEOUT,

@@ -44,7 +44,8 @@ def make_mooncake(s: Settings, submit_hook: Callable[[str, int, int], int | None
     opts = MooncakeOptions(
         host=effective_transfer_host(s), bind_host=effective_bind_host(s),
         protocol=s.transfer_protocol, devices=_devices(s),
-        port_range=parse_port_range(s.transfer_port_range) if s.transfer_port_range else None)
+        port_range=parse_port_range(s.transfer_port_range) if s.transfer_port_range else None,
+        handshake_front=s.transfer_handshake_front)
     return MooncakeEngine(opts, s.max_batch_entries, retry_budget=s.transient_retry_s,
                           submit_hook=submit_hook)
 
@@ -75,3 +76,10 @@ class _NoMooncake:
 
         raise TransportError(f"transfer_backend = local and peer {peer_session} is not "
                              f"attached (not on this host, or its memory is not importable)")
+
+
+def handshake_counts(engine: object) -> dict[str, int]:
+    """Connections to the transfer engine's handshake front, by outcome (relayed, idle,
+    malformed, evicted, unanswered); empty without a front (:mod:`.handshake`)."""
+    front = getattr(getattr(engine, "mooncake", engine), "front", None)
+    return dict(front.counts) if front is not None else {}

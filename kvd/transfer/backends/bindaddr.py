@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import ipaddress
 import logging
 import mmap
 import platform
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -113,35 +114,60 @@ def got_slots(base: int, phdr: int, phnum: int, symbol: bytes) -> list[int]:
     return slots
 
 
-def _rewriter(host: str) -> Any:
-    v4 = socket.inet_aton(host)
-    mapped = b"\0" * 10 + b"\xff\xff" + v4
+#: Decides one wildcard bind: ``policy(port, bind_to)`` calls ``bind_to(ipv4_host)`` (the
+#: real bind, rewritten to that host; 0 or ``-errno``) as it sees fit and returns 0 or
+#: ``-errno`` (e.g. ``-EADDRINUSE`` to make the caller try another port).
+BindPolicy = Callable[[int, Callable[[str], int]], int]
 
+
+def _rewriter(policy: BindPolicy) -> Any:
     def bind(fd: int, addr: int, alen: int) -> int:
         family = ctypes.c_uint16.from_address(addr).value if addr else -1
         raw = ctypes.string_at(addr, alen) if addr else b""
         if family == socket.AF_INET and alen >= 16 and raw[4:8] == b"\0\0\0\0":
-            raw = raw[:4] + v4 + raw[8:]
+            def place(host: str) -> bytes:
+                return raw[:4] + socket.inet_aton(host) + raw[8:]
         elif family == socket.AF_INET6 and alen >= 24 and raw[8:24] == b"\0" * 16:
-            raw = raw[:8] + mapped + raw[24:]
+            def place(host: str) -> bytes:  # IPv4-mapped: a dual-stack socket keeps IPv4
+                return raw[:8] + b"\0" * 10 + b"\xff\xff" + socket.inet_aton(host) + raw[24:]
         else:
             return int(_real_bind(fd, addr, alen))
-        buf = ctypes.create_string_buffer(raw, alen)
-        rc = int(_real_bind(fd, ctypes.addressof(buf), alen))
-        if rc != 0:
-            ctypes.set_errno(ctypes.get_errno())
-        return rc
+
+        def bind_to(host: str) -> int:
+            buf = ctypes.create_string_buffer(place(host), alen)
+            if int(_real_bind(fd, ctypes.addressof(buf), alen)) == 0:
+                return 0
+            return -(ctypes.get_errno() or errno.EADDRINUSE)
+
+        try:
+            rc = policy(int.from_bytes(raw[2:4], "big"), bind_to)
+        except Exception:  # never unwind into native code
+            log.exception("bind policy failed")
+            rc = -errno.EADDRINUSE
+        if rc == 0:
+            return 0
+        ctypes.set_errno(-rc)
+        return -1
 
     return _BIND(bind)
 
 
 @contextlib.contextmanager
-def pinned_binds(host: str, path_part: str) -> Iterator[int]:
+def pinned_binds(host: str | BindPolicy, path_part: str) -> Iterator[int]:
     """Within the block, wildcard binds of loaded objects whose path contains
-    ``path_part`` bind to IPv4 ``host`` instead; yields the number of GOT slots patched.
-    Raises ValueError if ``host`` is not an IPv4 address."""
-    ipaddress.IPv4Address(host)
-    hook = _rewriter(host)
+    ``path_part`` bind to IPv4 ``host`` instead (or as the policy ``host`` decides, see
+    :data:`BindPolicy`); yields the number of GOT slots patched. Raises ValueError if
+    ``host`` is not an IPv4 address."""
+    policy: BindPolicy
+    if isinstance(host, str):
+        ipaddress.IPv4Address(host)
+        fixed = host
+
+        def policy(port: int, bind_to: Callable[[str], int]) -> int:
+            return bind_to(fixed)
+    else:
+        policy = host
+    hook = _rewriter(policy)
     target = ctypes.cast(hook, ctypes.c_void_p).value
     page = mmap.PAGESIZE
     saved: list[tuple[int, int]] = []

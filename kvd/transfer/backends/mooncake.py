@@ -9,6 +9,9 @@ settings (protocol, NICs, bind address, port range) and how each is applied
 
 * listeners bind to ``bind_host``: the engine binds every interface itself, so its
   ``bind`` calls are pinned during ``initialize`` (:mod:`.bindaddr`);
+* the advertised handshake port is kvd's (``handshake_front``, :mod:`.handshake`):
+  Mooncake's single-threaded handshake listener is pinned to a loopback address behind
+  it and only sees complete requests (S05);
 * ports come from ``port_range`` via ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``, read
   once per process when the engine's global configuration loads;
 * ``rdma`` with ``devices`` (a NIC filter) or ``[]`` (topology discovery);
@@ -43,6 +46,7 @@ from typing import Any
 from kvd.addr import format_host
 from kvd.errors import TransportError
 from kvd.transfer.backends.bindaddr import pinned_binds
+from kvd.transfer.backends.handshake import HandshakeFront, Reservation
 from kvd.transfer.plan import Descriptors
 from kvd.transfer.pump import Done, WritePump
 
@@ -58,13 +62,16 @@ class MooncakeOptions:
     ``bind_host``: where its listeners bind (None: ``host``; ``0.0.0.0``: every
     interface, Mooncake's own behaviour); ``protocol``: ``tcp`` or ``rdma``; ``devices``:
     RDMA NIC names, ``[]`` = topology discovery; ``port_range``: (first, last) for both
-    listeners, None = Mooncake's default 15000-17000."""
+    listeners, None = Mooncake's default 15000-17000; ``handshake_front``: serve the
+    advertised handshake port from kvd (:mod:`.handshake`; not with a wildcard
+    ``bind_host``)."""
 
     host: str
     bind_host: str | None = None
     protocol: str = "tcp"
     devices: list[str] = field(default_factory=list)
     port_range: tuple[int, int] | None = None
+    handshake_front: bool = True
 
 
 def rdma_devices() -> dict[str, str]:
@@ -137,6 +144,7 @@ class MooncakeEngine:
         self.options = opts
         if opts.protocol == "rdma":
             check_rdma(opts.devices)
+        self.front: HandshakeFront | None = None
         self._native = self._start(opts)
         self._session_id = f"{format_host(opts.host)}:{self._native.get_rpc_port()}"
         self.max_batch_entries = max_batch_entries
@@ -158,8 +166,7 @@ class MooncakeEngine:
         bid = int(self._native.transfer_submit_write(peer, src, dst, length))
         return -1 if bid == 0 or bid >= _REFUSED_IDS else bid
 
-    @staticmethod
-    def _start(opts: MooncakeOptions) -> Any:
+    def _start(self, opts: MooncakeOptions) -> Any:
         os.environ.setdefault("GLOG_minloglevel", "1")
         if opts.port_range is not None:  # read once, when the engine's config first loads
             os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = map(
@@ -175,18 +182,30 @@ class MooncakeEngine:
         bind = opts.bind_host or opts.host
         devices = ",".join(opts.devices)
         host = format_host(opts.host)
+        reservation = None
         if bind in ("0.0.0.0", ""):
             rc = native.initialize(host, "P2PHANDSHAKE", opts.protocol, devices)
         else:
-            with pinned_binds(bind, "mooncake") as patched:
+            reservation = Reservation(bind, bind) if opts.handshake_front else None
+            with pinned_binds(reservation or bind, "mooncake") as patched:
                 if not patched:
                     log.warning("could not pin the transfer engine's listeners to %s: they "
                                 "listen on every interface (see kvd doctor)", bind)
                 rc = native.initialize(host, "P2PHANDSHAKE", opts.protocol, devices)
         if rc != 0:
+            if reservation is not None:
+                reservation.release()
             raise TransportError(f"transfer engine initialize({opts.host}, {opts.protocol}, "
                                  f"devices={devices or 'auto'}) failed: rc={rc}", rc)
         port = int(native.get_rpc_port())
+        if reservation is not None and reservation.sock is not None:
+            problem = reservation.check(port)
+            if problem is not None:
+                reservation.release()
+                raise TransportError(f"{problem}; set transfer_handshake_front = false to "
+                                     f"run without it (S05 unmitigated)")
+            self.front = HandshakeFront(reservation.sock, (reservation.backend, port))
+            self.front.start()
         if opts.port_range is not None and not opts.port_range[0] <= port <= opts.port_range[1]:
             raise TransportError(f"the transfer engine took port {port}, outside "
                                  f"transfer_port_range {opts.port_range[0]}-"

@@ -1,0 +1,351 @@
+"""The handshake front (kvd/transfer/backends/handshake.py) against a stand-in for
+Mooncake's handshake listener that behaves like the real one: ONE thread accepting and
+serving connections one after another, 5 s receive timeout each (case S05).
+
+Real loopback sockets, no transfer engine; waits are "poll until, within a generous
+bound", never a wall-clock threshold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import json
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvd.transfer.backends.handshake import (
+    HEADER,
+    FrameError,
+    FrontLimits,
+    HandshakeFront,
+    Reservation,
+    backend_host,
+    max_frame,
+    read_frame,
+)
+
+BOUND = 20.0
+
+
+def frame(body: bytes) -> bytes:
+    return HEADER.pack(len(body)) + body
+
+
+def until(probe: Callable[[], object], what: str, timeout: float = BOUND) -> object:
+    deadline = time.monotonic() + timeout
+    while not (value := probe()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g}s: {what}")
+        time.sleep(0.01)
+    return value
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+class SerialListener:
+    """Mooncake's handshake daemon, as its source reads: one thread, one connection at a
+    time, SO_RCVTIMEO 5 s; answers a request frame with ``b"answer:" + request body``."""
+
+    def __init__(self, host: str) -> None:
+        self.sock = socket.socket()
+        self.sock.bind((host, 0))
+        self.sock.listen(128)
+        self.sock.settimeout(0.2)
+        self.seen: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self.sock.getsockname()
+        return host, port
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, OSError):
+                continue
+            with conn:
+                conn.settimeout(5.0)
+                try:
+                    header = recv_exact(conn, 8)
+                    if len(header) < 8:
+                        continue
+                    body = recv_exact(conn, HEADER.unpack(header)[0])
+                    self.seen.append(body)
+                    conn.sendall(frame(b"answer:" + body))
+                    conn.shutdown(socket.SHUT_WR)
+                    conn.recv(1)  # wait for the client to close, as Mooncake does
+                except OSError:
+                    continue
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.close()
+
+
+@pytest.fixture
+def listener() -> Iterator[SerialListener]:
+    s = SerialListener("127.0.0.2")
+    yield s
+    s.close()
+
+
+def start_front(backend: tuple[str, int], limits: FrontLimits) -> HandshakeFront:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    front = HandshakeFront(sock, backend, limits)
+    front.start()
+    return front
+
+
+@pytest.fixture
+def front_for(listener: SerialListener) -> Iterator[Callable[..., HandshakeFront]]:
+    made: list[HandshakeFront] = []
+
+    def make(**limits: float) -> HandshakeFront:
+        f = start_front(listener.address, FrontLimits(**limits))  # type: ignore[arg-type]
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def handshake(addr: tuple[str, int], body: bytes) -> bytes:
+    """One handshake as Mooncake's client does it: connect, write, read the answer."""
+    with socket.create_connection(addr, timeout=BOUND) as c:
+        c.sendall(frame(body))
+        header = recv_exact(c, 8)
+        assert len(header) == 8, "the front closed without an answer"
+        return recv_exact(c, HEADER.unpack(header)[0])
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    if not select.select([sock], [], [], 0)[0]:
+        return False
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+# ---- relaying -------------------------------------------------------------------------------
+
+
+def test_a_complete_request_gets_the_listeners_answer_byte_exact(
+        listener: SerialListener, front_for: Callable[..., HandshakeFront]) -> None:
+    front = front_for()
+    body = b"\x01" + json.dumps({"name": "p", "buffers": list(range(500))}).encode()
+    assert handshake(front.address, body) == b"answer:" + body
+    assert listener.seen == [body]
+    assert front.counts["relayed"] == 1
+
+
+def test_s05_idle_connections_never_reach_the_serial_listener(
+        listener: SerialListener, front_for: Callable[..., HandshakeFront]) -> None:
+    """20 idle connections to the front, then a handshake → answered while they are still
+    open (with the serial listener itself in front, it would wait 20 x 5 s); the front
+    closes each idle one after its deadline and the listener never saw any of them."""
+    front = front_for(request_deadline_s=3.0)
+    idle = [socket.create_connection(front.address) for _ in range(20)]
+    try:
+        body = b"\x01{}"
+        assert handshake(front.address, body) == b"answer:" + body
+        assert not any(closed_by_peer(s) for s in idle[-5:]), "idle ones already closed"
+        until(lambda: all(closed_by_peer(s) for s in idle), "idle connections closed")
+    finally:
+        for s in idle:
+            s.close()
+    assert listener.seen == [body]
+    until(lambda: front.counts["idle"] == 20, "20 idle counted")
+
+
+@pytest.mark.parametrize("payload", [
+    HEADER.pack(0),                           # zero length (Mooncake refuses it too)
+    HEADER.pack((1 << 20) + 1) + b"x" * 64,   # above MC_HANDSHAKE_MAX_LENGTH
+    HEADER.pack(2**64 - 1),                   # absurd length
+])
+def test_a_frame_with_a_bad_length_is_closed_without_reaching_the_listener(
+        listener: SerialListener, front_for: Callable[..., HandshakeFront],
+        payload: bytes) -> None:
+    front = front_for()
+    with socket.create_connection(front.address, timeout=BOUND) as c:
+        c.sendall(payload)
+        until(lambda: closed_by_peer(c), "closed")
+    until(lambda: front.counts["malformed"] == 1, "counted as malformed")
+    assert listener.seen == []
+
+
+def test_a_request_cut_short_is_closed_without_reaching_the_listener(
+        listener: SerialListener, front_for: Callable[..., HandshakeFront]) -> None:
+    """A header announcing 100 bytes, 10 sent, then silence (slowloris) → closed after
+    the deadline; a peer that closes half way is dropped too."""
+    front = front_for(request_deadline_s=0.3)
+    with socket.create_connection(front.address, timeout=BOUND) as c:
+        c.sendall(HEADER.pack(100) + b"x" * 10)
+        until(lambda: closed_by_peer(c), "closed")
+    with socket.create_connection(front.address, timeout=BOUND) as c:
+        c.sendall(HEADER.pack(100) + b"x" * 10)
+    until(lambda: front.counts["idle"] == 2, "both counted")
+    assert listener.seen == []
+
+
+def test_the_oldest_incomplete_connection_makes_room_for_a_new_one(
+        listener: SerialListener, front_for: Callable[..., HandshakeFront]) -> None:
+    """max_pending 4, a long deadline: 6 idle connections → the 2 oldest are closed
+    (evicted), the 4 newest stay; a handshake still gets through."""
+    front = front_for(max_pending=4, request_deadline_s=60.0)
+    idle = []
+    for n in range(1, 7):
+        idle.append(socket.create_connection(front.address))
+        until(lambda n=n: front.counts["evicted"] + len(front._pending) >= n, "accepted")
+    try:
+        until(lambda: all(closed_by_peer(s) for s in idle[:2]), "the 2 oldest closed")
+        assert not any(closed_by_peer(s) for s in idle[2:])
+        assert handshake(front.address, b"\x03{}") == b"answer:\x03{}"
+        assert front.counts["evicted"] >= 3  # 2 idle + one more to admit the handshake
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_requests_beyond_the_byte_budget_are_refused(
+        listener: SerialListener, front_for: Callable[..., HandshakeFront]) -> None:
+    """request_bytes 1000: a connection announcing 800 bytes and sending 10 holds 800 of
+    the budget; a second announcing 800 is refused at once; a small one still passes."""
+    front = front_for(request_bytes=1000, request_deadline_s=60.0)
+    with socket.create_connection(front.address, timeout=BOUND) as holder:
+        holder.sendall(HEADER.pack(800) + b"x" * 10)
+        until(lambda: front._reading == 800, "budget held")
+        with socket.create_connection(front.address, timeout=BOUND) as c:
+            c.sendall(HEADER.pack(800) + b"y" * 800)
+            until(lambda: closed_by_peer(c), "refused")
+        assert handshake(front.address, b"\x02{}") == b"answer:\x02{}"
+    until(lambda: front._reading == 0, "budget released")
+    assert front.counts["malformed"] == 1
+
+
+def test_a_listener_that_is_down_closes_the_connection_and_is_counted() -> None:
+    dead = socket.socket()
+    dead.bind(("127.0.0.2", 0))
+    addr = dead.getsockname()
+    dead.close()  # nothing listens there now
+    front = start_front(addr, FrontLimits())
+    try:
+        with socket.create_connection(front.address, timeout=BOUND) as c:
+            c.sendall(frame(b"\x01{}"))
+            assert recv_exact(c, 8) == b""
+        until(lambda: front.counts["unanswered"] == 1, "counted")
+    finally:
+        front.close()
+
+
+# ---- framing --------------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(body=st.binary(min_size=1, max_size=3000), cuts=st.lists(st.integers(0, 3100),
+                                                                 max_size=6))
+def test_read_frame_returns_the_frame_however_it_is_split(body: bytes, cuts: list[int]) -> None:
+    data = frame(body) + b"trailing"
+    points = sorted({min(c, len(data)) for c in cuts})
+
+    async def run() -> bytes:
+        reader = asyncio.StreamReader()
+        last = 0
+        for p in [*points, len(data)]:
+            reader.feed_data(data[last:p])
+            last = p
+        reader.feed_eof()
+        return await read_frame(reader, 1 << 20)
+
+    assert asyncio.run(run()) == frame(body)
+
+
+@given(length=st.one_of(st.just(0), st.integers((1 << 20) + 1, 2**64 - 1)))
+def test_read_frame_refuses_lengths_mooncake_refuses(length: int) -> None:
+    async def run() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(HEADER.pack(length))
+        reader.feed_eof()
+        await read_frame(reader, 1 << 20)
+
+    with pytest.raises(FrameError):
+        asyncio.run(run())
+
+
+def test_max_frame_follows_mooncakes_own_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    for raw, want in (("", 1 << 20), ("abc", 1 << 20), (str(4 << 20), 4 << 20),
+                      (str(1 << 19), 1 << 20), (str(256 << 20), 1 << 20)):
+        monkeypatch.setenv("MC_HANDSHAKE_MAX_LENGTH", raw)
+        assert max_frame() == want, raw
+
+
+# ---- reserving the port ---------------------------------------------------------------------
+
+
+def test_reservation_puts_the_front_on_the_first_bind_and_the_engine_behind_it() -> None:
+    r = Reservation("127.0.0.1", "127.0.0.1")
+    assert r.backend == backend_host("127.0.0.1") == "127.0.0.2"
+    calls: list[str] = []
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    assert r(port, lambda host: calls.append(host) or 0) == 0
+    assert calls == ["127.0.0.2"] and r.port == port
+    assert r.sock is not None and r.sock.getsockname() == ("127.0.0.1", port)
+    assert r(port + 1, lambda host: calls.append(host) or 0) == 0  # later binds: bind_host
+    assert calls == ["127.0.0.2", "127.0.0.1"]
+    assert r.check(port) is None
+    assert "another order" in (r.check(port + 7) or "")
+    r.release()
+    assert r.sock is None
+
+
+def test_reservation_refuses_a_port_whose_front_address_is_taken() -> None:
+    """The front's address is in use → EADDRINUSE without binding the engine's socket (it
+    tries another port); the engine's bind failing releases the front's socket."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    r = Reservation("127.0.0.1", "127.0.0.1")
+    calls: list[str] = []
+    try:
+        assert r(port, lambda host: calls.append(host) or 0) == -errno.EADDRINUSE
+        assert calls == [] and r.sock is None
+    finally:
+        taken.close()
+    assert r(port, lambda host: -errno.EADDRINUSE) == -errno.EADDRINUSE
+    assert r.sock is None
+    again = socket.socket()
+    again.bind(("127.0.0.1", port))  # the front's socket was released
+    again.close()
+
+
+def test_backend_is_loopback_and_never_the_front_address() -> None:
+    for host in ("127.0.0.1", "127.0.0.2", "10.1.2.3", "192.168.0.9"):
+        assert backend_host(host) != host
+        assert backend_host(host).startswith("127.")
