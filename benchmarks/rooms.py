@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 POLL_S = 200e-6
+WAIT_S = 0.05  # the longest Wait of the wait-driven kvd variant
 
 
 def _proc_cpu(pid: int) -> float:
@@ -110,7 +111,12 @@ def _drive(side: Any, cmd: dict[str, Any], expected: list[np.ndarray] | None) ->
             i += 1
         if pending:
             ids = list(pending)
-            for room, st in zip(ids, side.poll(ids), strict=True):
+            if cmd.get("wait"):  # block in kvd until a room ends or the next one is due
+                due = t0 + i / rate if rate and i < len(rooms) else now + WAIT_S
+                statuses = side.wait_any(ids, max(0.0, min(due, now + WAIT_S) - now))
+            else:
+                statuses = side.poll(ids)
+            for room, st in zip(ids, statuses, strict=True):
                 if st not in (sides.SUCCESS, sides.FAILED):
                     continue
                 done = time.monotonic()
@@ -124,7 +130,8 @@ def _drive(side: Any, cmd: dict[str, Any], expected: list[np.ndarray] | None) ->
                         bad += 1
                 side.clear(room)
                 del pending[room]
-        time.sleep(POLL_S)
+        if not cmd.get("wait") or not pending:
+            time.sleep(POLL_S)
     elapsed = time.monotonic() - start
     return {"rooms": len(rooms), "seconds": elapsed, "failed": failed, "bad_bytes": bad,
             "latencies": lat, "api_p50_us": 1e6 * statistics.median(side.times)
@@ -174,11 +181,14 @@ class Pair:
     def daemon_pids(self) -> list[int]:
         return [d.proc.pid for d in self.daemons] or self.pids
 
-    def run(self, count: int, rate: float | None, window: int) -> dict[str, Any]:
-        """Run ``count`` rooms; returns decode latencies, rooms/s, CPU of the daemons."""
+    def run(self, count: int, rate: float | None, window: int,
+            wait: bool = False) -> dict[str, Any]:
+        """Run ``count`` rooms; returns decode latencies, rooms/s, CPU of the daemons.
+        ``wait`` (kvd only): each side waits in kvd (``Wait`` with ``any_done``) for a
+        room to end or the next one to be due, instead of polling every ``POLL_S``."""
         t0 = time.monotonic() + 0.2
         cmd = {"first": self.next_room, "count": count, "rate": rate, "window": window,
-               "t0": t0}
+               "t0": t0, "wait": wait}
         self.next_room += count
         cpu0 = sum(_proc_cpu(p) for p in self.daemon_pids())
         for c in self.conns:

@@ -73,6 +73,12 @@ class KvdSide:
     def poll(self, rooms: list[int]) -> list[int]:
         return [int(s) for s in self._poll(self.client, rooms)]
 
+    def wait_any(self, rooms: list[int], timeout: float) -> list[int]:
+        """Statuses once one of ``rooms`` ended, or after ``timeout`` s: ONE ``Wait``
+        (``any_done``) in kvd instead of a poll loop."""
+        result = self.client.wait(rooms, timeout, any_done=True)
+        return [int(s) for s in result.statuses]
+
     def clear(self, room: int) -> None:
         self.client.call(self._rpc.Clear(room=room))
 

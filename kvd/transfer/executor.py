@@ -50,6 +50,9 @@ class TransferExecutor:
     def __init__(self, engine: TransferEngine, shards: int = 1, queue_size: int = 4,
                  idle_s: float = 60.0) -> None:
         self.engine = engine
+        # isinstance against a runtime-checkable Protocol walks its members (~10 us):
+        # once here, not per write.
+        self._starts = engine if isinstance(engine, StartWrite) else None
         self.queue_size = max(1, queue_size)
         self.idle_s = idle_s
         self._lanes: dict[str, _Lane] = {}
@@ -84,8 +87,8 @@ class TransferExecutor:
         raises TransportError from the backend."""
         if len(desc) == 0:
             return
-        engine = self.engine
-        if isinstance(engine, StartWrite) and engine.can_start(session):
+        engine = self._starts
+        if engine is not None and engine.can_start(session):
             await self._started(engine, session, desc, deadline)
             return
         lane = self._lane(session)

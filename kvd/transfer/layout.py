@@ -30,6 +30,7 @@ and a plan whose highest address would wrap past 2**64 is refused.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -366,6 +367,12 @@ class PairPlan:
         return PairPlan(src, dst, s_off, d_off, n_heads, sb, db, src.kv_ptrs[sb],
                         dst.kv_ptrs[db], src.item_lens[sb], dst.item_lens[db])
 
+    @cached_property
+    def _tops(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(max pointer, max item length) of each side, for the wrap check of a plan."""
+        return ((int(self.s_ptr.max(initial=0)), int(self.s_item.max(initial=0))),
+                (int(self.d_ptr.max(initial=0)), int(self.d_item.max(initial=0))))
+
     def plan(self, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike) -> Descriptors:
         """Descriptors for one chunk (see :func:`plan_transfer`)."""
         src, dst = self.src, self.dst
@@ -377,8 +384,9 @@ class PairPlan:
             return Descriptors.empty()
         s_ptr, d_ptr, s_item, d_item = self.s_ptr, self.d_ptr, self.s_item, self.d_item
         sb, db, n_heads = self.sb, self.db, self.n_heads
-        _check_no_wrap(s_ptr, s_item, sp, "source")
-        _check_no_wrap(d_ptr, d_item, dp, "destination")
+        s_top, d_top = self._tops
+        _check_no_wrap(s_ptr, s_item, sp, "source", s_top)
+        _check_no_wrap(d_ptr, d_item, dp, "destination", d_top)
         if src.is_mla or n_heads == src.num_kv_heads == dst.num_kv_heads:
             return plan_pages(s_ptr, d_ptr, s_item, d_item, sp, dp, sb, db)
         head_bytes = src.head_bytes
@@ -429,10 +437,13 @@ def _strided(src: _Side, dst: _Side, length: int,
                        (bufs[0].astype(np.int64), bufs[1].astype(np.int64)))
 
 
-def _check_no_wrap(ptrs: Addrs, items: Addrs, pages: Pages, what: str) -> None:
-    """Refuse when ``ptr + (max_page + 1) * item`` could pass 2**64 (Python ints, exact)."""
-    last = int(pages.max()) + 1
-    if int(ptrs.max()) + last * int(items.max()) <= _U64_MAX + 1:  # cheap bound, usual case
+def _check_no_wrap(ptrs: Addrs, items: Addrs, pages: Pages, what: str,
+                   tops: tuple[int, int] | None = None) -> None:
+    """Refuse when ``ptr + (max_page + 1) * item`` could pass 2**64 (Python ints, exact).
+    ``tops``: ``(max(ptrs), max(items))`` when the caller has them."""
+    last = (int(pages[0]) if pages.size == 1 else int(pages.max())) + 1
+    top_ptr, top_item = tops if tops is not None else (int(ptrs.max()), int(items.max()))
+    if top_ptr + last * top_item <= _U64_MAX + 1:  # cheap bound, usual case
         return
     top = max(p + last * n for p, n in zip(ptrs.tolist(), items.tolist(), strict=True))
     if top > _U64_MAX + 1:

@@ -9,6 +9,7 @@ operand is converted explicitly first). Overflow of ``addr + length`` past
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -99,11 +100,12 @@ def as_pages(pages: npt.ArrayLike, what: str = "page indices") -> Pages:
         raise LayoutError(f"{what} must be 1-D, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype.kind not in "iu":  # np.issubdtype(dtype, np.integer), without its cost
         raise LayoutError(f"{what} must be integers, got dtype {arr.dtype}")
-    out = arr.astype(np.int64)
-    if out.min() < 0:
-        raise LayoutError(f"{what} contain a negative index ({int(out.min())})")
+    out = arr if arr.dtype == np.int64 else arr.astype(np.int64)
+    low = int(out[0]) if out.size == 1 else int(out.min())
+    if low < 0:
+        raise LayoutError(f"{what} contain a negative index ({low})")
     return out
 
 
@@ -127,8 +129,8 @@ def page_runs(src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike) -> tuple[Pages
     dst = as_pages(dst_pages, "destination page indices")
     if src.size != dst.size:
         raise IndexLengthMismatch(f"index length mismatch {src.size} vs {dst.size}")
-    if src.size == 0:
-        return src, dst, np.zeros(0, dtype=np.int64)
+    if src.size <= 1:  # no run to join (a 1-page room)
+        return src, dst, np.ones(src.size, dtype=np.int64)
     breaks = (np.diff(src) != 1) | (np.diff(dst) != 1)
     starts = np.flatnonzero(np.concatenate(([True], breaks)))
     lengths = np.diff(np.concatenate((starts, [src.size])))
@@ -136,6 +138,8 @@ def page_runs(src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike) -> tuple[Pages
 
 
 def _u64(values: npt.ArrayLike) -> Addrs:
+    if isinstance(values, np.ndarray) and values.dtype == U64:  # already checked (PairPlan)
+        return values
     if isinstance(values, list | tuple):  # python ints may straddle 2**63: no float64 detour
         if not all(isinstance(v, int | np.integer) for v in values):
             raise LayoutError("addresses and lengths must be integers")
@@ -174,7 +178,7 @@ def plan_pages(src_ptrs: npt.ArrayLike, dst_ptrs: npt.ArrayLike, src_item_lens: 
     sl, dl = _u64(src_item_lens), _u64(dst_item_lens)
     if not (sp.size == dp.size == sl.size == dl.size):
         raise LayoutError(f"buffer count mismatch: {sp.size} source vs {dp.size} destination")
-    if np.any(sl != dl):
+    if (sl != dl).any():
         b = int(np.flatnonzero(sl != dl)[0])
         raise LayoutError(f"kv item len mismatch in buffer {b}: {int(sl[b])} vs {int(dl[b])}")
     s0, d0, n = page_runs(src_pages, dst_pages)
@@ -238,23 +242,28 @@ class Regions:
         """
         p, n = _u64(ptrs), _u64(lens)
         end = p + n
-        if np.any(end < p):
+        if (end < p).any():
             raise LayoutError("registered region wraps past 2**64")
         idv = np.arange(p.size, dtype=np.int64) if ids is None else np.asarray(ids, np.int64)
         order = np.argsort(p, kind="stable")
         p, end, idv = p[order], end[order], idv[order]
-        if p.size > 1 and np.any(p[1:] < end[:-1]):
+        if p.size > 1 and (p[1:] < end[:-1]).any():
             k = int(np.flatnonzero(p[1:] < end[:-1])[0])
             raise LayoutError(f"buffers {int(idv[k])} and {int(idv[k + 1])} overlap")
         return Regions(p, end, idv)
 
+    @cached_property
+    def _by_id(self) -> tuple[Ids, Ids]:
+        """(order, ids in that order): the ids sorted once, for :meth:`of_ids`."""
+        order = np.argsort(self.ids, kind="stable")
+        return order, self.ids[order]
+
     def of_ids(self, ids: Ids, what: str) -> tuple[Addrs, Addrs]:
         """``(start, end)`` of the buffers named by ``ids``; BoundsError for an unknown id."""
-        order = np.argsort(self.ids, kind="stable")
-        sorted_ids = self.ids[order]
+        order, sorted_ids = self._by_id
         pos = np.searchsorted(sorted_ids, ids)
         safe = np.minimum(pos, max(sorted_ids.size - 1, 0))
-        if sorted_ids.size == 0 or np.any(sorted_ids[safe] != ids):
+        if sorted_ids.size == 0 or (sorted_ids[safe] != ids).any():
             raise BoundsError(f"{what}: planned for a buffer the rank did not register")
         idx = order[safe]
         return self.start[idx], self.end[idx]
@@ -278,7 +287,7 @@ def check_plan_bounds(desc: Descriptors, src: Regions, dst: Regions, what: str) 
         check_bounds(desc.dst, desc.length, dst, f"{what} destination")
         return
     s_lo, s_hi, d_lo, d_hi = desc.spans
-    if np.any(s_hi < s_lo) or np.any(d_hi < d_lo):
+    if (s_hi < s_lo).any() or (d_hi < d_lo).any():
         raise BoundsError(f"{what} range wraps past 2**64")
     if desc.span_bufs is None:
         check_bounds(s_lo, s_hi - s_lo, src, f"{what} source")
@@ -288,7 +297,7 @@ def check_plan_bounds(desc: Descriptors, src: Regions, dst: Regions, what: str) 
                                        (d_lo, d_hi, desc.span_bufs[1], dst, "destination")):
         start, end = regions.of_ids(ids, f"{what} {side}")
         bad = (lo < start) | (hi > end)
-        if np.any(bad):
+        if bad.any():
             k = int(np.flatnonzero(bad)[0])
             raise BoundsError(f"{what} {side} range [{int(lo[k]):#x}, +{int(hi[k] - lo[k])}) "
                               f"is outside buffer {_name(int(ids[k]))} "
@@ -314,7 +323,7 @@ def check_bounds(addrs: Addrs, lengths: Addrs, regions: Regions, what: str) -> N
     ``searchsorted`` over the region starts.
     """
     if addrs.size <= _BOUNDS_BLOCKS[-1]:  # small (the daemon's spans): one direct pass
-        if np.any(addrs + lengths < addrs):
+        if (addrs + lengths < addrs).any():
             raise BoundsError(f"{what} range wraps past 2**64")
         _check_entries(addrs, lengths, regions, what)
         return
@@ -339,8 +348,8 @@ def _unresolved(addrs: Addrs, lengths: Addrs, regions: Regions, size: int,
     high = a.max(axis=1)
     top = high + n.max(axis=1)
     may_wrap = top < high  # the uint64 sum wrapped: some entry of the block may wrap
-    if wrap_what is not None and (np.any(tail_a + tail_n < tail_a) or (
-            np.any(may_wrap) and np.any(a[may_wrap] + n[may_wrap] < a[may_wrap]))):
+    if wrap_what is not None and ((tail_a + tail_n < tail_a).any() or (
+            may_wrap.any() and (a[may_wrap] + n[may_wrap] < a[may_wrap]).any())):
         raise BoundsError(f"{wrap_what} range wraps past 2**64")
     if regions.start.size == 0:
         return addrs, lengths
