@@ -190,19 +190,23 @@ def bench_rooms(repeats: int, max_rooms: int, rate_rooms: int) -> dict[str, Any]
     """P4 (and the send/init part of P5), kvd and SGLang interleaved, medians."""
     systems = ["kvd", "sglang"] if have_sglang() else ["kvd"]
     pairs = {s: rooms.Pair(s, LAYERS_ROOMS, ITEM_ROOMS, _work()) for s in systems}
+    # "kvd_many": the same kvd pair, each engine round's calls in one Many round trip
+    variants = [*systems, "kvd_many"]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {"max": [], "100": [], "500": []}
-                                                        for s in systems}
+                                                        for s in variants}
     try:
         for s in systems:
             pairs[s].run(300, None, 64)  # warm-up: registration, connections
         for _ in range(repeats):
-            for s in systems:
-                runs[s]["max"].append(pairs[s].run(max_rooms, None, 128))
-                runs[s]["100"].append(pairs[s].run(rate_rooms, 100.0, 256))
-                runs[s]["500"].append(pairs[s].run(rate_rooms, 500.0, 256))
+            for s in variants:
+                pair, batch = pairs[s.removesuffix("_many")], s.endswith("_many")
+                runs[s]["max"].append(pair.run(max_rooms, None, 128, batch=batch))
+                runs[s]["100"].append(pair.run(rate_rooms, 100.0, 256, batch=batch))
+                runs[s]["500"].append(pair.run(rate_rooms, 500.0, 256, batch=batch))
     finally:
         for p in pairs.values():
             p.close()
+    systems = variants
     med = {s: {k: {f: statistics.median(r[f] for r in v) for f in v[0]
                    if isinstance(v[0][f], int | float)}
                for k, v in runs[s].items()} for s in systems}

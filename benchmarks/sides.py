@@ -35,10 +35,12 @@ class KvdSide:
                  pages: int = PAGES) -> None:
         from kvd.client import Receiver, Sender, poll_many
         from kvd.protocol import rpc
+        from kvd.protocol.codec import pack_indices
         from kvd.refengine.standin import EngineStandIn
 
         self.role, self.bootstrap = role, bootstrap
         self._Sender, self._Receiver, self._poll, self._rpc = Sender, Receiver, poll_many, rpc
+        self._pack = pack_indices
         self.eng = EngineStandIn(socket, num_layers=layers, num_pages=pages, item_len=item,
                                  aux_slots=AUX_SLOTS, aux_item_len=AUX_ITEM, seed=7)
         if role == "prefill":
@@ -72,6 +74,28 @@ class KvdSide:
 
     def poll(self, rooms: list[int]) -> list[int]:
         return [int(s) for s in self._poll(self.client, rooms)]
+
+    def step(self, starts: list[int], clears: list[int], polls: list[int]) -> list[int]:
+        """Start rooms ``starts`` (decode: create + init; prefill: create + init + send),
+        clear rooms ``clears``, and poll ``polls``, in ONE round trip (``Many``); returns
+        the polled statuses. A start or clear that kvd refuses raises."""
+        rpc, calls = self._rpc, []
+        for room in starts:
+            page = self._pack(np.array([room % PAGES]))
+            if self.role == "decode":
+                calls += [rpc.ReceiverCreate(room=room, bootstrap_addr=self.bootstrap),
+                          rpc.ReceiverInit(room=room, dst_pages=page, aux_index=room % AUX_SLOTS)]
+            else:
+                calls += [rpc.SenderCreate(room=room),
+                          rpc.SenderInit(room=room, num_pages=1, aux_index=room % AUX_SLOTS),
+                          rpc.SenderSend(room=room, pages=page, is_last=True)]
+        calls += [rpc.Clear(room=room) for room in clears]
+        calls.append(rpc.Poll(rooms=polls))
+        out = self.client.call_many(calls)
+        failed = [x for x in out if isinstance(x, Exception)]
+        if failed:
+            raise failed[0]
+        return [int(x) for x in out[-1].statuses]
 
     def wait_any(self, rooms: list[int], timeout: float) -> list[int]:
         """Statuses once one of ``rooms`` ended, or after ``timeout`` s: ONE ``Wait``

@@ -31,7 +31,7 @@ from kvd.control.inbound import Misaddressed
 from kvd.control.peers import ControlPlane
 from kvd.core import Core, http_client
 from kvd.engine_rpc.server import LATER, Connection, EngineRpcServer
-from kvd.errors import ConfigError, RegistrationError, RoomError
+from kvd.errors import ConfigError, KvdError, ProtocolError, RegistrationError, RoomError
 from kvd.memory import Importer
 from kvd.protocol import rpc
 from kvd.ranks import PAIRS, Ranks, resolve
@@ -315,10 +315,30 @@ class Daemon:
             case rpc.Clear():
                 side.clear(call.room)
                 return None
+            case rpc.Many():
+                return self._many(call, conn)
         if self.draining and isinstance(call, rpc.SenderCreate | rpc.ReceiverCreate):
             raise RoomError(f"room {call.room}: kvd is draining (shutting down); "
                             f"no new rooms")
         return side.call(call)
+
+    def _many(self, many: rpc.Many, conn: Connection) -> rpc.ManyResult:
+        """Each call of ``many`` in order, as :meth:`dispatch_now` answers it alone; a
+        failed one becomes its own failed outcome (issue 14: one round trip, many rooms)."""
+        if len(many.calls) > rpc.MAX_MANY:
+            raise ProtocolError(f"Many carries {len(many.calls)} calls, at most "
+                                f"{rpc.MAX_MANY}")
+        outcomes = []
+        for call in many.calls:
+            try:
+                with logs.log_context(**logs.message_context(call)):
+                    outcomes.append(rpc.Outcome(ok=True, result=self.dispatch_now(call, conn)))
+            except Exception as exc:
+                if not isinstance(exc, KvdError):
+                    log.exception("engine call %s failed", type(call).__name__)
+                kind, error = rpc.failure(exc)
+                outcomes.append(rpc.Outcome(ok=False, error=error, kind=kind))
+        return rpc.ManyResult(outcomes=outcomes)
 
     async def _register(self, call: rpc.RegisterKV, conn: Connection) -> rpc.RegisterResult:
         """The engine's KV pool. The same engine (``engine_id``, same buffers)

@@ -21,7 +21,8 @@ def _error_from_reply(reply: rpc.Reply | rpc.RawReply) -> Exception:
 
 #: Typed results of the calls that have one (the others answer None or a dict).
 RESULT_TYPES: dict[type, type] = {rpc.Poll: rpc.PollResult, rpc.Wait: rpc.PollResult,
-                                  rpc.RegisterKV: rpc.RegisterResult}
+                                  rpc.RegisterKV: rpc.RegisterResult,
+                                  rpc.Many: rpc.ManyResult}
 _DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {
     t: msgspec.msgpack.Decoder(t, strict=False) for t in set(RESULT_TYPES.values())}
 _ANY = msgspec.msgpack.Decoder()
@@ -84,6 +85,34 @@ class KvdClient:
             if isinstance(call, rpc.RegisterKV):
                 self._registration, self._replay = call, False
         return result
+
+    def call_many(self, calls: list[rpc.NowCall]) -> list[Any]:
+        """Several calls in ONE round trip (:class:`~kvd.protocol.rpc.Many`), run in order
+        as if called one by one: each call's result (typed as :meth:`call` types it), or
+        for a call that failed its exception object (returned, not raised: one room's
+        refusal leaves the others' results). Raises :class:`KvdUnreachable` as
+        :meth:`call` does, and ValueError for more than ``rpc.MAX_MANY`` calls."""
+        if not calls:
+            return []
+        if len(calls) > rpc.MAX_MANY:
+            raise ValueError(f"at most {rpc.MAX_MANY} calls in one Many, got {len(calls)}")
+        result: rpc.ManyResult = self.call(rpc.Many(calls=list(calls)))
+        if len(result.outcomes) != len(calls):
+            raise ProtocolError(f"Many answered {len(result.outcomes)} outcomes for "
+                                f"{len(calls)} calls")
+        out: list[Any] = []
+        for call, outcome in zip(calls, result.outcomes, strict=True):
+            if not outcome.ok:
+                out.append(rpc.error_from(outcome.kind, outcome.error))
+                continue
+            kind = RESULT_TYPES.get(type(call))
+            try:
+                out.append(outcome.result if kind is None or outcome.result is None
+                           else msgspec.convert(outcome.result, kind, strict=False))
+            except msgspec.ValidationError as exc:
+                name = getattr(kind, "__name__", "result")
+                raise ProtocolError(f"malformed {name}: {exc}") from exc
+        return out
 
     def wait(self, rooms: list[int], timeout: float, any_done: bool = False) -> rpc.PollResult:
         """``Wait`` for up to ``timeout`` s (until every room ended, or with ``any_done``

@@ -400,7 +400,7 @@ def _failed(req: rpc.Request, exc: Exception) -> rpc.Reply:
     """The reply to engine call ``req`` that raised ``exc``: its kind from the error
     table for a :class:`KvdError`, ``InternalError`` (logged with its traceback) for
     anything else."""
-    if isinstance(exc, KvdError):
-        return rpc.Reply(id=req.id, ok=False, error=str(exc), kind=rpc.error_kind(exc))
-    log.exception("engine call %s failed", type(req.call).__name__)
-    return rpc.Reply(id=req.id, ok=False, error=f"internal error: {exc}", kind="InternalError")
+    if not isinstance(exc, KvdError):
+        log.exception("engine call %s failed", type(req.call).__name__)
+    kind, error = rpc.failure(exc)
+    return rpc.Reply(id=req.id, ok=False, error=error, kind=kind)

@@ -138,8 +138,41 @@ class Release(msgspec.Struct, tag="release", frozen=True):
     its memory now, without the reconnect grace a dropped connection gets."""
 
 
+#: The calls a :class:`Many` may carry: those kvd answers at once, without waiting.
+NowCall: TypeAlias = (SenderCreate | SenderInit | SenderSend | ReceiverCreate | ReceiverInit
+                      | Poll | Abort | Clear)
+
+#: Most calls in one :class:`Many`.
+MAX_MANY = 4096
+
+
+class Many(msgspec.Struct, tag="many", frozen=True):
+    """Several engine calls in ONE round trip, run in order exactly as if sent one by
+    one (issue 14: round trips per room). Only :data:`NowCall` calls (no ``Wait``,
+    registration, ``Info`` or nested ``Many``), at most :data:`MAX_MANY`; each call has its
+    own :class:`Outcome`, so one room's refusal does not affect the others. Answered
+    with :class:`ManyResult`."""
+
+    calls: list[NowCall]
+
+
+class Outcome(msgspec.Struct, frozen=True):
+    """One call's answer inside a :class:`ManyResult`: as :class:`Reply` without an id."""
+
+    ok: bool
+    result: Any = None
+    error: str = ""
+    kind: str = ""
+
+
+class ManyResult(msgspec.Struct, frozen=True):
+    """``outcomes[i]`` answers ``Many.calls[i]``."""
+
+    outcomes: list[Outcome]
+
+
 Call: TypeAlias = (RegisterKV | SenderCreate | SenderInit | SenderSend | ReceiverCreate
-                   | ReceiverInit | Poll | Wait | Abort | Clear | Info | Release)
+                   | ReceiverInit | Poll | Wait | Abort | Clear | Info | Release | Many)
 
 
 class Request(msgspec.Struct, frozen=True):
@@ -266,6 +299,14 @@ def error_kind(exc: BaseException) -> str:
     (which the client turns into an RpcError)."""
     return next((c.__name__ for c in type(exc).__mro__ if c.__name__ in ERRORS),
                 type(exc).__name__)
+
+
+def failure(exc: BaseException) -> tuple[str, str]:
+    """``(kind, message)`` of a failed call's reply: the error table's name and the
+    message for a kvd error, ``InternalError`` for anything else (the caller logs it)."""
+    if isinstance(exc, errors.KvdError):
+        return error_kind(exc), str(exc)
+    return "InternalError", f"internal error: {exc}"
 
 
 def error_from(kind: str, message: str) -> errors.KvdError:

@@ -45,3 +45,20 @@ def test_flood_bench_reports_every_phase_against_the_idle_baseline() -> None:
         assert phase["health"]["n"] > 0 and phase["heartbeat"]["beats"] > 0
         assert phase["health"]["p99_ms"] >= phase["health"]["p50_ms"] >= 0
     assert flood["phases"]["zmq"]["flood"]["frames_sent"] > 0
+
+
+def test_issue14_room_rows_run_both_ways_with_every_byte_checked() -> None:
+    """P4 in a reduced form: kvd per call and batched (Many), both verified page by page
+    (no failed room, no wrong byte); SGLang's rows need .venv-bench and are skipped here."""
+    before = set((ROOT / "benchmarks" / "results").glob("bench-*.json"))
+    out = subprocess.run([sys.executable, "benchmarks/run.py", "--only", "issue14", "--rows",
+                          "P4", "--repeats", "1", "--max-rooms", "80", "--rate-rooms", "40"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "engine calls batched (Many)" in out.stdout
+    (new,) = set((ROOT / "benchmarks" / "results").glob("bench-*.json")) - before
+    p4 = json.loads(new.read_text())["issue14"]["P4"]
+    assert p4["bad_bytes"] == 0 and p4["failed"] == 0
+    assert set(p4["median"]) >= {"kvd", "kvd_many"}
+    for variant in ("kvd", "kvd_many"):
+        assert p4["median"][variant]["max"]["rooms_per_s"] > 0
