@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import secrets
 import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -26,6 +28,9 @@ RESULT_TYPES: dict[type, type] = {rpc.Poll: rpc.PollResult, rpc.Wait: rpc.PollRe
 _DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {
     t: msgspec.msgpack.Decoder(t, strict=False) for t in set(RESULT_TYPES.values())}
 _ANY = msgspec.msgpack.Decoder()
+
+#: What a send or recv past SO_SNDTIMEO/SO_RCVTIMEO fails with.
+_TIMED_OUT = (errno.EAGAIN, errno.EWOULDBLOCK)
 
 #: A server-side wait never runs longer than this fraction of the client's timeout:
 #: a long ``wait`` is several calls, never a transport timeout (K27).
@@ -70,6 +75,14 @@ class KvdClient:
                 sock.close()
                 raise KvdUnreachable(f"kvd unreachable at {self.path}: {exc.strerror or exc}",
                                      "KvdUnreachable") from exc
+            # Blocking, with the kernel's per-call timeouts: Python's own socket timeout
+            # polls before every send and recv (two more syscalls, about 20 us a call).
+            # A call past ``timeout`` still fails (EAGAIN, an OSError: KvdUnreachable).
+            sock.settimeout(None)
+            seconds = max(self.timeout, 0.001)
+            tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
             self._sock = sock
         return self._sock
 
@@ -165,7 +178,9 @@ class KvdClient:
             reply = rpc.decode_raw_reply(self._read_frame(sock))
         except OSError as exc:
             self._drop()
-            raise KvdUnreachable(f"kvd unreachable at {self.path}: {exc}",
+            why = (f"no answer within {self.timeout:g}s" if exc.errno in _TIMED_OUT
+                   else str(exc))
+            raise KvdUnreachable(f"kvd unreachable at {self.path}: {why}",
                                  "KvdUnreachable") from exc
         except ProtocolError:
             self._drop()

@@ -37,3 +37,25 @@ def test_interrupt_ends_a_call_in_progress(tmp_path: Path) -> None:
     server.close()
     with pytest.raises(KvdUnreachable):  # the next call reconnects (and finds no server)
         client.wait([1], 0.1)
+
+
+def test_a_call_kvd_never_answers_fails_after_the_client_timeout(tmp_path: Path) -> None:
+    """The client's socket is blocking with kernel timeouts (SO_RCVTIMEO): a daemon that
+    accepts and never answers makes the call fail as KvdUnreachable naming the timeout,
+    and the next call reconnects."""
+    from kvd.protocol import rpc
+
+    path = str(tmp_path / "silent.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(4)
+    client = KvdClient(path, timeout=0.3)
+    with pytest.raises(KvdUnreachable, match=r"no answer within 0\.3s"):
+        client.call(rpc.Poll(rooms=[]))
+    first, _ = server.accept()
+    with pytest.raises(KvdUnreachable, match=r"no answer within 0\.3s"):
+        client.call(rpc.Poll(rooms=[]))
+    second, _ = server.accept()  # a new connection: the timed-out one was dropped
+    assert second.fileno() != first.fileno()
+    for s in (first, second, server):
+        s.close()
