@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import logging
 import select
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -60,7 +62,9 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 class SerialListener:
     """Mooncake's handshake daemon, as its source reads: one thread, one connection at a
-    time, SO_RCVTIMEO 5 s; answers a request frame with ``b"answer:" + request body``."""
+    time, SO_RCVTIMEO 5 s; answers a request frame with ``b"answer:" + request body``,
+    or closes without an answer when the body starts with ``!`` (as Mooncake does with a
+    body that is not JSON or of an unknown type)."""
 
     def __init__(self, host: str) -> None:
         self.sock = socket.socket()
@@ -68,6 +72,8 @@ class SerialListener:
         self.sock.listen(128)
         self.sock.settimeout(0.2)
         self.seen: list[bytes] = []
+        self.answering = threading.Event()  # cleared: requests are read, answers wait
+        self.answering.set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -91,6 +97,9 @@ class SerialListener:
                         continue
                     body = recv_exact(conn, HEADER.unpack(header)[0])
                     self.seen.append(body)
+                    if body.startswith(b"!"):
+                        continue
+                    self.answering.wait()
                     conn.sendall(frame(b"answer:" + body))
                     conn.shutdown(socket.SHUT_WR)
                     conn.recv(1)  # wait for the client to close, as Mooncake does
@@ -124,6 +133,20 @@ def front_for(listener: SerialListener) -> Iterator[Callable[..., HandshakeFront
 
     def make(**limits: float) -> HandshakeFront:
         f = start_front(listener.address, FrontLimits(**limits))  # type: ignore[arg-type]
+        made.append(f)
+        return f
+
+    yield make
+    for f in made:
+        f.close()
+
+
+@pytest.fixture
+def front_for_backend() -> Iterator[Callable[..., HandshakeFront]]:
+    made: list[HandshakeFront] = []
+
+    def make(backend: tuple[str, int], **limits: float) -> HandshakeFront:
+        f = start_front(backend, FrontLimits(**limits))  # type: ignore[arg-type]
         made.append(f)
         return f
 
@@ -230,20 +253,132 @@ def test_the_oldest_incomplete_connection_makes_room_for_a_new_one(
             s.close()
 
 
-def test_requests_beyond_the_byte_budget_are_refused(
+def test_announced_requests_that_never_arrive_cannot_lock_out_a_complete_one(
         listener: SerialListener, front_for: Callable[..., HandshakeFront]) -> None:
-    """request_bytes 1000: a connection announcing 800 bytes and sending 10 holds 800 of
-    the budget; a second announcing 800 is refused at once; a small one still passes."""
+    """request_bytes 1000: two connections announce 500 bytes each and send nothing more
+    (the whole budget, held until their deadline; with the real limits 64 headers of
+    8 bytes announcing 1 MiB each) → a complete request still gets its answer: the oldest
+    incomplete one is closed to make room, the other keeps its share."""
     front = front_for(request_bytes=1000, request_deadline_s=60.0)
-    with socket.create_connection(front.address, timeout=BOUND) as holder:
-        holder.sendall(HEADER.pack(800) + b"x" * 10)
-        until(lambda: front._reading == 800, "budget held")
-        with socket.create_connection(front.address, timeout=BOUND) as c:
-            c.sendall(HEADER.pack(800) + b"y" * 800)
-            until(lambda: closed_by_peer(c), "refused")
+    holders = [socket.create_connection(front.address, timeout=BOUND) for _ in range(2)]
+    try:
+        for n, h in enumerate(holders, 1):
+            h.sendall(HEADER.pack(500))
+            until(lambda n=n: front._reading == 500 * n, "budget held")
         assert handshake(front.address, b"\x02{}") == b"answer:\x02{}"
-    until(lambda: front._reading == 0, "budget released")
-    assert front.counts["malformed"] == 1
+        until(lambda: closed_by_peer(holders[0]), "the oldest holder closed")
+        assert not closed_by_peer(holders[1])
+        assert front.counts["evicted"] == 1 and front.counts["malformed"] == 0
+    finally:
+        for h in holders:
+            h.close()
+    until(lambda: front._reading == 0 and not front._held, "budget released")
+
+
+def test_requests_beyond_the_byte_budget_held_by_relays_are_refused(
+        front_for_backend: Callable[..., HandshakeFront]) -> None:
+    """The budget held by a complete request that is being relayed (a listener that
+    never answers) is not taken back: a second request that does not fit is refused; once
+    the relay fails the budget is free again."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.2", 0))
+    silent.listen(8)  # accepts in the kernel, never answers
+    front = front_for_backend(silent.getsockname(), request_bytes=1000,
+                              answer_deadline_s=60.0)
+    with socket.create_connection(front.address, timeout=BOUND) as relaying:
+        relaying.sendall(frame(b"\x01" + b"r" * 799))
+        until(lambda: front._reading == 800 and not front._pending, "relaying, budget held")
+        with socket.create_connection(front.address, timeout=BOUND) as c:
+            c.sendall(frame(b"\x01" + b"y" * 799))
+            until(lambda: closed_by_peer(c), "refused")
+        assert front.counts["malformed"] == 1
+        silent.close()  # resets the relay's connection
+        until(lambda: closed_by_peer(relaying), "unanswered, closed")
+    until(lambda: front._reading == 0 and not front._held, "budget released")
+    assert front.counts["unanswered"] == 1
+
+
+def reset(sock: socket.socket) -> None:
+    """Close with a TCP reset (RST) instead of a FIN."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+#: What a peer does: bytes it sends, then "read" (the answer), "rst", "close" or "stay".
+PEERS = {
+    "complete": (frame(b"\x01{}"), "read"),
+    "complete then rst": (frame(b"\x01" + b"z" * 300), "rst"),
+    "complete, never reads": (frame(b"\x01" + b"n" * 300), "stay"),
+    "header then close": (HEADER.pack(400), "close"),
+    "half then rst": (HEADER.pack(400) + b"h" * 200, "rst"),
+    "header, silent": (HEADER.pack(700), "stay"),
+    "absurd length": (HEADER.pack(2**63), "stay"),
+    "nothing then rst": (b"", "rst"),
+    "nothing, silent": (b"", "stay"),
+}
+
+
+@settings(max_examples=8, deadline=None)
+@given(peers=st.lists(st.sampled_from(sorted(PEERS)), min_size=1, max_size=40))
+def test_the_byte_budget_is_returned_whatever_the_peers_do(peers: list[str]) -> None:
+    """Peers doing anything (complete requests, resets in every phase, announced bytes
+    that never come, never reading the answer) against small bounds (1500 bytes, 6
+    pending): every complete request that was read is answered or closed, and once all
+    are gone the front holds no bytes and no connection; a handshake still passes."""
+    listener = SerialListener("127.0.0.2")
+    front = start_front(listener.address, FrontLimits(request_deadline_s=0.3,
+                                                      request_bytes=1500, max_pending=6))
+    stay: list[socket.socket] = []
+    try:
+        for kind in peers:
+            payload, then = PEERS[kind]
+            c = socket.create_connection(front.address, timeout=BOUND)
+            c.sendall(payload)
+            if then == "read":
+                header = recv_exact(c, 8)
+                assert header == b"" or recv_exact(c, HEADER.unpack(header)[0]) == \
+                    b"answer:\x01{}"
+                c.close()
+            elif then == "rst":
+                reset(c)
+            elif then == "close":
+                c.close()
+            else:
+                stay.append(c)
+        until(lambda: not front._pending, "no connection pending")
+        for c in stay:
+            c.close()
+        until(lambda: front._reading == 0 and not front._held, "budget released")
+        assert handshake(front.address, b"\x03{}") == b"answer:\x03{}"
+        assert front._reading == 0 and not front._held
+    finally:
+        for c in stay:
+            c.close()
+        front.close()
+        listener.close()
+
+
+def test_refused_requests_and_peers_gone_before_the_answer_log_no_warning(
+        listener: SerialListener, front_for: Callable[..., HandshakeFront],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A request the listener closes unanswered (anyone can send one: not JSON, unknown
+    type) and a peer that resets before reading its answer are not the listener failing:
+    no warning each (a remote could flood the log), counted unanswered and relayed."""
+    front = front_for()
+    with caplog.at_level(logging.WARNING, logger="kvd.transfer.backends.handshake"):
+        with socket.create_connection(front.address, timeout=BOUND) as c:
+            c.sendall(frame(b"!not json"))
+            assert recv_exact(c, 8) == b""
+        listener.answering.clear()
+        c = socket.create_connection(front.address, timeout=BOUND)
+        c.sendall(frame(b"\x01" + b"a" * 100))
+        until(lambda: len(listener.seen) == 2, "relayed, the answer held back")
+        reset(c)
+        listener.answering.set()
+        until(lambda: front.counts["unanswered"] == 1 and front.counts["relayed"] == 1,
+              "both counted")
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert front._reading == 0
 
 
 def test_a_listener_that_is_down_closes_the_connection_and_is_counted() -> None:
