@@ -381,6 +381,28 @@ def test_refused_requests_and_peers_gone_before_the_answer_log_no_warning(
     assert front._reading == 0
 
 
+def test_a_burst_of_connections_while_the_front_is_busy_waits_in_the_backlog(
+        listener: SerialListener, front_for: Callable[..., HandshakeFront]) -> None:
+    """The front's thread held (as by the GIL under load) while 300 connections arrive:
+    the kernel completes them all (backlog 1024; asyncio's default of 100 would drop the
+    SYNs beyond it, delaying real peers by a retransmission), and once free the front
+    serves them and a handshake."""
+    front = front_for(request_deadline_s=0.3)
+    assert front._loop is not None
+    gate = threading.Event()
+    front._loop.call_soon_threadsafe(gate.wait, BOUND)
+    burst: list[socket.socket] = []
+    try:
+        for _ in range(300):
+            burst.append(socket.create_connection(front.address, timeout=BOUND))
+    finally:
+        gate.set()
+        for c in burst:
+            c.close()
+    until(lambda: front.counts["idle"] + front.counts["evicted"] == 300, "all served")
+    assert handshake(front.address, b"\x01{}") == b"answer:\x01{}"
+
+
 def test_a_listener_that_is_down_closes_the_connection_and_is_counted() -> None:
     dead = socket.socket()
     dead.bind(("127.0.0.2", 0))

@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("=Q")  # Mooncake writes the length as a native uint64_t
 MIN_MAX_FRAME, MAX_MAX_FRAME = 1 << 20, 128 << 20  # MC_HANDSHAKE_MAX_LENGTH's range
+#: Connections the kernel completes while the front's thread is busy (a burst beyond it:
+#: new SYNs are dropped and a real peer's connect waits for its retransmission, 1 s+).
+BACKLOG = 1024
 
 
 def max_frame() -> int:
@@ -126,7 +129,7 @@ class HandshakeFront:
         return str(host), int(port)
 
     def start(self) -> None:
-        self.sock.listen(1024)
+        self.sock.listen(BACKLOG)
         self.sock.setblocking(False)
         self._thread = threading.Thread(target=self._run, name="kvd-handshake-front",
                                         daemon=True)
@@ -155,7 +158,8 @@ class HandshakeFront:
     async def _main(self) -> None:
         self._stop = asyncio.Event()
         self._relays = asyncio.Semaphore(self.limits.relays)
-        server = await asyncio.start_server(self._serve, sock=self.sock)
+        # backlog: asyncio listens again, with 100 unless told
+        server = await asyncio.start_server(self._serve, sock=self.sock, backlog=BACKLOG)
         self._started.set()
         async with server:
             await self._stop.wait()
