@@ -403,6 +403,29 @@ def test_a_burst_of_connections_while_the_front_is_busy_waits_in_the_backlog(
     assert handshake(front.address, b"\x01{}") == b"answer:\x01{}"
 
 
+def test_close_ends_every_connection_even_those_being_relayed(
+        front_for_backend: Callable[..., HandshakeFront]) -> None:
+    """close() with one connection pending and one being relayed (a listener that never
+    answers): the thread ends, both peers see the connection closed, no task is left
+    pending on the front's loop."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.2", 0))
+    silent.listen(8)
+    front = front_for_backend(silent.getsockname(), request_deadline_s=60.0,
+                              answer_deadline_s=60.0)
+    try:
+        with socket.create_connection(front.address, timeout=BOUND) as relaying, \
+                socket.create_connection(front.address, timeout=BOUND) as pending:
+            relaying.sendall(frame(b"\x01{}"))
+            until(lambda: front._reading == 3 and len(front._pending) == 1, "both in place")
+            front.close()
+            assert front._thread is not None and not front._thread.is_alive()
+            until(lambda: closed_by_peer(relaying) and closed_by_peer(pending), "closed")
+        assert front._loop is not None and not asyncio.all_tasks(front._loop)
+    finally:
+        silent.close()
+
+
 def test_a_listener_that_is_down_closes_the_connection_and_is_counted() -> None:
     dead = socket.socket()
     dead.bind(("127.0.0.2", 0))

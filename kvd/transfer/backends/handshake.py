@@ -166,6 +166,12 @@ class HandshakeFront:
             server.close()
             for writer in list(self._pending):
                 writer.transport.abort()
+            # and those being relayed or answered (else their tasks are destroyed pending,
+            # and from Python 3.12 the server's exit waits for every connection to end)
+            serving = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in serving:
+                task.cancel()
+            await asyncio.gather(*serving, return_exceptions=True)
 
     def _admit(self, writer: asyncio.StreamWriter) -> None:
         while len(self._pending) >= self.limits.max_pending:
