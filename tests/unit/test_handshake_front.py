@@ -182,7 +182,7 @@ def test_a_complete_request_gets_the_listeners_answer_byte_exact(
     body = b"\x01" + json.dumps({"name": "p", "buffers": list(range(500))}).encode()
     assert handshake(front.address, body) == b"answer:" + body
     assert listener.seen == [body]
-    assert front.counts["relayed"] == 1
+    until(lambda: front.counts["relayed"] == 1, "counted")  # after the answer is sent
 
 
 def test_s05_idle_connections_never_reach_the_serial_listener(
@@ -424,6 +424,35 @@ def test_close_ends_every_connection_even_those_being_relayed(
         assert front._loop is not None and not asyncio.all_tasks(front._loop)
     finally:
         silent.close()
+
+
+def test_a_request_queued_before_a_burst_is_read_before_the_burst_evicts_it(
+        listener: SerialListener, front_for: Callable[..., HandshakeFront]) -> None:
+    """The front's thread held; a real peer connects and sends its request, then 400
+    idle connections arrive (a connection flood faster than the front). Once free, the
+    front admits them in batches small enough (64 at a time) that the peer's request is
+    read before 256 newer admissions would evict it: answered. (Accepting the whole
+    backlog at once admitted all 401 first and evicted the peer unread: every real
+    handshake failed under a flood the front could not keep up with.)"""
+    front = front_for(request_deadline_s=0.3)
+    assert front._loop is not None
+    gate = threading.Event()
+    front._loop.call_soon_threadsafe(gate.wait, BOUND)
+    burst: list[socket.socket] = []
+    try:
+        with socket.create_connection(front.address, timeout=BOUND) as peer:
+            peer.sendall(frame(b"\x01{}"))
+            for _ in range(400):
+                burst.append(socket.create_connection(front.address, timeout=BOUND))
+            gate.set()
+            header = recv_exact(peer, 8)
+            assert len(header) == 8, "the peer's connection was closed unanswered"
+            assert recv_exact(peer, HEADER.unpack(header)[0]) == b"answer:\x01{}"
+    finally:
+        gate.set()
+        for c in burst:
+            c.close()
+    until(lambda: front.counts["relayed"] == 1 and not front._pending, "all served")
 
 
 def test_a_listener_that_is_down_closes_the_connection_and_is_counted() -> None:

@@ -158,8 +158,13 @@ class HandshakeFront:
     async def _main(self) -> None:
         self._stop = asyncio.Event()
         self._relays = asyncio.Semaphore(self.limits.relays)
-        # backlog: asyncio listens again, with 100 unless told
-        server = await asyncio.start_server(self._serve, sock=self.sock, backlog=BACKLOG)
+        # asyncio's backlog is listen()'s AND how many connections it accepts per pass of
+        # the loop: a few, so that a burst is admitted in steps and a peer's request, read
+        # on the next passes, is not evicted unread by max_pending newer admissions (under
+        # a connection flood every real handshake failed so); then the kernel's queue
+        batch = max(1, min(64, self.limits.max_pending // 4))
+        server = await asyncio.start_server(self._serve, sock=self.sock, backlog=batch)
+        self.sock.listen(BACKLOG)
         self._started.set()
         async with server:
             await self._stop.wait()
