@@ -26,7 +26,8 @@ Bounds: at most ``max_pending`` connections that have not yet delivered a reques
 being read or relayed at once (a request's announced length counts from its header on;
 when a new one does not fit, the oldest incomplete requests are closed to make room, so
 connections that announce large requests and send nothing cannot lock out the complete
-requests of real peers), at most ``relays`` relays to Mooncake at a time.
+requests of real peers), at most ``relays`` relays to Mooncake at a time; connections
+are accepted a few per pass of the loop, the kernel queues the rest (``BACKLOG``).
 """
 
 from __future__ import annotations
