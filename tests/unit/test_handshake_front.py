@@ -533,6 +533,28 @@ def test_reservation_puts_the_front_on_the_first_bind_and_the_engine_behind_it()
     assert r.sock is None
 
 
+def test_a_reserved_front_address_cannot_be_shared_before_the_front_starts() -> None:
+    """Between the reservation and the front's start (the rest of the engine's
+    initialize) the address is held: another SO_REUSEADDR socket cannot bind it (it
+    could while the front's socket only was bound, then listen first and make the
+    front's start fail)."""
+    r = Reservation("127.0.0.1", "127.0.0.1")
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    assert r(port, lambda host: 0) == 0
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        with pytest.raises(OSError) as refused:
+            other.bind(("127.0.0.1", port))
+        assert refused.value.errno == errno.EADDRINUSE
+    finally:
+        other.close()
+        r.release()
+
+
 def test_reservation_refuses_a_port_whose_front_address_is_taken() -> None:
     """The front's address is in use → EADDRINUSE without binding the engine's socket (it
     tries another port); the engine's bind failing releases the front's socket."""

@@ -102,7 +102,7 @@ async def read_frame(reader: asyncio.StreamReader, limit: int,
 
 
 class HandshakeFront:
-    """Serves the advertised handshake socket ``sock`` (bound, not listening) and relays
+    """Serves the advertised handshake socket ``sock`` (bound) and relays
     complete requests to Mooncake's listener at ``backend`` (host, port).
 
     :meth:`start` starts the thread and returns once it listens; :meth:`close` stops it.
@@ -296,6 +296,11 @@ class Reservation:
         if rc != 0:
             front.close()
             return rc
+        # listening now holds the address: a bound socket that does not listen yet lets
+        # any other SO_REUSEADDR socket (asyncio servers set it) bind and listen on it
+        # too, and the front's own listen() would then fail; connections wait in the
+        # kernel's queue until the front serves them
+        front.listen(BACKLOG)
         self.sock = front
         return 0
 
