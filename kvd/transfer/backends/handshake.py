@@ -23,7 +23,11 @@ default 1 MiB), the limit Mooncake itself enforces.
 
 Bounds: at most ``max_pending`` connections that have not yet delivered a request
 (the oldest is closed to admit a new one), at most ``request_bytes`` bytes of requests
-being read at once, at most ``relays`` relays to Mooncake at a time.
+being read or relayed at once (a request's announced length counts from its header on;
+when a new one does not fit, the oldest incomplete requests are closed to make room, so
+connections that announce large requests and send nothing cannot lock out the complete
+requests of real peers), at most ``relays`` relays to Mooncake at a time; connections
+are accepted a few per pass of the loop, the kernel queues the rest (``BACKLOG``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ log = logging.getLogger(__name__)
 
 HEADER = struct.Struct("=Q")  # Mooncake writes the length as a native uint64_t
 MIN_MAX_FRAME, MAX_MAX_FRAME = 1 << 20, 128 << 20  # MC_HANDSHAKE_MAX_LENGTH's range
+#: Connections the kernel completes while the front's thread is busy (a burst beyond it:
+#: new SYNs are dropped and a real peer's connect waits for its retransmission, 1 s+).
+BACKLOG = 1024
 
 
 def max_frame() -> int:
@@ -95,7 +102,7 @@ async def read_frame(reader: asyncio.StreamReader, limit: int,
 
 
 class HandshakeFront:
-    """Serves the advertised handshake socket ``sock`` (bound, not listening) and relays
+    """Serves the advertised handshake socket ``sock`` (bound) and relays
     complete requests to Mooncake's listener at ``backend`` (host, port).
 
     :meth:`start` starts the thread and returns once it listens; :meth:`close` stops it.
@@ -110,7 +117,8 @@ class HandshakeFront:
         self.max_frame = max_frame()
         self.counts: Counter[str] = Counter()
         self._pending: dict[asyncio.StreamWriter, None] = {}  # insertion order = age
-        self._reading = 0  # bytes of requests being read
+        self._held: dict[asyncio.StreamWriter, int] = {}  # request bytes per connection
+        self._reading = 0  # sum of _held: bytes of requests being read or relayed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -122,7 +130,7 @@ class HandshakeFront:
         return str(host), int(port)
 
     def start(self) -> None:
-        self.sock.listen(1024)
+        self.sock.listen(BACKLOG)
         self.sock.setblocking(False)
         self._thread = threading.Thread(target=self._run, name="kvd-handshake-front",
                                         daemon=True)
@@ -151,44 +159,65 @@ class HandshakeFront:
     async def _main(self) -> None:
         self._stop = asyncio.Event()
         self._relays = asyncio.Semaphore(self.limits.relays)
-        server = await asyncio.start_server(self._serve, sock=self.sock)
+        # asyncio's backlog is listen()'s AND how many connections it accepts per pass of
+        # the loop: a few, so that a burst is admitted in steps and a peer's request, read
+        # on the next passes, is not evicted unread by max_pending newer admissions (under
+        # a connection flood every real handshake failed so); then the kernel's queue
+        batch = max(1, min(64, self.limits.max_pending // 4))
+        server = await asyncio.start_server(self._serve, sock=self.sock, backlog=batch)
+        self.sock.listen(BACKLOG)
         self._started.set()
         async with server:
             await self._stop.wait()
             server.close()
             for writer in list(self._pending):
                 writer.transport.abort()
+            # and those being relayed or answered (else their tasks are destroyed pending,
+            # and from Python 3.12 the server's exit waits for every connection to end)
+            serving = asyncio.all_tasks() - {asyncio.current_task()}
+            for task in serving:
+                task.cancel()
+            await asyncio.gather(*serving, return_exceptions=True)
 
     def _admit(self, writer: asyncio.StreamWriter) -> None:
         while len(self._pending) >= self.limits.max_pending:
-            oldest = next(iter(self._pending))
-            del self._pending[oldest]
-            self.counts["evicted"] += 1
-            oldest.transport.abort()
+            self._evict(next(iter(self._pending)))
         self._pending[writer] = None
 
-    def _reserve(self, length: int) -> bool:
-        if self._reading + length > self.limits.request_bytes:
+    def _evict(self, writer: asyncio.StreamWriter) -> None:
+        del self._pending[writer]
+        self._release(writer)
+        self.counts["evicted"] += 1
+        writer.transport.abort()
+
+    def _reserve(self, writer: asyncio.StreamWriter, length: int) -> bool:
+        """Count ``length`` request bytes for ``writer``, closing the oldest incomplete
+        requests that hold bytes while it does not fit; False if it still does not (the
+        bytes are held by requests already complete, being relayed)."""
+        budget = self.limits.request_bytes
+        if length > budget:
             return False
+        for old in [w for w in self._pending if w is not writer and w in self._held]:
+            if self._reading + length <= budget:
+                break
+            self._evict(old)
+        if self._reading + length > budget:
+            return False
+        self._held[writer] = length
         self._reading += length
         return True
 
+    def _release(self, writer: asyncio.StreamWriter) -> None:
+        self._reading -= self._held.pop(writer, 0)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._admit(writer)
-        reserved = 0
-
-        def reserve(length: int) -> bool:
-            nonlocal reserved
-            if self._reserve(length):
-                reserved = length
-                return True
-            return False
-
         outcome = "relayed"
         try:
             try:
                 async with asyncio.timeout(self.limits.request_deadline_s):
-                    request = await read_frame(reader, self.max_frame, reserve)
+                    request = await read_frame(reader, self.max_frame,
+                                               lambda n: self._reserve(writer, n))
             except FrameError:
                 outcome = "malformed"
                 return
@@ -200,16 +229,23 @@ class HandshakeFront:
             try:
                 async with asyncio.timeout(self.limits.answer_deadline_s):
                     answer = await self._relay(request)
-                    self._reading -= reserved
-                    reserved = 0
-                    writer.write(answer)
-                    await writer.drain()
-            except (TimeoutError, asyncio.IncompleteReadError, FrameError, OSError) as exc:
+            except asyncio.IncompleteReadError:  # closed unanswered: it refused the request
+                outcome = "unanswered"  # (not JSON, unknown type: anyone can send those)
+                return
+            except (TimeoutError, FrameError, OSError) as exc:
                 outcome = "unanswered"
                 log.warning("handshake front: relaying a request to the transfer engine's "
                             "listener %s:%d failed: %r", *self.backend, exc)
+                return
+            self._release(writer)
+            try:
+                async with asyncio.timeout(self.limits.answer_deadline_s):
+                    writer.write(answer)
+                    await writer.drain()
+            except (TimeoutError, OSError):  # the peer's own doing: not the listener's
+                writer.transport.abort()
         finally:
-            self._reading -= reserved
+            self._release(writer)
             if outcome != "evicted":  # an evicted one was counted when it was closed
                 self.counts[outcome] += 1
             writer.transport.abort() if outcome != "relayed" else writer.close()
@@ -260,6 +296,11 @@ class Reservation:
         if rc != 0:
             front.close()
             return rc
+        # listening now holds the address: a bound socket that does not listen yet lets
+        # any other SO_REUSEADDR socket (asyncio servers set it) bind and listen on it
+        # too, and the front's own listen() would then fail; connections wait in the
+        # kernel's queue until the front serves them
+        front.listen(BACKLOG)
         self.sock = front
         return 0
 
