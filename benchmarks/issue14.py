@@ -191,7 +191,10 @@ def bench_rooms(repeats: int, max_rooms: int, rate_rooms: int) -> dict[str, Any]
     systems = ["kvd", "sglang"] if have_sglang() else ["kvd"]
     pairs = {s: rooms.Pair(s, LAYERS_ROOMS, ITEM_ROOMS, _work()) for s in systems}
     # "kvd_many": the same kvd pair, each engine round's calls in one Many round trip
-    variants = [*systems, "kvd_many"]
+    # (absent from kvd before the Many call: before/after runs of an older checkout)
+    from kvd.client import KvdClient
+
+    variants = [*systems, *(["kvd_many"] if hasattr(KvdClient, "call_many") else [])]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {"max": [], "100": [], "500": []}
                                                         for s in variants}
     try:

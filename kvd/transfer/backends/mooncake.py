@@ -195,22 +195,30 @@ class MooncakeEngine:
         if rc != 0:
             if reservation is not None:
                 reservation.release()
+            hint = (f" (are the ports of transfer_port_range {opts.port_range[0]}-"
+                    f"{opts.port_range[1]} in use? After a restart they can stay in "
+                    f"TIME_WAIT for up to 60 s: wait, or widen the range)"
+                    if opts.port_range is not None else "")
             raise TransportError(f"transfer engine initialize({opts.host}, {opts.protocol}, "
-                                 f"devices={devices or 'auto'}) failed: rc={rc}", rc)
+                                 f"devices={devices or 'auto'}) failed: rc={rc}{hint}", rc)
         port = int(native.get_rpc_port())
-        if reservation is not None and reservation.sock is not None:
+        problem = None
+        if opts.port_range is not None and not opts.port_range[0] <= port <= opts.port_range[1]:
+            problem = (f"the transfer engine took port {port}, outside transfer_port_range "
+                       f"{opts.port_range[0]}-{opts.port_range[1]}: another engine in this "
+                       f"process loaded Mooncake's configuration first")
+        elif reservation is not None and reservation.sock is not None:
             problem = reservation.check(port)
             if problem is not None:
+                problem += "; set transfer_handshake_front = false to run without it " \
+                           "(S05 unmitigated)"
+        if problem is not None:
+            if reservation is not None:
                 reservation.release()
-                raise TransportError(f"{problem}; set transfer_handshake_front = false to "
-                                     f"run without it (S05 unmitigated)")
+            raise TransportError(problem)
+        if reservation is not None and reservation.sock is not None:
             self.front = HandshakeFront(reservation.sock, (reservation.backend, port))
             self.front.start()
-        if opts.port_range is not None and not opts.port_range[0] <= port <= opts.port_range[1]:
-            raise TransportError(f"the transfer engine took port {port}, outside "
-                                 f"transfer_port_range {opts.port_range[0]}-"
-                                 f"{opts.port_range[1]}: another engine in this process "
-                                 f"loaded Mooncake's configuration first")
         return native
 
     @property
