@@ -45,6 +45,8 @@ CALLS = {
     "Info": st.just(rpc.Info()),
     "Release": st.just(rpc.Release()),
 }
+CALLS["Many"] = st.builds(rpc.Many, calls=st.lists(st.one_of(
+    [CALLS[t.__name__] for t in get_args(rpc.NowCall)]), max_size=5))
 
 # Values that survive a msgpack round trip unchanged and compare equal (no NaN, no tuples).
 plain_values = st.recursive(

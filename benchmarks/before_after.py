@@ -1,0 +1,132 @@
+"""Issue 14's room and API rows for two checkouts of kvd, interleaved in one run.
+
+P4 (1-page rooms: max rooms/s with 128 in flight, latency p50/p99 at 100 and 500 rooms/s
+offered; the per-call driver, the only one an older kvd has) runs a kvd pair per
+checkout (daemons and engine processes on that checkout's code, benchmarks/rooms.py),
+alternating checkouts each repeat. P5 (trivial RPC, ``poll_many`` of 1 000 rooms;
+``Sender.send`` / ``Receiver.init`` p50 come from P4's 100 rooms/s runs) runs each
+checkout's client against its own daemon in a child process, alternating too. Medians.
+
+Usage: python benchmarks/before_after.py BEFORE [AFTER] [--repeats 3]
+(AFTER defaults to this checkout; each is a path to a kvd source tree, e.g. a
+``git worktree add --detach /tmp/before <commit>``). Writes results/before-after.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import rooms
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+API = """
+import json, os, statistics, sys, tempfile, time
+from kvd.client import Sender, poll_many
+from kvd.launch import start_daemon
+from kvd.protocol import rpc
+from kvd.refengine.standin import EngineStandIn
+
+def p50(fn, n):
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(ts)
+
+work = tempfile.mkdtemp(prefix="kvd-ba-")
+d = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING",
+                 env={"PYTHONPATH": sys.argv[1]})
+eng = EngineStandIn(d.socket, num_layers=1, num_pages=2048, item_len=1024, seed=1)
+try:
+    empty = rpc.Poll(rooms=[])
+    p50(lambda: eng.client.call(empty), 500)  # warm up
+    trivial = p50(lambda: eng.client.call(empty), 3000)
+    ids = list(range(1, 1001))
+    for room in ids:
+        Sender(eng.client, room)
+    poll = p50(lambda: poll_many(eng.client, ids), 300)
+finally:
+    eng.close()
+    d.stop()
+print(json.dumps({"trivial_rpc_p50_us": trivial, "poll_many_1000_p50_us": poll}))
+os._exit(0)
+"""
+
+
+def api(tree: str) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=tree, GLOG_minloglevel="2")
+    out = subprocess.run([sys.executable, "-c", API, tree], env=env, capture_output=True,
+                         text=True, timeout=600, check=True)
+    result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("before")
+    ap.add_argument("after", nargs="?", default=str(ROOT))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-rooms", type=int, default=3000)
+    ap.add_argument("--rate-rooms", type=int, default=1000)
+    args = ap.parse_args()
+    trees = {"before": str(Path(args.before).resolve()), "after": str(Path(args.after).resolve())}
+    load = os.getloadavg()
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        k: {"max": [], "100": [], "500": [], "api": []} for k in trees}
+    pairs = {k: rooms.Pair("kvd", 4, 4096, tempfile.mkdtemp(prefix=f"kvd-{k}-"), tree=t)
+             for k, t in trees.items()}
+    try:
+        for p in pairs.values():
+            p.run(300, None, 64)
+        for _ in range(args.repeats):
+            for k, p in pairs.items():
+                runs[k]["max"].append(p.run(args.max_rooms, None, 128))
+                runs[k]["100"].append(p.run(args.rate_rooms, 100.0, 256))
+                runs[k]["500"].append(p.run(args.rate_rooms, 500.0, 256))
+    finally:
+        for p in pairs.values():
+            p.close()
+    for _ in range(args.repeats):
+        for k, t in trees.items():
+            runs[k]["api"].append(api(t))
+
+    def med(k: str, kind: str, field: str) -> float:
+        return float(statistics.median(r[field] for r in runs[k][kind]))
+
+    rows = [("P4 rooms/s, 128 in flight", "max", "rooms_per_s", "{:.0f}"),
+            ("P4 CPU ms/room (both daemons)", "max", "cpu_ms_per_room", "{:.2f}"),
+            ("P4 p50 at 100 rooms/s (ms)", "100", "p50_ms", "{:.2f}"),
+            ("P4 p99 at 100 rooms/s (ms)", "100", "p99_ms", "{:.2f}"),
+            ("P4 p50 at 500 rooms/s (ms)", "500", "p50_ms", "{:.2f}"),
+            ("P4 p99 at 500 rooms/s (ms)", "500", "p99_ms", "{:.2f}"),
+            ("P5 Sender.send p50 (us, at 100/s)", "100", "send_p50_us", "{:.0f}"),
+            ("P5 Receiver.init p50 (us, at 100/s)", "100", "init_p50_us", "{:.0f}"),
+            ("P5 trivial RPC p50 (us)", "api", "trivial_rpc_p50_us", "{:.1f}"),
+            ("P5 poll_many 1 000 p50 (us)", "api", "poll_many_1000_p50_us", "{:.0f}")]
+    table = {name: {k: med(k, kind, field) for k in trees} for name, kind, field, _ in rows}
+    print(f"machine load before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(f"{'measure':40s} {'before':>10s} {'after':>10s} {'after/before':>13s}")
+    for name, _, _, fmt in rows:
+        b, a = table[name]["before"], table[name]["after"]
+        print(f"{name:40s} {fmt.format(b):>10s} {fmt.format(a):>10s} {a / b:>12.2f}x")
+    bad = sum(r.get("bad_bytes", 0) + r.get("failed", 0) for k in trees
+              for kind in ("max", "100", "500") for r in runs[k][kind])
+    print(f"failed rooms or wrong bytes: {bad}")
+    out = {"trees": trees, "load_before": load, "table": table, "runs": runs, "bad": bad}
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "before-after.json").write_text(json.dumps(out, indent=1, default=str))
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
