@@ -68,7 +68,9 @@ def _side_main(spec: dict[str, Any], conn: Any) -> None:
 
 def _bulk(side: Any, cmd: dict[str, Any], expected: list[np.ndarray] | None) -> dict[str, Any]:
     """One room of many pages: the prefill returns when it sent, the decode when the room
-    succeeded (monotonic times; the parent subtracts), bytes checked on the decode."""
+    succeeded (monotonic times; the parent subtracts), bytes checked on the decode. A kvd
+    side waits in kvd (``Wait``, the engine API's way to wait for a transfer); SGLang's
+    polls its in-process state every ``POLL_S``."""
     import sides
 
     room, src, dst = cmd["room"], np.asarray(cmd["src"]), np.asarray(cmd["dst"])
@@ -79,8 +81,11 @@ def _bulk(side: Any, cmd: dict[str, Any], expected: list[np.ndarray] | None) -> 
         side.bulk(room, src)
     else:
         side.bulk(room, dst)
-    while (st := side.poll([room])[0]) not in (sides.SUCCESS, sides.FAILED):
-        time.sleep(POLL_S)
+    wait = getattr(side, "wait_any", None)  # kvd: block in kvd (Wait), no poll RPC loop
+    while (st := (wait([room], 1.0) if wait else side.poll([room]))[0]) not in (
+            sides.SUCCESS, sides.FAILED):
+        if wait is None:
+            time.sleep(POLL_S)
     done = time.monotonic()
     ok = st == sides.SUCCESS
     if ok and expected is not None:
