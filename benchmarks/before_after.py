@@ -1,7 +1,8 @@
-"""Issue 14's room and API rows for two checkouts of kvd, interleaved in one run.
+"""Issue 14's bulk, room and API rows for two checkouts of kvd, interleaved in one run.
 
-P4 (1-page rooms: max rooms/s with 128 in flight, latency p50/p99 at 100 and 500 rooms/s
-offered; the per-call driver, the only one an older kvd has) runs a kvd pair per
+P1 (bulk: one room of random pages, 12 KiB / 64 KiB / 1 MiB items, GB/s) and P4 (1-page
+rooms: max rooms/s with 128 in flight, latency p50/p99 at 100 and 500 rooms/s offered;
+the per-call driver, the only one an older kvd has) run a kvd pair per
 checkout (daemons and engine processes on that checkout's code, benchmarks/rooms.py),
 alternating checkouts each repeat. P5 (trivial RPC, ``poll_many`` of 1 000 rooms;
 ``Sender.send`` / ``Receiver.init`` p50 come from P4's 100 rooms/s runs) runs each
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import numpy as np
 import rooms
 
 HERE = Path(__file__).resolve().parent
@@ -78,6 +80,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-rooms", type=int, default=3000)
     ap.add_argument("--rate-rooms", type=int, default=1000)
+    ap.add_argument("--bulk-mib", type=int, default=256, help="P1 bytes per room; 0: skip")
     args = ap.parse_args()
     trees = {"before": str(Path(args.before).resolve()), "after": str(Path(args.after).resolve())}
     load = os.getloadavg()
@@ -99,6 +102,29 @@ def main() -> None:
     for _ in range(args.repeats):
         for k, t in trees.items():
             runs[k]["api"].append(api(t))
+    bulk = {k: {} for k in trees} if args.bulk_mib else {}
+    for kib in (12, 64, 1024) if args.bulk_mib else ():
+        item, layers = kib * 1024, 8
+        move = max(1, (args.bulk_mib << 20) // (2 * layers * item))
+        pages = move + move // 4 + 1
+        rng = np.random.default_rng(kib)
+        src, dst = rng.permutation(pages)[:move], rng.permutation(pages)[:move]
+        bp = {k: rooms.Pair("kvd", layers, item, tempfile.mkdtemp(prefix=f"kvd-{k}-"),
+                            pages=pages, tree=t) for k, t in trees.items()}
+        secs: dict[str, list[float]] = {k: [] for k in trees}
+        try:
+            for rep in range(args.repeats + 1):  # round 0 warms connections up
+                for k, p in bp.items():
+                    t, good = p.bulk(src, dst)
+                    if not good:
+                        runs[k]["max"].append({"bad_bytes": 1, "failed": 0})
+                    if rep:
+                        secs[k].append(t)
+        finally:
+            for p in bp.values():
+                p.close()
+        for k in trees:
+            bulk[k][f"{kib}KiB"] = 2 * layers * move * item / statistics.median(secs[k]) / 1e9
 
     def med(k: str, kind: str, field: str) -> float:
         return float(statistics.median(r[field] for r in runs[k][kind]))
@@ -121,8 +147,12 @@ def main() -> None:
         print(f"{name:40s} {fmt.format(b):>10s} {fmt.format(a):>10s} {a / b:>12.2f}x")
     bad = sum(r.get("bad_bytes", 0) + r.get("failed", 0) for k in trees
               for kind in ("max", "100", "500") for r in runs[k][kind])
+    for size in bulk.get("before", {}):
+        b, a = bulk["before"][size], bulk["after"][size]
+        print(f"{'P1 bulk ' + size + ' items (GB/s)':40s} {b:>10.2f} {a:>10.2f} {a / b:>12.2f}x")
     print(f"failed rooms or wrong bytes: {bad}")
-    out = {"trees": trees, "load_before": load, "table": table, "runs": runs, "bad": bad}
+    out = {"trees": trees, "load_before": load, "table": table, "bulk_gbps": bulk, "runs": runs,
+           "bad": bad}
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "before-after.json").write_text(json.dumps(out, indent=1, default=str))
     sys.exit(1 if bad else 0)

@@ -82,6 +82,7 @@ def _bulk(side: Any, cmd: dict[str, Any], expected: list[np.ndarray] | None) -> 
     else:
         side.bulk(room, dst)
     wait = getattr(side, "wait_any", None)  # kvd: block in kvd (Wait), no poll RPC loop
+    # (None: SGLang, or a kvd whose Wait has no any_done)
     while (st := (wait([room], 1.0) if wait else side.poll([room]))[0]) not in (
             sides.SUCCESS, sides.FAILED):
         if wait is None:

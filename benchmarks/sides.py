@@ -47,6 +47,10 @@ class KvdSide:
             for mine, want in zip(self.eng.kv, expected_kv(layers, item, pages), strict=True):
                 mine[:] = want
         self.client = self.eng.client
+        import inspect  # an older kvd's Wait has no any_done (before/after runs)
+
+        if "any_done" not in inspect.signature(self.client.wait).parameters:
+            self.wait_any = None  # type: ignore[assignment]
         self.times: list[float] = []  # seconds of each init (decode) / send (prefill) call
 
     def start(self, room: int) -> None:
