@@ -113,8 +113,9 @@ class KvdClient:
         as if called one by one: each call's result (typed as :meth:`call` types it), or
         for a call that failed its exception object (returned, not raised: one room's
         refusal leaves the others' results). Raises :class:`KvdUnreachable` as
-        :meth:`call` does, and ValueError for more than ``rpc.MAX_MANY`` calls or for a
-        call a Many cannot carry (``Wait``, ``RegisterKV``, ``Info``, ``Release``, ``Many``)."""
+        :meth:`call` does, and ValueError for more than ``rpc.MAX_MANY`` calls, polls naming
+        more than ``rpc.MAX_MANY_POLLED`` rooms together, or a call a Many cannot carry
+        (``Wait``, ``RegisterKV``, ``Info``, ``Release``, ``Many``)."""
         if not calls:
             return []
         if len(calls) > rpc.MAX_MANY:
@@ -123,7 +124,11 @@ class KvdClient:
             if not isinstance(c, _NOW_CALLS):
                 raise ValueError(f"a Many cannot carry {type(c).__name__} (only "
                                  f"{', '.join(t.__name__ for t in _NOW_CALLS)}): call it alone")
-        result: rpc.ManyResult = self.call(rpc.Many(calls=list(calls)))
+        many = rpc.Many(calls=list(calls))
+        if many.polled() > rpc.MAX_MANY_POLLED:
+            raise ValueError(f"the polls of one Many name at most {rpc.MAX_MANY_POLLED} rooms, "
+                             f"got {many.polled()}: poll more alone")
+        result: rpc.ManyResult = self.call(many)
         if len(result.outcomes) != len(calls):
             raise ProtocolError(f"Many answered {len(result.outcomes)} outcomes for "
                                 f"{len(calls)} calls")

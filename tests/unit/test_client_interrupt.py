@@ -197,3 +197,11 @@ def test_a_request_kvd_cannot_decode_raises_kvds_reason(tmp_path: Path) -> None:
 def test_a_timeout_no_socket_can_take_is_refused_at_once(timeout: float) -> None:
     with pytest.raises(ValueError, match="timeout"):
         KvdClient("/nonexistent.sock", timeout=timeout)
+
+
+def test_call_many_refuses_polls_naming_too_many_rooms_before_sending(tmp_path: Path) -> None:
+    from kvd.protocol import rpc
+
+    client = KvdClient(str(tmp_path / "none.sock"))
+    with pytest.raises(ValueError, match="at most"):
+        client.call_many([rpc.Poll(rooms=[1] * rpc.MAX_MANY_POLLED), rpc.Poll(rooms=[1])])
