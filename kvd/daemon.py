@@ -328,6 +328,9 @@ class Daemon:
         if len(many.calls) > rpc.MAX_MANY:
             raise ProtocolError(f"Many carries {len(many.calls)} calls, at most "
                                 f"{rpc.MAX_MANY}")
+        if many.polled() > rpc.MAX_MANY_POLLED:
+            raise ProtocolError(f"Many polls {many.polled()} rooms, at most "
+                                f"{rpc.MAX_MANY_POLLED} (poll more alone)")
         outcomes = []
         for call in many.calls:
             try:

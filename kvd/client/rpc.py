@@ -9,6 +9,7 @@ import socket
 import struct
 import threading
 import time
+import typing
 from typing import Any
 
 import msgspec
@@ -28,9 +29,14 @@ RESULT_TYPES: dict[type, type] = {rpc.Poll: rpc.PollResult, rpc.Wait: rpc.PollRe
 _DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {
     t: msgspec.msgpack.Decoder(t, strict=False) for t in set(RESULT_TYPES.values())}
 _ANY = msgspec.msgpack.Decoder()
+#: The calls a Many may carry (:data:`~kvd.protocol.rpc.NowCall`).
+_NOW_CALLS: tuple[type, ...] = typing.get_args(rpc.NowCall)
 
 #: What a send or recv past SO_SNDTIMEO/SO_RCVTIMEO fails with.
 _TIMED_OUT = (errno.EAGAIN, errno.EWOULDBLOCK)
+
+#: The longest client timeout, in seconds (a kernel socket timeout takes ~9e9 at most).
+MAX_TIMEOUT = 1e9
 
 #: A server-side wait never runs longer than this fraction of the client's timeout:
 #: a long ``wait`` is several calls, never a transport timeout (K27).
@@ -54,6 +60,8 @@ class KvdClient:
     """
 
     def __init__(self, path: str, timeout: float = 30.0) -> None:
+        if not 0 <= timeout <= MAX_TIMEOUT:  # NaN too; a bad one would fail every call
+            raise ValueError(f"timeout must be in [0, {MAX_TIMEOUT:g}] seconds, got {timeout}")
         self.path = str(path)
         self.timeout = timeout
         self.engine_id = secrets.token_hex(8)
@@ -64,6 +72,7 @@ class KvdClient:
         self._replay = False
         self._rbuf = bytearray()
         self.reconnects = 0
+        self._interrupted: socket.socket | None = None
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -104,12 +113,22 @@ class KvdClient:
         as if called one by one: each call's result (typed as :meth:`call` types it), or
         for a call that failed its exception object (returned, not raised: one room's
         refusal leaves the others' results). Raises :class:`KvdUnreachable` as
-        :meth:`call` does, and ValueError for more than ``rpc.MAX_MANY`` calls."""
+        :meth:`call` does, and ValueError for more than ``rpc.MAX_MANY`` calls, polls naming
+        more than ``rpc.MAX_MANY_POLLED`` rooms together, or a call a Many cannot carry
+        (``Wait``, ``RegisterKV``, ``Info``, ``Release``, ``Many``)."""
         if not calls:
             return []
         if len(calls) > rpc.MAX_MANY:
             raise ValueError(f"at most {rpc.MAX_MANY} calls in one Many, got {len(calls)}")
-        result: rpc.ManyResult = self.call(rpc.Many(calls=list(calls)))
+        for c in calls:
+            if not isinstance(c, _NOW_CALLS):
+                raise ValueError(f"a Many cannot carry {type(c).__name__} (only "
+                                 f"{', '.join(t.__name__ for t in _NOW_CALLS)}): call it alone")
+        many = rpc.Many(calls=list(calls))
+        if many.polled() > rpc.MAX_MANY_POLLED:
+            raise ValueError(f"the polls of one Many name at most {rpc.MAX_MANY_POLLED} rooms, "
+                             f"got {many.polled()}: poll more alone")
+        result: rpc.ManyResult = self.call(many)
         if len(result.outcomes) != len(calls):
             raise ProtocolError(f"Many answered {len(result.outcomes)} outcomes for "
                                 f"{len(calls)} calls")
@@ -147,9 +166,11 @@ class KvdClient:
         """One call (its result decoded as ``kind``, None: plain), registering again first
         after a reconnect. A connection that was already open and turns out dead (kvd
         restarted since) is retried once on a fresh one: the old daemon is gone, so the
-        new one has not seen the request."""
+        new one has not seen the request. Not one that timed out (a stalled kvd may still
+        run the call: it would run twice, and the caller would wait twice its timeout) nor
+        one :meth:`interrupt` ended (the caller wants the call over)."""
         for attempt in (0, 1):
-            reused = self._sock is not None
+            sock = self._sock
             try:
                 if self._replay and self._registration is not None and \
                         not isinstance(call, rpc.RegisterKV):
@@ -157,8 +178,10 @@ class KvdClient:
                     self.reconnects += 1
                     self._replay = False
                 return self._roundtrip(call, kind)
-            except KvdUnreachable:
-                if not reused or attempt:
+            except KvdUnreachable as exc:
+                cause = exc.__cause__
+                timed_out = isinstance(cause, OSError) and cause.errno in _TIMED_OUT
+                if sock is None or attempt or timed_out or sock is self._interrupted:
                     raise
         raise AssertionError("unreachable")
 
@@ -185,6 +208,8 @@ class KvdClient:
         except ProtocolError:
             self._drop()
             raise
+        if reply.id == 0 and not reply.ok:  # kvd could not decode the request: its reason
+            raise _error_from_reply(reply)
         if reply.id != req_id:
             raise ProtocolError(f"reply id {reply.id} does not match request {req_id}")
         if not reply.ok:
@@ -220,9 +245,10 @@ class KvdClient:
     def interrupt(self) -> None:
         """From another thread: end the call in progress on this connection now (it raises
         :class:`KvdUnreachable`; the next call reconnects). For a long ``Wait`` that is no
-        longer needed."""
+        longer needed. The call is not sent again on a fresh connection."""
         sock = self._sock
         if sock is not None:
+            self._interrupted = sock  # the call on it fails: not retried on a fresh one
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 

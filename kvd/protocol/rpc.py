@@ -144,16 +144,25 @@ NowCall: TypeAlias = (SenderCreate | SenderInit | SenderSend | ReceiverCreate | 
 
 #: Most calls in one :class:`Many`.
 MAX_MANY = 4096
+#: Most rooms the ``Poll`` calls of one :class:`Many` name together. A Poll answers each
+#: failed room's reason once, so the same rooms polled in every call of a Many would make
+#: an answer thousands of times bigger than its request (and than any one Poll's);
+#: bounded so, a Many's answer is no bigger than one Poll of this many rooms.
+MAX_MANY_POLLED = 1 << 16
 
 
 class Many(msgspec.Struct, tag="many", frozen=True):
     """Several engine calls in ONE round trip, run in order exactly as if sent one by
     one (issue 14: round trips per room). Only :data:`NowCall` calls (no ``Wait``,
-    registration, ``Info`` or nested ``Many``), at most :data:`MAX_MANY`; each call has its
-    own :class:`Outcome`, so one room's refusal does not affect the others. Answered
-    with :class:`ManyResult`."""
+    registration, ``Info`` or nested ``Many``), at most :data:`MAX_MANY`, naming at most
+    :data:`MAX_MANY_POLLED` rooms in their polls; each call has its own :class:`Outcome`,
+    so one room's refusal does not affect the others. Answered with :class:`ManyResult`."""
 
     calls: list[NowCall]
+
+    def polled(self) -> int:
+        """How many rooms its ``Poll`` calls name together."""
+        return sum(len(c.rooms) for c in self.calls if isinstance(c, Poll))
 
 
 class Outcome(msgspec.Struct, frozen=True):

@@ -144,6 +144,24 @@ async def test_a_many_above_the_limit_is_refused_whole(cluster: Cluster) -> None
     assert (await pe.poll(1)).statuses == [-1]
 
 
+async def test_a_many_polling_too_many_rooms_is_refused_whole(cluster: Cluster) -> None:
+    """The same failed room (a long reason) polled by every call of a Many would answer a
+    small request with a huge reply (the reason once per Poll): over MAX_MANY_POLLED
+    rooms in its polls the Many is refused before anything of it runs."""
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1)
+    await pe.call(rpc.SenderCreate(room=5))
+    await pe.call(rpc.Abort(room=5, reason="x" * 64))
+    per = rpc.MAX_MANY_POLLED // (rpc.MAX_MANY - 1)
+    polls = [rpc.Poll(rooms=[5] * per)] * (rpc.MAX_MANY - 1)
+    res = await pe.call(rpc.Many(calls=[rpc.SenderCreate(room=6), *polls]))  # at the limit
+    assert res.outcomes[0].ok and all(o.ok for o in res.outcomes)
+    over = [rpc.SenderCreate(room=7), *polls, rpc.Poll(rooms=[5] * (per + 1))]
+    with pytest.raises(ProtocolError, match="at most"):
+        await pe.call(rpc.Many(calls=over))
+    assert (await pe.poll(7)).statuses == [-1]  # nothing of it ran
+
+
 @pytest.mark.parametrize("inner", [
     rpc.Wait(rooms=[1], timeout=1.0), rpc.Info(), rpc.Release(),
     rpc.Many(calls=[rpc.Poll(rooms=[])]),

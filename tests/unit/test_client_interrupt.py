@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,148 @@ def test_a_call_kvd_never_answers_fails_after_the_client_timeout(tmp_path: Path)
     assert second.fileno() != first.fileno()
     for s in (first, second, server):
         s.close()
+
+
+class _Server:
+    """A fake kvd on ``path``: answers the first ``answered`` requests (an empty Poll
+    result, or ``reply`` when given), then reads and records the rest without answering.
+    ``seen``: (connection number, call name) of every request received."""
+
+    def __init__(self, path: str, answered: int, reply: object = None) -> None:
+        from kvd.protocol import rpc
+
+        self.rpc, self.answered, self.reply = rpc, answered, reply
+        self.seen: list[tuple[int, str]] = []
+        self.conns: list[socket.socket] = []
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(8)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn, len(self.conns)),
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket, number: int) -> None:
+        rpc, buf = self.rpc, b""
+        while True:
+            try:
+                data = conn.recv(1 << 16)
+            except OSError:
+                return
+            if not data:
+                return
+            buf += data
+            while len(buf) >= rpc.LENGTH.size:
+                (n,) = rpc.LENGTH.unpack_from(buf)
+                if len(buf) < rpc.LENGTH.size + n:
+                    break
+                req = rpc.decode_request(buf[rpc.LENGTH.size:rpc.LENGTH.size + n])
+                buf = buf[rpc.LENGTH.size + n:]
+                self.seen.append((number, type(req.call).__name__))
+                if len(self.seen) <= self.answered:
+                    reply = self.reply or rpc.Reply(id=req.id, ok=True,
+                                                    result=rpc.PollResult(statuses=[]))
+                    conn.sendall(rpc.encode(reply))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        for s in (*self.conns, self.listener):
+            s.close()
+
+
+def test_a_timed_out_call_on_an_open_connection_is_not_sent_again(tmp_path: Path) -> None:
+    """A call that times out on a connection that already served one is not retried on a
+    fresh connection: a stalled kvd may still run it (twice, for a Many), and the caller
+    would wait twice its timeout."""
+    from kvd.protocol import rpc
+
+    server = _Server(str(tmp_path / "slow.sock"), answered=1)
+    client = KvdClient(str(tmp_path / "slow.sock"), timeout=0.3)
+    try:
+        client.call(rpc.Poll(rooms=[]))
+        with pytest.raises(KvdUnreachable, match=r"no answer within 0\.3s"):
+            client.call_many([rpc.SenderCreate(room=1)])
+        assert server.seen == [(1, "Poll"), (1, "Many")]  # once, on the first connection
+    finally:
+        client.close()
+        server.close()
+
+
+def test_interrupt_ends_a_call_on_an_open_connection_without_sending_it_again(
+        tmp_path: Path) -> None:
+    """interrupt() during a call on a connection that already served one (every call of a
+    registered engine) ends the call: it is not sent again on a fresh connection."""
+    from kvd.protocol import rpc
+
+    server = _Server(str(tmp_path / "silent.sock"), answered=1)
+    client = KvdClient(str(tmp_path / "silent.sock"), timeout=60.0)
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.call_many([rpc.Poll(rooms=[1])])
+        except KvdUnreachable as exc:
+            errors.append(exc)
+
+    try:
+        client.call(rpc.Poll(rooms=[]))
+        t = threading.Thread(target=call)
+        t.start()
+        deadline = time.monotonic() + 10.0
+        while len(server.seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.seen == [(1, "Poll"), (1, "Many")]  # the call waits for its answer
+        client.interrupt()
+        t.join(10)
+        assert not t.is_alive() and errors
+        assert server.seen == [(1, "Poll"), (1, "Many")]  # and was not sent again
+    finally:
+        client.close()
+        server.close()
+
+
+def test_call_many_refuses_calls_a_many_cannot_carry_before_sending(tmp_path: Path) -> None:
+    from kvd.protocol import rpc
+
+    client = KvdClient(str(tmp_path / "none.sock"))
+    for call in (rpc.Wait(rooms=[1], timeout=1.0), rpc.Info(), rpc.Release(),
+                 rpc.Many(calls=[])):
+        with pytest.raises(ValueError, match="cannot carry"):
+            client.call_many([rpc.Poll(rooms=[]), call])  # type: ignore[list-item]
+
+
+def test_a_request_kvd_cannot_decode_raises_kvds_reason(tmp_path: Path) -> None:
+    """kvd answers a frame it cannot decode with id 0: the client raises that error (its
+    reason), not a reply-id mismatch."""
+    from kvd.errors import ProtocolError
+    from kvd.protocol import rpc
+
+    bad = rpc.Reply(id=0, ok=False, error="invalid frame: bad room", kind="ProtocolError")
+    server = _Server(str(tmp_path / "k.sock"), answered=1, reply=bad)
+    client = KvdClient(str(tmp_path / "k.sock"), timeout=10.0)
+    try:
+        with pytest.raises(ProtocolError, match="bad room"):
+            client.call(rpc.Poll(rooms=[1]))
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf"), 1e30])
+def test_a_timeout_no_socket_can_take_is_refused_at_once(timeout: float) -> None:
+    with pytest.raises(ValueError, match="timeout"):
+        KvdClient("/nonexistent.sock", timeout=timeout)
+
+
+def test_call_many_refuses_polls_naming_too_many_rooms_before_sending(tmp_path: Path) -> None:
+    from kvd.protocol import rpc
+
+    client = KvdClient(str(tmp_path / "none.sock"))
+    with pytest.raises(ValueError, match="at most"):
+        client.call_many([rpc.Poll(rooms=[1] * rpc.MAX_MANY_POLLED), rpc.Poll(rooms=[1])])
