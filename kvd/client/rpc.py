@@ -46,7 +46,9 @@ WAIT_SHARE = 0.5
 class KvdClient:
     """A connection to the local kvd's engine socket.
 
-    Thread-safe (one call at a time). ``timeout`` bounds each call in seconds.
+    Thread-safe (one call at a time). ``timeout`` bounds each call in seconds (the
+    socket's kernel timeouts: a signal handler in the engine that fires more often than
+    ``timeout`` restarts the wait each time, so a stalled kvd is then noticed late).
     ``fd`` memory handles (:class:`~kvd.protocol.memory.FdHandle`, e.g. from
     :class:`~kvd.client.FdPool`) name descriptors of this process; they are sent with
     the request (``SCM_RIGHTS``) and must stay open while registered.
