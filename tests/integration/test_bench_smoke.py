@@ -43,7 +43,8 @@ def test_flood_bench_reports_every_phase_against_the_idle_baseline() -> None:
     assert set(flood["phases"]) == {"idle", "zmq", "body", "idle_conns"}
     for phase in flood["phases"].values():
         assert phase["health"]["n"] > 0 and phase["heartbeat"]["beats"] > 0
-        assert phase["health"]["p99_ms"] >= phase["health"]["p50_ms"] >= 0
+        assert phase["health"]["failed"] == 0 and phase["rooms"]["succeeded"] == \
+            phase["rooms"]["n"]  # outcomes only: the latencies are the benchmark's to judge
     assert flood["phases"]["zmq"]["flood"]["frames_sent"] > 0
 
 

@@ -155,6 +155,17 @@ def front_for_backend() -> Iterator[Callable[..., HandshakeFront]]:
         f.close()
 
 
+def held_front(front_for: Callable[..., HandshakeFront]) -> tuple[HandshakeFront,
+                                                                  threading.Event]:
+    """A front (0.3 s request deadline) whose thread is blocked until the returned event
+    is set (as by the GIL under load): connections queue in the kernel meanwhile."""
+    front = front_for(request_deadline_s=0.3)
+    assert front._loop is not None
+    gate = threading.Event()
+    front._loop.call_soon_threadsafe(gate.wait, BOUND)
+    return front, gate
+
+
 def handshake(addr: tuple[str, int], body: bytes) -> bytes:
     """One handshake as Mooncake's client does it: connect, write, read the answer."""
     with socket.create_connection(addr, timeout=BOUND) as c:
@@ -387,10 +398,7 @@ def test_a_burst_of_connections_while_the_front_is_busy_waits_in_the_backlog(
     the kernel completes them all (backlog 1024; asyncio's default of 100 would drop the
     SYNs beyond it, delaying real peers by a retransmission), and once free the front
     serves them and a handshake."""
-    front = front_for(request_deadline_s=0.3)
-    assert front._loop is not None
-    gate = threading.Event()
-    front._loop.call_soon_threadsafe(gate.wait, BOUND)
+    front, gate = held_front(front_for)
     burst: list[socket.socket] = []
     try:
         for _ in range(300):
@@ -434,10 +442,7 @@ def test_a_request_queued_before_a_burst_is_read_before_the_burst_evicts_it(
     read before 256 newer admissions would evict it: answered. (Accepting the whole
     backlog at once admitted all 401 first and evicted the peer unread: every real
     handshake failed under a flood the front could not keep up with.)"""
-    front = front_for(request_deadline_s=0.3)
-    assert front._loop is not None
-    gate = threading.Event()
-    front._loop.call_soon_threadsafe(gate.wait, BOUND)
+    front, gate = held_front(front_for)
     burst: list[socket.socket] = []
     try:
         with socket.create_connection(front.address, timeout=BOUND) as peer:
