@@ -4,9 +4,13 @@ P1 (bulk: one room of random pages, 12 KiB / 64 KiB / 1 MiB items, GB/s) and P4 
 rooms: max rooms/s with 128 in flight, latency p50/p99 at 100 and 500 rooms/s offered;
 the per-call driver, the only one an older kvd has) run a kvd pair per
 checkout (daemons and engine processes on that checkout's code, benchmarks/rooms.py),
-alternating checkouts each repeat. P5 (trivial RPC, ``poll_many`` of 1 000 rooms;
+alternating checkouts each repeat. P5 (trivial RPC, ``poll_many`` of 1 000 rooms, each
+placed by the scheduler, then with the client and the daemon on one CPU and on two;
 ``Sender.send`` / ``Receiver.init`` p50 come from P4's 100 rooms/s runs) runs each
 checkout's client against its own daemon in a child process, alternating too. Medians.
+
+P6 (RSS idle and after ``--rss-rooms`` rooms) and P8 (isolation from a frozen decode) run
+issue14.py's own benchmark in a child process on each checkout's kvd.
 
 Usage: python benchmarks/before_after.py BEFORE [AFTER] [--repeats 3]
 (AFTER defaults to this checkout; each is a path to a kvd source tree, e.g. a
@@ -49,18 +53,31 @@ work = tempfile.mkdtemp(prefix="kvd-ba-")
 d = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING",
                  env={"PYTHONPATH": sys.argv[1]})
 eng = EngineStandIn(d.socket, num_layers=1, num_pages=2048, item_len=1024, seed=1)
+def pin(pid, cpus):  # every thread (issue14.PLACEMENTS: same / cross CPU)
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:
+            pass
+
+out = {}
 try:
     empty = rpc.Poll(rooms=[])
     p50(lambda: eng.client.call(empty), 500)  # warm up
-    trivial = p50(lambda: eng.client.call(empty), 3000)
     ids = list(range(1, 1001))
     for room in ids:
         Sender(eng.client, room)
-    poll = p50(lambda: poll_many(eng.client, ids), 300)
+    every = set(range(os.cpu_count()))
+    for where, mine, its in (("", every, every), ("_same", {0}, {0}), ("_cross", {0}, {1})):
+        pin(os.getpid(), mine)
+        pin(d.proc.pid, its)
+        time.sleep(0.1)
+        out["trivial_rpc" + where + "_p50_us"] = p50(lambda: eng.client.call(empty), 3000)
+        out["poll_many_1000" + where + "_p50_us"] = p50(lambda: poll_many(eng.client, ids), 300)
 finally:
     eng.close()
     d.stop()
-print(json.dumps({"trivial_rpc_p50_us": trivial, "poll_many_1000_p50_us": poll}))
+print(json.dumps(out))
 os._exit(0)
 """
 
@@ -73,6 +90,17 @@ def api(tree: str) -> dict[str, float]:
     return result
 
 
+def in_tree(tree: str, expr: str) -> Any:
+    """``expr`` (over benchmarks/issue14.py, imported as ``issue14``) evaluated in a child
+    process whose kvd (daemons and engines) is ``tree``'s; its JSON value."""
+    code = (f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import issue14; "
+            f"print(json.dumps({expr}, default=str))")
+    env = dict(os.environ, PYTHONPATH=tree, GLOG_minloglevel="2")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=3600, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("before")
@@ -81,6 +109,8 @@ def main() -> None:
     ap.add_argument("--max-rooms", type=int, default=3000)
     ap.add_argument("--rate-rooms", type=int, default=1000)
     ap.add_argument("--bulk-mib", type=int, default=256, help="P1 bytes per room; 0: skip")
+    ap.add_argument("--rss-rooms", type=int, default=100_000, help="P6 rooms; 0: skip")
+    ap.add_argument("--isolation", type=int, default=1, help="P8 runs per checkout; 0: skip")
     args = ap.parse_args()
     trees = {"before": str(Path(args.before).resolve()), "after": str(Path(args.after).resolve())}
     load = os.getloadavg()
@@ -126,6 +156,13 @@ def main() -> None:
         for k in trees:
             bulk[k][f"{kib}KiB"] = 2 * layers * move * item / statistics.median(secs[k]) / 1e9
 
+    rss = {k: in_tree(t, f"issue14.bench_rss({args.rss_rooms})") for k, t in trees.items()} \
+        if args.rss_rooms else {}
+    iso: dict[str, list[dict[str, Any]]] = {k: [] for k in trees} if args.isolation else {}
+    for _ in range(args.isolation):
+        for k, t in trees.items():
+            iso[k].append(in_tree(t, "issue14.bench_isolation()"))
+
     def med(k: str, kind: str, field: str) -> float:
         return float(statistics.median(r[field] for r in runs[k][kind]))
 
@@ -138,7 +175,13 @@ def main() -> None:
             ("P5 Sender.send p50 (us, at 100/s)", "100", "send_p50_us", "{:.0f}"),
             ("P5 Receiver.init p50 (us, at 100/s)", "100", "init_p50_us", "{:.0f}"),
             ("P5 trivial RPC p50 (us)", "api", "trivial_rpc_p50_us", "{:.1f}"),
-            ("P5 poll_many 1 000 p50 (us)", "api", "poll_many_1000_p50_us", "{:.0f}")]
+            ("  trivial, engine and kvd on one CPU", "api", "trivial_rpc_same_p50_us", "{:.1f}"),
+            ("  trivial, engine CPU 0, kvd CPU 1", "api", "trivial_rpc_cross_p50_us", "{:.1f}"),
+            ("P5 poll_many 1 000 p50 (us)", "api", "poll_many_1000_p50_us", "{:.0f}"),
+            ("  poll_many, engine and kvd on one CPU", "api", "poll_many_1000_same_p50_us",
+             "{:.0f}"),
+            ("  poll_many, engine CPU 0, kvd CPU 1", "api", "poll_many_1000_cross_p50_us",
+             "{:.0f}")]
     table = {name: {k: med(k, kind, field) for k in trees} for name, kind, field, _ in rows}
     print(f"machine load before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"{'measure':40s} {'before':>10s} {'after':>10s} {'after/before':>13s}")
@@ -150,9 +193,24 @@ def main() -> None:
     for size in bulk.get("before", {}):
         b, a = bulk["before"][size], bulk["after"][size]
         print(f"{'P1 bulk ' + size + ' items (GB/s)':40s} {b:>10.2f} {a:>10.2f} {a / b:>12.2f}x")
+    for k in rss:
+        bad += rss[k]["failed"] + rss[k]["bad_bytes"]
+    if rss:
+        b, a = rss["before"], rss["after"]
+        for i, side in enumerate(("prefill", "decode")):
+            print(f"{'P6 RSS idle, ' + side + ' (MB)':40s} {b['idle_mb'][i]:>10.0f} "
+                  f"{a['idle_mb'][i]:>10.0f} {a['idle_mb'][i] / b['idle_mb'][i]:>12.2f}x")
+        print(f"{'P6 growth after the room history (%)':40s} "
+              f"{100 * b['growth_after_history']:>10.1f} {100 * a['growth_after_history']:>10.1f}")
+    if iso:
+        b8, a8 = (statistics.median(r["ratio_p99"] for r in iso[k]) for k in trees)
+        bw, aw = (statistics.median(r["p99_ms"]["with_frozen"] for r in iso[k]) for k in trees)
+        print(f"{'P8 healthy p99, one decode frozen (ms)':40s} {bw:>10.2f} {aw:>10.2f} "
+              f"{aw / bw:>12.2f}x")
+        print(f"{'P8 p99 frozen / p99 without':40s} {b8:>10.2f} {a8:>10.2f} {a8 / b8:>12.2f}x")
     print(f"failed rooms or wrong bytes: {bad}")
-    out = {"trees": trees, "load_before": load, "table": table, "bulk_gbps": bulk, "runs": runs,
-           "bad": bad}
+    out = {"trees": trees, "load_before": load, "load_after": os.getloadavg(), "table": table,
+           "bulk_gbps": bulk, "rss": rss, "isolation": iso, "runs": runs, "bad": bad}
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "before-after.json").write_text(json.dumps(out, indent=1, default=str))
     sys.exit(1 if bad else 0)

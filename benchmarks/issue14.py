@@ -8,8 +8,10 @@ P1b  the same rooms through SGLang 0.5.23's own MooncakeKVManager (in-process, C
      TCP; skipped with a reason where SGLang is not installed: `make bench` installs it).
 P4   1-page rooms: max rooms/s with many in flight, latency p50/p99 at 100 and 500 rooms/s
      offered, kvd vs SGLang (benchmarks/rooms.py; runs interleaved, medians).
-P5   engine API: Sender.send / Receiver.init p50 (from the 100 rooms/s runs), poll_many of
-     1 000 rooms, a trivial RPC vs a bare Unix-socket echo (uvloop server, blocking client).
+P5   engine API: Sender.send / Receiver.init p50 (in the 100 rooms/s runs, and one room at
+     a time on an idle pair), poll_many of 1 000 rooms, a trivial RPC vs a bare Unix-socket
+     echo (uvloop server, blocking client); each with the engine and the servers on one
+     CPU, on two, and where the scheduler puts them (PLACEMENTS).
 P6   daemon RSS idle, and after N rooms created -> succeeded -> cleared (flat within 5 %).
 P8   isolation: a decode frozen (SIGSTOP) mid-transfer while 1-page rooms to a healthy
      decode continue: their p99 against the same rooms without the frozen one.
@@ -17,6 +19,7 @@ P8   isolation: a decode frozen (SIGSTOP) mid-transfer while 1-page rooms to a h
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -247,9 +250,39 @@ def _p50_us(fn: Any, n: int) -> float:
     return 1e6 * statistics.median(times)
 
 
-def bench_api(n: int = 3000) -> dict[str, Any]:
-    """P5: trivial RPC vs echo (interleaved blocks), poll_many of 1 000 rooms."""
-    from kvd.client import Sender, poll_many
+#: Where the engine (this process) and the server (echo, kvd daemons: every thread) run for
+#: P5. "free": wherever the scheduler puts them; "same": all on CPU 0; "cross": the engine
+#: on CPU 0, the servers on CPU 1. A Unix-socket round trip costs about 4x more across CPUs
+#: than on one here (a wake-up on another CPU of this VM), and the scheduler places a
+#: single-threaded echo server and a multi-threaded daemon differently, so "free" compares
+#: a placement with another; "same" and "cross" compare like with like.
+PLACEMENTS = ("free", "same", "cross")
+
+
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` onto ``cpus`` (threads started later inherit it
+    from the thread that starts them)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # a thread that just ended
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def _placed(where: str, engine: int, servers: list[int]) -> None:
+    every = set(range(os.cpu_count() or 1))
+    cpu0, cpu1 = {0}, {1 if len(every) > 1 else 0}
+    for pid in [engine, *servers]:
+        pin(pid, every if where == "free" else cpu0 if where == "same" or pid == engine
+            else cpu1)
+
+
+def bench_api(n: int = 3000, repeats: int = 3, rooms_each: int = 100) -> dict[str, Any]:
+    """P5, per placement (:data:`PLACEMENTS`), interleaved, medians of ``repeats`` blocks:
+    a trivial RPC (``Poll`` of no rooms) vs a bare Unix-socket echo (uvloop server,
+    blocking client) of the same size; ``poll_many`` of 1 000 live rooms; and the engine
+    API's own cost on an idle pair: ``Receiver.init`` then ``Sender.send`` of 1-page rooms
+    one at a time (the send starts the write: planning included), each room waited for
+    and cleared before the next."""
+    from kvd.client import Receiver, Sender, poll_many, wait_many
     from kvd.launch import start_daemon
     from kvd.protocol import rpc
     from kvd.refengine.standin import EngineStandIn
@@ -262,7 +295,7 @@ def bench_api(n: int = 3000) -> dict[str, Any]:
         time.sleep(0.01)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
-    msg = b"\x00\x00\x00\x1cKVD\x03" + b"x" * 24  # a frame the size of a trivial request
+    msg = b"\x00\x00\x00\x20KVD\x04" + b"x" * 28  # the size of a trivial request (36 B)
 
     def echo_once() -> None:
         sock.sendall(msg)
@@ -270,29 +303,66 @@ def bench_api(n: int = 3000) -> dict[str, Any]:
         while got < len(msg):
             got += len(sock.recv(65536))
 
-    d = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING")
-    eng = EngineStandIn(d.socket, num_layers=1, num_pages=2048, item_len=1024, seed=1)
+    pd = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING")
+    dd = start_daemon("decode", work, log_level="WARNING")
+    pool = {"num_layers": LAYERS_ROOMS, "num_pages": 1024, "item_len": ITEM_ROOMS,
+            "aux_slots": 64, "aux_item_len": 64}
+    pe, de = EngineStandIn(pd.socket, seed=1, **pool), EngineStandIn(dd.socket, seed=2, **pool)
+    servers = [echo.pid, pd.proc.pid, dd.proc.pid]
+    res: dict[str, dict[str, list[float]]] = {
+        w: {k: [] for k in ("echo", "trivial", "poll", "send", "init")} for w in PLACEMENTS}
+    room = 1_000_000
     try:
-        client, empty = eng.client, rpc.Poll(rooms=[])
-        trivial, echoes = [], []
-        for _ in range(5):
-            echoes.append(_p50_us(echo_once, n // 5))
-            trivial.append(_p50_us(lambda: client.call(empty), n // 5))
+        client, empty = pe.client, rpc.Poll(rooms=[])
         ids = list(range(1, 1001))
-        for room in ids:  # 1 000 live rooms (Bootstrapping: no decode)
-            Sender(client, room)
-        poll = _p50_us(lambda: poll_many(client, ids), 300)
-        for room in ids:
-            client.call(rpc.Abort(room=room))
-            client.call(rpc.Clear(room=room))
+        for r in ids:  # 1 000 live rooms (Bootstrapping: no decode)
+            Sender(client, r)
+        for _ in range(repeats):
+            for where in PLACEMENTS:
+                _placed(where, os.getpid(), servers)
+                time.sleep(0.1)
+                out = res[where]
+                out["echo"].append(_p50_us(echo_once, n // repeats))
+                out["trivial"].append(_p50_us(lambda: client.call(empty), n // repeats))
+                out["poll"].append(_p50_us(lambda: poll_many(client, ids), 100))
+                sends, inits = [], []
+                for _ in range(rooms_each):
+                    room += 1
+                    page = np.array([room % 1024])
+                    s = Sender(client, room)
+                    s.init(1, room % 64)
+                    r = Receiver(de.client, room, pd.http_addr)
+                    t = time.perf_counter()
+                    r.init(page, room % 64)
+                    inits.append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    s.send(page)
+                    sends.append(time.perf_counter() - t)
+                    assert wait_many(de.client, [room], 30) == [4], f"room {room} failed"
+                    assert wait_many(client, [room], 30) == [4], f"room {room} failed"
+                    de.client.call(rpc.Clear(room=room))
+                    client.call(rpc.Clear(room=room))
+                out["send"].append(1e6 * statistics.median(sends))
+                out["init"].append(1e6 * statistics.median(inits))
+        for r in ids:
+            client.call(rpc.Abort(room=r))
+            client.call(rpc.Clear(room=r))
     finally:
-        eng.close()
-        d.stop()
+        _placed("free", os.getpid(), [])
+        pe.close()
+        de.close()
+        pd.stop()
+        dd.stop()
         sock.close()
         echo.kill()
-    t, e = statistics.median(trivial), statistics.median(echoes)
-    return {"trivial_rpc_p50_us": t, "echo_p50_us": e, "ratio_trivial_over_echo": t / e,
-            "poll_many_1000_p50_us": poll}
+    per: dict[str, dict[str, float]] = {}
+    for where, out in res.items():
+        m = {k: statistics.median(v) for k, v in out.items()}
+        per[where] = {"trivial_rpc_p50_us": m["trivial"], "echo_p50_us": m["echo"],
+                      "ratio_trivial_over_echo": m["trivial"] / m["echo"],
+                      "poll_many_1000_p50_us": m["poll"], "send_idle_p50_us": m["send"],
+                      "init_idle_p50_us": m["init"]}
+    return {"placements": per, "runs": res, "cpus": os.cpu_count(), **per["free"]}
 
 
 #: Ended rooms a prefill side remembers (tombstones and final words, K21/K30): bounded

@@ -178,6 +178,8 @@ class DecodeSide(Side):
         releasable: list[int] = []
         reasons: dict[int, str] = {}
         kinds: dict[int, str] = {}
+        # per room, no enum lookups: KVPoll.X and .value cost 90-140 ns each (P5)
+        success, failed = KVPoll.Success, KVPoll.Failed
         for room in rooms:
             r = table.get(room)
             if r is None:
@@ -185,9 +187,8 @@ class DecodeSide(Side):
                 releasable.append(room)
                 continue
             status = r.status
-            statuses.append(status.value)
-            if status is KVPoll.Success or (status is KVPoll.Failed
-                                            and r.releasable(now, timeouts)):
+            statuses.append(status._value_)
+            if status is success or (status is failed and r.releasable(now, timeouts)):
                 releasable.append(room)
             if r.failure is not None:
                 reasons[room], kinds[room] = r.failure.reason, r.failure.kind.value

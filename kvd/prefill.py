@@ -100,14 +100,16 @@ class PrefillSide(Side):
         reasons: dict[int, str] = {}
         kinds: dict[int, str] = {}
         stats: dict[int, tuple[int, float]] = {}
+        # per room, no enum lookups: KVPoll.X and .value cost 90-140 ns each (P5)
+        success, failed = KVPoll.Success, KVPoll.Failed
         for room in rooms:
             r = table.get(room)
             if r is None:
                 statuses.append(UNKNOWN_ROOM)
                 continue
             status = r.status
-            statuses.append(status.value)
-            if status is KVPoll.Success or status is KVPoll.Failed:
+            statuses.append(status._value_)
+            if status is success or status is failed:
                 stats[room] = (r.nbytes, r.seconds)
             if r.failure is not None:
                 reasons[room], kinds[room] = r.failure.reason, r.failure.kind.value
