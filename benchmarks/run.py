@@ -268,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate-rooms", type=int, default=1000,
                     help="P4: rooms per run at 100 and 500 rooms/s")
     ap.add_argument("--rows", default="P1,P4,P5,P6,P8", help="issue14: which rows")
+    ap.add_argument("--api-calls", type=int, default=3000,
+                    help="P5: calls per placement for the trivial RPC and the echo")
+    ap.add_argument("--api-rooms", type=int, default=100,
+                    help="P5: idle-pair rooms per placement and repeat (send/init)")
     args = ap.parse_args(argv)
     console = Console()
     only = set(args.only.split(","))
@@ -313,7 +317,7 @@ def _bench_issue14(console: Console, args: Any) -> tuple[dict[str, Any], bool]:
     if "P4" in rows:
         out["P4"] = issue14.bench_rooms(args.repeats, args.max_rooms, args.rate_rooms)
     if "P5" in rows:
-        out["P5"] = issue14.bench_api()
+        out["P5"] = issue14.bench_api(args.api_calls, args.repeats, args.api_rooms)
     if "P6" in rows:
         out["P6"] = issue14.bench_rss(args.rss_rooms)
     if "P8" in rows:

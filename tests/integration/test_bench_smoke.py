@@ -63,3 +63,22 @@ def test_issue14_room_rows_run_both_ways_with_every_byte_checked() -> None:
     assert set(p4["median"]) >= {"kvd", "kvd_many"}
     for variant in ("kvd", "kvd_many"):
         assert p4["median"][variant]["max"]["rooms_per_s"] > 0
+
+
+def test_issue14_api_rows_run_in_every_placement() -> None:
+    """P5 in a reduced form: the trivial RPC beside the echo, poll_many and the idle pair's
+    send/init with the engine and kvd where the scheduler puts them, on one CPU and on two
+    (the benchmark fails if an idle-pair room does not succeed)."""
+    before = set((ROOT / "benchmarks" / "results").glob("bench-*.json"))
+    out = subprocess.run([sys.executable, "benchmarks/run.py", "--only", "issue14", "--rows",
+                          "P5", "--repeats", "1", "--api-calls", "200", "--api-rooms", "5"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "engine and kvd on one CPU" in out.stdout
+    (new,) = set((ROOT / "benchmarks" / "results").glob("bench-*.json")) - before
+    p5 = json.loads(new.read_text())["issue14"]["P5"]
+    assert set(p5["placements"]) == {"free", "same", "cross"}
+    for where in p5["placements"].values():
+        for field in ("trivial_rpc_p50_us", "echo_p50_us", "poll_many_1000_p50_us",
+                      "send_idle_p50_us", "init_idle_p50_us"):
+            assert where[field] > 0, (field, where)
