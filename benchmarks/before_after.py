@@ -200,8 +200,11 @@ def main() -> None:
         for i, side in enumerate(("prefill", "decode")):
             print(f"{'P6 RSS idle, ' + side + ' (MB)':40s} {b['idle_mb'][i]:>10.0f} "
                   f"{a['idle_mb'][i]:>10.0f} {a['idle_mb'][i] / b['idle_mb'][i]:>12.2f}x")
-        print(f"{'P6 growth after the room history (%)':40s} "
-              f"{100 * b['growth_after_history']:>10.1f} {100 * a['growth_after_history']:>10.1f}")
+        for key, what in (("growth_after_history", "after the history filled"),
+                          ("growth_after_settled", "after it settled")):
+            if key in b and key in a:
+                print(f"{'P6 growth ' + what + ' (%)':40s} {100 * b[key]:>10.1f} "
+                      f"{100 * a[key]:>10.1f}")
     if iso:
         b8, a8 = (statistics.median(r["ratio_p99"] for r in iso[k]) for k in trees)
         bw, aw = (statistics.median(r["p99_ms"]["with_frozen"] for r in iso[k]) for k in trees)
