@@ -8,22 +8,27 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd.client.rpc import KvdClient
-from kvd.errors import KvdUnreachable, KVTransferError, RoomError
+from kvd.errors import KvdUnreachable, KVTransferError, ProtocolError, RoomError
 from kvd.protocol import rpc
 from kvd.protocol.codec import pack_indices
 from kvd.rooms import UNKNOWN_ROOM, KVPoll
 
-#: KVPoll by value (index), for turning many statuses into enums without a call each.
-_BY_VALUE: tuple[KVPoll, ...] = tuple(sorted(KVPoll, key=int))
+#: Every status kvd answers, by value: KVPoll, and UNKNOWN_ROOM for a room kvd does not know.
+_BY_VALUE: dict[int, KVPoll | int] = {int(s): s for s in KVPoll} | {UNKNOWN_ROOM: UNKNOWN_ROOM}
 
 
 def _status(value: int) -> KVPoll | int:
-    return _BY_VALUE[value] if value != UNKNOWN_ROOM else UNKNOWN_ROOM
+    return _statuses([value])[0]
 
 
 def _statuses(values: list[int]) -> list[KVPoll | int]:
-    by = _BY_VALUE
-    return [by[v] if v >= 0 else UNKNOWN_ROOM for v in values]
+    """KVPoll of each status value (UNKNOWN_ROOM stays -1); raises ProtocolError for a
+    value that is no status (it used to escape as an IndexError)."""
+    try:
+        return list(map(_BY_VALUE.__getitem__, values))
+    except KeyError as exc:
+        raise ProtocolError(f"kvd answered room status {exc.args[0]!r}, which is none of "
+                            f"KVPoll's values or UNKNOWN_ROOM") from None
 
 
 def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
