@@ -9,10 +9,14 @@ placed by the scheduler, then with the client and the daemon on one CPU and on t
 ``Sender.send`` / ``Receiver.init`` p50 come from P4's 100 rooms/s runs) runs each
 checkout's client against its own daemon in a child process, alternating too. Medians.
 
+P1b: where SGLang is installed (.venv-bench), its own connector moves the same pages in
+the same interleaving, and each checkout's P1 is also given as a ratio to it.
 P6 (RSS idle and after ``--rss-rooms`` rooms) and P8 (isolation from a frozen decode) run
 issue14.py's own benchmark in a child process on each checkout's kvd.
 
-Usage: python benchmarks/before_after.py BEFORE [AFTER] [--repeats 3]
+Usage: python benchmarks/before_after.py BEFORE [AFTER] [--repeats 3] (it works from a
+temporary directory of its own: from inside a checkout, ``python -m``/``-c`` children
+would import that checkout's kvd whatever PYTHONPATH says)
 (AFTER defaults to this checkout; each is a path to a kvd source tree, e.g. a
 ``git worktree add --detach /tmp/before <commit>``). Writes results/before-after.json.
 """
@@ -53,11 +57,11 @@ work = tempfile.mkdtemp(prefix="kvd-ba-")
 d = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING",
                  env={"PYTHONPATH": sys.argv[1]})
 eng = EngineStandIn(d.socket, num_layers=1, num_pages=2048, item_len=1024, seed=1)
-def pin(pid, cpus):  # every thread (issue14.PLACEMENTS: same / cross CPU)
+def pin(pid, cpus):  # every thread (issue14.placements: same / cross CPU)
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             os.sched_setaffinity(int(tid), cpus)
-        except OSError:
+        except ProcessLookupError:  # a thread that just ended
             pass
 
 out = {}
@@ -67,14 +71,18 @@ try:
     ids = list(range(1, 1001))
     for room in ids:
         Sender(eng.client, room)
-    every = set(range(os.cpu_count()))
-    for where, mine, its in (("", every, every), ("_same", {0}, {0}), ("_cross", {0}, {1})):
+    every = os.sched_getaffinity(0)
+    cpus = sorted(every)
+    places = [("", every, every), ("_same", {cpus[0]}, {cpus[0]})]
+    places += [("_cross", {cpus[0]}, {cpus[1]})] if len(cpus) > 1 else []
+    for where, mine, its in places:
         pin(os.getpid(), mine)
         pin(d.proc.pid, its)
         time.sleep(0.1)
         out["trivial_rpc" + where + "_p50_us"] = p50(lambda: eng.client.call(empty), 3000)
         out["poll_many_1000" + where + "_p50_us"] = p50(lambda: poll_many(eng.client, ids), 300)
 finally:
+    pin(os.getpid(), every)
     eng.close()
     d.stop()
 print(json.dumps(out))
@@ -111,17 +119,27 @@ def main() -> None:
     ap.add_argument("--bulk-mib", type=int, default=256, help="P1 bytes per room; 0: skip")
     ap.add_argument("--rss-rooms", type=int, default=100_000, help="P6 rooms; 0: skip")
     ap.add_argument("--isolation", type=int, default=1, help="P8 runs per checkout; 0: skip")
+    ap.add_argument("--skip-rooms", action="store_true", help="skip P4 and P5")
     args = ap.parse_args()
+    for name in ("repeats", "max_rooms", "rate_rooms"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if 0 < args.rss_rooms < 10:
+        ap.error("--rss-rooms must be 0 (skip) or at least 10")
     trees = {"before": str(Path(args.before).resolve()), "after": str(Path(args.after).resolve())}
+    # `python -c` and `python -m` put the working directory ahead of PYTHONPATH: from inside
+    # a checkout every child (daemons, engines) would import that checkout's kvd
+    os.chdir(tempfile.mkdtemp(prefix="kvd-ba-"))
     load = os.getloadavg()
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         k: {"max": [], "100": [], "500": [], "api": []} for k in trees}
-    pairs = {k: rooms.Pair("kvd", 4, 4096, tempfile.mkdtemp(prefix=f"kvd-{k}-"), tree=t)
-             for k, t in trees.items()}
+    pairs = {} if args.skip_rooms else {
+        k: rooms.Pair("kvd", 4, 4096, tempfile.mkdtemp(prefix=f"kvd-{k}-"), tree=t)
+        for k, t in trees.items()}
     try:
         for p in pairs.values():
             p.run(300, None, 64)
-        for _ in range(args.repeats):
+        for _ in range(args.repeats if pairs else 0):
             for k, p in pairs.items():
                 runs[k]["max"].append(p.run(args.max_rooms, None, 128))
                 runs[k]["100"].append(p.run(args.rate_rooms, 100.0, 256))
@@ -129,10 +147,16 @@ def main() -> None:
     finally:
         for p in pairs.values():
             p.close()
-    for _ in range(args.repeats):
+    for _ in range(0 if args.skip_rooms else args.repeats):
         for k, t in trees.items():
             runs[k]["api"].append(api(t))
-    bulk = {k: {} for k in trees} if args.bulk_mib else {}
+    # P1b: SGLang's own connector on the same pages, interleaved (where it is installed:
+    # .venv-bench); it does not depend on either checkout
+    import issue14
+
+    bulk_systems = [*trees, *(["sglang"] if issue14.have_sglang() else [])]
+    bulk: dict[str, dict[str, float]] = {k: {} for k in bulk_systems} if args.bulk_mib else {}
+    bulk_bad = 0
     for kib in (12, 64, 1024) if args.bulk_mib else ():
         item, layers = kib * 1024, 8
         move = max(1, (args.bulk_mib << 20) // (2 * layers * item))
@@ -141,19 +165,21 @@ def main() -> None:
         src, dst = rng.permutation(pages)[:move], rng.permutation(pages)[:move]
         bp = {k: rooms.Pair("kvd", layers, item, tempfile.mkdtemp(prefix=f"kvd-{k}-"),
                             pages=pages, tree=t) for k, t in trees.items()}
-        secs: dict[str, list[float]] = {k: [] for k in trees}
+        if "sglang" in bulk_systems:
+            bp["sglang"] = rooms.Pair("sglang", layers, item, tempfile.mkdtemp(prefix="sg-"),
+                                      pages=pages)
+        secs: dict[str, list[float]] = {k: [] for k in bp}
         try:
             for rep in range(args.repeats + 1):  # round 0 warms connections up
                 for k, p in bp.items():
                     t, good = p.bulk(src, dst)
-                    if not good:
-                        runs[k]["max"].append({"bad_bytes": 1, "failed": 0})
+                    bulk_bad += not good
                     if rep:
                         secs[k].append(t)
         finally:
             for p in bp.values():
                 p.close()
-        for k in trees:
+        for k in bp:
             bulk[k][f"{kib}KiB"] = 2 * layers * move * item / statistics.median(secs[k]) / 1e9
 
     rss = {k: in_tree(t, f"issue14.bench_rss({args.rss_rooms})") for k, t in trees.items()} \
@@ -182,17 +208,26 @@ def main() -> None:
              "{:.0f}"),
             ("  poll_many, engine CPU 0, kvd CPU 1", "api", "poll_many_1000_cross_p50_us",
              "{:.0f}")]
+    if args.skip_rooms:
+        rows = []
+    # a placement that could not be made (one CPU allowed: no "cross") has no row
+    rows = [r for r in rows if all(r[2] in x for k in trees for x in runs[k][r[1]])]
     table = {name: {k: med(k, kind, field) for k in trees} for name, kind, field, _ in rows}
     print(f"machine load before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     print(f"{'measure':40s} {'before':>10s} {'after':>10s} {'after/before':>13s}")
     for name, _, _, fmt in rows:
         b, a = table[name]["before"], table[name]["after"]
         print(f"{name:40s} {fmt.format(b):>10s} {fmt.format(a):>10s} {a / b:>12.2f}x")
-    bad = sum(r.get("bad_bytes", 0) + r.get("failed", 0) for k in trees
-              for kind in ("max", "100", "500") for r in runs[k][kind])
+    bad = sum(r.get("bad_bytes", 0) + r.get("failed", 0) for k in runs
+              for kind in ("max", "100", "500") for r in runs[k].get(kind, []))
     for size in bulk.get("before", {}):
         b, a = bulk["before"][size], bulk["after"][size]
         print(f"{'P1 bulk ' + size + ' items (GB/s)':40s} {b:>10.2f} {a:>10.2f} {a / b:>12.2f}x")
+        if "sglang" in bulk:
+            g = bulk["sglang"][size]
+            print(f"{'P1b ' + size + ' vs SGLang ' + f'{g:.2f} GB/s':40s} {b / g:>9.2f}x "
+                  f"{a / g:>9.2f}x")
+    bad += bulk_bad
     for k in rss:
         bad += rss[k]["failed"] + rss[k]["bad_bytes"]
     if rss:
@@ -200,8 +235,11 @@ def main() -> None:
         for i, side in enumerate(("prefill", "decode")):
             print(f"{'P6 RSS idle, ' + side + ' (MB)':40s} {b['idle_mb'][i]:>10.0f} "
                   f"{a['idle_mb'][i]:>10.0f} {a['idle_mb'][i] / b['idle_mb'][i]:>12.2f}x")
-        for key, what in (("growth_after_history", "after the history filled"),
-                          ("growth_after_settled", "after it settled")):
+        keys = [("growth_after_warm", "after the first rooms")]
+        if b.get("history_rooms") and a.get("history_rooms"):
+            keys = [("growth_after_history", "after the history filled"),
+                    ("growth_after_settled", "after it settled")]
+        for key, what in keys:
             if key in b and key in a:
                 print(f"{'P6 growth ' + what + ' (%)':40s} {100 * b[key]:>10.1f} "
                       f"{100 * a[key]:>10.1f}")

@@ -252,28 +252,31 @@ def _p50_us(fn: Any, n: int) -> float:
 
 
 #: Where the engine (this process) and the server (echo, kvd daemons: every thread) run for
-#: P5. "free": wherever the scheduler puts them; "same": all on CPU 0; "cross": the engine
-#: on CPU 0, the servers on CPU 1. A Unix-socket round trip costs about 4x more across CPUs
+#: P5, among the CPUs this process may use. "free": wherever the scheduler puts them;
+#: "same": all on the first CPU; "cross": the engine on the first, the servers on the
+#: second (skipped with one CPU). A Unix-socket round trip costs about 4x more across CPUs
 #: than on one here (a wake-up on another CPU of this VM), and the scheduler places a
-#: single-threaded echo server and a multi-threaded daemon differently, so "free" compares
-#: a placement with another; "same" and "cross" compare like with like.
+#: single-threaded echo server and a multi-threaded daemon differently, so "free"
+#: compares a placement with another; "same" and "cross" compare like with like.
 PLACEMENTS = ("free", "same", "cross")
 
 
 def pin(pid: int, cpus: set[int]) -> None:
     """Every thread of process ``pid`` onto ``cpus`` (threads started later inherit it
-    from the thread that starts them)."""
+    from the thread that starts them). Raises OSError if the kernel refuses (a CPU this
+    process may not use): a placement that did not happen must not be reported."""
     for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):  # a thread that just ended
+        with contextlib.suppress(ProcessLookupError):  # a thread that just ended
             os.sched_setaffinity(int(tid), cpus)
 
 
-def _placed(where: str, engine: int, servers: list[int]) -> None:
-    every = set(range(os.cpu_count() or 1))
-    cpu0, cpu1 = {0}, {1 if len(every) > 1 else 0}
-    for pid in [engine, *servers]:
-        pin(pid, every if where == "free" else cpu0 if where == "same" or pid == engine
-            else cpu1)
+def placements(allowed: set[int]) -> dict[str, tuple[set[int], set[int]]]:
+    """``{placement: (engine CPUs, server CPUs)}`` within ``allowed``."""
+    cpus = sorted(allowed)
+    out = {"free": (set(cpus), set(cpus)), "same": ({cpus[0]}, {cpus[0]})}
+    if len(cpus) > 1:
+        out["cross"] = ({cpus[0]}, {cpus[1]})
+    return out
 
 
 def bench_api(n: int = 3000, repeats: int = 3, rooms_each: int = 100) -> dict[str, Any]:
@@ -282,7 +285,12 @@ def bench_api(n: int = 3000, repeats: int = 3, rooms_each: int = 100) -> dict[st
     blocking client) of the same size; ``poll_many`` of 1 000 live rooms; and the engine
     API's own cost on an idle pair: ``Receiver.init`` then ``Sender.send`` of 1-page rooms
     one at a time (the send starts the write: planning included), each room waited for
-    and cleared before the next."""
+    and cleared before the next. The placements use the CPUs this process may use
+    (``taskset``), and this process's affinity is restored at the end. Raises ValueError
+    for ``n`` < ``repeats``, ``repeats`` < 1 or ``rooms_each`` < 1."""
+    if repeats < 1 or n < repeats or rooms_each < 1:
+        raise ValueError(f"P5 needs repeats >= 1, calls >= repeats and rooms >= 1 (got "
+                         f"repeats={repeats}, calls={n}, rooms={rooms_each})")
     from kvd.client import Receiver, Sender, poll_many, wait_many
     from kvd.launch import start_daemon
     from kvd.protocol import rpc
@@ -310,8 +318,10 @@ def bench_api(n: int = 3000, repeats: int = 3, rooms_each: int = 100) -> dict[st
             "aux_slots": 64, "aux_item_len": 64}
     pe, de = EngineStandIn(pd.socket, seed=1, **pool), EngineStandIn(dd.socket, seed=2, **pool)
     servers = [echo.pid, pd.proc.pid, dd.proc.pid]
+    allowed = os.sched_getaffinity(0)
+    where_cpus = placements(allowed)
     res: dict[str, dict[str, list[float]]] = {
-        w: {k: [] for k in ("echo", "trivial", "poll", "send", "init")} for w in PLACEMENTS}
+        w: {k: [] for k in ("echo", "trivial", "poll", "send", "init")} for w in where_cpus}
     room = 1_000_000
     try:
         client, empty = pe.client, rpc.Poll(rooms=[])
@@ -319,8 +329,10 @@ def bench_api(n: int = 3000, repeats: int = 3, rooms_each: int = 100) -> dict[st
         for r in ids:  # 1 000 live rooms (Bootstrapping: no decode)
             Sender(client, r)
         for _ in range(repeats):
-            for where in PLACEMENTS:
-                _placed(where, os.getpid(), servers)
+            for where, (mine, theirs) in where_cpus.items():
+                pin(os.getpid(), mine)
+                for pid in servers:
+                    pin(pid, theirs)
                 time.sleep(0.1)
                 out = res[where]
                 out["echo"].append(_p50_us(echo_once, n // repeats))
@@ -349,7 +361,7 @@ def bench_api(n: int = 3000, repeats: int = 3, rooms_each: int = 100) -> dict[st
             client.call(rpc.Abort(room=r))
             client.call(rpc.Clear(room=r))
     finally:
-        _placed("free", os.getpid(), [])
+        pin(os.getpid(), allowed)
         pe.close()
         de.close()
         pd.stop()
@@ -363,7 +375,7 @@ def bench_api(n: int = 3000, repeats: int = 3, rooms_each: int = 100) -> dict[st
                       "ratio_trivial_over_echo": m["trivial"] / m["echo"],
                       "poll_many_1000_p50_us": m["poll"], "send_idle_p50_us": m["send"],
                       "init_idle_p50_us": m["init"]}
-    return {"placements": per, "runs": res, "cpus": os.cpu_count(), **per["free"]}
+    return {"placements": per, "runs": res, "cpus": sorted(allowed), **per["free"]}
 
 
 #: Ended rooms a prefill side remembers (tombstones and final words, K21/K30): bounded
@@ -376,14 +388,17 @@ SETTLED_ROOMS = HISTORY_ROOMS + 25_000
 
 
 def bench_rss(count: int) -> dict[str, Any]:
-    """P6: RSS of both daemons idle, after a tenth of ``count`` rooms, once the bounded
-    room history is full, once it has settled (``SETTLED_ROOMS``), and after ``count``
-    MORE rooms from there (``count`` >= 20 000; smaller counts measure from the tenth).
+    """P6: RSS of both daemons idle, after a tenth of ``count`` rooms (at most 10 000),
+    once the bounded room history is full, once it has settled (``SETTLED_ROOMS``), and
+    after ``count`` MORE rooms from there (``count`` >= 20 000; smaller counts measure from
+    the tenth: the history is then still filling). Raises ValueError for ``count`` < 10.
     Flatness is judged from the settled point: before it, RSS grows by design up to the
     bound (about the tables' entries times their size), then it must stay flat."""
-    pair = rooms.Pair("kvd", LAYERS_ROOMS, ITEM_ROOMS, _work())
-    tenth = max(count // 10, 100)
+    if count < 10:
+        raise ValueError(f"P6 needs at least 10 rooms, got {count}")
+    tenth = min(count // 10, 10_000)  # the "warm" point
     full = HISTORY_ROOMS + 5_000 if count >= 20_000 else None
+    pair = rooms.Pair("kvd", LAYERS_ROOMS, ITEM_ROOMS, _work())
     try:
         pids = pair.daemon_pids()
         idle = [rooms.rss_mb(p) for p in pids]
@@ -401,7 +416,8 @@ def bench_rss(count: int) -> dict[str, Any]:
         after = [rooms.rss_mb(p) for p in pids]
     finally:
         pair.close()
-    return {"rooms": count, "idle_mb": idle, "warm_mb": warm, "history_full_mb": history,
+    return {"rooms": count, "warm_rooms": tenth, "idle_mb": idle, "warm_mb": warm,
+            "history_full_mb": history,
             "history_rooms": full, "settled_mb": settled,
             "settled_rooms": SETTLED_ROOMS if full else None,
             "total_rooms": SETTLED_ROOMS + count if full else count, "after_mb": after,

@@ -274,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-rooms", type=int, default=100,
                     help="P5: idle-pair rooms per placement and repeat (send/init)")
     args = ap.parse_args(argv)
+    for name, low in (("repeats", 1), ("mib", 1), ("layers", 1), ("rooms", 1),
+                      ("max_rooms", 1), ("rate_rooms", 1), ("api_rooms", 1),
+                      ("api_calls", args.repeats), ("rss_rooms", 10)):
+        if getattr(args, name) < low:
+            ap.error(f"--{name.replace('_', '-')} must be at least {low}, "
+                     f"got {getattr(args, name)}")
     console = Console()
     only = set(args.only.split(","))
     results: dict[str, Any] = {"args": vars(args)}
@@ -417,12 +423,14 @@ def _issue14_table(console: Console, r: dict[str, Any]) -> bool:
         base = m6["settled_mb"] if settled else m6["warm_mb"]
         growth = m6["growth_after_settled"] if settled else m6["growth_after_warm"]
         mb = " / ".join
+        warm = m6.get("warm_rooms", "10 %")
         row("P6", f"RSS after {m6['rooms']} more rooms" if settled else
             f"RSS after {m6['rooms']} rooms", mb(f"{x:.0f}" for x in m6["after_mb"]) + " MB",
             (f"history settled ({settled} rooms): " + mb(f"{x:.0f}" for x in base)
              + " MB; full (" + str(m6["history_rooms"]) + "): "
-             + mb(f"{x:.0f}" for x in m6["history_full_mb"]) + " MB; after 10 %: "
-             if settled else "after 10 %: ") + mb(f"{x:.0f}" for x in m6["warm_mb"]) + " MB",
+             + mb(f"{x:.0f}" for x in m6["history_full_mb"]) + f" MB; after {warm} rooms: "
+             if settled else f"after {warm} rooms: ") + mb(f"{x:.0f}" for x in m6["warm_mb"])
+            + " MB",
             1 + growth, "flat (+-5 %)", abs(growth) <= 0.05)
     if "P8" in r:
         m8 = r["P8"]

@@ -108,6 +108,8 @@ class KvdClient:
             result = self._exchange(call, kind)
             if isinstance(call, rpc.RegisterKV):
                 self._registration, self._replay = call, False
+        if isinstance(call, rpc.Poll):
+            _check_answered(call.rooms, result)
         return result
 
     def call_many(self, calls: list[rpc.NowCall]) -> list[Any]:
@@ -146,6 +148,8 @@ class KvdClient:
             except msgspec.ValidationError as exc:
                 name = getattr(kind, "__name__", "result")
                 raise ProtocolError(f"malformed {name}: {exc}") from exc
+            if isinstance(call, rpc.Poll):
+                _check_answered(call.rooms, out[-1])
         return out
 
     def wait(self, rooms: list[int], timeout: float, any_done: bool = False) -> rpc.PollResult:
@@ -159,6 +163,7 @@ class KvdClient:
             with self._lock:
                 result = self._exchange(rpc.Wait(rooms=list(rooms), timeout=chunk,
                                                  any_done=any_done), rpc.PollResult)
+            _check_answered(rooms, result)
             pending = _pending(rooms, result)
             done = pending < len(rooms) if any_done else pending == 0
             if remaining <= chunk or done:
@@ -263,6 +268,14 @@ class KvdClient:
                 with contextlib.suppress(KvdError):
                     self._roundtrip(rpc.Release(), None)
             self._drop()
+
+
+def _check_answered(rooms: list[int], result: rpc.PollResult) -> None:
+    """Raise ProtocolError unless kvd answered one status per room asked (a short answer
+    would read as another room's status, or fail later as an IndexError)."""
+    if len(result.statuses) != len(rooms):
+        raise ProtocolError(f"kvd answered {len(result.statuses)} statuses for "
+                            f"{len(rooms)} rooms")
 
 
 def _pending(rooms: list[int], result: rpc.PollResult) -> int:

@@ -77,7 +77,10 @@ def test_issue14_api_rows_run_in_every_placement() -> None:
     assert "engine and kvd on one CPU" in out.stdout
     (new,) = set((ROOT / "benchmarks" / "results").glob("bench-*.json")) - before
     p5 = json.loads(new.read_text())["issue14"]["P5"]
-    assert set(p5["placements"]) == {"free", "same", "cross"}
+    import os
+
+    two = len(os.sched_getaffinity(0)) > 1  # "cross" needs a second CPU
+    assert set(p5["placements"]) == {"free", "same", *(["cross"] if two else [])}
     for where in p5["placements"].values():
         for field in ("trivial_rpc_p50_us", "echo_p50_us", "poll_many_1000_p50_us",
                       "send_idle_p50_us", "init_idle_p50_us"):
