@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,17 +15,23 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_runs_and_reports_ratios() -> None:
+def _bench(*args: str) -> tuple[str, dict[str, Any]]:
+    """``benchmarks/run.py ARGS``: its output and its JSON result (it must exit 0 and write
+    exactly one result file)."""
     before = set((ROOT / "benchmarks" / "results").glob("bench-*.json"))
-    out = subprocess.run([sys.executable, "benchmarks/run.py", "--only", "transfer,hetero,samehost",
-                          "--mib", "16", "--repeats", "1"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run([sys.executable, "benchmarks/run.py", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "kvd/raw =" in out.stdout and "hetero/equal =" in out.stdout
-    assert "local/mooncake =" in out.stdout and "local/memcpy =" in out.stdout
-    new = set((ROOT / "benchmarks" / "results").glob("bench-*.json")) - before
-    assert len(new) == 1
-    result = json.loads(new.pop().read_text())
+    (new,) = set((ROOT / "benchmarks" / "results").glob("bench-*.json")) - before
+    result: dict[str, Any] = json.loads(new.read_text())
+    return out.stdout, result
+
+
+def test_bench_runs_and_reports_ratios() -> None:
+    stdout, result = _bench("--only", "transfer,hetero,samehost", "--mib", "16",
+                            "--repeats", "1")
+    assert "kvd/raw =" in stdout and "hetero/equal =" in stdout
+    assert "local/mooncake =" in stdout and "local/memcpy =" in stdout
     assert result["transfer"]["bytes_equal"] is True
     assert result["transfer"]["ratio_kvd_over_raw"] > 0
     assert result["hetero"]["ratio_hetero_over_equal"] > 0
@@ -32,14 +39,9 @@ def test_bench_runs_and_reports_ratios() -> None:
 
 
 def test_flood_bench_reports_every_phase_against_the_idle_baseline() -> None:
-    before = set((ROOT / "benchmarks" / "results").glob("bench-*.json"))
-    out = subprocess.run([sys.executable, "benchmarks/run.py", "--only", "flood",
-                          "--flood-seconds", "1"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "/health p99" in out.stdout and "flood goal" in out.stdout
-    (new,) = set((ROOT / "benchmarks" / "results").glob("bench-*.json")) - before
-    flood = json.loads(new.read_text())["flood"]
+    stdout, result = _bench("--only", "flood", "--flood-seconds", "1")
+    assert "/health p99" in stdout and "flood goal" in stdout
+    flood = result["flood"]
     assert set(flood["phases"]) == {"idle", "zmq", "body", "idle_conns"}
     for phase in flood["phases"].values():
         assert phase["health"]["n"] > 0 and phase["heartbeat"]["beats"] > 0
@@ -51,14 +53,10 @@ def test_flood_bench_reports_every_phase_against_the_idle_baseline() -> None:
 def test_issue14_room_rows_run_both_ways_with_every_byte_checked() -> None:
     """P4 in a reduced form: kvd per call and batched (Many), both verified page by page
     (no failed room, no wrong byte); SGLang's rows need .venv-bench and are skipped here."""
-    before = set((ROOT / "benchmarks" / "results").glob("bench-*.json"))
-    out = subprocess.run([sys.executable, "benchmarks/run.py", "--only", "issue14", "--rows",
-                          "P4", "--repeats", "1", "--max-rooms", "80", "--rate-rooms", "40"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "engine calls batched (Many)" in out.stdout
-    (new,) = set((ROOT / "benchmarks" / "results").glob("bench-*.json")) - before
-    p4 = json.loads(new.read_text())["issue14"]["P4"]
+    stdout, r = _bench("--only", "issue14", "--rows", "P4", "--repeats", "1", "--max-rooms", "80",
+                       "--rate-rooms", "40")
+    assert "engine calls batched (Many)" in stdout
+    p4 = r["issue14"]["P4"]
     assert p4["bad_bytes"] == 0 and p4["failed"] == 0
     assert set(p4["median"]) >= {"kvd", "kvd_many"}
     for variant in ("kvd", "kvd_many"):
@@ -69,14 +67,10 @@ def test_issue14_api_rows_run_in_every_placement() -> None:
     """P5 in a reduced form: the trivial RPC beside the echo, poll_many and the idle pair's
     send/init with the engine and kvd where the scheduler puts them, on one CPU and on two
     (the benchmark fails if an idle-pair room does not succeed)."""
-    before = set((ROOT / "benchmarks" / "results").glob("bench-*.json"))
-    out = subprocess.run([sys.executable, "benchmarks/run.py", "--only", "issue14", "--rows",
-                          "P5", "--repeats", "1", "--api-calls", "200", "--api-rooms", "5"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert "engine and kvd on one CPU" in out.stdout
-    (new,) = set((ROOT / "benchmarks" / "results").glob("bench-*.json")) - before
-    p5 = json.loads(new.read_text())["issue14"]["P5"]
+    stdout, r = _bench("--only", "issue14", "--rows", "P5", "--repeats", "1",
+                       "--api-calls", "200", "--api-rooms", "5")
+    assert "engine and kvd on one CPU" in stdout
+    p5 = r["issue14"]["P5"]
     import os
 
     two = len(os.sched_getaffinity(0)) > 1  # "cross" needs a second CPU
