@@ -57,25 +57,19 @@ work = tempfile.mkdtemp(prefix="kvd-ba-")
 d = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING",
                  env={"PYTHONPATH": sys.argv[1]})
 eng = EngineStandIn(d.socket, num_layers=1, num_pages=2048, item_len=1024, seed=1)
-def pin(pid, cpus):  # every thread (issue14.placements: same / cross CPU)
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except ProcessLookupError:  # a thread that just ended
-            pass
+sys.path.insert(0, sys.argv[2])  # benchmarks/: the placements P5 uses in make bench
+from issue14 import pin, placements
 
 out = {}
+every = os.sched_getaffinity(0)
 try:
     empty = rpc.Poll(rooms=[])
     p50(lambda: eng.client.call(empty), 500)  # warm up
     ids = list(range(1, 1001))
     for room in ids:
         Sender(eng.client, room)
-    every = os.sched_getaffinity(0)
-    cpus = sorted(every)
-    places = [("", every, every), ("_same", {cpus[0]}, {cpus[0]})]
-    places += [("_cross", {cpus[0]}, {cpus[1]})] if len(cpus) > 1 else []
-    for where, mine, its in places:
+    for place, (mine, its) in placements(every).items():
+        where = "" if place == "free" else "_" + place
         pin(os.getpid(), mine)
         pin(d.proc.pid, its)
         time.sleep(0.1)
@@ -92,8 +86,8 @@ os._exit(0)
 
 def api(tree: str) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=tree, GLOG_minloglevel="2")
-    out = subprocess.run([sys.executable, "-c", API, tree], env=env, capture_output=True,
-                         text=True, timeout=600, check=True)
+    out = subprocess.run([sys.executable, "-c", API, tree, str(HERE)], env=env,
+                         capture_output=True, text=True, timeout=600, check=True)
     result: dict[str, float] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 

@@ -296,38 +296,45 @@ def bench_api(n: int = 3000, repeats: int = 3, rooms_each: int = 100) -> dict[st
     from kvd.protocol import rpc
     from kvd.refengine.standin import EngineStandIn
 
-    work = _work()
-    path = os.path.join(work, "echo.sock")
-    echo = mp.get_context("spawn").Process(target=_echo_server, args=(path,), daemon=True)
-    echo.start()
-    while not os.path.exists(path):
-        time.sleep(0.01)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(path)
-    msg = b"\x00\x00\x00\x20KVD\x04" + b"x" * 28  # the size of a trivial request (36 B)
-
-    def echo_once() -> None:
-        sock.sendall(msg)
-        got = 0
-        while got < len(msg):
-            got += len(sock.recv(65536))
-
-    pd = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING")
-    dd = start_daemon("decode", work, log_level="WARNING")
-    pool = {"num_layers": LAYERS_ROOMS, "num_pages": 1024, "item_len": ITEM_ROOMS,
-            "aux_slots": 64, "aux_item_len": 64}
-    pe, de = EngineStandIn(pd.socket, seed=1, **pool), EngineStandIn(dd.socket, seed=2, **pool)
-    servers = [echo.pid, pd.proc.pid, dd.proc.pid]
     allowed = os.sched_getaffinity(0)
     where_cpus = placements(allowed)
     res: dict[str, dict[str, list[float]]] = {
         w: {k: [] for k in ("echo", "trivial", "poll", "send", "init")} for w in where_cpus}
-    room = 1_000_000
-    try:
+    work = _work()
+    with contextlib.ExitStack() as stack:  # each thing started is stopped, in reverse
+        path = os.path.join(work, "echo.sock")
+        echo = mp.get_context("spawn").Process(target=_echo_server, args=(path,), daemon=True)
+        echo.start()
+        stack.callback(echo.kill)
+        while not os.path.exists(path):
+            time.sleep(0.01)
+        sock = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        sock.connect(path)
+        msg = b"\x00\x00\x00\x20KVD\x04" + b"x" * 28  # the size of a trivial request (36 B)
+
+        def echo_once() -> None:
+            sock.sendall(msg)
+            got = 0
+            while got < len(msg):
+                got += len(sock.recv(65536))
+
+        pd = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING")
+        stack.callback(pd.stop)
+        dd = start_daemon("decode", work, log_level="WARNING")
+        stack.callback(dd.stop)
+        pool = {"num_layers": LAYERS_ROOMS, "num_pages": 1024, "item_len": ITEM_ROOMS,
+                "aux_slots": 64, "aux_item_len": 64}
+        pe = EngineStandIn(pd.socket, seed=1, **pool)
+        stack.callback(pe.close)
+        de = EngineStandIn(dd.socket, seed=2, **pool)
+        stack.callback(de.close)
+        servers = [echo.pid, pd.proc.pid, dd.proc.pid]
+        stack.callback(pin, os.getpid(), allowed)
         client, empty = pe.client, rpc.Poll(rooms=[])
         ids = list(range(1, 1001))
         for r in ids:  # 1 000 live rooms (Bootstrapping: no decode)
             Sender(client, r)
+        room = 1_000_000
         for _ in range(repeats):
             for where, (mine, theirs) in where_cpus.items():
                 pin(os.getpid(), mine)
@@ -360,14 +367,6 @@ def bench_api(n: int = 3000, repeats: int = 3, rooms_each: int = 100) -> dict[st
         for r in ids:
             client.call(rpc.Abort(room=r))
             client.call(rpc.Clear(room=r))
-    finally:
-        pin(os.getpid(), allowed)
-        pe.close()
-        de.close()
-        pd.stop()
-        dd.stop()
-        sock.close()
-        echo.kill()
     per: dict[str, dict[str, float]] = {}
     for where, out in res.items():
         m = {k: statistics.median(v) for k, v in out.items()}

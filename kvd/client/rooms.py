@@ -18,24 +18,33 @@ _BY_VALUE: dict[int, KVPoll | int] = {int(s): s for s in KVPoll} | {UNKNOWN_ROOM
 
 
 def _status(value: int) -> KVPoll | int:
-    return _statuses([value])[0]
+    """KVPoll of one status value (UNKNOWN_ROOM stays -1); ProtocolError for a value that
+    is no status."""
+    try:
+        return _BY_VALUE[value]
+    except KeyError:
+        raise _not_a_status(value) from None
 
 
 def _statuses(values: list[int]) -> list[KVPoll | int]:
-    """KVPoll of each status value (UNKNOWN_ROOM stays -1); raises ProtocolError for a
-    value that is no status (it used to escape as an IndexError)."""
+    """:func:`_status` of each value, in one map."""
     try:
         return list(map(_BY_VALUE.__getitem__, values))
     except KeyError as exc:
-        raise ProtocolError(f"kvd answered room status {exc.args[0]!r}, which is none of "
-                            f"KVPoll's values or UNKNOWN_ROOM") from None
+        raise _not_a_status(exc.args[0]) from None
+
+
+def _not_a_status(value: object) -> ProtocolError:
+    return ProtocolError(f"kvd answered room status {value!r}, which is none of KVPoll's "
+                         f"values or UNKNOWN_ROOM")
 
 
 def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
     """KVPoll of many rooms in ONE RPC; a room kvd does not know gives ``UNKNOWN_ROOM`` (-1).
 
     If kvd cannot be reached every room reads ``Failed`` ("kvd unreachable"): an engine
-    never hangs on a dead daemon.
+    never hangs on a dead daemon. A malformed answer (a value that is no status, not one
+    status per room) raises :class:`~kvd.errors.ProtocolError`.
     """
     try:
         result: rpc.PollResult = client.call(rpc.Poll(rooms=list(rooms)))

@@ -57,8 +57,10 @@ class KvdClient:
     reconnect (kvd restarted, or the connection dropped) the engine's last
     ``RegisterKV`` is sent again first, with this client's ``engine_id``, so the
     same daemon keeps the engine's rooms and a new one learns its buffers.
-    Results: :class:`~kvd.protocol.rpc.PollResult` for ``Poll``/``Wait``,
-    :class:`~kvd.protocol.rpc.RegisterResult` for ``RegisterKV``.
+    Results: :class:`~kvd.protocol.rpc.PollResult` for ``Poll``/``Wait`` (one status per
+    room asked, checked), :class:`~kvd.protocol.rpc.RegisterResult` for ``RegisterKV``.
+    A reply that is malformed (undecodable, another request's id, not one status per
+    room) raises :class:`~kvd.errors.ProtocolError`.
     """
 
     def __init__(self, path: str, timeout: float = 30.0) -> None:
@@ -108,8 +110,6 @@ class KvdClient:
             result = self._exchange(call, kind)
             if isinstance(call, rpc.RegisterKV):
                 self._registration, self._replay = call, False
-        if isinstance(call, rpc.Poll):
-            _check_answered(call.rooms, result)
         return result
 
     def call_many(self, calls: list[rpc.NowCall]) -> list[Any]:
@@ -163,7 +163,6 @@ class KvdClient:
             with self._lock:
                 result = self._exchange(rpc.Wait(rooms=list(rooms), timeout=chunk,
                                                  any_done=any_done), rpc.PollResult)
-            _check_answered(rooms, result)
             pending = _pending(rooms, result)
             done = pending < len(rooms) if any_done else pending == 0
             if remaining <= chunk or done:
@@ -222,10 +221,13 @@ class KvdClient:
         if not reply.ok:
             raise _error_from_reply(reply)
         try:
-            return (_DECODERS[kind] if kind is not None else _ANY).decode(reply.result)
+            result = (_DECODERS[kind] if kind is not None else _ANY).decode(reply.result)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(f"malformed {getattr(kind, '__name__', 'reply')}: "
                                 f"{exc}") from exc
+        if isinstance(call, rpc.Poll | rpc.Wait):
+            _check_answered(call.rooms, result)
+        return result
 
     def _drop(self) -> None:
         if self._sock is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -71,8 +72,6 @@ def test_issue14_api_rows_run_in_every_placement() -> None:
                        "--api-calls", "200", "--api-rooms", "5")
     assert "engine and kvd on one CPU" in stdout
     p5 = r["issue14"]["P5"]
-    import os
-
     two = len(os.sched_getaffinity(0)) > 1  # "cross" needs a second CPU
     assert set(p5["placements"]) == {"free", "same", *(["cross"] if two else [])}
     for where in p5["placements"].values():

@@ -11,6 +11,7 @@ import pytest
 
 from kvd.client import KvdClient
 from kvd.errors import KvdUnreachable
+from tests.helpers.fake_kvd import FakeKvd
 
 
 def test_interrupt_ends_a_call_in_progress(tmp_path: Path) -> None:
@@ -62,66 +63,13 @@ def test_a_call_kvd_never_answers_fails_after_the_client_timeout(tmp_path: Path)
         s.close()
 
 
-class _Server:
-    """A fake kvd on ``path``: answers the first ``answered`` requests (an empty Poll
-    result, or ``reply`` when given), then reads and records the rest without answering.
-    ``seen``: (connection number, call name) of every request received."""
-
-    def __init__(self, path: str, answered: int, reply: object = None) -> None:
-        from kvd.protocol import rpc
-
-        self.rpc, self.answered, self.reply = rpc, answered, reply
-        self.seen: list[tuple[int, str]] = []
-        self.conns: list[socket.socket] = []
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(path)
-        self.listener.listen(8)
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            threading.Thread(target=self._serve, args=(conn, len(self.conns)),
-                             daemon=True).start()
-
-    def _serve(self, conn: socket.socket, number: int) -> None:
-        rpc, buf = self.rpc, b""
-        while True:
-            try:
-                data = conn.recv(1 << 16)
-            except OSError:
-                return
-            if not data:
-                return
-            buf += data
-            while len(buf) >= rpc.LENGTH.size:
-                (n,) = rpc.LENGTH.unpack_from(buf)
-                if len(buf) < rpc.LENGTH.size + n:
-                    break
-                req = rpc.decode_request(buf[rpc.LENGTH.size:rpc.LENGTH.size + n])
-                buf = buf[rpc.LENGTH.size + n:]
-                self.seen.append((number, type(req.call).__name__))
-                if len(self.seen) <= self.answered:
-                    reply = self.reply or rpc.Reply(id=req.id, ok=True,
-                                                    result=rpc.PollResult(statuses=[]))
-                    conn.sendall(rpc.encode(reply))  # type: ignore[arg-type]
-
-    def close(self) -> None:
-        for s in (*self.conns, self.listener):
-            s.close()
-
-
 def test_a_timed_out_call_on_an_open_connection_is_not_sent_again(tmp_path: Path) -> None:
     """A call that times out on a connection that already served one is not retried on a
     fresh connection: a stalled kvd may still run it (twice, for a Many), and the caller
     would wait twice its timeout."""
     from kvd.protocol import rpc
 
-    server = _Server(str(tmp_path / "slow.sock"), answered=1)
+    server = FakeKvd(str(tmp_path / "slow.sock"), answered=1)
     client = KvdClient(str(tmp_path / "slow.sock"), timeout=0.3)
     try:
         client.call(rpc.Poll(rooms=[]))
@@ -139,7 +87,7 @@ def test_interrupt_ends_a_call_on_an_open_connection_without_sending_it_again(
     registered engine) ends the call: it is not sent again on a fresh connection."""
     from kvd.protocol import rpc
 
-    server = _Server(str(tmp_path / "silent.sock"), answered=1)
+    server = FakeKvd(str(tmp_path / "silent.sock"), answered=1)
     client = KvdClient(str(tmp_path / "silent.sock"), timeout=60.0)
     errors: list[BaseException] = []
 
@@ -183,7 +131,7 @@ def test_a_request_kvd_cannot_decode_raises_kvds_reason(tmp_path: Path) -> None:
     from kvd.protocol import rpc
 
     bad = rpc.Reply(id=0, ok=False, error="invalid frame: bad room", kind="ProtocolError")
-    server = _Server(str(tmp_path / "k.sock"), answered=1, reply=bad)
+    server = FakeKvd(str(tmp_path / "k.sock"), answered=1, reply=bad)
     client = KvdClient(str(tmp_path / "k.sock"), timeout=10.0)
     try:
         with pytest.raises(ProtocolError, match="bad room"):

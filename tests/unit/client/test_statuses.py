@@ -13,6 +13,7 @@ from kvd.client import poll_many
 from kvd.errors import ProtocolError
 from kvd.protocol import rpc
 from kvd.rooms import UNKNOWN_ROOM, KVPoll
+from tests.helpers.fake_kvd import FakeKvd
 
 
 class _Answers:
@@ -38,41 +39,13 @@ def test_a_value_that_is_no_status_is_a_protocol_error(bad: int) -> None:
         poll_many(_Answers([4, bad]), [1, 2])  # type: ignore[arg-type]
 
 
-class _Server:
-    """A stand-in kvd on a Unix socket that answers every request with ``result``."""
-
-    def __init__(self, path: str, result: Any) -> None:
-        import socket
-        import threading
-
-        self.result = result
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        self.sock.listen(1)
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        conn, _ = self.sock.accept()
-        buf = b""
-        while True:
-            chunk = conn.recv(1 << 16)
-            if not chunk:
-                return
-            buf += chunk
-            while len(buf) >= 4 and len(buf) >= 4 + rpc.LENGTH.unpack_from(buf)[0]:
-                n = rpc.LENGTH.unpack_from(buf)[0]
-                req = rpc.decode_request(buf[4:4 + n])
-                buf = buf[4 + n:]
-                conn.sendall(rpc.encode(rpc.Reply(id=req.id, ok=True, result=self.result)))
-
-
 def test_an_answer_with_fewer_statuses_than_rooms_is_a_protocol_error(tmp_path: Any) -> None:
     """A short answer used to escape as an IndexError (``Sender.poll``) or be zipped
     against the wrong rooms; Poll, Wait and a Many's polls check the count."""
     from kvd.client import KvdClient, Sender
 
     one = rpc.PollResult(statuses=[4], releasable=[])
-    _Server(str(tmp_path / "one.sock"), one)
+    FakeKvd(str(tmp_path / "one.sock"), result=one)
     client = KvdClient(str(tmp_path / "one.sock"), timeout=10.0)
     with pytest.raises(ProtocolError, match="1 statuses for 2 rooms"):
         client.call(rpc.Poll(rooms=[1, 2]))
@@ -80,11 +53,11 @@ def test_an_answer_with_fewer_statuses_than_rooms_is_a_protocol_error(tmp_path: 
         client.wait([1, 2, 3], 0.0)
     assert client.call(rpc.Poll(rooms=[7])).statuses == [4]  # the right count passes
 
-    _Server(str(tmp_path / "none.sock"), rpc.PollResult(statuses=[], releasable=[]))
+    FakeKvd(str(tmp_path / "none.sock"), result=rpc.PollResult(statuses=[]))
     with pytest.raises(ProtocolError, match="0 statuses for 1 rooms"):
         Sender.attach(KvdClient(str(tmp_path / "none.sock"), timeout=10.0), 5).poll()
 
     many = rpc.ManyResult(outcomes=[rpc.Outcome(ok=True, result=one)])
-    _Server(str(tmp_path / "many.sock"), many)
+    FakeKvd(str(tmp_path / "many.sock"), result=many)
     with pytest.raises(ProtocolError, match="1 statuses for 2 rooms"):
         KvdClient(str(tmp_path / "many.sock"), timeout=10.0).call_many([rpc.Poll(rooms=[1, 2])])
