@@ -14,6 +14,9 @@ TESTS = ROOT / "tests"
 DOC = ROOT / "docs" / "cases.md"
 
 CASES = [f"K{i:02d}" for i in range(1, 37)] + [f"S{i:02d}" for i in range(1, 16)]
+#: Third-round cases (K37-K46, S16-S22): each is required once the doc has its row; a row is
+#: added with the work that rules the case out (docs/cases.md "Third round").
+LATER = [f"K{i:02d}" for i in range(37, 47)] + [f"S{i:02d}" for i in range(16, 23)]
 TIERS = {"unit": 1, "inproc": 2, "integration": 3, "e2e": 3, "adapters": 3}
 REAL = {"integration", "e2e", "adapters"}
 #: Cases allowed, for now, to lack an id-carrying test on real processes. Keep it empty:
@@ -75,8 +78,13 @@ def rows() -> dict[str, list[tuple[int, str, str]]]:
     return out
 
 
+def required() -> list[str]:
+    """Every first- and second-round case, and each third-round case the doc has a row for."""
+    return CASES + [c for c in LATER if c in rows()]
+
+
 def test_every_case_is_in_the_doc() -> None:
-    assert sorted(rows()) == sorted(CASES)
+    assert sorted(rows()) == sorted(required())
 
 
 def test_every_listed_test_exists_in_its_tier() -> None:
@@ -95,7 +103,7 @@ def test_every_listed_test_exists_in_its_tier() -> None:
 
 def test_every_case_has_an_id_carrying_test_on_real_processes() -> None:
     missing = []
-    for cid in CASES:
+    for cid in required():
         tests = [(rel, n) for _, rel, name in rows().get(cid, [])
                  for n in expand(rel, name) if cid in carried(n)]
         if not tests:
