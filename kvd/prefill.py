@@ -274,19 +274,24 @@ class PrefillSide(Side):
 
     def _plan(self, eff: Write, d: WriteDest) -> Descriptors:
         """Descriptors of one chunk (and, last chunk, the aux slot) to one destination,
-        every range checked against the buffer it was planned from."""
+        every range checked against the buffer it was planned from, and proved to write
+        exactly this source's share of the decode's pages (PlanRefused: kind layout)."""
         if d.is_dummy:
             return Descriptors.empty()
         peer: PeerPlan = d.peer
         local = self._local()
-        desc = self._pair(d.endpoint, peer).plan(eff.src_pages[d.src_from:], d.dst_pages)
+        pair, src_pages = self._pair(d.endpoint, peer), eff.src_pages[d.src_from:]
+        desc = pair.plan(src_pages, d.dst_pages)
         s, ranks = self.core.settings, self.core.position()
         last_stage = ranks.pp_rank == ranks.pp_size - 1  # only the last stage has outputs
+        aux = None
         if eff.is_last and last_stage and s.aux_transport == "mooncake" and \
-                local.aux_ptrs.size and eff.aux_index is not None:
+                local.aux_ptrs.size and eff.aux_index is not None and pair.writes_aux:
             desc = desc.concat(plan_aux(local.aux_ptrs, peer.args.aux_ptrs, local.aux_item_lens,
                                         eff.aux_index, d.aux_index))
+            aux = (peer.args.aux_ptrs, peer.args.aux_item_lens, d.aux_index)
         check_plan_bounds(desc, local.regions, peer.args.regions, f"room {eff.room}")
+        pair.prove(desc, src_pages, d.dst_pages, aux, f"room {eff.room} to {d.endpoint}")
         return desc
 
     def _pair(self, endpoint: str, peer: PeerPlan) -> PairPlan:

@@ -23,6 +23,10 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
   that no write is in flight (``quiesced``), or ``release`` seconds after the write
   bound every target was given (``RoomPages.write_within``), which the prefill side
   enforces too (K06, K22). ``clear`` refuses a room whose pages are not releasable.
+* **Pages written once (K42).** A room's destination pages are distinct, and no page
+  is named by two rooms of this rank whose pages are not releasable: ``init`` refuses
+  either, naming the page (and the room holding it). Pages of a releasable room (ended,
+  nothing in flight) are free for the next room.
 * **Termination.** Every non-terminal room has a deadline (:class:`Timeouts`);
   :meth:`ReceiverRooms.tick` fails it when passed, whatever happened to the tasks
   performing its effects; a failed send fails its room at once (K32).
@@ -35,12 +39,14 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvd.errors import LayoutError, ProtocolError, RoomError
 from kvd.protocol import control
 from kvd.protocol.codec import unpack_indices
 from kvd.rooms.effects import AbortUnknown, Effect, Ended, Resolve, Send, Wake, WriteAux
 from kvd.rooms.state import TERMINAL, FailureKind, KVPoll, RoomFailure, Timeouts
-from kvd.transfer.plan import check_page_range
+from kvd.transfer.plan import Pages, check_distinct, check_page_range
 
 ORIGIN = "decode"
 
@@ -69,6 +75,7 @@ class ReceiverRoom:
     status: KVPoll = KVPoll.Bootstrapping
     failure: RoomFailure | None = None
     dst_pages: bytes | None = None
+    pages: Pages | None = None                         # dst_pages unpacked (int64)
     aux_index: int = 0
     first_page: int = 0
     targets: tuple[Target, ...] | None = None
@@ -145,6 +152,10 @@ class ReceiverRooms:
                                      first_incarnation(instance))
         self._base_instance = instance
         self._registrations = 0
+        # Page -> (room, incarnation) that last named it; checked lazily against the
+        # room's releasability, so it needs no update when a room's pages free up.
+        self._owner_room = np.zeros(0, dtype=np.int64)
+        self._owner_inc = np.zeros(0, dtype=np.int64)
 
     # ---- engine events ----------------------------------------------------------------
 
@@ -167,7 +178,8 @@ class ReceiverRooms:
              first_page: int = 0) -> list[Effect]:
         """``receiver.init``: destination pages (int32 LE bytes), aux slot, and the first
         room page they receive (``first_page``: the pages before it are already here).
-        Raises RoomError for an unknown room, a second init, or an index out of range."""
+        Raises RoomError for an unknown room, a second init, an index out of range, a page
+        named twice, or a page a live room of this rank holds (K42)."""
         r = self._room(room)
         if first_page < 0:
             raise RoomError(f"room {room}: first_page {first_page} < 0")
@@ -184,7 +196,12 @@ class ReceiverRooms:
                             f"[0, {self.num_aux_slots})")
         if r.dst_pages is not None:
             raise RoomError(f"room {room}: init called twice")
-        r.dst_pages, r.aux_index, r.first_page = dst_pages, aux_index, first_page
+        try:
+            check_distinct(pages, f"room {room} destination")
+        except LayoutError as exc:
+            raise RoomError(str(exc)) from exc
+        self._claim(r, pages, now)
+        r.dst_pages, r.pages, r.aux_index, r.first_page = dst_pages, pages, aux_index, first_page
         out: list[Effect] = []
         self._send_pages(r, now, out)
         return out
@@ -216,7 +233,7 @@ class ReceiverRooms:
         if not r.releasable(now, self.timeouts):  # the abort's effects still happen
             raise RoomError(f"room {room}: pages not releasable yet (a prefill write may be "
                             f"in flight); wait for the room, then clear", out)
-        del self.rooms[room]
+        self._forget(r)
         return out
 
     def engine_released(self, now: float) -> list[Effect]:
@@ -230,6 +247,7 @@ class ReceiverRooms:
         for room in [k for k, r in self.rooms.items() if not r.done]:
             out += self.abort(room, "engine disconnected", now)
         self.rooms.clear()
+        self._owner_room = self._owner_room[:0]  # the memory they named is gone
         self._registrations += 1
         self.instance = f"{self._base_instance}+{self._registrations}"
         return out
@@ -355,7 +373,7 @@ class ReceiverRooms:
                 r.release_seen = True
                 out.append(Wake())
             if releasable and now - r.since > self.timeouts.finished_ttl:
-                del self.rooms[r.room]
+                self._forget(r)
         return out
 
     def poll(self, room: int, now: float) -> Poll | None:
@@ -375,6 +393,38 @@ class ReceiverRooms:
         if r is None:
             raise RoomError(f"unknown room {room} on this decode rank")
         return r
+
+    def _claim(self, r: ReceiverRoom, pages: Pages, now: float) -> None:
+        """Record ``r`` as the writer of ``pages``; RoomError naming the first page that a
+        room whose pages are not releasable still holds (two rooms writing one page: one
+        room's KV silently lost, K42)."""
+        if self._owner_room.size != self.num_pages:  # (re)registered: a fresh table
+            self._owner_room = np.full(self.num_pages, -1, dtype=np.int64)
+            self._owner_inc = np.zeros(self.num_pages, dtype=np.int64)
+        owners = self._owner_room[pages]
+        named = np.flatnonzero(owners >= 0)
+        if named.size:
+            incs = self._owner_inc[pages[named]]
+            for room, inc in {(int(a), int(b)) for a, b in zip(owners[named].tolist(),
+                                                               incs.tolist(), strict=True)}:
+                other = self.rooms.get(room)
+                if other is None or other.inc != inc or other is r or \
+                        other.releasable(now, self.timeouts):
+                    continue
+                k = int(named[np.flatnonzero((owners[named] == room) & (incs == inc))[0]])
+                raise RoomError(f"room {r.room} destination page {int(pages[k])} (position "
+                                f"{k}) is held by room {room}, which is live on this decode "
+                                f"rank (its pages are not releasable): two rooms' pages must "
+                                f"not overlap")
+        self._owner_room[pages] = r.room
+        self._owner_inc[pages] = r.inc
+
+    def _forget(self, r: ReceiverRoom) -> None:
+        """Drop ``r`` from the table and free the pages it still names."""
+        del self.rooms[r.room]
+        if r.pages is not None and r.pages.size and self._owner_room.size == self.num_pages:
+            mine = (self._owner_room[r.pages] == r.room) & (self._owner_inc[r.pages] == r.inc)
+            self._owner_room[r.pages[mine]] = -1
 
     def _current(self, room: int, inc: int) -> ReceiverRoom | None:
         r = self.rooms.get(room)

@@ -40,6 +40,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvd.control.routing import resolve_targets
 from kvd.errors import LayoutError, RegistrationError, RoomError
 from kvd.protocol import control
@@ -47,7 +49,7 @@ from kvd.protocol.codec import unpack_indices
 from kvd.rooms.effects import Effect, Ended, ForgetPeer, Report, Wake, Write, WriteDest
 from kvd.rooms.state import TERMINAL, FailureKind, KVPoll, RoomFailure, Timeouts
 from kvd.rooms.tombstones import Bounded
-from kvd.transfer.plan import Pages, check_page_range
+from kvd.transfer.plan import Pages, check_distinct, check_page_range
 
 ORIGIN = "prefill"
 
@@ -128,6 +130,7 @@ class SenderRoom:
     last_sent: bool = False  # the chunk with is_last was handed to a write
     nbytes: int = 0
     seconds: float = 0.0
+    src_pages: list[Pages] = field(default_factory=list)  # every chunk's, for K42
 
     @property
     def done(self) -> bool:
@@ -268,7 +271,8 @@ class SenderRooms:
 
         A chunk for a room that already ended is dropped (the engine learns the outcome
         from ``poll``: aborts race with sends); a chunk after the room's last one raises
-        RoomError (it used to be dropped silently). A page outside the local pool fails the
+        RoomError (it used to be dropped silently). A page outside the local pool, or one
+        this room already named (in this chunk or an earlier one: K42), fails the
         room and raises RoomError (the reports to its decode ranks leave with the next
         :meth:`tick`)."""
         r = self._room(room)
@@ -280,10 +284,15 @@ class SenderRooms:
         out: list[Effect] = []
         try:
             check_page_range(pages, self.num_pages, f"room {room} source")
+            # A source page named twice sends one page's KV to two decode pages and the
+            # page meant for one of them nowhere (K42's sender-side sibling): refused.
+            check_distinct(np.concatenate([*r.src_pages, pages]) if r.src_pages else pages,
+                           f"room {room} source")
         except LayoutError as exc:
             self._fail(r, RoomFailure(FailureKind.LAYOUT, str(exc), ORIGIN), now, out)
             raise RoomError(str(exc), out) from exc  # the failure's effects still happen
         r.chunks.append((pages, is_last))
+        r.src_pages.append(pages)
         self._kick(r, now, out)
         return out
 
@@ -607,6 +616,7 @@ class SenderRooms:
                                f"{msg.required_dst_info_num} < 1", ORIGIN)
         try:
             check_page_range(pages, peer.num_pages, f"room {room} destination")
+            check_distinct(pages, f"room {room} destination")  # K42: never trust the peer
         except LayoutError as exc:
             return RoomFailure(FailureKind.LAYOUT, str(exc), ORIGIN)
         if not 0 <= msg.aux_index < max(peer.num_aux_slots, 1) or (

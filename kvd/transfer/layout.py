@@ -37,7 +37,20 @@ import numpy.typing as npt
 
 from kvd.errors import IndexLengthMismatch, LayoutError, RegistrationError
 from kvd.protocol.control import KVArgsWire
-from kvd.transfer.plan import U64, Addrs, Descriptors, Pages, _u64, as_pages, plan_pages
+from kvd.transfer.plan import (
+    U64,
+    Addrs,
+    Descriptors,
+    Pages,
+    PlanRefused,
+    Tiling,
+    _u64,
+    as_pages,
+    check_distinct,
+    page_runs,
+    plan_pages,
+    prove_plan,
+)
 
 LAYOUTS = ("NHD", "HND")
 _U64_MAX = 2**64 - 1
@@ -185,6 +198,14 @@ class RankLayout:
         if self.is_mla:
             return 0, 1
         return rank_heads(self.tp_rank, self.tp_size, self.total_kv_heads)
+
+    def buffer_name(self, buf: int) -> str:
+        """Buffer ``buf`` (a local index) as ``"layer L K"``/``"layer L V"`` (``"layer L"``
+        for MLA or fused K and V), ``L`` absolute."""
+        layer = self.layer_start + buf % self.num_layers
+        if self.bufs_per_layer == 1:
+            return f"layer {layer}"
+        return f"layer {layer} {'KV'[buf // self.num_layers]}"
 
     def buffer_index(self, layers: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
         """Buffer indices of absolute ``layers`` (int64 ``[L]``): MHA ``[2L]`` K then V."""
@@ -364,8 +385,109 @@ class PairPlan:
         s_off, d_off, n_heads = head_overlap(src, dst)
         layers = np.arange(src.layer_start, src.layer_end, dtype=np.int64)
         sb, db = src.buffer_index(layers), dst.buffer_index(layers)
-        return PairPlan(src, dst, s_off, d_off, n_heads, sb, db, src.kv_ptrs[sb],
+        pair = PairPlan(src, dst, s_off, d_off, n_heads, sb, db, src.kv_ptrs[sb],
                         dst.kv_ptrs[db], src.item_lens[sb], dst.item_lens[db])
+        pair._check_geometry()
+        return pair
+
+    @property
+    def whole_pages(self) -> bool:
+        """Does this source write whole decode pages (MLA, or equal head sets)?"""
+        return self.src.is_mla or self.n_heads == self.src.num_kv_heads == \
+            self.dst.num_kv_heads
+
+    @property
+    def writes_aux(self) -> bool:
+        """Does this source write the decode's aux slot? Exactly one source per decode
+        rank does: the one holding the decode rank's first head (decode-local head 0;
+        MLA: every real source, and routing gives a decode rank one, the others being
+        dummies). The PP rule -- only the last stage has outputs -- is the caller's."""
+        return self.n_heads > 0 and self.d_off == 0
+
+    @cached_property
+    def _slice(self) -> tuple[Addrs, int]:
+        """``(inner, slot)``: byte offsets in a decode page and bytes of each interval of
+        the head slice this source writes (head-sliced pairs only)."""
+        src, dst, hb = self.src, self.dst, self.src.head_bytes
+        if src.layout == "HND":  # [page][head][token][dim]
+            run = src.page_size * hb
+            return np.array([self.d_off * run], dtype=U64), self.n_heads * run
+        tokens = np.arange(src.page_size, dtype=U64)  # [page][token][head][dim]
+        return (tokens * U64(dst.num_kv_heads * hb) + U64(self.d_off * hb),
+                self.n_heads * hb)
+
+    def _check_geometry(self) -> None:
+        """The pair-only half of the proof (once per pair): the decode buffers written
+        are distinct, and a head slice's intervals are disjoint and inside one page."""
+        if np.unique(self.db).size != self.db.size:
+            raise PlanRefused("plan refused: two source layers map to one decode buffer",
+                              "doubled")
+        if self.whole_pages or self.n_heads == 0:
+            return
+        inner, slot = self._slice
+        gaps_ok = inner.size < 2 or bool((np.diff(inner) >= U64(slot)).all())
+        page = int(self.d_item.min()) if self.d_item.size else 0
+        if not gaps_ok or int(inner[-1]) + slot > page:
+            raise PlanRefused(f"plan refused: head slice of {slot} bytes at offsets "
+                              f"{inner[:4].tolist()}... does not fit a decode page of "
+                              f"{page} bytes", "outside")
+
+    def tiling(self, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike,
+               aux: tuple[Addrs, Addrs, int] | None = None) -> Tiling:
+        """What this source must write for one chunk, as a disjoint :class:`Tiling`:
+        its share of the decode pages ``dst_pages`` (the source pages only set how whole
+        pages are grouped into runs), plus, with ``aux = (ptrs, item_lens, index)`` (the
+        DECODE's aux buffers, uint64 ``[A]``, and its slot), the aux slot.
+
+        Raises :class:`PlanRefused` when a destination page is named twice (K42).
+        """
+        dp = as_pages(dst_pages, "destination page indices")
+        check_distinct(dp, "destination")
+        aux_iv = None
+        if aux is not None:
+            ptrs, lens, index = aux
+            aux_iv = (ptrs + U64(index) * lens, lens)
+        zero = np.zeros(1, dtype=U64)
+        if self.n_heads == 0:
+            return Tiling(self.d_ptr, self.d_item, self.db, dp[:0], dp[:0], zero, None,
+                          aux_iv, self.dst.buffer_name)
+        if self.whole_pages:
+            _, starts, counts = page_runs(src_pages, dp)
+            return Tiling(self.d_ptr, self.d_item, self.db, starts, counts, zero, None,
+                          aux_iv, self.dst.buffer_name)
+        inner, slot = self._slice
+        return Tiling(self.d_ptr, self.d_item, self.db, dp, np.ones(dp.size, dtype=np.int64),
+                      inner, slot, aux_iv, self.dst.buffer_name)
+
+    def prove(self, desc: Descriptors, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike,
+              aux: tuple[Addrs, Addrs, int] | None = None, what: str = "plan") -> None:
+        """Prove ``desc`` (this pair's plan of one chunk, aux after KV) writes exactly
+        :meth:`tiling`; raises :class:`PlanRefused` (:func:`~kvd.transfer.plan.prove_plan`)."""
+        if isinstance(dst_pages, np.ndarray) and dst_pages.size == 1 and self.whole_pages \
+                and self._one_page(desc, int(dst_pages[0]), aux):
+            return  # the 1-page room: the same proof, a handful of byte comparisons
+        prove_plan(desc, self.tiling(src_pages, dst_pages, aux), what)
+
+    @cached_property
+    def _d_item_bytes(self) -> bytes:
+        return self.d_item.tobytes()
+
+    def _one_page(self, desc: Descriptors, page: int,
+                  aux: tuple[Addrs, Addrs, int] | None) -> bool:
+        """Is ``desc`` exactly whole page ``page`` of every decode buffer (and the aux
+        slot)? Same answer as :meth:`Tiling.matches` for one page."""
+        b = self.d_ptr.size
+        n_aux = 0 if aux is None else aux[0].size
+        if desc.dst.size != b + n_aux or desc.length.size != b + n_aux or page < 0:
+            return False
+        if desc.length[:b].tobytes() != self._d_item_bytes or \
+                desc.dst[:b].tobytes() != (self.d_ptr + U64(page) * self.d_item).tobytes():
+            return False
+        if aux is None:
+            return True
+        ptrs, lens, index = aux
+        return desc.length[b:].tobytes() == lens.tobytes() and \
+            desc.dst[b:].tobytes() == (ptrs + U64(index) * lens).tobytes()
 
     @cached_property
     def _tops(self) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -471,3 +593,34 @@ def check_coverage(src: RankLayout, dst: RankLayout, pp_rank: int, pp_size: int)
                         f"{dst.num_layers})")
     if problems:
         raise RegistrationError("layer coverage: " + "; ".join(problems))
+
+
+def prove_sources_tile(dst: RankLayout, sources: list[RankLayout],
+                       dummies: list[bool] | None = None) -> None:
+    """Prove that the head slices and layer ranges the prefill ``sources`` write into decode
+    rank ``dst`` (every TP rank and PP stage routing names for it; ``dummies[i]``: an MLA
+    dummy, which writes nothing) cover each (layer, decode head) the decode reads exactly
+    once -- the all-sources half of the plan proof; each source then proves its own
+    descriptors against its slice (:meth:`PairPlan.tiling`). Pure, a function of the
+    layouts only; a grid of ``layers x heads`` counts (one loop per source, not per byte).
+
+    Raises :class:`PlanRefused` (``uncovered`` or ``doubled``) naming the layer and head.
+    """
+    heads = 1 if dst.is_mla else dst.num_kv_heads
+    d_head0 = 0 if dst.is_mla else dst.heads[0]
+    count = np.zeros((dst.num_layers, heads), dtype=np.int64)
+    for i, src in enumerate(sources):
+        if dummies is not None and dummies[i]:
+            continue
+        _, d_off, n = head_overlap(src, dst)
+        lo = max(src.layer_start, dst.layer_start) - dst.layer_start
+        hi = min(src.layer_end, dst.layer_end) - dst.layer_start
+        if n and hi > lo:
+            count[lo:hi, d_off:d_off + n] += 1
+    bad = np.argwhere(count != 1)
+    if bad.size:
+        layer, head = (int(x) for x in bad[0])
+        c = int(count[layer, head])
+        kind = "uncovered" if c == 0 else "doubled"
+        raise PlanRefused(f"plan refused: decode layer {dst.layer_start + layer} head "
+                          f"{d_head0 + head} is written by {c} prefill sources, not 1", kind)

@@ -8,6 +8,7 @@ operand is converted explicitly first). Overflow of ``addr + length`` past
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -378,3 +379,219 @@ def _check_entries(addrs: Addrs, lengths: Addrs, regions: Regions, what: str) ->
         i = int(np.flatnonzero(~ok)[0])
         raise BoundsError(f"{what} range [{int(addrs[i]):#x}, +{int(lengths[i])}) is outside "
                           f"every registered buffer")
+
+
+# ---- the plan validity proof ------------------------------------------------------------
+
+_PROOF_BLOCK = 1 << 16  # descriptors compared per step of the in-order check (cache-sized)
+
+
+class PlanRefused(LayoutError):
+    """A plan that does not write every byte the decode reads for it exactly once and
+    nothing else (:func:`prove_plan`). ``kind`` is ``"uncovered"``, ``"doubled"`` or
+    ``"outside"``; ``lo``/``hi`` the first such destination byte range ``[lo, hi)``."""
+
+    def __init__(self, message: str, kind: str = "", lo: int = 0, hi: int = 0) -> None:
+        super().__init__(message)
+        self.kind, self.lo, self.hi = kind, lo, hi
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """The destination byte ranges ONE source must write for one chunk, each exactly once.
+
+    KV interval ``(b, r, t)``, in this (canonical) order, is ``[base[b] + starts[r] *
+    item[b] + inner[t], + width)``, ``width = counts[r] * item[b]`` for whole-page runs
+    (``slot`` None, ``inner == [0]``) or ``slot`` bytes for a head slice (``counts`` all 1).
+    ``base``/``item`` (uint64 ``[B]``, bytes) are the decode's buffers and page sizes,
+    ``ids`` (int64 ``[B]``) their buffer ids; ``starts``/``counts`` (int64 ``[R]``) pages;
+    ``inner`` (uint64 ``[T]``) byte offsets in a page. ``aux``: ``(dst, length)`` (uint64
+    ``[A]``) of the aux slot, after the KV intervals. ``names(buffer_id)`` labels a buffer
+    in error messages (e.g. ``"layer 3 V"``).
+
+    Made by :meth:`kvd.transfer.layout.PairPlan.tiling`, which proves it disjoint when it
+    builds it (distinct pages, slices inside a page, distinct buffers).
+    """
+
+    base: Addrs
+    item: Addrs
+    ids: Ids
+    starts: Pages
+    counts: Pages
+    inner: Addrs
+    slot: int | None
+    aux: tuple[Addrs, Addrs] | None = None
+    names: Callable[[int], str] | None = None
+
+    @property
+    def kv_size(self) -> int:
+        """Number of KV intervals (``B * R * T``)."""
+        return int(self.base.size * self.starts.size * self.inner.size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the source must write (what the decode reads from it for this chunk)."""
+        if self.slot is None:
+            kv = int(self.item.sum(dtype=U64)) * int(self.counts.sum())
+        else:
+            kv = self.kv_size * self.slot
+        return kv + (int(self.aux[1].sum(dtype=U64)) if self.aux is not None else 0)
+
+    def expected(self) -> tuple[Addrs, Addrs]:
+        """Every interval materialised in canonical order: ``(dst, length)`` uint64."""
+        dst, length = self._block(0, self.base.size)
+        if self.aux is None:
+            return dst, length
+        return np.concatenate([dst, self.aux[0]]), np.concatenate([length, self.aux[1]])
+
+    def _block(self, b0: int, b1: int) -> tuple[Addrs, Addrs]:
+        """KV intervals of buffers ``[b0, b1)``, canonical order."""
+        item = self.item[b0:b1, None]
+        row = self.base[b0:b1, None] + self.starts.astype(U64)[None, :] * item
+        dst = (row[:, :, None] + self.inner[None, None, :]).ravel()
+        if self.slot is None:
+            length = (self.counts.astype(U64)[None, :] * item).ravel()
+        else:
+            length = np.full(dst.size, self.slot, dtype=U64)
+        return dst, length
+
+    def matches(self, dst: Addrs, length: Addrs) -> bool:
+        """Are ``dst``/``length`` exactly the intervals, in canonical order? One pass over
+        the descriptors in cache-sized blocks of buffers (no full-size temporaries)."""
+        n = self.kv_size
+        aux_n = 0 if self.aux is None else self.aux[0].size
+        if dst.size != n + aux_n or length.size != dst.size:
+            return False
+        if aux_n and not (np.array_equal(dst[n:], self.aux[0]) and  # type: ignore[index]
+                          np.array_equal(length[n:], self.aux[1])):  # type: ignore[index]
+            return False
+        per_buf = n // max(self.base.size, 1)
+        if per_buf == 1:  # one page, whole: the 1-page room's case, no reshaping
+            s = U64(self.starts[0])
+            return bool((dst[:n] == self.base + s * self.item).all() and
+                        (length[:n] == self.item * U64(self.counts[0])).all())
+        return n == 0 or self._kv_matches(dst[:n], length[:n], per_buf)
+
+    def _kv_matches(self, dst: Addrs, length: Addrs, per_buf: int) -> bool:
+        """The KV part of :meth:`matches`, block by block of buffers into scratch arrays
+        reused across blocks (fresh temporaries would cost a page fault per 4 KiB)."""
+        r, t = self.starts.size, self.inner.size
+        step = max(1, _PROOF_BLOCK // per_buf)
+        starts = self.starts.astype(U64)
+        scratch = np.empty((min(step, self.base.size), r, t), dtype=U64)
+        same = np.empty(scratch.shape, dtype=np.bool_)
+        slot = None if self.slot is None else U64(self.slot)
+        for b0 in range(0, self.base.size, step):
+            b1 = min(self.base.size, b0 + step)
+            nb = b1 - b0
+            item = self.item[b0:b1, None]
+            row = self.base[b0:b1, None] + starts[None, :] * item
+            np.add(row[:, :, None], self.inner[None, None, :], out=scratch[:nb])
+            blk = dst[b0 * per_buf:b1 * per_buf].reshape(nb, r, t)
+            if not np.equal(blk, scratch[:nb], out=same[:nb]).all():
+                return False
+            lens = length[b0 * per_buf:b1 * per_buf].reshape(nb, r, t)
+            if slot is None:  # whole-page runs: T == 1, one length per run
+                ok = np.equal(lens[:, :, 0], self.counts.astype(U64)[None, :] * item,
+                              out=same[:nb, :, 0]).all()
+            else:
+                ok = np.equal(lens, slot, out=same[:nb]).all()
+            if not ok:
+                return False
+        return True
+
+    def where(self, addr: int) -> str:
+        """``addr`` as ``buffer (name), page, offset`` in the decode's terms."""
+        if self.aux is not None:
+            a = np.flatnonzero((self.aux[0] <= U64(addr)) &
+                               (U64(addr) < self.aux[0] + self.aux[1]))
+            if a.size:
+                return f"aux {int(a[0])} slot, offset {addr - int(self.aux[0][a[0]])}"
+        below = np.flatnonzero(self.base <= U64(addr))
+        if below.size == 0:
+            return f"{addr:#x}, below every buffer of the room"
+        b = int(below[np.argmax(self.base[below])])
+        rel, item = addr - int(self.base[b]), int(self.item[b])
+        bid = int(self.ids[b])
+        name = self.names(bid) if self.names is not None else f"buffer {bid}"
+        return f"{name}, page {rel // item}, offset {rel % item}"
+
+
+def interval_diff(dst: Addrs, length: Addrs, e_dst: Addrs, e_len: Addrs
+                  ) -> tuple[str, int, int] | None:
+    """Where descriptors ``(dst, length)`` fail to cover the disjoint expected intervals
+    ``(e_dst, e_len)`` exactly once (all uint64 bytes, any order): ``None`` when they do,
+    else ``(kind, lo, hi)`` of the lowest bad byte range -- ``"uncovered"`` (expected,
+    written by nobody), ``"doubled"`` (written twice or more), ``"outside"`` (written but
+    not expected).
+
+    Sort-and-sweep over the interval ends (``O((N + M) log(N + M))``, no Python loop per
+    descriptor): coverage counts are cumulative sums of +1/-1 at each boundary.
+    """
+    keep = length > 0
+    a_lo, a_hi = dst[keep], dst[keep] + length[keep]
+    e_keep = e_len > 0
+    b_lo, b_hi = e_dst[e_keep], e_dst[e_keep] + e_len[e_keep]
+    points = np.unique(np.concatenate([a_lo, a_hi, b_lo, b_hi]))
+    if points.size < 2:
+        return None
+    n = points.size - 1
+    a_cov = _coverage(points, a_lo, a_hi, n)
+    e_cov = _coverage(points, b_lo, b_hi, n)
+    kinds = np.where(a_cov > e_cov,
+                     np.where(e_cov > 0, 2, 3), np.where(a_cov < e_cov, 1, 0))
+    bad = np.flatnonzero(kinds)
+    if bad.size == 0:
+        return None
+    i = int(bad[0])
+    k = int(kinds[i])
+    run = kinds[i:] != k  # extend over the following segments of the same kind
+    j = i + (int(np.argmax(run)) if run.any() else n - i) - 1
+    name = {1: "uncovered", 2: "doubled", 3: "outside"}[k]
+    return name, int(points[i]), int(points[j + 1])
+
+
+def _coverage(points: Addrs, lo: Addrs, hi: Addrs, n: int) -> npt.NDArray[np.int64]:
+    """How many intervals ``[lo, hi)`` cover each segment ``[points[i], points[i+1])``."""
+    delta = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(delta, np.searchsorted(points, lo), 1)
+    np.add.at(delta, np.searchsorted(points, hi), -1)
+    return np.cumsum(delta)[:n]
+
+
+def prove_plan(desc: Descriptors, tiling: Tiling, what: str) -> None:
+    """Prove that ``desc`` writes every byte of ``tiling`` exactly once and nothing else.
+
+    Fast path: the descriptors are the tiling's intervals in canonical order (one pass,
+    :meth:`Tiling.matches`); ``tiling`` itself is disjoint by construction. Otherwise the
+    general sweep (:func:`interval_diff`) decides: a plan in another order is accepted;
+    anything else raises :class:`PlanRefused` (a :class:`LayoutError`) naming the first
+    uncovered, doubled or outside byte range as buffer (layer), page and offset.
+    """
+    if tiling.matches(desc.dst, desc.length):
+        return
+    e_dst, e_len = tiling.expected()
+    diff = interval_diff(desc.dst, desc.length, e_dst, e_len)
+    if diff is None:
+        return
+    kind, lo, hi = diff
+    verb = {"uncovered": "is written by no descriptor", "doubled": "is written twice",
+            "outside": "is written but the decode does not read it from this source"}[kind]
+    raise PlanRefused(f"{what}: plan refused: destination bytes [{lo:#x}, +{hi - lo}) "
+                      f"({tiling.where(lo)}) {verb} (plan covers {desc.nbytes} bytes, the "
+                      f"decode reads {tiling.nbytes} from this source)", kind, lo, hi)
+
+
+def check_distinct(pages: Pages, what: str) -> None:
+    """Raise :class:`PlanRefused` (``doubled``) when a page index appears twice in ``pages``
+    (int64 ``[P]``): two writes would land in it and one page's KV would be lost (K42)."""
+    if pages.size < 2:
+        return
+    order = np.argsort(pages, kind="stable")
+    s = pages[order]
+    dup = np.flatnonzero(s[1:] == s[:-1])
+    if dup.size:
+        k = int(dup[0])
+        first, second = sorted((int(order[k]), int(order[k + 1])))
+        raise PlanRefused(f"{what} page {int(s[k])} is named twice (positions {first} and "
+                          f"{second}): a room's pages must be distinct", "doubled")

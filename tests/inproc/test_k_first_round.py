@@ -348,9 +348,11 @@ async def test_k18_transient_refusals_are_backpressure(cluster: Cluster) -> None
     p, _d, pe, de = await pair(cluster)
     cluster.fabric.hook = FaultInjector(FaultPlan(transient_per_batch=3))
     cluster.fabric.retry_budget = 5.0
-    for room in range(50):
+    for room in range(50):  # pages reused only once their room succeeded (K42)
         await de.receiver(room, [room % 16], p.http_addr)
         await pe.sender(room, [room % 16])
+        if room % 16 == 15:
+            await settle(cluster)
     await settle(cluster)
     assert [await de.status(r) for r in range(50)] == [SUCCESS] * 50
     assert p.core.counters.session_failures == 0
@@ -373,7 +375,8 @@ async def test_k19_sends_to_a_dead_or_frozen_prefill_fail_in_bounded_time(
     p1 = await cluster.node("prefill")
     p2 = await cluster.node("prefill")
     d = await cluster.node("decode")
-    e1, e2, de = await p1.engine(seed=1), await p2.engine(seed=2), await d.engine(seed=3)
+    e1, e2 = await p1.engine(seed=1), await p2.engine(seed=2)
+    de = await d.engine(seed=3, num_pages=64)  # 50 live rooms, distinct pages (K42)
     await de.receiver(1, [1], p1.http_addr)
     await e1.sender(1, [1])
     await settle(cluster)
@@ -384,7 +387,7 @@ async def test_k19_sends_to_a_dead_or_frozen_prefill_fail_in_bounded_time(
         await p1.stop()
         cluster.bus.dead.add(p1.endpoint)
     for room in range(100, 150):
-        await de.receiver(room, [room % 16], p1.http_addr)
+        await de.receiver(room, [room - 90], p1.http_addr)
     await de.receiver(7, [7], p2.http_addr)
     await e2.sender(7, [8])
     await settle(cluster)
