@@ -30,8 +30,15 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvd.transfer.layout import RankLayout, head_overlap, plan_transfer, rank_heads
-from kvd.transfer.plan import Descriptors, Regions, check_bounds, check_plan_bounds
+from kvd.transfer.layout import PairPlan, RankLayout, head_overlap, plan_transfer, rank_heads
+from kvd.transfer.plan import (
+    Descriptors,
+    Regions,
+    aux_ids,
+    check_bounds,
+    check_plan_bounds,
+    plan_aux,
+)
 
 TOKENS, PAGE, LAYERS, HEADS, HEAD_DIM, DTYPE = 128 * 1024, 64, 64, 8, 128, 2
 PREFILL_TP, DECODE_TP, PREFILL_RANK, DECODE_RANK = 2, 4, 0, 1
@@ -116,7 +123,10 @@ def bench_layout(layout: str, src_pages: np.ndarray, dst_pages: np.ndarray, naiv
 
     bounds_t, _ = _times(bounds, repeats)
     spans_t, _ = _times(lambda: check_plan_bounds(desc, s_reg, d_reg, "room"), repeats)
+    pair = PairPlan.of(src, dst)
+    proof_t, _ = _times(lambda: pair.prove(desc, src_pages, dst_pages), repeats)
     plan_med = statistics.median(plan_t[1:])
+    proof_med = statistics.median(proof_t)
     naive_full = naive_t[0] * scale
     return {"layout": layout, "descriptors": len(desc), "bytes": desc.nbytes,
             "descriptor_bytes": int(desc.length[0]) if len(desc) else 0,
@@ -128,8 +138,55 @@ def bench_layout(layout: str, src_pages: np.ndarray, dst_pages: np.ndarray, naiv
             "bounds_pct_of_plan": 100 * statistics.median(bounds_t) / plan_med,
             "span_bounds_s_median": statistics.median(spans_t),
             "span_bounds_pct_of_plan": 100 * statistics.median(spans_t) / plan_med,
+            "proof_s_median": proof_med, "proof_pct_of_plan": 100 * proof_med / plan_med,
+            "speedup_with_proof": naive_full / (plan_med + proof_med),
             "naive_matches_subset": _subset_matches(desc, naive, buffers,
                                                     len(desc) // (2 * LAYERS))}
+
+
+def one_page_room(number: int = 5000, rounds: int = 7) -> dict[str, Any]:
+    """A 1-page room as the prefill daemon plans it (4 layers MHA, 4 KiB items, one aux
+    buffer): plan + aux + bounds, and the same with the plan proof; best of ``rounds``
+    interleaved rounds of ``number`` plans (us per room)."""
+    layers, item, pool = 4, 4096, 64
+
+    def rank(base: int) -> RankLayout:
+        ptrs = np.array([base + b * (item * pool + 4096) for b in range(2 * layers)], np.uint64)
+        return RankLayout(kv_ptrs=ptrs, item_lens=np.full(2 * layers, item, np.uint64),
+                          page_size=1, num_kv_heads=8, total_kv_heads=8, head_dim=256,
+                          dtype_size=2, num_layers=layers, layer_start=0, is_mla=False,
+                          layout="NHD", tp_rank=0, tp_size=1)
+
+    src, dst = rank(0x7F00_0000_0000), rank(0x8000_7E00_0000_0000)
+    s_aux, d_aux = np.array([0x1000_0000], np.uint64), np.array([0x9000_0000_0000_0000], np.uint64)
+    a_len = np.array([64], np.uint64)
+
+    def regions(r: RankLayout, aux: np.ndarray) -> Regions:
+        return Regions.of(np.concatenate([r.kv_ptrs, aux]),
+                          np.concatenate([r.item_lens * np.uint64(pool), a_len * np.uint64(8)]),
+                          np.concatenate([np.arange(2 * layers), aux_ids(1)]))
+
+    s_reg, d_reg = regions(src, s_aux), regions(dst, d_aux)
+    pair = PairPlan.of(src, dst)
+    sp, dp = np.array([3], np.int64), np.array([7], np.int64)
+
+    def plan() -> Descriptors:
+        desc = pair.plan(sp, dp).concat(plan_aux(s_aux, d_aux, a_len, 2, 5))
+        check_plan_bounds(desc, s_reg, d_reg, "room 1")
+        return desc
+
+    def proved() -> None:
+        pair.prove(plan(), sp, dp, (d_aux, a_len, 5), "room 1")
+
+    base, with_proof = [], []
+    for _ in range(rounds):
+        for fn, out in ((plan, base), (proved, with_proof)):
+            t = time.perf_counter()
+            for _ in range(number):
+                fn()
+            out.append((time.perf_counter() - t) / number)
+    b, w = min(base), min(with_proof)
+    return {"plan_us": b * 1e6, "plan_and_proof_us": w * 1e6, "proof_pct": 100 * (w / b - 1)}
 
 
 def run(console: Console, naive_layers: int = 8, repeats: int = 7, seed: int = 0
@@ -146,11 +203,15 @@ def run(console: Console, naive_layers: int = 8, repeats: int = 7, seed: int = 0
     results = [bench_layout(lay, src_pages, dst_pages, naive_layers, repeats)
                for lay in ("NHD", "HND")]
     _report(console, results, naive_layers)
+    one = one_page_room()
+    console.print(f"1-page room (plan + aux + bounds): {one['plan_us']:.1f} us; with the plan "
+                  f"proof {one['plan_and_proof_us']:.1f} us (+{one['proof_pct']:.1f} %, goal "
+                  f"<= +10 %)")
     nhd, hnd = results
     return {"benchmark": "plan", "tokens": TOKENS, "page_size": PAGE, "layers": LAYERS,
             "kv_heads": HEADS, "head_dim": HEAD_DIM, "dtype_size": DTYPE,
             "prefill_tp": PREFILL_TP, "decode_tp": DECODE_TP, "repeats": repeats,
-            "goal_speedup": GOAL, "results": results,
+            "goal_speedup": GOAL, "results": results, "one_page_room": one,
             "hnd_plan_vs_reference_nhd_loop": nhd["naive_s_scaled"] / hnd["plan_s_median"]}
 
 
@@ -172,6 +233,9 @@ def _report(console: Console, results: list[dict[str, Any]], naive_layers: int) 
         ("check_bounds / plan", lambda r: f"{r['bounds_pct_of_plan']:.0f}%"),
         ("check_plan_bounds (daemon)", lambda r: f"{r['span_bounds_s_median'] * 1e6:.0f} us"),
         ("check_plan_bounds / plan", lambda r: f"{r['span_bounds_pct_of_plan']:.2f}%"),
+        ("plan proof (PairPlan.prove)", lambda r: f"{r['proof_s_median'] * 1e3:.2f} ms"),
+        ("plan proof / plan", lambda r: f"{r['proof_pct_of_plan']:.0f}%"),
+        ("speed-up, plan + proof", lambda r: f"{r['speedup_with_proof']:,.0f}x"),
         ("equal to naive on subset", lambda r: str(r["naive_matches_subset"])),
     ]
     for name, cell in rows:
