@@ -319,7 +319,7 @@ def test_k18_transient_queue_full_is_backpressure(tmp_path: Path) -> None:
             batch = rooms[i:i + 50]
             dst_all = rng.permutation(256)  # rooms in flight never share destination pages
             for j, room in enumerate(batch):
-                src, dst = rng.integers(0, 256, 2), dst_all[2 * j:2 * j + 2]
+                src, dst = rng.choice(256, 2, replace=False), dst_all[2 * j:2 * j + 2]
                 plans[room] = (src, dst)
                 transfer_room(p, d, pair.bootstrap, room, src, dst, chunk=2)
             assert wait_many(d.client, batch, 30) == [KVPoll.Success] * len(batch)
