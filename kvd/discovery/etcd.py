@@ -15,7 +15,9 @@ watches the prefix from the revision read. Each change becomes a typed
 the rooms bound to a rank that died or restarted). While etcd is unreachable, lookups
 answer from the last view for ``etcd_view_ttl`` s and then fail naming the reason; on
 reconnect the prefix is read again, so what changed meanwhile (a lease that expired)
-is delivered as events too.
+is delivered as events too -- a key missing from that read only after one lease TTL
+without it coming back as the same instance (an etcd that lost its data is refilled by
+the ranks within a renew period; rooms in flight are not failed for that).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from kvd.bootstrap.table import ParallelInfo, RankInfo
 from kvd.config import Settings, etcd_endpoint_list, read_etcd_password
 from kvd.control.routing import Target
 from kvd.discovery.etcd_client import EtcdClient, EtcdOptions, WatchCompacted, WatchIdle
-from kvd.discovery.events import Entry, PeerEvent, View
+from kvd.discovery.events import Entry, PeerDeleted, PeerEvent, View
 from kvd.discovery.keys import RankKey, instances_prefix, rank_key
 from kvd.discovery.lease import Backoff, Freshness, Keeper, Step
 from kvd.errors import DiscoveryError, DiscoveryUnavailable, NotReady
@@ -154,8 +156,10 @@ class EtcdLookups:
 
     def __init__(self, client: EtcdClient, prefix: str, budget: float, view_ttl: float,
                  idle_s: float, on_event: Callable[[PeerEvent], None],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 resync_grace: float | None = None) -> None:
         self.client, self.prefix, self.budget, self.idle_s = client, prefix, budget, idle_s
+        self.resync_grace = idle_s if resync_grace is None else resync_grace
         self.on_event, self.clock = on_event, clock
         self.view = View(prefix)
         self.fresh = Freshness(view_ttl)
@@ -223,7 +227,7 @@ class EtcdLookups:
                 try:
                     if need_read:
                         kvs, revision = await self.client.range_prefix(prefix)
-                        self._emit(self.view.resync(kvs, revision))
+                        self._emit(self.view.resync(kvs, revision), resync=True)
                         self._up()
                         need_read = False
                     async for batch in self.client.watch(prefix, self.view.revision + 1,
@@ -248,12 +252,26 @@ class EtcdLookups:
         finally:
             await self.client.aclose()
 
-    def _emit(self, events: list[PeerEvent]) -> None:
+    def _emit(self, events: list[PeerEvent], resync: bool = False) -> None:
         for ev in events:
-            self.events_seen += 1
-            log.info("etcd: %s", ev)
-            self.on_event(ev)
+            if resync and isinstance(ev, PeerDeleted) and self.resync_grace > 0:
+                # A key missing after an outage may only be missing because etcd lost
+                # its data: its rank puts it back within a renew period. Rooms bound
+                # to it fail only if it is not back as the same instance in a TTL.
+                asyncio.get_running_loop().call_later(self.resync_grace, self._confirm, ev)
+                continue
+            self._deliver(ev)
         self._changed.set()
+
+    def _confirm(self, ev: PeerDeleted) -> None:
+        now = self.view.instance(ev.addr).get(ev.rank)
+        if now is None or now.instance != ev.instance:
+            self._deliver(ev)
+
+    def _deliver(self, ev: PeerEvent) -> None:
+        self.events_seen += 1
+        log.info("etcd: %s", ev)
+        self.on_event(ev)
 
     def _up(self) -> None:
         if self.fresh.down_since is not None:
@@ -267,3 +285,23 @@ class EtcdLookups:
                         self.fresh.ttl)
         self.fresh.down(self.clock(), str(exc))
         self._changed.set()
+
+
+async def probe(s: Settings) -> str:
+    """What ``kvd doctor`` checks of the store: etcd answers (version), the credentials
+    are accepted, and the cluster's prefix is readable. Returns a one-line summary;
+    raises ConfigError (password file), DiscoveryUnavailable, DiscoveryAuthError or
+    DiscoveryError."""
+    client = EtcdClient(etcd_options(s))
+    try:
+        status = await client.status()
+        kvs, revision = await client.range_prefix(instances_prefix(s.etcd_prefix))
+    finally:
+        await client.aclose()
+    view = View(s.etcd_prefix)
+    view.resync(kvs, revision)
+    names = {addr for addr, _ in view.entries}
+    who = f"user {s.etcd_user!r}" if s.etcd_user else "no user"
+    return (f"etcd {client.endpoint} (v{status.get('version', '?')}, {who}): prefix "
+            f"{s.etcd_prefix} readable, {len(view.entries)} prefill ranks of {len(names)} "
+            f"instances registered")

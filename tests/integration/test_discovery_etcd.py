@@ -10,9 +10,10 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from kvd.client import KVPoll, Receiver, poll_many, wait_many
+from kvd.client import KVPoll, Receiver, Sender, poll_many, wait_many
 from kvd.launch import DaemonProcess, start_daemon
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
 from tests.conftest import eventually_transfers, free_port
@@ -105,6 +106,9 @@ def test_etcd_outage_keeps_rooms_and_registrations_return(tmp_path: Path,
         _until("registered", lambda: _registrations(etcd, prefix))
         transfer_room(p, d, name, 1, [1], [2], chunk=1)
         assert wait_rooms(d.client, [1]) == [KVPoll.Success]
+        Receiver(d.client, 50, name).init([20, 21], 0)  # in flight across the outage
+        _until("room 50 bound", lambda: wait_many(d.client, [50], 0.1) ==
+               [KVPoll.WaitingForInput])
 
         etcd.stop(signal.SIGKILL)
         shutil.rmtree(etcd.data)  # the worst case: etcd comes back without its data
@@ -119,6 +123,11 @@ def test_etcd_outage_keeps_rooms_and_registrations_return(tmp_path: Path,
                [prefill.ready["instance_id"]])
         eventually_transfers(p, d, name, 3, [7], [8])
         assert d.pages_equal(p, [7], [8])
+        sender = Sender(p.client, 50)  # the room bound before the outage still completes
+        sender.init(2, 0)
+        sender.send(np.array([30, 31]))
+        assert wait_rooms(d.client, [50]) == [KVPoll.Success]
+        assert d.pages_equal(p, [30, 31], [20, 21])
     finally:
         p.close()
         d.close()

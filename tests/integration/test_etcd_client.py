@@ -100,3 +100,20 @@ def test_endpoints_are_tried_in_order() -> None:
         await c.aclose()
 
     asyncio.run(main())
+
+
+def test_doctor_checks_the_store(etcd: EtcdServer, tmp_path: Path) -> None:
+    from kvd.cli.doctor import check_etcd
+
+    s = load_settings(role="decode", discovery="etcd", etcd_endpoints=etcd.url,
+                      etcd_prefix="/kvd/doctor")
+    ok = check_etcd(s)
+    assert ok.status == "ok" and "v3." in ok.detail and "0 prefill ranks" in ok.detail
+    down = check_etcd(load_settings(role="decode", discovery="etcd", http_timeout=1.0,
+                                    etcd_endpoints=f"http://127.0.0.1:{free_port()}"))
+    assert down.status == "fail" and "unreachable" in down.detail and "start etcd" in down.fix
+    pw = tmp_path / "pw"
+    pw.write_text("x\n")
+    pw.chmod(0o640)
+    bad = check_etcd(s.model_copy(update={"etcd_user": "kvd", "etcd_password_file": pw}))
+    assert bad.status == "fail" and "chmod 600" in bad.detail
