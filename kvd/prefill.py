@@ -18,10 +18,10 @@ from typing import Any
 
 import httpx
 
-from kvd.addr import http_url
+from kvd.addr import http_url, parse_hostport
 from kvd.core import Core
 from kvd.discovery.base import Registrar
-from kvd.errors import KvdError, LayoutError, RegistrationError, TransportError
+from kvd.errors import ConfigError, KvdError, LayoutError, RegistrationError, TransportError
 from kvd.protocol import control, rpc
 from kvd.protocol.codec import unpack_indices
 from kvd.rooms.effects import Effect, Report, Write, WriteDest
@@ -337,6 +337,13 @@ class PrefillSide(Side):
         self.run(self.rooms.tick(self.core.clock()))
 
     def start(self) -> None:
+        s = self.core.settings
+        if s.discovery == "etcd" and s.bootstrap_addr is not None and \
+                parse_hostport(s.bootstrap_addr)[0] in ("0.0.0.0", "::"):
+            raise ConfigError(f"discovery = etcd registers this rank under its bootstrap_addr, "
+                              f"which is {s.bootstrap_addr} (a wildcard bind address): set "
+                              f"bootstrap_addr to the address engines advertise (e.g. "
+                              f"KVD_BOOTSTRAP_ADDR=$(KVD_HOST):8998 in Kubernetes)")
         self.core.supervise(self._bootstrap_check, "bootstrap-check",
                             self.core.settings.heartbeat_interval)
 
