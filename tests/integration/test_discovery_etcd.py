@@ -16,7 +16,7 @@ import pytest
 from kvd.client import KVPoll, Receiver, Sender, poll_many, wait_many
 from kvd.launch import DaemonProcess, start_daemon
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
-from tests.conftest import eventually_transfers, free_port
+from tests.conftest import eventually_transfers, free_port, signed
 from tests.helpers.etcd import EtcdServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -46,7 +46,7 @@ def _until(what: str, cond, within: float = 30.0) -> None:  # type: ignore[no-un
 
 def _prefill(tmp: Path, name: str, etcd: EtcdServer, prefix: str,
              **kw: object) -> tuple[DaemonProcess, EngineStandIn]:
-    daemon = start_daemon("prefill", tmp, bootstrap_addr=name, **_opts(etcd, prefix), **kw)
+    daemon = start_daemon("prefill", tmp, bootstrap_addr=name, **(_opts(etcd, prefix) | kw))
     return daemon, EngineStandIn(daemon.socket, seed=1)
 
 
@@ -128,6 +128,55 @@ def test_etcd_outage_keeps_rooms_and_registrations_return(tmp_path: Path,
         sender.send(np.array([30, 31]))
         assert wait_rooms(d.client, [50]) == [KVPoll.Success]
         assert d.pages_equal(p, [30, 31], [20, 21])
+    finally:
+        p.close()
+        d.close()
+        prefill.stop()
+        decode.stop()
+
+
+def _view_instances(decode: DaemonProcess, name: str) -> set[str]:
+    """Instances the decode's etcd view holds for ``name`` (its /v1/status peers)."""
+    peers = signed("GET", f"http://{decode.http_addr}/v1/status").json()["peers"]
+    return {p["instance_id"] for p in peers if p["bootstrap"] == name and p["instance_id"]}
+
+
+def test_etcd_restart_within_the_ttl_is_one_watch_event(tmp_path: Path,
+                                                        etcd: EtcdServer) -> None:
+    """A prefill restarted at the same port before its lease expires: its new put
+    replaces the key, the decode fails the old instance's rooms at once (kind peer,
+    not after a TTL) and the first room after the decode saw the new instance succeeds."""
+    prefix, name, zmq = "/kvd/it-c", f"prefill-c:{free_port()}", free_port()
+    ttl = {"etcd_lease_ttl": 30.0}  # a death would take 30 s: only the put can tell
+    prefill, p = _prefill(tmp_path, name, etcd, prefix, zmq_port=zmq, **ttl)
+    decode = start_daemon("decode", tmp_path, **(_opts(etcd, prefix) | ttl))
+    d = EngineStandIn(decode.socket, seed=2)
+    try:
+        transfer_room(p, d, name, 1, [1], [2], chunk=1)
+        assert wait_rooms(d.client, [1]) == [KVPoll.Success]
+        old = prefill.ready["instance_id"]
+        rooms = list(range(10, 20))
+        for room in rooms:
+            Receiver(d.client, room, name).init([room], 0)
+        _until("rooms bound", lambda: wait_many(d.client, rooms, 0.1) ==
+               [KVPoll.WaitingForInput] * len(rooms))
+        prefill.kill(signal.SIGKILL)
+        prefill.proc.wait(10)
+        p.close()
+        prefill, p = _prefill(tmp_path, name, etcd, prefix, zmq_port=zmq, **ttl)
+        new, t0 = prefill.ready["instance_id"], time.monotonic()
+        _until("the old instance's rooms fail",
+               lambda: KVPoll.WaitingForInput not in poll_many(d.client, rooms), within=20)
+        assert poll_many(d.client, rooms) == [KVPoll.Failed] * len(rooms)
+        kind, reason = Receiver.attach(d.client, rooms[0]).failure()
+        assert kind == "peer" and f"restarted (instance {old} -> {new})" in reason
+        _until("the decode's view has the new instance",
+               lambda: _view_instances(decode, name) == {new})
+        transfer_room(p, d, name, 100, [5, 6], [7, 8], chunk=1)  # first try, no retry
+        assert wait_rooms(d.client, [100]) == [KVPoll.Success]
+        assert d.pages_equal(p, [5, 6], [7, 8])
+        print(f"restart -> first successful room {time.monotonic() - t0:.3f}s after the new "
+              f"prefill's engine registered (lease ttl 30s)")
     finally:
         p.close()
         d.close()
