@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -33,8 +34,9 @@ class EtcdServer:
     """One single-member etcd cluster; :meth:`stop` and :meth:`start` again keep its
     data dir and ports (an etcd restart, as an operator's would be)."""
 
-    def __init__(self, workdir: Path, binary: str) -> None:
-        self.binary, self.workdir = binary, workdir
+    def __init__(self, workdir: Path, binary: str, host: str = "127.0.0.1",
+                 netns: str | None = None) -> None:
+        self.binary, self.workdir, self.host, self.netns = binary, workdir, host, netns
         self.data = workdir / "etcd-data"
         self.client_port, self.peer_port = _free_port(), _free_port()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -42,29 +44,42 @@ class EtcdServer:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"http://{self.host}:{self.client_port}"
 
     def start(self, timeout: float = 30.0) -> None:
-        peer = f"http://127.0.0.1:{self.peer_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
         args = [self.binary, "--name", "kvd-test", "--data-dir", str(self.data),
                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"kvd-test={peer}", "--log-level", "warn"]
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=log)
+            self.proc = subprocess.Popen(self._prefix() + args, stdout=log, stderr=log)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited {self.proc.returncode}: "
                                    f"{self.log.read_text(errors='replace')[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).json().get("health") == "true":
-                    return
-            except (httpx.HTTPError, ValueError):
-                pass
+            if self._healthy():
+                return
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"etcd not healthy within {timeout}s")
+
+    def _prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.netns] if self.netns else []
+
+    def _healthy(self) -> bool:
+        if self.netns:  # only reachable from inside its namespace
+            probe = ("import httpx, sys; r = httpx.get(sys.argv[1] + '/health', timeout=1.0); "
+                     "sys.exit(0 if r.json().get('health') == 'true' else 1)")
+            done = subprocess.run([*self._prefix(), sys.executable, "-c", probe, self.url],
+                                  capture_output=True, timeout=30)
+            return done.returncode == 0
+        try:
+            return bool(httpx.get(f"{self.url}/health", timeout=1.0).json().get("health")
+                        == "true")
+        except (httpx.HTTPError, ValueError):
+            return False
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
