@@ -265,7 +265,7 @@ class DecodeSide(Side):
                                       f"{eff.bootstrap_addr} is down ({h.misses} heartbeats "
                                       f"missed)", self.role)
                 return
-            targets = await self._targets(eff.room, eff.bootstrap_addr, eff.dp_rank)
+            targets = await self._current_targets(eff.room, eff.bootstrap_addr, eff.dp_rank)
             failure = None
         except KvdError as exc:
             failure = RoomFailure(_kind_of(exc), f"room {eff.room}: {exc}", self.role)
@@ -273,6 +273,16 @@ class DecodeSide(Side):
             now = self.core.clock()
             self.run(self.rooms.resolved(eff.room, eff.inc, targets, now) if failure is None
                      else self.rooms.resolve_failed(eff.room, eff.inc, failure, now))
+
+    async def _current_targets(self, room: int, addr: str,
+                               dp_rank: int | None) -> list[Target]:
+        """:meth:`_targets`, resolved again while discovery replaced one of them meanwhile:
+        a room resolved after a restart is known is never bound to the old instance."""
+        for _ in range(3):
+            targets = await self._targets(room, addr, dp_rank)
+            if self.etcd is None or self.etcd.all_current(addr, targets):
+                return targets
+        raise BootstrapError(f"prefill {addr}: its ranks kept changing instance during lookup")
 
     async def _targets(self, room: int, addr: str, dp_rank: int | None) -> list[Target]:
         local, ranks = self.core.local, self.core.ranks

@@ -27,7 +27,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvd.bootstrap.table import ParallelInfo, RankInfo
@@ -191,6 +191,12 @@ class EtcdLookups:
         entry = await self._wait(addr, f"rank dp {key.dp} tp {key.tp} pp {key.pp}",
                                  lambda: self.view.instance(addr).get(key))
         return entry.rank_info()
+
+    def all_current(self, addr: str, targets: Iterable[Any]) -> bool:
+        """Does the view still hold every target (``.endpoint``, ``.instance``) as a rank
+        of ``addr``? False when one restarted or left while the room was being resolved."""
+        now = {(e.endpoint, e.instance) for e in self.view.instance(addr).values()}
+        return all((t.endpoint, t.instance) in now for t in targets)
 
     def forget(self, addr: str) -> set[str]:
         return {e.endpoint for e in self.view.instance(addr).values()}

@@ -193,3 +193,15 @@ def test_a_key_missing_after_an_outage_is_a_death_only_if_it_stays_missing(
     else:
         assert kinds == ["PeerPut", "PeerPut", "PeerDeleted"]
         assert events[-1].instance == "i1"
+
+
+def test_all_current_tells_a_target_resolved_from_a_replaced_instance() -> None:
+    from kvd.rooms.receiver import Target as Bound
+
+    look = EtcdLookups(FakeEtcd(), P, 1.0, 5.0, 1.0, lambda ev: None)  # type: ignore[arg-type]
+    look.view.resync([_kv("i1")], 5)
+    assert look.all_current("a:1", [Bound("tcp://10.0.0.1:7000", "i1")])
+    look.view.apply_event({"kv": _kv("i2", 6)}, 6)  # restarted while a room resolved
+    assert not look.all_current("a:1", [Bound("tcp://10.0.0.1:7000", "i1")])
+    assert look.all_current("a:1", [Bound("tcp://10.0.0.1:7000", "i2")])
+    assert not look.all_current("b:1", [Bound("tcp://10.0.0.1:7000", "i2")])
