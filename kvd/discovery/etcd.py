@@ -43,10 +43,12 @@ log = logging.getLogger("kvd.discovery")
 
 
 def etcd_options(s: Settings) -> EtcdOptions:
-    """The client options of settings ``s`` (reads the password file: ConfigError)."""
+    """The client options of settings ``s`` (reads the password file: ConfigError). One
+    request is bounded by ``http_timeout`` and by a renew period (a third of the lease),
+    so a hung etcd cannot hold a keepalive past the lease it is meant to renew."""
     return EtcdOptions(tuple(etcd_endpoint_list(s.etcd_endpoints)), s.etcd_user,
                        read_etcd_password(s), s.etcd_ca_file, s.etcd_cert_file,
-                       s.etcd_key_file, s.http_timeout)
+                       s.etcd_key_file, min(s.http_timeout, s.etcd_lease_ttl / 3))
 
 
 class EtcdRegistrar:
