@@ -100,7 +100,8 @@ def test_etcd_outage_keeps_rooms_and_registrations_return(tmp_path: Path,
                                                           etcd: EtcdServer) -> None:
     prefix, name = "/kvd/it-b", f"prefill-b:{free_port()}"
     prefill, p = _prefill(tmp_path, name, etcd, prefix)
-    decode = start_daemon("decode", tmp_path, etcd_view_ttl=60.0, **_opts(etcd, prefix))
+    view_ttl = 5.0
+    decode = start_daemon("decode", tmp_path, etcd_view_ttl=view_ttl, **_opts(etcd, prefix))
     d = EngineStandIn(decode.socket, seed=2)
     try:
         _until("registered", lambda: _registrations(etcd, prefix))
@@ -112,16 +113,22 @@ def test_etcd_outage_keeps_rooms_and_registrations_return(tmp_path: Path,
 
         etcd.stop(signal.SIGKILL)
         shutil.rmtree(etcd.data)  # the worst case: etcd comes back without its data
-        time.sleep(TTL)  # longer than a lease: the prefill cannot renew meanwhile
+        t_down = time.monotonic()
         transfer_room(p, d, name, 2, [3, 4], [5, 6], chunk=1)  # from the last known view
         assert wait_rooms(d.client, [2]) == [KVPoll.Success]
         assert d.pages_equal(p, [3, 4], [5, 6])
+        time.sleep(max(0.0, t_down + view_ttl + 1.0 - time.monotonic()))  # view too old now
+        Receiver(d.client, 3, name).init([9], 0)  # a new lookup: refused, named
+        assert wait_rooms(d.client, [3]) == [KVPoll.Failed]
+        kind, reason = Receiver.attach(d.client, 3).failure()
+        assert kind == "bootstrap" and "etcd unreachable" in reason and \
+            "etcd_view_ttl = 5s" in reason, reason
 
         etcd.start()
         _until("the registration comes back without a restart",
                lambda: [r["instance_id"] for r in _registrations(etcd, prefix)] ==
                [prefill.ready["instance_id"]])
-        eventually_transfers(p, d, name, 3, [7], [8])
+        eventually_transfers(p, d, name, 4, [7], [8])
         assert d.pages_equal(p, [7], [8])
         sender = Sender(p.client, 50)  # the room bound before the outage still completes
         sender.init(2, 0)
