@@ -168,6 +168,40 @@ class Settings(BaseSettings):
              "server can stay on loopback; unset: /route is on the REST listener")
     bootstrap_addr: str | None = _setting(None, unit="host:port",
                                           help="where a prefill rank registers (bootstrap)")
+    discovery: Literal["bootstrap", "etcd"] = _setting(
+        "bootstrap", help="how decodes find prefill ranks: bootstrap (SGLang's /route on the "
+                          "prefill's bootstrap server, heartbeats) or etcd (registrations "
+                          "under leases in etcd, watched; docs/discovery.md)")
+    etcd_endpoints: str = _setting(
+        "http://127.0.0.1:2379", unit="URL list",
+        help="etcd client URLs, comma separated (http://host:2379, or https:// with TLS); "
+             "tried in order")
+    etcd_prefix: str = _setting(
+        "/kvd/default", unit="key path",
+        help="etcd key prefix of this kvd cluster: only daemons with the same prefix see "
+             "each other (one per cluster, e.g. /kvd/prod-a)")
+    etcd_lease_ttl: float = _setting(
+        10.0, ge=2, le=3600, unit="s",
+        help="lease of a prefill rank's registration: a rank that dies (or loses etcd) is "
+             "gone from every decode's view this long after its last renewal (renewed "
+             "every third of it)")
+    etcd_view_ttl: float = _setting(
+        30.0, gt=0, unit="s",
+        help="decode: while etcd is unreachable, new lookups use the last known view this "
+             "long, then fail with the reason (rooms in flight continue)")
+    etcd_user: str | None = _setting(None, help="etcd user (auth enabled); needs "
+                                     "etcd_password_file")
+    etcd_password_file: Path | None = _setting(
+        None, unit="path", help="file holding the etcd user's password (first line); "
+                                "readable by its owner only (mode 0600 or 0400)")
+    etcd_ca_file: Path | None = _setting(
+        None, unit="path", help="CA certificate that signed etcd's server certificate "
+                                "(https endpoints; default: the system CAs)")
+    etcd_cert_file: Path | None = _setting(
+        None, unit="path", help="client certificate for etcd --client-cert-auth (with "
+                                "etcd_key_file)")
+    etcd_key_file: Path | None = _setting(None, unit="path",
+                                          help="private key of etcd_cert_file")
     shm_dir: Path = _setting(Path("/dev/shm"), unit="path",
                              help="only shared-memory files under this folder are mapped")
 
@@ -278,6 +312,18 @@ class Settings(BaseSettings):
             parse_port_range(v)  # ValueError -> reported with the other problems
         return v
 
+    @field_validator("etcd_prefix")
+    @classmethod
+    def _etcd_prefix(cls, v: str) -> str:
+        from kvd.discovery.keys import check_prefix
+        return check_prefix(v)
+
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _etcd_endpoints(cls, v: str) -> str:
+        etcd_endpoint_list(v)  # ValueError -> reported with the other problems
+        return v
+
     @field_validator("transfer_devices")
     @classmethod
     def _devices(cls, v: str) -> str:
@@ -339,7 +385,9 @@ class Settings(BaseSettings):
                 problems.append(f"{rank}={getattr(self, rank)} must be < {size}="
                                 f"{getattr(self, size)}")
         if self.role == "prefill" and not (self.bootstrap_addr or self.serve_bootstrap):
-            problems.append("a prefill kvd needs bootstrap_addr (or serve_bootstrap = true)")
+            problems.append("a prefill kvd needs bootstrap_addr (or serve_bootstrap = true); "
+                            "with discovery = etcd it is the instance name routers hand to "
+                            "engines")
         if self.transfer_host is None and ":" in self.host and self.host.strip("[]") != "::1":
             problems.append(f"host {self.host} is IPv6: set transfer_host to an IPv4 address "
                             f"(Mooncake's P2P handshake is IPv4-only)")
@@ -360,9 +408,66 @@ class Settings(BaseSettings):
         if self.cluster_secret is not None and self.cluster_secret.get_secret_value() and \
                 self.cluster_secret_file is not None:
             problems.append("set cluster_secret or cluster_secret_file, not both")
+        problems += _etcd_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+
+def etcd_endpoint_list(text: str) -> list[str]:
+    """``etcd_endpoints`` as a list of ``scheme://host:port`` URLs; raises ValueError
+    naming a bad one."""
+    out = []
+    for item in (i.strip() for i in text.split(",")):
+        scheme, sep, rest = item.partition("://")
+        host, _, port = rest.rstrip("/").rpartition(":")
+        if not sep or scheme not in ("http", "https") or not host or not port.isdigit() or \
+                not 0 < int(port) < 65536 or "/" in rest.rstrip("/"):
+            raise ValueError(f"etcd endpoint {item!r} is not http(s)://host:port "
+                             f"(e.g. http://127.0.0.1:2379)")
+        out.append(item.rstrip("/"))
+    return out
+
+
+def _etcd_problems(s: Settings) -> list[str]:
+    """Cross-setting rules of etcd discovery (checked whatever ``discovery`` is, so a
+    half-configured etcd section is reported before it is switched on)."""
+    problems = []
+    if (s.etcd_user is None) != (s.etcd_password_file is None):
+        problems.append("etcd_user and etcd_password_file go together (set both or neither)")
+    if s.etcd_key_file is not None and s.etcd_cert_file is None:
+        problems.append("etcd_key_file needs etcd_cert_file")
+    tls = s.etcd_ca_file or s.etcd_cert_file
+    plain = [e for e in etcd_endpoint_list(s.etcd_endpoints) if e.startswith("http://")]
+    if tls and plain:
+        problems.append(f"etcd TLS files are set but {plain[0]} is plain http: use https://")
+    return problems
+
+
+def read_etcd_password(settings: Settings) -> str | None:
+    """The etcd password (first line of ``etcd_password_file``), None without a user.
+    Checked as the cluster secret file is (owner-only mode, not empty); raises
+    :class:`ConfigError`."""
+    if settings.etcd_password_file is None:
+        return None
+    path = settings.etcd_password_file
+    try:
+        with path.open("rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            data = fh.read(64 << 10)
+    except OSError as exc:
+        raise ConfigError(f"cannot read etcd_password_file {path}: "
+                          f"{exc.strerror or type(exc).__name__}") from exc
+    if mode & 0o077:
+        raise ConfigError(f"etcd_password_file {path} is open to group or others (mode "
+                          f"{mode & 0o777:04o}): chmod 600 it")
+    password = (data.splitlines() or [b""])[0].strip()
+    if not password:
+        raise ConfigError(f"etcd_password_file {path} is empty (the password is its first line)")
+    try:
+        return password.decode()
+    except UnicodeDecodeError:
+        raise ConfigError(f"etcd_password_file {path} is not UTF-8 text") from None
 
 
 def parse_port_range(text: str) -> tuple[int, int]:

@@ -23,6 +23,8 @@ from kvd.bootstrap.table import ParallelInfo, RankInfo
 from kvd.control.routing import Target as RouteTarget
 from kvd.control.routing import resolve_targets
 from kvd.core import Core
+from kvd.discovery.base import Lookups
+from kvd.discovery.events import PeerDeleted, PeerEvent, PeerPut
 from kvd.errors import BootstrapError, KvdError, PeerUnreachable, RegistrationError, RoomError
 from kvd.hostid import host_identity
 from kvd.logs import fields
@@ -141,7 +143,14 @@ class DecodeSide(Side):
     def __init__(self, core: Core) -> None:
         super().__init__(core)
         self.rooms = ReceiverRooms(core.control.endpoint, core.instance_id, self.timeouts)
-        self.bootstrap = BootstrapClient(core, core.settings.bootstrap_retry_budget)
+        self.bootstrap: Lookups = BootstrapClient(core, core.settings.bootstrap_retry_budget)
+        self.etcd = None
+        if core.settings.discovery == "etcd":  # seam until the membership machine lands
+            from kvd.discovery.etcd import EtcdClient, EtcdLookups, etcd_options
+            s = core.settings
+            self.etcd = self.bootstrap = EtcdLookups(
+                EtcdClient(etcd_options(s)), s.etcd_prefix, s.bootstrap_retry_budget,
+                s.etcd_view_ttl, s.etcd_lease_ttl, self.on_discovery, core.clock)
         self.registered: dict[str, str] = {}  # prefill endpoint -> instance registered with
         self._registering: dict[tuple[str, str], asyncio.Future[None]] = {}
         self.health: dict[str, PeerHealth] = {}
@@ -256,7 +265,7 @@ class DecodeSide(Side):
                                       f"{eff.bootstrap_addr} is down ({h.misses} heartbeats "
                                       f"missed)", self.role)
                 return
-            targets = await self._targets(eff.room, eff.bootstrap_addr, eff.dp_rank)
+            targets = await self._current_targets(eff.room, eff.bootstrap_addr, eff.dp_rank)
             failure = None
         except KvdError as exc:
             failure = RoomFailure(_kind_of(exc), f"room {eff.room}: {exc}", self.role)
@@ -264,6 +273,16 @@ class DecodeSide(Side):
             now = self.core.clock()
             self.run(self.rooms.resolved(eff.room, eff.inc, targets, now) if failure is None
                      else self.rooms.resolve_failed(eff.room, eff.inc, failure, now))
+
+    async def _current_targets(self, room: int, addr: str,
+                               dp_rank: int | None) -> list[Target]:
+        """:meth:`_targets`, resolved again while discovery replaced one of them meanwhile:
+        a room resolved after a restart is known is never bound to the old instance."""
+        for _ in range(3):
+            targets = await self._targets(room, addr, dp_rank)
+            if self.etcd is None or self.etcd.all_current(addr, targets):
+                return targets
+        raise BootstrapError(f"prefill {addr}: its ranks kept changing instance during lookup")
 
     async def _targets(self, room: int, addr: str, dp_rank: int | None) -> list[Target]:
         local, ranks = self.core.local, self.core.ranks
@@ -339,6 +358,28 @@ class DecodeSide(Side):
     def start(self) -> None:
         self.core.supervise(self.heartbeat_round, "heartbeats",
                             self.core.settings.heartbeat_interval)
+        if self.etcd is not None:
+            self.core.spawn(self.etcd.run(), "etcd-watch")
+
+    def on_discovery(self, ev: PeerEvent) -> None:
+        """A watch event: a rank that left etcd (lease expired, deregistered) or came back
+        as another instance fails the rooms resolved to the instance that is gone, and
+        drops what was kept for it (registration; the socket of an endpoint gone)."""
+        if isinstance(ev, PeerPut) and ev.previous is None:
+            return  # a new rank, or the same instance re-registered (etcd came back)
+        instance = ev.previous if isinstance(ev, PeerPut) else ev.instance
+        endpoint = ev.previous_endpoint if isinstance(ev, PeerPut) else ev.endpoint
+        assert instance is not None and endpoint is not None
+        what = (f"restarted (instance {instance} -> {ev.instance})" if isinstance(ev, PeerPut)
+                else f"left discovery (instance {instance}: lease expired or deregistered)")
+        failure = RoomFailure(FailureKind.PEER, f"prefill {ev.addr} rank dp {ev.rank.dp} tp "
+                              f"{ev.rank.tp} pp {ev.rank.pp} at {endpoint} {what}", self.role)
+        log.warning("%s", failure.reason, extra=fields(peer=ev.addr))
+        self.run(self.rooms.target_lost(endpoint, instance, failure, self.core.clock()))
+        if self.registered.get(endpoint) == instance:
+            del self.registered[endpoint]
+        if isinstance(ev, PeerDeleted) or ev.endpoint != endpoint:
+            self.core.control.drop(endpoint)
 
     def _used(self, addr: str, now: float) -> None:
         h = self.health.get(addr)
@@ -373,6 +414,8 @@ class DecodeSide(Side):
             if addr not in live and now - h.last_used > self.core.settings.peer_ttl:
                 self._forget(addr)
                 del self.health[addr]
+        if self.etcd is not None:  # liveness comes from leases: the name may not listen
+            return
         await asyncio.gather(*(self._guarded(self.probe, addr) for addr in list(self.health)))
 
     async def _guarded(self, probe: Callable[[str], Awaitable[None]], addr: str) -> None:

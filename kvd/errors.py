@@ -23,7 +23,10 @@ with ``raise ... from exc``, and carry the room and peer in their message::
     ├── BootstrapError         bootstrap registration or lookup failed
     │   ├── NotReady             fewer ranks registered than the instance needs (503)
     │   ├── NotFound             no rank under the requested key (404)
-    │   └── Conflict             a registration contradicts the instance (409)
+    │   ├── Conflict             a registration contradicts the instance (409)
+    │   └── DiscoveryError       the discovery store (etcd) failed or refused
+    │       ├── DiscoveryUnavailable  no etcd endpoint answered
+    │       └── DiscoveryAuthError    etcd refused the credentials
     ├── RpcError               engine <-> kvd RPC failed
     │   └── KvdUnreachable       the local kvd cannot be reached
     ├── DaemonUnreachable      no kvd answered at an HTTP address (CLI)
@@ -127,6 +130,18 @@ class NotReady(BootstrapError):
 
 class NotFound(BootstrapError):
     """No rank registered under the requested key (HTTP 404)."""
+
+
+class DiscoveryError(BootstrapError):
+    """The discovery store (etcd) refused a request or answered something unusable."""
+
+
+class DiscoveryUnavailable(DiscoveryError):
+    """No configured etcd endpoint answered in time."""
+
+
+class DiscoveryAuthError(DiscoveryError):
+    """etcd refused the configured user/password or client certificate."""
 
 
 class Conflict(BootstrapError):

@@ -18,9 +18,10 @@ from typing import Any
 
 import httpx
 
-from kvd.addr import http_url
+from kvd.addr import http_url, parse_hostport
 from kvd.core import Core
-from kvd.errors import KvdError, LayoutError, RegistrationError, TransportError
+from kvd.discovery.base import Registrar
+from kvd.errors import ConfigError, KvdError, LayoutError, RegistrationError, TransportError
 from kvd.protocol import control, rpc
 from kvd.protocol.codec import unpack_indices
 from kvd.rooms.effects import Effect, Report, Write, WriteDest
@@ -64,6 +65,11 @@ class PrefillSide(Side):
         self.failing_sessions: dict[str, int] = {}
         self.bootstrap_registered = False
         self.bootstrap_instance: str | None = None
+        self.etcd: Registrar | None = None  # discovery = etcd: this rank's lease keeper
+        self._etcd_options = None
+        if s.discovery == "etcd":  # read the password file now: a bad one stops startup
+            from kvd.discovery.etcd import etcd_options
+            self._etcd_options = etcd_options(s)
 
     # ---- engine calls -----------------------------------------------------------------
 
@@ -336,6 +342,13 @@ class PrefillSide(Side):
         self.run(self.rooms.tick(self.core.clock()))
 
     def start(self) -> None:
+        s = self.core.settings
+        if s.discovery == "etcd" and s.bootstrap_addr is not None and \
+                parse_hostport(s.bootstrap_addr)[0] in ("0.0.0.0", "::"):
+            raise ConfigError(f"discovery = etcd registers this rank under its bootstrap_addr, "
+                              f"which is {s.bootstrap_addr} (a wildcard bind address): set "
+                              f"bootstrap_addr to the address engines advertise (e.g. "
+                              f"KVD_BOOTSTRAP_ADDR=$(KVD_HOST):8998 in Kubernetes)")
         self.core.supervise(self._bootstrap_check, "bootstrap-check",
                             self.core.settings.heartbeat_interval)
 
@@ -350,8 +363,26 @@ class PrefillSide(Side):
         now = self.core.clock()
         for msg in list(self._registrations.values()):
             self.run(self._register(msg, now))
-        if not self.bootstrap_registered:
+        s = self.core.settings
+        if s.discovery == "etcd":
+            self._register_etcd()
+        # with etcd, only a rank that serves /route itself also registers there (for
+        # SGLang-native decodes); the others' bootstrap_addr may be a name only
+        if not self.bootstrap_registered and (s.discovery == "bootstrap" or s.serve_bootstrap):
             self.core.spawn(self.register_with_bootstrap(), "bootstrap-put")
+
+    def _register_etcd(self) -> None:
+        """Hand this rank's registration to its etcd lease keeper (started once)."""
+        if self.etcd is None:
+            from kvd.discovery.etcd import EtcdClient, EtcdRegistrar
+            s = self.core.settings
+            # the instance name: set, or this daemon's own bootstrap listener (config check)
+            assert s.bootstrap_addr is not None and self._etcd_options is not None
+            keeper = EtcdRegistrar(EtcdClient(self._etcd_options), s.etcd_prefix,
+                                   s.bootstrap_addr, s.etcd_lease_ttl)
+            self.etcd = keeper
+            self.core.spawn(keeper.run(), "etcd-registration")
+        self.etcd.set_registration(self._registration())
 
     async def engine_released(self) -> None:
         for room in self.unfinished():
@@ -363,6 +394,8 @@ class PrefillSide(Side):
         self.rooms.num_pages = self.rooms.num_aux_slots = 0
 
     async def drain_done(self) -> None:
+        if self.etcd is not None:
+            await self.etcd.deregister()
         if self.bootstrap_registered:
             await self.deregister_from_bootstrap()
 
@@ -472,7 +505,8 @@ class PrefillSide(Side):
                               last_error_time=error_time))
         queue = sum(len(r.chunks) for r in self.rooms.rooms.values())
         return Snapshot(self.role, rooms, peers, by_state, queue, self.rooms.table_sizes(),
-                        dict(self.rooms.dropped), self.bootstrap_registered)
+                        dict(self.rooms.dropped), self.bootstrap_registered or
+                        (self.etcd is not None and self.etcd.registered))
 
 
 def _check_aux(local: control.KVArgsWire, peer: control.KVArgsWire) -> None:

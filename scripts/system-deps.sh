@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Debian packages the Mooncake transfer engine needs at run time. Installs them when
-# run as root and missing; otherwise says what to install.
+# Debian packages kvd needs: the Mooncake transfer engine's run-time libraries, and
+# etcd-server (/usr/bin/etcd), which the tests start on loopback for discovery = etcd.
+# Installs them when run as root and missing; otherwise says what to install.
 set -euo pipefail
-pkgs=(libibverbs1 librdmacm1 libnuma1)
+pkgs=(libibverbs1 librdmacm1 libnuma1 etcd-server)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

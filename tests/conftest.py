@@ -151,3 +151,18 @@ def eventually_transfers(p_engine: object, d_engine: object, bootstrap: str, fir
         room += 1
         time.sleep(0.5)
     raise AssertionError(f"no room succeeded within {within}s after recovery")
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[object]:
+    """A real etcd server on loopback (free ports, temp data dir), stopped afterwards;
+    skipped with the reason when the etcd binary is missing."""
+    from tests.helpers.etcd import EtcdServer, etcd_binary
+
+    binary = etcd_binary()
+    if binary is None:
+        pytest.skip("etcd is not installed (scripts/system-deps.sh installs etcd-server)")
+    server = EtcdServer(tmp_path, binary)
+    server.start()
+    yield server
+    server.stop()

@@ -1,6 +1,7 @@
 """``kvd doctor``: can this machine run a kvd with these settings? Each check says what to fix.
 
-Checks: the settings are valid; the cluster secret; which Mooncake build is
+Checks: the settings are valid; the cluster secret; with ``discovery = etcd``, the
+store (reachable, credentials accepted, the cluster's prefix readable); which Mooncake build is
 installed; which transfer backend, protocol and NICs are used and why; the
 Mooncake transfer engine imports and initialises with those settings (in a
 child process, so a crash or hang in the native library is reported, not
@@ -67,6 +68,8 @@ def run_checks(settings: Settings | None, config_error: KvdError | None = None,
     checks = [check_config(config_error)]
     if settings is not None:
         checks.append(check_secret(settings))
+        if settings.discovery == "etcd":
+            checks.append(check_etcd(settings))
     checks += [check_build(), check_transfer_settings(s)]
     if engine_probe and s.transfer_backend != "local":
         checks.append(check_transfer_engine(s))
@@ -118,6 +121,28 @@ def check_config(error: KvdError | None) -> Check:
         return Check("config", "ok", "settings are valid")
     return Check("config", "fail", str(error).replace("\n", ";"),
                  "correct the settings listed (kvd config show -c FILE shows each source)")
+
+
+def check_etcd(settings: Settings) -> Check:
+    """discovery = etcd: the store answers, takes the credentials, and the cluster's
+    prefix is readable (each request bounded by ``http_timeout``)."""
+    import asyncio
+
+    from kvd.discovery.etcd import probe
+    from kvd.errors import DiscoveryAuthError, DiscoveryUnavailable
+
+    try:
+        return Check("etcd", "ok", asyncio.run(probe(settings)))
+    except ConfigError as exc:
+        return Check("etcd", "fail", str(exc), "fix etcd_password_file (chmod 600, first line)")
+    except DiscoveryUnavailable as exc:
+        return Check("etcd", "fail", str(exc), "start etcd, or correct etcd_endpoints (and "
+                     "etcd_ca_file for https)")
+    except DiscoveryAuthError as exc:
+        return Check("etcd", "fail", str(exc), "set etcd_user and etcd_password_file to a "
+                     "user with read-write access to etcd_prefix")
+    except KvdError as exc:
+        return Check("etcd", "fail", str(exc), "check etcd's log; etcd 3.4 or later is needed")
 
 
 def check_secret(settings: Settings) -> Check:

@@ -357,6 +357,20 @@ class ReceiverRooms:
                 self._fail(r, failure, now, out)
         return out
 
+    def target_lost(self, endpoint: str, instance: str, failure: RoomFailure,
+                    now: float) -> list[Effect]:
+        """Fail every unfinished room resolved to prefill rank ``endpoint`` as
+        ``instance`` (discovery saw it die or be replaced). Rooms resolved to another
+        instance at the same endpoint, and rooms not resolved yet, are untouched: a
+        room that resolves after the change is known never fails because of the old
+        instance."""
+        out: list[Effect] = []
+        for r in list(self.rooms.values()):
+            if not r.done and any(t.endpoint == endpoint and t.instance == instance
+                                  for t in r.targets or ()):
+                self._fail(r, failure, now, out)
+        return out
+
     # ---- time and reads ---------------------------------------------------------------
 
     def tick(self, now: float) -> list[Effect]:

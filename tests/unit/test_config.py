@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -365,3 +366,34 @@ def test_a_boolean_in_a_number_setting_is_refused(tmp_path: Path, line: str) -> 
         load_settings(write_toml(tmp_path, f'role = "decode"\n{line}\n'))
     s = load_settings(write_toml(tmp_path, 'role = "decode"\ninsecure = true\n'))
     assert s.insecure is True
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"etcd_prefix": "kvd"}, "must be an absolute key path"),
+    ({"etcd_endpoints": "127.0.0.1:2379"}, "is not http(s)://host:port"),
+    ({"etcd_endpoints": "http://a:2379,ftp://b:1"}, "'ftp://b:1'"),
+    ({"etcd_user": "kvd"}, "etcd_user and etcd_password_file go together"),
+    ({"etcd_key_file": "/k.pem"}, "etcd_key_file needs etcd_cert_file"),
+    ({"etcd_ca_file": "/ca.pem"}, "is plain http: use https://"),
+    ({"etcd_lease_ttl": 1}, "greater than or equal to 2"),
+    ({"discovery": "zookeeper"}, "'bootstrap' or 'etcd'"),
+])
+def test_etcd_settings_are_validated_with_clear_errors(overrides: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_settings(role="decode", **overrides)
+
+
+def test_etcd_password_file_is_checked_like_the_secret_file(tmp_path: Path) -> None:
+    from kvd.config import read_etcd_password
+
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\nignored\n")
+    pw.chmod(0o644)
+    s = load_settings(role="decode", etcd_user="kvd", etcd_password_file=str(pw))
+    with pytest.raises(ConfigError, match="open to group or others"):
+        read_etcd_password(s)
+    pw.chmod(0o600)
+    assert read_etcd_password(s) == "s3cret"
+    ok = load_settings(role="decode", discovery="etcd", etcd_endpoints="https://e1:2379,"
+                       "https://e2:2379/", etcd_ca_file="/ca.pem", etcd_prefix="/kvd/prod/")
+    assert ok.etcd_prefix == "/kvd/prod"

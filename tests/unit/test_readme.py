@@ -73,3 +73,16 @@ def test_example_configs_have_fixed_http_ports() -> None:
         assert s.http_port != 0, name
     assert load_settings(REPO / "config" / "prefill.toml").http_port != \
         load_settings(REPO / "config" / "decode.toml").http_port  # one host in the examples
+
+
+def test_etcd_settings_load_on_both_hosts(tmp_path: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [n for n in os.environ if n.startswith("KVD_")]:
+        monkeypatch.delenv(name)
+    etcd = block_after("etcd-settings")
+    for host in ("A", "B"):
+        path = tmp_path / f"{host}.toml"
+        path.write_text(block_after(f"two-host: {host}") + etcd)
+        s = load_settings(path)
+        assert s.discovery == "etcd" and s.etcd_prefix == "/kvd/prod"
+        assert s.etcd_endpoints.startswith("https://") and s.etcd_ca_file is not None

@@ -264,6 +264,24 @@ def test_peer_lost_fails_the_rooms_of_that_prefill_only() -> None:
     assert d.rooms[1].failure == f and len(of(out, Ended)) == 2
 
 
+def test_target_lost_fails_only_rooms_resolved_to_that_instance() -> None:
+    """A discovery event (lease expired, new instance put) fails the rooms bound to the
+    instance that is gone; a room resolved to the new instance at the same endpoint, or
+    not resolved yet, is untouched."""
+    d = receiver()
+    for room in (1, 2, 3, 4):
+        d.create(room, BOOT, None, 0.0)
+    d.resolved(1, 1, targets(P0, instance="p-old"), 1.0)
+    d.resolved(2, 2, targets(P0, instance="p-new"), 1.0)
+    d.resolved(3, 3, targets(P1, instance="p-old"), 1.0)
+    f = RoomFailure(FailureKind.PEER, "prefill rank restarted", "decode")
+    out = d.target_lost(P0, "p-old", f, 2.0)
+    assert [d.rooms[k].status for k in (1, 2, 3, 4)] == [
+        KVPoll.Failed, KVPoll.WaitingForInput, KVPoll.WaitingForInput, KVPoll.Bootstrapping]
+    assert d.rooms[1].failure == f and len(of(out, Ended)) == 1
+    assert d.target_lost(P0, "p-old", f, 3.0) == []  # already ended: nothing twice
+
+
 # ---- deadlines and release safety ---------------------------------------------------------
 
 def _bootstrapping() -> tuple[ReceiverRooms, float]:
