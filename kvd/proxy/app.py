@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -165,9 +166,7 @@ class Proxy:
     async def handle(self, path: str, request: Request) -> Response:
         """Forward one request; a client that leaves cancels it (499 for the record)."""
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise LegError("the request body must be a JSON object")
+            body = _json_object(await request.body())
             prefill_body(body, 0)  # validates what the split needs (n)
         except (ValueError, LegError) as exc:
             self.metrics.requests.labels("client_error").inc()
@@ -440,6 +439,26 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object that can be forwarded as it came. Raises
+    ValueError (the client's 400, never a 500) for invalid JSON, nesting deeper than the
+    parser's recursion limit, a string that is not Unicode text (a lone surrogate
+    ``\\ud800`` parses but cannot be sent as UTF-8), or anything but an object."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    if not isinstance(body, dict):
+        raise LegError("the request body must be a JSON object")
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ValueError("a string in the body is not valid Unicode (lone surrogate)") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    return body
 
 
 def _headers(r: httpx.Response) -> dict[str, str]:

@@ -135,6 +135,20 @@ async def test_s20_a_loopback_listener_serves_loopback_names_only() -> None:
         assert await Call("GET", "/health", headers={"host": host}).run(guard) == 200
 
 
+@pytest.mark.parametrize("raw", [b"[" * 200_000, b'{"a": ' * 100_000, b'{"prompt": "\\ud800"}',
+                                 b"\xff\xfe", b"[1, 2]", b'"text"', b""])
+async def test_s20_malformed_bodies_are_answered_400_never_500(raw: bytes) -> None:
+    engines = Engines()
+    app = proxy_app(engines)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://proxy") as c:
+        r = await c.post("/v1/completions", content=raw,
+                         headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith("invalid request: ")
+    assert engines.seen == []
+
+
 # ---- the bearer token ---------------------------------------------------------------------
 
 def test_s20_bearer_compare() -> None:
