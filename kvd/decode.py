@@ -10,7 +10,6 @@ epoch drops the cache, so new rooms resolve and register again.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -347,11 +346,20 @@ class DecodeSide(Side):
                 instance=t.instance)
 
     def _write_aux(self, eff: WriteAux) -> None:
-        local = self.core.local
-        if local is None:
+        """Copy the room's aux payload into slot ``aux_index`` of each aux buffer, through
+        the buffer's descriptor (:meth:`kvd.memory.host.HostBuffer.write`): an engine that
+        shrank its pool under kvd costs an error line, never a SIGBUS (case S16). The
+        room's outcome is the machine's: it decided Success with this effect."""
+        mem = self.core.engine_memory
+        if mem is None:
             return
-        for ptr, data in zip(local.aux_ptrs, eff.payload, strict=True):
-            ctypes.memmove(int(ptr) + eff.aux_index * len(data), data, len(data))
+        for i, (buf, data) in enumerate(zip(mem.aux, eff.payload, strict=True)):
+            try:
+                buf.write(eff.aux_index * len(data), data)
+            except RegistrationError as exc:
+                log.error("room %d: aux slot %d of aux buffer %d not written: %s", eff.room,
+                          eff.aux_index, i, exc, extra=fields(room=eff.room))
+                return
 
     # ---- heartbeats -------------------------------------------------------------------
 

@@ -9,7 +9,6 @@ in the pure machine; this module only does I/O and planning.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import time
 from collections.abc import Iterable
@@ -228,9 +227,15 @@ class PrefillSide(Side):
                 raise TypeError(f"prefill cannot perform {eff!r}")
 
     def _report(self, eff: Report) -> None:
-        aux = self._aux_payload(eff.aux_index) if eff.aux_index is not None else None
-        f = eff.failure
-        msg = control.RoomStatus(room=eff.room, inc=eff.inc, status=int(eff.status),
+        f, status = eff.failure, eff.status
+        try:
+            aux = self._aux_payload(eff.aux_index) if eff.aux_index is not None else None
+        except RegistrationError as exc:  # the engine changed its aux memory (S16)
+            aux, status = None, KVPoll.Failed
+            f = RoomFailure(FailureKind.LAYOUT, f"room {eff.room}: the prefill's aux slot "
+                            f"{eff.aux_index} cannot be read: {exc}", "prefill")
+            log.error("%s", f.reason)
+        msg = control.RoomStatus(room=eff.room, inc=eff.inc, status=int(status),
                                  kind=f.kind.value if f else "", reason=f.reason if f else "",
                                  endpoint=self.core.control.endpoint,
                                  instance_id=self.core.instance_id, quiesced=eff.quiesced,
@@ -328,13 +333,19 @@ class PrefillSide(Side):
 
     def _aux_payload(self, aux_index: int) -> list[bytes] | None:
         """The room's aux slot read from the engine's aux buffers (aux_transport =
-        control, last PP stage only); None when aux travels with the transfer."""
+        control, last PP stage only); None when aux travels with the transfer. Raises
+        :class:`~kvd.errors.HandleError` if a buffer no longer holds the slot."""
         s, local, ranks = self.core.settings, self.core.local, self.core.ranks
         if s.aux_transport != "control" or ranks is None or \
                 ranks.pp_rank != ranks.pp_size - 1 or local is None or not local.aux_ptrs.size:
             return None
-        return [ctypes.string_at(int(p) + aux_index * int(n), int(n))
-                for p, n in zip(local.aux_ptrs, local.aux_item_lens, strict=True)]
+        mem = self.core.engine_memory
+        if mem is None:
+            return None
+        # through each buffer's descriptor, never the mapping: a pool the engine shrank
+        # raises HandleError instead of killing the daemon with SIGBUS (case S16)
+        return [b.read(aux_index * int(n), int(n))
+                for b, n in zip(mem.aux, local.aux_item_lens, strict=True)]
 
     # ---- time and lifecycle -----------------------------------------------------------
 

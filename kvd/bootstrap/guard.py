@@ -117,14 +117,14 @@ class RequestGuard:
             return
         if body is None:  # the client went away
             return
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, replay(body, receive), send)
 
     async def _admit(self, scope: Scope, receive: Receive) -> bytes | None:
-        headers = _headers(scope)
+        headers = headers_of(scope)
         if self.loopback:
             self._check_host(headers.get("host", ""))
         policy = self.policies.get((scope["method"], scope["path"]), SIGNED)
-        declared = _content_length(headers)
+        declared = content_length(headers)
         if declared is not None and declared > policy.max_body:
             raise Refusal(413, f"body of {declared} bytes over this route's limit of "
                                f"{policy.max_body}")
@@ -160,32 +160,36 @@ class RequestGuard:
                        {INSTANCE_HEADER: self.auth.instance_id})
 
     async def _read_body(self, receive: Receive, limit: int) -> bytes | None:
-        """The whole body, at most ``limit`` bytes, within the body timeout; None if the
-        client disconnected."""
-        chunks, size = [], 0
-        try:
-            async with asyncio.timeout(self.body_timeout):
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        return None
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > limit:
-                        raise Refusal(413, f"body over this route's limit of {limit} bytes")
-                    chunks.append(chunk)
-                    if not message.get("more_body", False):
-                        return b"".join(chunks)
-        except TimeoutError:
-            raise Refusal(408, f"request body not received within "
-                               f"{self.body_timeout:g}s") from None
+        return await read_body(receive, limit, self.body_timeout)
 
 
-def _headers(scope: Scope) -> dict[str, str]:
+async def read_body(receive: Receive, limit: int, seconds: float) -> bytes | None:
+    """The whole request body, at most ``limit`` bytes, within ``seconds``; None
+    if the client disconnected. Raises :class:`Refusal` 413 as soon as the body passes
+    ``limit`` (declared or chunked: nothing past it is read) and 408 at the deadline."""
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(seconds):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise Refusal(413, f"body over this route's limit of {limit} bytes")
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+    except TimeoutError:
+        raise Refusal(408, f"request body not received within {seconds:g}s") from None
+
+
+def headers_of(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
 
 
-def _content_length(headers: dict[str, str]) -> int | None:
+def content_length(headers: dict[str, str]) -> int | None:
     value = headers.get("content-length")
     if value is None:
         return None
@@ -194,7 +198,7 @@ def _content_length(headers: dict[str, str]) -> int | None:
     return int(value)
 
 
-def _replay(body: bytes, receive: Receive) -> Receive:
+def replay(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that hands the app the body already read, then defers."""
     sent = False
 
@@ -209,9 +213,16 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 async def _refuse(send: Send, refusal: Refusal) -> None:
-    body = (refusal.text + "\n").encode()
-    headers = [(b"content-type", b"text/plain; charset=utf-8"),
-               (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
-    headers += [(k.lower().encode(), v.encode()) for k, v in refusal.headers.items()]
-    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+    await respond(send, refusal.status, (refusal.text + "\n").encode(),
+                  "text/plain; charset=utf-8", refusal.headers)
+
+
+async def respond(send: Send, status: int, body: bytes, content_type: str,
+                  headers: Mapping[str, str] | None = None) -> None:
+    """Send a whole response that closes the connection (``Connection: close``: a body
+    the client is still sending is never read)."""
+    raw = [(b"content-type", content_type.encode()),
+           (b"content-length", str(len(body)).encode()), (b"connection", b"close")]
+    raw += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
     await send({"type": "http.response.body", "body": body})

@@ -226,20 +226,57 @@ def proxy(
     timeout: Annotated[float, typer.Option(min=0.001, help="seconds per engine request")] = 600.0,
     health_interval: Annotated[float, typer.Option(
         min=0, help="seconds between health probes of each engine (0: none)")] = 5.0,
+    token_file: Annotated[Path | None, typer.Option(
+        "--token-file", envvar="KVD_PROXY_TOKEN_FILE",
+        help="file whose first line is the bearer token every request but GET /health and "
+             "/metrics must carry (Authorization: Bearer ...); owned by this user, mode "
+             "0600 (proxy_token_file; default: no authentication)")] = None,
+    max_body: Annotated[int, typer.Option(
+        min=0, help="largest request body, bytes (larger: 413, unread)")] = 4 << 20,
+    body_timeout: Annotated[float, typer.Option(
+        min=0.001, help="seconds to receive a whole request body (then 408)")] = 10.0,
+    header_timeout: Annotated[float, typer.Option(
+        min=0.001, help="seconds to receive a request head, from connecting or from the "
+                        "last response (then the connection is closed)")] = 5.0,
+    max_connections: Annotated[int, typer.Option(
+        min=1, help="open client connections at most (idle ones are closed to make room; "
+                    "when all are busy a newcomer is refused)")] = 1024,
+    expose_servers: Annotated[bool, typer.Option(
+        "--expose-servers", help="name engine URLs in /health, /metrics and 502 answers "
+                                 "(default: by role and index)")] = False,
     log_level: Annotated[str, typer.Option("--log-level")] = "WARNING",
 ) -> None:
     """PD router: each OpenAI request is prefilled on one engine and decoded on another,
     the KV moving through kvd (least outstanding requests first; retries; streaming;
-    a client that leaves cancels both legs; /health and /metrics)."""
-    import uvicorn
+    a client that leaves cancels both legs; /health and /metrics). A public HTTP
+    service: body caps, head and body deadlines, a connection cap, optional bearer
+    token."""
+    import asyncio
 
-    from kvd.proxy.app import ProxyConfig, make_app
+    from kvd import logs
+    from kvd.proxy.app import ProxyConfig
+    from kvd.proxy.serve import app_for, serve
 
     urls = [u for u in (*prefill, *decode) if not u.startswith(("http://", "https://"))]
     if urls:
         raise _fail(f"engine URLs must start with http:// or https://: {', '.join(urls)}", 2)
-    config = ProxyConfig(tuple(prefill), tuple(decode), retries, timeout, health_interval)
-    uvicorn.run(make_app(config), host=host, port=port, log_level=log_level.lower())
+    config = ProxyConfig(tuple(prefill), tuple(decode), retries, timeout, health_interval,
+                         max_body=max_body, body_timeout=body_timeout,
+                         header_timeout=header_timeout, max_connections=max_connections,
+                         token_file=token_file, expose_servers=expose_servers)
+    try:
+        proxy_app = app_for(config, host)  # refuses a bad token file before logging starts
+    except ConfigError as exc:
+        raise _fail(str(exc), 2) from None
+    logs.setup(log_level.upper())
+
+    def ready(bound: int) -> None:
+        typer.echo(f"kvd proxy: listening on http://{host}:{bound}", err=True)
+
+    try:
+        asyncio.run(serve(config, host, port, ready, app=proxy_app))
+    except ConfigError as exc:
+        raise _fail(str(exc), 2) from None
 
 
 @app.command()

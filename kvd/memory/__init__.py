@@ -3,7 +3,8 @@
 One interface, :class:`Buffer`, per imported buffer whatever its handle kind
 (:mod:`kvd.protocol.memory`): ``address`` in this process, ``length`` bytes,
 ``device`` (``"cpu"`` or ``"cuda:N"``), ``host_addressable`` (may the CPU read it:
-nothing in kvd assumes so unless this says it), ``release()``. Importers by kind:
+nothing in kvd assumes so unless this says it), ``read``/``write`` (kvd's own accesses,
+SIGBUS-safe for host files: case S16), ``release()``. Importers by kind:
 ``shm`` and ``fd`` and ``proc_fd`` -> :mod:`kvd.memory.host`, ``cuda_ipc`` ->
 :mod:`kvd.memory.cuda` (the only module that imports the CUDA bindings, on first use).
 
@@ -58,6 +59,15 @@ class Buffer(Protocol):
     def host_addressable(self) -> bool: ...
 
     def export(self) -> PeerHandle: ...
+
+    def read(self, offset: int, n: int) -> bytes:
+        """``n`` bytes at ``offset``, without touching memory that may have gone (S16).
+        Raises :class:`HandleError`."""
+        ...
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Write ``data`` at ``offset``, likewise. Raises :class:`HandleError`."""
+        ...
 
     def release(self) -> None: ...
 

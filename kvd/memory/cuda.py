@@ -132,6 +132,17 @@ class CudaBuffer:
         """The engine's own handle: another process opens the same segment."""
         return self.handle
 
+    def read(self, offset: int, n: int) -> bytes:
+        """Not host addressable: raises :class:`HandleError` (aux over the control plane
+        needs host aux buffers)."""
+        raise HandleError(f"{self.device} memory is not host addressable: kvd cannot read "
+                          f"it over the control plane")
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Not host addressable: raises :class:`HandleError`."""
+        raise HandleError(f"{self.device} memory is not host addressable: kvd cannot write "
+                          f"it over the control plane")
+
     def release(self) -> None:
         if not self.released:
             self.released = True

@@ -16,6 +16,14 @@ after the fact: case S10):
 * ``proc_fd`` (a peer daemon's export, same host): ``/proc/<pid>/fd/<n>`` in the same
   pid namespace, and the reopened file must have the exported device and inode.
 
+kvd's own reads and writes of engine memory (aux slots over the control plane) go
+through the kept descriptor (``pread``/``pwrite``, :meth:`HostBuffer.read` and
+:meth:`HostBuffer.write`), never through the mapping: an engine that truncates its file
+under kvd (case S16) then costs a :class:`HandleError`, where a load or store in the
+mapping past the file's end would kill the daemon with ``SIGBUS``. The transfer
+engine's page (and ``aux_transport = "mooncake"`` aux) copies still go through the
+mapping; only a sealed memfd (``fd`` handles) rules that out.
+
 Files are mapped whole with ``mmap`` (``MAP_SHARED``; not
 ``multiprocessing.shared_memory``, whose resource tracker would unlink the engine's
 pool when kvd exits on Python < 3.13) and shared by every buffer inside them (keyed
@@ -95,6 +103,54 @@ class HostBuffer:
         return ProcFdHandle(pid=os.getpid(), fd=self.file.fd, st_dev=self.file.dev,
                             st_ino=self.file.ino, offset=self.offset, length=self.length,
                             pid_ns=pid_namespace())
+
+    def read(self, offset: int, n: int) -> bytes:
+        """``n`` bytes at ``offset`` of this buffer, read through the file's descriptor
+        (never the mapping: a file shrunk under kvd cannot raise ``SIGBUS`` here).
+        Raises :class:`HandleError` if the range is outside the buffer or the file now
+        ends before it (case S16)."""
+        pos = self._span(offset, n)
+        try:
+            data = os.pread(self.file.fd, n, pos)
+        except OSError as exc:
+            raise HandleError(f"cannot read {self.file.what}: {exc.strerror}") from exc
+        if len(data) != n:
+            raise self._shrunk(pos, n)
+        return data
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Write ``data`` at ``offset`` of this buffer through the file's descriptor
+        (never the mapping). Raises :class:`HandleError` if the range is outside the
+        buffer or the file now ends before its end (case S16).
+
+        The size check and the write are two calls: a file truncated between them is
+        extended again by the write (sparse, zeros below the range). kvd neither faults
+        nor writes outside the file, and the engine that truncated its pool reads zeros
+        where it dropped its own data."""
+        pos = self._span(offset, len(data))
+        try:
+            if os.fstat(self.file.fd).st_size < pos + len(data):
+                raise self._shrunk(pos, len(data))
+            written = os.pwrite(self.file.fd, data, pos)
+        except OSError as exc:
+            raise HandleError(f"cannot write {self.file.what}: {exc.strerror}") from exc
+        if written != len(data):
+            raise HandleError(f"short write to {self.file.what}: {written} of {len(data)} "
+                              f"bytes at {pos}")
+
+    def _span(self, offset: int, n: int) -> int:
+        """The file offset of ``[offset, +n)`` of this buffer; HandleError if outside."""
+        if self.released or offset < 0 or n < 0 or offset + n > self.length:
+            raise HandleError(f"[{offset}, +{n}) is outside this buffer of {self.length} "
+                              f"bytes of {self.file.what}" + (" (released)" if self.released
+                                                              else ""))
+        return self.offset + offset
+
+    def _shrunk(self, pos: int, n: int) -> HandleError:
+        size = os.fstat(self.file.fd).st_size
+        return HandleError(f"{self.file.what} shrank under kvd: it now ends at byte {size}, "
+                           f"before [{pos}, +{n}) (registered {self.file.size} bytes); the "
+                           f"engine changed memory it registered")
 
     def release(self) -> None:
         """Drop this buffer; the file is unmapped and closed with its last buffer."""

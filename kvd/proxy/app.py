@@ -30,17 +30,26 @@ succeeds. ``GET /health`` answers 200 while each role has a healthy server.
 
 Metrics (``GET /metrics``, the proxy's own registry): ``kvd_proxy_requests_total
 {outcome}``, ``kvd_proxy_attempts_total{role,outcome}``, ``kvd_proxy_leg_seconds{role}``,
-``kvd_proxy_outstanding{role,server}``, ``kvd_proxy_server_healthy{role,server}``.
+``kvd_proxy_outstanding{role,server}``, ``kvd_proxy_server_healthy{role,server}``,
+``kvd_proxy_refused_total{reason}`` (requests refused by :mod:`kvd.proxy.guard`).
+
+Limits (S20): every request passes :class:`kvd.proxy.guard.ProxyGuard` (body cap, body
+deadline, optional bearer token) before this app reads a byte of it. Nothing the proxy
+answers names an engine's address unless ``expose_servers``: ``/health``, the ``server``
+label of the metrics and the reasons of a 502 name each server by its role and index
+(``prefill #0``, the order of ``--prefill``); the log names the URL.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -49,10 +58,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvd.proxy.guard import DEFAULT_MAX_BODY, ProxyGuard, read_token_file
 from kvd.proxy.legs import LegError, decode_body, new_room, prefill_body, transfer_params
 from kvd.proxy.pool import NoServer, Pool, Server
 
 log = logging.getLogger("kvd.proxy")
+
+#: Why :class:`ProxyGuard` refused, by status (the ``reason`` of kvd_proxy_refused_total).
+_REFUSALS = {400: "bad_host", 401: "unauthenticated", 408: "body_timeout",
+             413: "body_too_large"}
 
 #: Response headers of an engine that are not forwarded (hop-by-hop or recomputed).
 _DROP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive",
@@ -69,15 +83,21 @@ class ProxyConfig:
     timeout: float = 600.0
     health_interval: float = 5.0
     max_failures: int = 2
+    max_body: int = DEFAULT_MAX_BODY
+    body_timeout: float = 10.0
+    header_timeout: float = 5.0
+    max_connections: int = 1024
+    token_file: Path | None = None
+    expose_servers: bool = False
 
 
 class Retry(Exception):
     """An attempt failed in a way another attempt may not: ``fresh_room`` says whether
     the prefill leg must run again (False: the decode never saw the request)."""
 
-    def __init__(self, reason: str, fresh_room: bool = True) -> None:
+    def __init__(self, reason: str, fresh_room: bool = True, url: str = "") -> None:
         super().__init__(reason)
-        self.fresh_room = fresh_room
+        self.fresh_room, self.url = fresh_room, url
 
 
 class Metrics:
@@ -98,6 +118,13 @@ class Metrics:
                                  ["role", "server"], registry=r)
         self.healthy = Gauge("kvd_proxy_server_healthy", "1 while a server takes requests",
                              ["role", "server"], registry=r)
+        self.refused = Counter("kvd_proxy_refused", "Requests refused before forwarding "
+                               "(bad_host, unauthenticated, body_timeout, body_too_large)",
+                               ["reason"], registry=r)
+
+    def refusal(self, status: int) -> None:
+        """Count one refusal of :class:`kvd.proxy.guard.ProxyGuard` by its status."""
+        self.refused.labels(_REFUSALS.get(status, str(status))).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -114,22 +141,32 @@ class Proxy:
                                                   limits=httpx.Limits(max_connections=None))
         self.metrics = Metrics()
         self._releases: set[asyncio.Task[None]] = set()
+        self._index = {(role, s.url): i for role, pool in self.pools.items()
+                       for i, s in enumerate(pool.servers)}
         self._gauges()
+
+    def label(self, role: str, server: Server) -> str:
+        """How answers and metrics name ``server``: its URL with ``expose_servers``, else
+        its index in its role's list (``"0"``)."""
+        return server.url if self.config.expose_servers else str(self._index[role, server.url])
+
+    def name(self, role: str, server: Server) -> str:
+        """``server`` in a message to a client: ``prefill http://...`` or ``prefill #0``."""
+        label = self.label(role, server)
+        return f"{role} {label}" if self.config.expose_servers else f"{role} #{label}"
 
     def _gauges(self) -> None:
         for role, pool in self.pools.items():
             for s in pool.servers:
-                self.metrics.outstanding.labels(role, s.url).set(s.outstanding)
-                self.metrics.healthy.labels(role, s.url).set(int(s.healthy))
+                self.metrics.outstanding.labels(role, self.label(role, s)).set(s.outstanding)
+                self.metrics.healthy.labels(role, self.label(role, s)).set(int(s.healthy))
 
     # ---- one client request -----------------------------------------------------------
 
     async def handle(self, path: str, request: Request) -> Response:
         """Forward one request; a client that leaves cancels it (499 for the record)."""
         try:
-            body = await request.json()
-            if not isinstance(body, dict):
-                raise LegError("the request body must be a JSON object")
+            body = _json_object(await request.body())
             prefill_body(body, 0)  # validates what the split needs (n)
         except (ValueError, LegError) as exc:
             self.metrics.requests.labels("client_error").inc()
@@ -173,7 +210,7 @@ class Proxy:
             except Retry as exc:
                 last = str(exc)
                 have_params = have_params and not exc.fresh_room
-                log.warning("attempt failed (%s); retrying%s", exc,
+                log.warning("attempt failed at %s (%s); retrying%s", exc.url, exc,
                             "" if have_params else " with a fresh room")
             except NoServer as exc:
                 last = str(exc)
@@ -215,7 +252,8 @@ class Proxy:
         try:
             return transfer_params(r.json())
         except ValueError as exc:
-            raise Retry(f"prefill {server.url} answered no JSON: {exc}") from exc
+            raise Retry(f"{self.name('prefill', server)} answered no JSON: {exc}",
+                        url=server.url) from exc
 
     async def _decode(self, path: str, body: dict[str, Any], params: dict[str, Any] | None,
                       tried: set[str]) -> Response:
@@ -253,8 +291,9 @@ class Proxy:
             self._gauges()
             self.metrics.attempts.labels(role, "retried").inc()
             never_sent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
-            raise Retry(f"{role} {server.url} unreachable: {type(exc).__name__}",
-                        fresh_room=role == "prefill" or not never_sent) from exc
+            raise Retry(f"{self.name(role, server)} unreachable: {type(exc).__name__}",
+                        fresh_room=role == "prefill" or not never_sent,
+                        url=server.url) from exc
         self.metrics.leg_s.labels(role).observe(time.perf_counter() - started)
         if r.status_code >= 500:
             with contextlib.suppress(httpx.HTTPError):
@@ -263,7 +302,7 @@ class Proxy:
             pool.failed(server)
             self._gauges()
             self.metrics.attempts.labels(role, "retried").inc()
-            raise Retry(f"{role} {server.url} answered {r.status_code}")
+            raise Retry(f"{self.name(role, server)} answered {r.status_code}", url=server.url)
         pool.ok(server)
         server.served += 1
         self.metrics.attempts.labels(role, "ok" if r.status_code < 400 else
@@ -290,7 +329,7 @@ class Proxy:
 
     def _busy(self, role: str, server: Server, delta: int) -> None:
         server.outstanding += delta
-        self.metrics.outstanding.labels(role, server.url).set(server.outstanding)
+        self.metrics.outstanding.labels(role, self.label(role, server)).set(server.outstanding)
 
     # ---- health -------------------------------------------------------------------------
 
@@ -321,17 +360,26 @@ class Proxy:
             await asyncio.sleep(self.config.health_interval)
 
     def health(self) -> tuple[int, dict[str, Any]]:
-        """``GET /health``: 200 while each role has a healthy server."""
-        view = {role: [{"url": s.url, "healthy": s.healthy, "outstanding": s.outstanding,
-                        "failures": s.failures, "served": s.served} for s in pool.servers]
+        """``GET /health``: 200 while each role has a healthy server; each server by its
+        index (and its URL with ``expose_servers``)."""
+        view = {role: [{"index": i, **({"url": s.url} if self.config.expose_servers else {}),
+                        "healthy": s.healthy, "outstanding": s.outstanding,
+                        "failures": s.failures, "served": s.served}
+                       for i, s in enumerate(pool.servers)]
                 for role, pool in self.pools.items()}
         up = all(any(s.healthy for s in pool.servers) for pool in self.pools.values())
         return (200 if up else 503), {"status": "ok" if up else "degraded", **view}
 
 
-def make_app(config: ProxyConfig, client: httpx.AsyncClient | None = None) -> FastAPI:
+def make_app(config: ProxyConfig, client: httpx.AsyncClient | None = None,
+             loopback: bool = False) -> FastAPI:
     """The proxy app; ``client`` reaches the engines (tests pass one over a mock
-    transport). Health probes run while the app's lifespan runs (``health_interval`` > 0)."""
+    transport). Health probes run while the app's lifespan runs (``health_interval`` > 0).
+    ``loopback``: the listener is a loopback address (Host headers are checked).
+
+    Raises :class:`kvd.errors.ConfigError` if ``config.token_file`` is refused.
+    """
+    token = read_token_file(config.token_file) if config.token_file is not None else None
     proxy = Proxy(config, client)
 
     @contextlib.asynccontextmanager
@@ -347,8 +395,12 @@ def make_app(config: ProxyConfig, client: httpx.AsyncClient | None = None) -> Fa
                     await task
             await proxy.client.aclose()
 
-    app = FastAPI(title="kvd PD proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="kvd PD proxy", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.proxy = proxy
+    app.add_middleware(ProxyGuard, token=token, max_body=config.max_body,
+                       body_timeout=config.body_timeout, loopback=loopback,
+                       on_refusal=proxy.metrics.refusal)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -369,8 +421,9 @@ def make_app(config: ProxyConfig, client: httpx.AsyncClient | None = None) -> Fa
         try:
             r = await proxy.client.get(f"{server.url}/v1/models")
         except httpx.HTTPError as exc:
-            return _error(502, f"decode {server.url} unreachable: {type(exc).__name__}",
-                          "proxy_error")
+            log.warning("decode %s unreachable for /v1/models: %s", server.url, exc)
+            return _error(502, f"{proxy.name('decode', server)} unreachable: "
+                               f"{type(exc).__name__}", "proxy_error")
         return _forward(r, r.content)
 
     @app.get("/metrics")
@@ -386,6 +439,26 @@ async def _disconnected(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object that can be forwarded as it came. Raises
+    ValueError (the client's 400, never a 500) for invalid JSON, nesting deeper than the
+    parser's recursion limit, a string that is not Unicode text (a lone surrogate
+    ``\\ud800`` parses but cannot be sent as UTF-8), or anything but an object."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    if not isinstance(body, dict):
+        raise LegError("the request body must be a JSON object")
+    try:
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise ValueError("a string in the body is not valid Unicode (lone surrogate)") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    return body
 
 
 def _headers(r: httpx.Response) -> dict[str, str]:

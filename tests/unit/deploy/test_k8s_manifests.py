@@ -294,14 +294,17 @@ def test_router_arguments_parse_and_point_at_the_engines(monkeypatch: pytest.Mon
     (c,) = deploy["spec"]["template"]["spec"]["containers"]
     argv = [*c["command"], *c["args"]]
     assert argv[argv.index("kvd") + 1] == "proxy"  # shipped in the kvd package (the image)
-    import uvicorn
     from typer.testing import CliRunner
 
+    import kvd.proxy.serve
     from kvd.cli.main import app
 
     served: dict[str, Any] = {}
-    monkeypatch.setattr(uvicorn, "run",
-                        lambda app, host, port, **kw: served.update(host=host, port=port))
+
+    async def serve(config: Any, host: str, port: int, *args: Any, **kw: Any) -> None:
+        served.update(host=host, port=port)
+
+    monkeypatch.setattr(kvd.proxy.serve, "serve", serve)
     result = CliRunner().invoke(app, argv[argv.index("kvd") + 1:])
     assert result.exit_code == 0, result.output
     assert served["host"] == "0.0.0.0"

@@ -178,7 +178,7 @@ async def test_client_errors_pass_through_and_retries_are_bounded() -> None:
     engines.behaviour = {"p0": broken}
     app = proxy_app(engines, retries=2)
     r = await post(app, {"prompt": "x"})
-    assert r.status_code == 502 and "p0 answered 502" in r.json()["error"]["message"]
+    assert r.status_code == 502 and "prefill #0 answered 502" in r.json()["error"]["message"]
     assert len(engines.legs("p")) == 3
     r = await post(app, {"prompt": "x", "n": 0})
     assert r.status_code == 400 and "n must be" in r.json()["error"]["message"]
@@ -268,7 +268,7 @@ async def test_health_probes_take_a_dead_server_out_and_bring_it_back() -> None:
                                  base_url="http://proxy") as c:
         assert (await c.get("/health")).status_code == 503
         text = (await c.get("/metrics")).text
-    assert 'kvd_proxy_server_healthy{role="decode",server="http://d0"} 0.0' in text
+    assert 'kvd_proxy_server_healthy{role="decode",server="0"} 0.0' in text
     state["up"] = True
     await proxy.probe_all()
     assert proxy.health()[0] == 200
