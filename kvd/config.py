@@ -46,6 +46,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from kvd.engine_rpc.socket_path import default_engine_socket
 from kvd.errors import ConfigError
 
 ENV_PREFIX = "KVD_"
@@ -153,8 +154,10 @@ class Settings(BaseSettings):
                                         help="an HTTP request body must arrive within this")
     zmq_port: int = _setting(0, ge=0, le=65535, unit="port",
                              help="kvd<->kvd control port (0: any free)")
-    engine_socket: Path = _setting(Path("/tmp/kvd.sock"), unit="path",
-                                   help="Unix socket the engine connects to (mode 0600)")
+    engine_socket: Path = Field(
+        default_factory=default_engine_socket, json_schema_extra={"unit": "path"},
+        description="Unix socket the engine connects to (mode 0600), in a folder of kvd's "
+                    "user that group and others cannot write (kvd creates it 0750)")
     http_docs: bool = _setting(
         False, help="interactive API docs at /docs and /redoc (the browser loads their "
                     "scripts from a CDN: off by default; /openapi.json is always served)")
@@ -565,6 +568,11 @@ def _toml_literal(value: Any) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+#: Settings whose default depends on the process: the line the template shows.
+_DEFAULT_RULES = {"engine_socket": '"/run/kvd/kvd.sock"    # default: this as root; other users: '
+                                   '$XDG_RUNTIME_DIR/kvd/kvd.sock (unset: /tmp/kvd-<uid>/kvd.sock)'}
+
+
 def toml_template() -> str:
     """``config/kvd.toml``: every setting, commented out, with its default, unit and env names.
 
@@ -584,6 +592,8 @@ def toml_template() -> str:
         out.append(f"# {help_} ({unit_s}env: {', '.join(env_names(name))})")
         if field.is_required():
             out.append(f'#{name} = "decode"    # required: "prefill" or "decode"')
+        elif name in _DEFAULT_RULES:
+            out.append(f"#{name} = {_DEFAULT_RULES[name]}")
         elif field.default_factory is not None:
             out.append(f'#{name} = "0123456789abcdef"    # default: random per start')
         elif name in SECRET_FIELDS:
