@@ -17,6 +17,7 @@ import msgspec
 from kvd.errors import ProtocolError
 from kvd.protocol import codec
 from kvd.protocol.memory import ExportedPool
+from kvd.text import clean
 
 
 class KVArgsWire(msgspec.Struct, frozen=True):
@@ -109,6 +110,9 @@ class RoomStatus(msgspec.Struct, tag="room_status", frozen=True):
     quiesced: bool = True
     aux: list[bytes] = []       # aux_transport = "control": the aux slot's bytes, per buffer
 
+    def __post_init__(self) -> None:  # a peer's text, escaped and bounded on entry (S21)
+        msgspec.structs.force_setattr(self, "reason", clean(self.reason))
+
 
 class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):
     """A decode rank ends room R incarnation ``inc`` (0: whatever incarnation the
@@ -123,6 +127,9 @@ class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):
     reason: str
     endpoint: str
     instance_id: str
+
+    def __post_init__(self) -> None:  # a peer's text, escaped and bounded on entry (S21)
+        msgspec.structs.force_setattr(self, "reason", clean(self.reason))
 
 
 ControlMessage: TypeAlias = RegisterRank | RoomPages | RoomStatus | RoomAbort
