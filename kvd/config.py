@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import logging
 import os
 import tomllib
 import uuid
@@ -48,6 +47,7 @@ from pydantic_settings import (
 
 from kvd.engine_rpc.socket_path import default_engine_socket
 from kvd.errors import ConfigError
+from kvd.filetrust import read_secret_file
 
 ENV_PREFIX = "KVD_"
 SGLANG_PREFIX = "SGLANG_DISAGGREGATION_"
@@ -629,9 +629,11 @@ def read_secret(settings: Settings) -> bytes | None:
     """The cluster secret (bytes) from the environment or the secret file; None if unset.
 
     The file's first line is the secret (surrounding whitespace ignored). The file is
-    checked on the descriptor that is read (no window for a swap): a file that group or
-    others may access is refused (``cluster_secret_file_check = "refuse"``, the default)
-    or logged (``"warn"``). Raises :class:`ConfigError` if the file cannot be read, is
+    checked on the descriptor that is read (no window for a swap,
+    :func:`kvd.filetrust.read_secret_file`): a regular file owned by kvd's user or root
+    (S22), in folders nobody else may write, and a file that group or others may access
+    is refused (``cluster_secret_file_check = "refuse"``, the default) or logged
+    (``"warn"``). Raises :class:`ConfigError` if the file cannot be read, is
     open to others, is empty, or the secret is shorter than :data:`MIN_SECRET_BYTES`. No
     message carries the secret (case S15).
     """
@@ -665,21 +667,10 @@ def load_secret(config_file: str | Path | None = None) -> bytes | None:
     return read_secret(load_settings(config_file, role="decode"))
 
 
-def _read_secret_file(path: Path, check: str) -> bytes:
+def _read_secret_file(path: Path, check: Literal["refuse", "warn"]) -> bytes:
     """First line of ``path``, stripped; see :func:`read_secret` for the checks."""
-    try:
-        with path.open("rb") as fh:
-            mode = os.fstat(fh.fileno()).st_mode
-            data = fh.read(64 << 10)
-    except OSError as exc:
-        raise ConfigError(f"cannot read cluster_secret_file {path}: "
-                          f"{exc.strerror or type(exc).__name__}") from exc
-    if mode & 0o077:
-        problem = (f"cluster_secret_file {path} is open to group or others (mode "
-                   f"{mode & 0o777:04o}): chmod 600 it")
-        if check == "refuse":
-            raise ConfigError(f"{problem}, or set cluster_secret_file_check = \"warn\"")
-        logging.getLogger("kvd").warning("%s (cluster_secret_file_check = warn)", problem)
+    data = read_secret_file(path, "cluster_secret_file", check,
+                            hint=', or set cluster_secret_file_check = "warn"')
     secret = (data.splitlines() or [b""])[0].strip()
     if not secret:
         raise ConfigError(f"cluster_secret_file {path} is empty (the secret is its first "

@@ -25,15 +25,14 @@ from __future__ import annotations
 
 import os
 import socket
-import stat
 import struct
 from dataclasses import dataclass
 
 from kvd.errors import UntrustedDaemon
+from kvd.filetrust import path_problem
 
 EXPECTED_UID_ENV = "KVD_EXPECTED_UID"
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_MAX_LINKS = 40  # as the kernel's path walk (ELOOP)
 
 
 @dataclass(frozen=True)
@@ -79,48 +78,16 @@ def folder_owner(folder: str) -> tuple[int | None, str]:
     """(owner uid of ``folder``, "") when only that user or root could have made it and
     what leads to it, else (None, why not)."""
     try:
-        looked_in, resolved = _walk(folder)
-        owner = os.stat(resolved).st_uid
+        owner = os.stat(folder).st_uid
+        if owner in (0, os.geteuid()):
+            return owner, ""  # trusted anyway: nothing to prove
+        # in a sticky folder only a root-owned entry counts: anyone may make a new one
+        problem = path_problem(folder, (0, owner), sticky_owners=(0,))
     except OSError as exc:
         return None, f"cannot inspect {folder}: {exc.strerror or exc}"
-    if owner in (0, os.geteuid()):
-        return owner, ""  # trusted anyway: nothing to prove
-    for where, st_dir, st_entry in looked_in:
-        if st_dir.st_uid not in (0, owner):
-            return None, f"{where} belongs to uid {st_dir.st_uid}"
-        if st_dir.st_mode & 0o022 and not (st_dir.st_mode & stat.S_ISVTX
-                                           and st_entry.st_uid == 0):
-            return None, (f"{where} is writable by others, so another user could have "
-                          f"made {folder}")
+    if problem is not None:
+        return None, f"{problem}, so another user could have made {folder}"
     return owner, ""
-
-
-def _walk(folder: str) -> tuple[list[tuple[str, os.stat_result, os.stat_result]], str]:
-    """Resolve ``folder`` one entry at a time: every (folder looked in, its stat, the
-    entry's lstat), and the resolved path. Raises OSError (ELOOP past 40 links)."""
-    todo = [p for p in folder.split("/") if p][::-1]  # a stack: next component last
-    cur, looked_in, links = "/", [], 0
-    while todo:
-        name = todo.pop()
-        if name in (".", ""):
-            continue
-        if name == "..":
-            cur = os.path.dirname(cur)
-            continue
-        entry = os.path.join(cur, name)
-        st_entry = os.lstat(entry)
-        looked_in.append((cur, os.stat(cur), st_entry))
-        if stat.S_ISLNK(st_entry.st_mode):
-            links += 1
-            if links > _MAX_LINKS:
-                raise OSError(40, "too many levels of symbolic links", folder)
-            target = os.readlink(entry)
-            if target.startswith("/"):
-                cur = "/"
-            todo.extend([p for p in target.split("/") if p][::-1])
-        else:
-            cur = entry
-    return looked_in, cur
 
 
 def peer_uid(sock: socket.socket) -> tuple[int, int]:

@@ -7,6 +7,7 @@ No test asserts a wall-clock bound: waits are "poll until, within a generous bou
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import pytest
 
 from kvd.client import KvdClient, KVPoll, Receiver, Sender
 from kvd.errors import KvdError, UntrustedDaemon
-from kvd.launch import DaemonProcess, start_daemon
+from kvd.launch import LAUNCH_SECRET, DaemonProcess, start_daemon
 from kvd.protocol import rpc
 from kvd.text import MAX_REASON_BYTES
 from tests.conftest import PdPair
@@ -98,3 +99,25 @@ def test_s21_a_forged_abort_reason_cannot_forge_log_lines_or_status(
               "the escaped reason in the log")
     sender.clear()
     receiver.clear()
+
+
+# ---- S22: the secret file's owner ----------------------------------------------------------------
+
+def test_s22_kvd_refuses_a_secret_file_owned_by_another_user(work: Path) -> None:
+    """Root kvd could read another user's 0600 secret file; it refuses to start instead,
+    naming the owner and never the secret. Owned by root again, the same file starts it."""
+    secret = "s22-" + LAUNCH_SECRET
+    path = work / "cluster.secret"
+    path.write_text(secret + "\n")
+    path.chmod(0o600)
+    os.chown(path, NOBODY, NOBODY)
+    env = {"KVD_CLUSTER_SECRET": "", "KVD_CLUSTER_SECRET_FILE": str(path)}
+    with pytest.raises(KvdError, match=f"belongs to uid {NOBODY}, not to kvd's user") as exc:
+        start_daemon("decode", work, env=env)
+    assert secret not in str(exc.value)
+    os.chown(path, 0, 0)
+    daemon = start_daemon("decode", work, env=env)
+    try:
+        assert secret not in daemon.log.read_text()
+    finally:
+        daemon.stop()

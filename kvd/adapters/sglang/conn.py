@@ -65,7 +65,8 @@ from kvd.addr import http_url
 from kvd.bootstrap import client as signed_http
 from kvd.client import KvdClient, Receiver, Sender
 from kvd.engine_rpc.socket_path import default_engine_socket
-from kvd.errors import KvdError, KvdUnreachable
+from kvd.errors import ConfigError, KvdError, KvdUnreachable
+from kvd.filetrust import read_secret_file
 from kvd.protocol import rpc
 from kvd.rooms import UNKNOWN_ROOM
 from kvd.security import Authenticator
@@ -103,13 +104,19 @@ def engine_ranks(args: Any) -> rpc.EngineRanks | None:
 
 def cluster_secret() -> bytes | None:
     """kvd's cluster secret as the operator gives it to kvd (``KVD_CLUSTER_SECRET`` or the
-    first line of ``KVD_CLUSTER_SECRET_FILE``); None when kvd runs without one."""
-    value = os.environ.get("KVD_CLUSTER_SECRET", "").strip()
+    first line of ``KVD_CLUSTER_SECRET_FILE``, checked as kvd checks it: S22,
+    :func:`kvd.filetrust.read_secret_file`); None when kvd runs without one, or when the
+    file is refused (logged: the bootstrap then refuses the unsigned query)."""
+    value = os.environ.get("KVD_CLUSTER_SECRET", "").strip().encode()
     path = os.environ.get("KVD_CLUSTER_SECRET_FILE")
     if not value and path:
-        with contextlib.suppress(OSError, IndexError):
-            value = Path(path).read_text().splitlines()[0].strip()
-    return value.encode() if value else None
+        try:
+            data = read_secret_file(Path(path), "KVD_CLUSTER_SECRET_FILE")
+        except ConfigError as exc:
+            log.warning("kvd: %s", exc)
+            return None
+        value = (data.splitlines() or [b""])[0].strip()
+    return value or None
 
 
 def fetch_parallel_info(bootstrap_addr: str, timeout: float = 5.0) -> dict[str, Any] | None:
