@@ -147,7 +147,7 @@ def _extra_lines(fmt: logging.Formatter, record: logging.LogRecord) -> list[str]
         text.append(record.exc_text)
     if record.stack_info:
         text.append(fmt.formatStack(record.stack_info))
-    return "\n".join(text).splitlines()
+    return bound("\n".join(text), MAX_LOG_MESSAGE_BYTES).splitlines()
 
 
 def _text(value: Any) -> str:
@@ -171,7 +171,7 @@ class JsonFormatter(logging.Formatter):
                 out[key] = bound(f[key]) if isinstance(f[key], str) else f[key]
         out["msg"] = bound(record.getMessage(), MAX_LOG_MESSAGE_BYTES)
         if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
+            out["exc"] = bound(self.formatException(record.exc_info), MAX_LOG_MESSAGE_BYTES)
         return json.dumps(out, default=str)
 
 

@@ -233,13 +233,18 @@ def test_s21_text_records_stay_one_line_whatever_the_text(stream: io.StringIO) -
     assert "    2026-01-01 00:00:00,000 ERROR kvd: forged\\x1b[31m" in out[2:]
 
 
-def test_s21_log_text_is_bounded(stream: io.StringIO) -> None:
-    logs.setup("INFO", "text", stream)
-    logging.getLogger("kvd.test").warning("%s", "m" * (1 << 20), extra=logs.fields(
-        reason="r" * (1 << 20)))
-    (line,) = lines(stream)
-    assert len(line.encode()) < MAX_LOG_MESSAGE_BYTES + MAX_REASON_BYTES + 200
-    assert "...[cut, 1048576 bytes]" in line
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_s21_log_text_is_bounded(stream: io.StringIO, fmt: str) -> None:
+    logs.setup("INFO", fmt, stream)
+    log = logging.getLogger("kvd.test")
+    log.warning("%s", "m" * (1 << 20), extra=logs.fields(reason="r" * (1 << 20)))
+    try:
+        raise ValueError("e" * (1 << 20))
+    except ValueError:
+        log.exception("crashed")
+    out = stream.getvalue()
+    assert len(out.encode()) < 3 * MAX_LOG_MESSAGE_BYTES + MAX_REASON_BYTES + 1000
+    assert out.count("...[cut, ") == 3  # the message, the field, the traceback
 
 
 def test_s21_json_records_escape_and_bound(stream: io.StringIO) -> None:
