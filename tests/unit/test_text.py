@@ -74,3 +74,19 @@ def test_s21_status_rows_show_foreign_text_escaped_and_bounded() -> None:
         assert _safe(text)
     assert "\\x1b[2J" in peer.endpoint and "\\n" in room.reason
     assert Peer.model_validate_json(peer.model_dump_json()) == peer  # the CLI reads it back
+
+
+def test_s21_peer_names_outside_their_alphabet_are_malformed_frames() -> None:
+    import pytest
+
+    from kvd.errors import ProtocolError
+
+    good = control.RoomAbort(room=1, inc=1, kind="aborted", reason="r",
+                             endpoint="tcp://[::1]:5000", instance_id="0123abcd.x-y_z")
+    assert control.decode(control.encode(good)) == good
+    for bad in ({"instance_id": "i\nERROR kvd: forged"}, {"instance_id": "i" * 65},
+                {"endpoint": "tcp://h:1\x1b[2J"}, {"endpoint": "tcp://h:1 x"},
+                {"endpoint": "tcp://" + "h" * 300}):
+        frame = control.encode(msgspec.structs.replace(good, **bad))
+        with pytest.raises(ProtocolError):
+            control.decode(frame)
