@@ -5,9 +5,11 @@ status schemas."""
 from __future__ import annotations
 
 import msgspec
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvd.errors import ProtocolError
 from kvd.protocol import control, rpc
 from kvd.rooms.state import FailureKind, RoomFailure
 from kvd.schemas import FailureRow, Peer, Room
@@ -77,10 +79,6 @@ def test_s21_status_rows_show_foreign_text_escaped_and_bounded() -> None:
 
 
 def test_s21_peer_names_outside_their_alphabet_are_malformed_frames() -> None:
-    import pytest
-
-    from kvd.errors import ProtocolError
-
     good = control.RoomAbort(room=1, inc=1, kind="aborted", reason="r",
                              endpoint="tcp://[::1]:5000", instance_id="0123abcd.x-y_z")
     assert control.decode(control.encode(good)) == good
