@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import logging
 import os
 import tomllib
 import uuid
@@ -46,7 +45,9 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from kvd.engine_rpc.socket_path import default_engine_socket
 from kvd.errors import ConfigError
+from kvd.filetrust import read_secret_file
 
 ENV_PREFIX = "KVD_"
 SGLANG_PREFIX = "SGLANG_DISAGGREGATION_"
@@ -153,8 +154,10 @@ class Settings(BaseSettings):
                                         help="an HTTP request body must arrive within this")
     zmq_port: int = _setting(0, ge=0, le=65535, unit="port",
                              help="kvd<->kvd control port (0: any free)")
-    engine_socket: Path = _setting(Path("/tmp/kvd.sock"), unit="path",
-                                   help="Unix socket the engine connects to (mode 0600)")
+    engine_socket: Path = Field(
+        default_factory=default_engine_socket, json_schema_extra={"unit": "path"},
+        description="Unix socket the engine connects to (mode 0600), in a folder of kvd's "
+                    "user that group and others cannot write (kvd creates it 0750)")
     http_docs: bool = _setting(
         False, help="interactive API docs at /docs and /redoc (the browser loads their "
                     "scripts from a CDN: off by default; /openapi.json is always served)")
@@ -670,6 +673,11 @@ def _toml_literal(value: Any) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+#: Settings whose default depends on the process: the line the template shows.
+_DEFAULT_RULES = {"engine_socket": '"/run/kvd/kvd.sock"    # default: this as root; other users: '
+                                   '$XDG_RUNTIME_DIR/kvd/kvd.sock (unset: /tmp/kvd-<uid>/kvd.sock)'}
+
+
 def toml_template() -> str:
     """``config/kvd.toml``: every setting, commented out, with its default, unit and env names.
 
@@ -689,6 +697,8 @@ def toml_template() -> str:
         out.append(f"# {help_} ({unit_s}env: {', '.join(env_names(name))})")
         if field.is_required():
             out.append(f'#{name} = "decode"    # required: "prefill" or "decode"')
+        elif name in _DEFAULT_RULES:
+            out.append(f"#{name} = {_DEFAULT_RULES[name]}")
         elif field.default_factory is not None:
             out.append(f'#{name} = "0123456789abcdef"    # default: random per start')
         elif name in SECRET_FIELDS:
@@ -724,9 +734,11 @@ def read_secret(settings: Settings) -> bytes | None:
     """The cluster secret (bytes) from the environment or the secret file; None if unset.
 
     The file's first line is the secret (surrounding whitespace ignored). The file is
-    checked on the descriptor that is read (no window for a swap): a file that group or
-    others may access is refused (``cluster_secret_file_check = "refuse"``, the default)
-    or logged (``"warn"``). Raises :class:`ConfigError` if the file cannot be read, is
+    checked on the descriptor that is read (no window for a swap,
+    :func:`kvd.filetrust.read_secret_file`): a regular file owned by kvd's user or root
+    (S22), in folders nobody else may write, and a file that group or others may access
+    is refused (``cluster_secret_file_check = "refuse"``, the default) or logged
+    (``"warn"``). Raises :class:`ConfigError` if the file cannot be read, is
     open to others, is empty, or the secret is shorter than :data:`MIN_SECRET_BYTES`. No
     message carries the secret (case S15).
     """
@@ -760,21 +772,10 @@ def load_secret(config_file: str | Path | None = None) -> bytes | None:
     return read_secret(load_settings(config_file, role="decode"))
 
 
-def _read_secret_file(path: Path, check: str) -> bytes:
+def _read_secret_file(path: Path, check: Literal["refuse", "warn"]) -> bytes:
     """First line of ``path``, stripped; see :func:`read_secret` for the checks."""
-    try:
-        with path.open("rb") as fh:
-            mode = os.fstat(fh.fileno()).st_mode
-            data = fh.read(64 << 10)
-    except OSError as exc:
-        raise ConfigError(f"cannot read cluster_secret_file {path}: "
-                          f"{exc.strerror or type(exc).__name__}") from exc
-    if mode & 0o077:
-        problem = (f"cluster_secret_file {path} is open to group or others (mode "
-                   f"{mode & 0o777:04o}): chmod 600 it")
-        if check == "refuse":
-            raise ConfigError(f"{problem}, or set cluster_secret_file_check = \"warn\"")
-        logging.getLogger("kvd").warning("%s (cluster_secret_file_check = warn)", problem)
+    data = read_secret_file(path, "cluster_secret_file", check,
+                            hint=', or set cluster_secret_file_check = "warn"')
     secret = (data.splitlines() or [b""])[0].strip()
     if not secret:
         raise ConfigError(f"cluster_secret_file {path} is empty (the secret is its first "

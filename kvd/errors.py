@@ -28,7 +28,8 @@ with ``raise ... from exc``, and carry the room and peer in their message::
     │       ├── DiscoveryUnavailable  no etcd endpoint answered
     │       └── DiscoveryAuthError    etcd refused the credentials
     ├── RpcError               engine <-> kvd RPC failed
-    │   └── KvdUnreachable       the local kvd cannot be reached
+    │   ├── KvdUnreachable       the local kvd cannot be reached
+    │   └── UntrustedDaemon      the socket is served by a user the engine does not trust
     ├── DaemonUnreachable      no kvd answered at an HTTP address (CLI)
     └── KVTransferError        a room ended Failed (what the engine sees)
 """
@@ -158,6 +159,18 @@ class RpcError(KvdError):
 
 class KvdUnreachable(RpcError):
     """The local kvd daemon's engine socket cannot be reached."""
+
+
+class UntrustedDaemon(RpcError):
+    """The engine socket is served by a process whose uid (``SO_PEERCRED``) the engine
+    does not trust: another local user holds the path (case S17). Nothing was sent.
+    ``found_uid``: the server's uid; ``trusted``: the uids the client accepts."""
+
+    def __init__(self, message: str, found_uid: int = -1,
+                 trusted: Sequence[int] = ()) -> None:
+        super().__init__(message, "UntrustedDaemon")
+        self.found_uid = found_uid
+        self.trusted = list(trusted)
 
 
 class DaemonUnreachable(KvdError):

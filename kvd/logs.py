@@ -49,6 +49,8 @@ from datetime import UTC, datetime
 from types import MappingProxyType, TracebackType
 from typing import Any, TextIO
 
+from kvd.text import MAX_LOG_MESSAGE_BYTES, bound, clean, escape
+
 #: The record attribute that carries the fields (one attribute: no clash with LogRecord's).
 FIELDS_ATTR = "kvd_fields"
 _PREFIX_FIELDS = ("room", "peer")
@@ -117,25 +119,47 @@ def _fields_of(record: logging.LogRecord) -> dict[str, Any]:
 
 
 class TextFormatter(logging.Formatter):
-    """``time LEVEL logger [room=R] [peer=P]: message [k=v ...]``."""
+    """``time LEVEL logger [room=R] [peer=P]: message [k=v ...]``, one line per record.
 
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s %(name)s%(context)s: %(message)s%(tail)s")
+    Text from peers and engines cannot forge a record or reach the terminal raw (S21):
+    the message and every field value are escaped (:func:`kvd.text.escape`: a newline is
+    ``\\n``, ESC is ``\\x1b``) and bounded (:data:`~kvd.text.MAX_LOG_MESSAGE_BYTES`,
+    :data:`~kvd.text.MAX_REASON_BYTES`); a traceback's lines follow, escaped likewise and
+    indented, so no line but a record's first starts at column 0.
+    """
 
     def format(self, record: logging.LogRecord) -> str:
         f = _fields_of(record)
-        record.context = "".join(f" {k}={f.pop(k)}" for k in _PREFIX_FIELDS if k in f)
-        record.tail = "".join(f" {k}={_text(v)}" for k, v in f.items())
-        return super().format(record)
+        context = "".join(f" {k}={_text(f.pop(k))}" for k in _PREFIX_FIELDS if k in f)
+        tail = "".join(f" {k}={_text(v)}" for k, v in f.items())
+        message = clean(record.getMessage(), MAX_LOG_MESSAGE_BYTES)
+        line = f"{self.formatTime(record)} {record.levelname} {record.name}{context}: " \
+               f"{message}{tail}"
+        return line + "".join(f"\n    {escape(extra)}" for extra in _extra_lines(self, record))
+
+
+def _extra_lines(fmt: logging.Formatter, record: logging.LogRecord) -> list[str]:
+    """The lines of a record's traceback and stack (as :class:`logging.Formatter` adds)."""
+    text = []
+    if record.exc_info and not record.exc_text:
+        record.exc_text = fmt.formatException(record.exc_info)
+    if record.exc_text:
+        text.append(record.exc_text)
+    if record.stack_info:
+        text.append(fmt.formatStack(record.stack_info))
+    return bound("\n".join(text), MAX_LOG_MESSAGE_BYTES).splitlines()
 
 
 def _text(value: Any) -> str:
-    return json.dumps(value, default=str) if isinstance(value, str) and " " in value \
+    """A field value in a text line: escaped and bounded, quoted when it has a space."""
+    shown = json.dumps(value, default=str) if isinstance(value, str) and " " in value \
         else str(value)
+    return clean(shown)
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, room/peer and other fields, msg, exc."""
+    """One JSON object per line: ts, level, logger, room/peer and other fields, msg, exc.
+    JSON escapes control characters itself; strings are bounded as in text (S21)."""
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, Any] = {
@@ -144,10 +168,10 @@ class JsonFormatter(logging.Formatter):
         f = _fields_of(record)
         for key in (*_PREFIX_FIELDS, *f):
             if key in f and key not in _RESERVED:
-                out[key] = f[key]
-        out["msg"] = record.getMessage()
+                out[key] = bound(f[key]) if isinstance(f[key], str) else f[key]
+        out["msg"] = bound(record.getMessage(), MAX_LOG_MESSAGE_BYTES)
         if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
+            out["exc"] = bound(self.formatException(record.exc_info), MAX_LOG_MESSAGE_BYTES)
         return json.dumps(out, default=str)
 
 

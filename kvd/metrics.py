@@ -64,6 +64,7 @@ from prometheus_client.registry import Collector
 
 from kvd.logs import fields
 from kvd.rooms.state import RoomFailure
+from kvd.text import clean
 
 log = logging.getLogger("kvd.rooms")
 
@@ -91,6 +92,10 @@ def peer_identity(peer: str) -> str:
     return host if sep and port.isdigit() else hostport
 
 
+#: The most UTF-8 bytes of one peer label value.
+MAX_LABEL_BYTES = 256
+
+
 class PeerLabels:
     """Bounded, stable peer label values: :func:`peer_identity`, the first ``limit`` of
     them, then ``other``."""
@@ -100,7 +105,7 @@ class PeerLabels:
         self._seen: set[str] = set()
 
     def __call__(self, peer: str) -> str:
-        label = peer_identity(peer)
+        label = clean(peer_identity(peer), MAX_LABEL_BYTES)  # a peer's text (S21)
         if label in self._seen:
             return label
         if len(self._seen) < self.limit:

@@ -1,8 +1,13 @@
 """REST schemas of ``/ready``, ``/v1/status`` and ``/v1/rooms``. A leaf module.
 
 FastAPI puts them in the OpenAPI docs; ``kvd status`` / ``kvd rooms`` /
-``kvd peers`` render them. They import nothing from kvd, so the HTTP app, the
-status reader and the sides can all use them without import cycles.
+``kvd peers`` render them. They import nothing from kvd but the leaf :mod:`kvd.text`, so
+the HTTP app, the status reader and the sides can all use them without import cycles.
+
+Every text a peer or an engine could have put there (endpoints, instance ids, reasons,
+errors) is a :data:`Foreign` string: escaped (no newline, no ANSI escape reaches a
+terminal through ``kvd status``) and bounded to :data:`~kvd.text.MAX_REASON_BYTES`, when
+the daemon builds the report and again when the CLI reads it (S21).
 
 A decode kvd heartbeats each prefill bootstrap address; a peer's
 ``heartbeat`` is ``ok``, ``missed N``, ``down`` or ``unknown`` (not probed
@@ -15,9 +20,14 @@ time. Times are unix seconds.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel
+
+from kvd.text import clean
+
+#: Text from outside kvd, as a report shows it: escaped and bounded (:func:`kvd.text.clean`).
+Foreign = Annotated[str, AfterValidator(clean)]
 
 
 class Readiness(BaseModel):
@@ -33,16 +43,16 @@ class Readiness(BaseModel):
 class Peer(BaseModel):
     """A remote kvd rank this daemon talks to."""
 
-    endpoint: str
+    endpoint: Foreign
     kind: Literal["prefill", "decode"]
-    instance_id: str = ""
-    state: str
-    heartbeat: str
-    bootstrap: str = ""
-    detail: str = ""
+    instance_id: Foreign = ""
+    state: Foreign
+    heartbeat: Foreign
+    bootstrap: Foreign = ""
+    detail: Foreign = ""
     last_message: float | None = None  # unix s: last control message from this peer
     last_heartbeat: float | None = None  # unix s: last answered heartbeat (decode side)
-    last_error: str = ""
+    last_error: Foreign = ""
     last_error_time: float | None = None
 
 
@@ -53,9 +63,9 @@ class Room(BaseModel):
     state: str
     age_s: float
     state_age_s: float
-    peer: str
-    reason: str = ""
-    kind: str = ""
+    peer: Foreign
+    reason: Foreign = ""
+    kind: Foreign = ""
 
 
 class FailureRow(BaseModel):
@@ -64,9 +74,9 @@ class FailureRow(BaseModel):
     time: float
     side: str
     room: int
-    peer: str
-    category: str
-    reason: str
+    peer: Foreign
+    category: Foreign
+    reason: Foreign
 
 
 class Status(BaseModel):

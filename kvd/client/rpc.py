@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import secrets
 import socket
 import struct
@@ -14,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from kvd.client.peer import EXPECTED_UID_ENV, check_peer, parse_expected_uid, trust_for
+from kvd.engine_rpc.socket_path import default_engine_socket
 from kvd.errors import KvdError, KvdUnreachable, ProtocolError
 from kvd.protocol import rpc
 
@@ -61,12 +64,25 @@ class KvdClient:
     room asked, checked), :class:`~kvd.protocol.rpc.RegisterResult` for ``RegisterKV``.
     A reply that is malformed (undecodable, another request's id, not one status per
     room) raises :class:`~kvd.errors.ProtocolError`.
+
+    Every connection proves its server before the first byte is sent (case S17,
+    :mod:`kvd.client.peer`): the server's uid (``SO_PEERCRED``) must be root, this
+    process's euid, or ``expected_uid`` (default: ``KVD_EXPECTED_UID``, else the owner
+    of the socket's folder when only that user could have made it); any other raises
+    :class:`~kvd.errors.UntrustedDaemon` and nothing is sent. ``path`` defaults to
+    :func:`~kvd.engine_rpc.socket_path.default_engine_socket` (the daemon's default).
+    Raises ValueError for a bad ``timeout`` or ``expected_uid``.
     """
 
-    def __init__(self, path: str, timeout: float = 30.0) -> None:
+    def __init__(self, path: str | None = None, timeout: float = 30.0,
+                 expected_uid: int | None = None) -> None:
         if not 0 <= timeout <= MAX_TIMEOUT:  # NaN too; a bad one would fail every call
             raise ValueError(f"timeout must be in [0, {MAX_TIMEOUT:g}] seconds, got {timeout}")
+        if path is None:
+            path = str(default_engine_socket())
         self.path = str(path)
+        self.expected_uid = parse_expected_uid(
+            expected_uid if expected_uid is not None else os.environ.get(EXPECTED_UID_ENV))
         self.timeout = timeout
         self.engine_id = secrets.token_hex(8)
         self._sock: socket.socket | None = None
@@ -84,10 +100,14 @@ class KvdClient:
             sock.settimeout(self.timeout)
             try:
                 sock.connect(self.path)
+                check_peer(sock, self.path, trust_for(self.path, self.expected_uid))
             except OSError as exc:
                 sock.close()
                 raise KvdUnreachable(f"kvd unreachable at {self.path}: {exc.strerror or exc}",
                                      "KvdUnreachable") from exc
+            except BaseException:
+                sock.close()  # an untrusted server gets nothing, not even a goodbye
+                raise
             # Blocking, with the kernel's per-call timeouts: Python's own socket timeout
             # polls before every send and recv (two more syscalls, about 20 us a call).
             # A call past ``timeout`` still fails (EAGAIN, an OSError: KvdUnreachable).

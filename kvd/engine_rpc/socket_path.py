@@ -4,7 +4,10 @@ One daemon per engine socket. :func:`preflight` says why a path cannot be
 used (no side effects: ``kvd doctor`` and ``kvd serve`` share it);
 :class:`SocketClaim` takes the path for the daemon's lifetime:
 
-1. create the folder if missing;
+1. create the folder if missing (mode 0750: only this user may create entries, the
+   socket's group may reach it) and refuse a folder owned by another user or writable
+   by group or others (:func:`folder_trust_problem`): there another user could replace
+   the socket (case S17);
 2. take an exclusive ``flock`` on ``<socket>.lock`` (held until stop; the kernel
    drops it if the process dies, so a SIGKILLed daemon never blocks the next);
 3. refuse a socket file that still answers (a daemon from before locks, or one
@@ -12,6 +15,12 @@ used (no side effects: ``kvd doctor`` and ``kvd serve`` share it);
 4. bind (mode 0600, or 0660 for a group); at stop, unlink the socket only if it is
    still the file this daemon bound (same inode and change time), so a daemon never
    deletes another one's socket.
+
+The default path (:func:`default_engine_socket`) is ``/run/kvd/kvd.sock`` for root and
+``$XDG_RUNTIME_DIR/kvd/kvd.sock`` for another user (systemd's per-user 0700 runtime
+folder; ``/tmp/kvd-<uid>/kvd.sock`` where it is unset), never a file directly in a
+shared folder such as ``/tmp``. The engine side proves its daemon too
+(:mod:`kvd.client.peer`).
 
 Every refusal is a :class:`SocketPathError`: one line naming the path, what is
 wrong and what to do (the CLI prints it and exits 2).
@@ -31,6 +40,9 @@ from pathlib import Path
 from kvd.errors import ConfigError
 
 _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+#: Mode of a socket folder kvd creates: entries by its user only, reachable by its group.
+SOCKET_DIR_MODE = 0o750
+SOCKET_NAME = "kvd.sock"
 NON_ROOT_HINT = ("as a non-root user choose a folder you own, e.g. "
                  "$XDG_RUNTIME_DIR/kvd/<rank>.sock, or under systemd RuntimeDirectory=")
 
@@ -41,6 +53,40 @@ class SocketPathError(ConfigError):
     def __init__(self, path: Path, detail: str, fix: str) -> None:
         super().__init__(f"engine_socket {path}: {detail} ({fix})")
         self.path, self.detail, self.fix = path, detail, fix
+
+
+def default_socket_dir(euid: int | None = None,
+                       env: dict[str, str] | None = None) -> Path:
+    """The folder of the default engine socket: ``/run/kvd`` for root (euid 0), else
+    ``$XDG_RUNTIME_DIR/kvd`` (a per-user 0700 folder), else ``/tmp/kvd-<uid>`` (kvd
+    creates it 0750 and refuses it if another user made it first)."""
+    uid = os.geteuid() if euid is None else euid
+    if uid == 0:
+        return Path("/run/kvd")
+    runtime = (os.environ if env is None else env).get("XDG_RUNTIME_DIR", "")
+    if runtime.startswith("/"):
+        return Path(runtime) / "kvd"
+    return Path(f"/tmp/kvd-{uid}")
+
+
+def default_engine_socket() -> Path:
+    """The default engine socket path: :func:`default_socket_dir` / ``kvd.sock``."""
+    return default_socket_dir() / SOCKET_NAME
+
+
+def folder_trust_problem(folder: Path, uid: int | None = None) -> str | None:
+    """Why ``folder`` (an existing folder, links followed) must not hold a socket of
+    ``uid`` (default: this process's euid), or None: it must be owned by that user or
+    root and writable by neither group nor others -- else someone else could unlink the
+    socket and bind their own in its place (S17)."""
+    uid = os.geteuid() if uid is None else uid
+    st = folder.stat()
+    if st.st_uid not in (uid, 0):
+        return f"{folder} belongs to uid {st.st_uid}, not to uid {uid} (kvd's user) or root"
+    if st.st_mode & 0o022:
+        return (f"{folder} is writable by group or others (mode {st.st_mode & 0o7777:04o}): "
+                f"another user could replace the socket")
+    return None
 
 
 def lock_path(path: Path) -> Path:
@@ -62,7 +108,16 @@ def _folder_problem(path: Path) -> SocketPathError | None:
         what = f"cannot create {parent}: " if ancestor != parent else ""
         return SocketPathError(path, f"{what}{ancestor} is not writable by uid {_uid()}",
                                f"install -d -o $USER {parent} as root; {NON_ROOT_HINT}")
-    return None
+    return _trust_error(path) if ancestor == parent else None
+
+
+def _trust_error(path: Path) -> SocketPathError | None:
+    problem = folder_trust_problem(path.parent)
+    if problem is None:
+        return None
+    return SocketPathError(path, problem, f"give the socket a folder of its own, e.g. "
+                           f"install -d -m 0750 -o $USER {path.parent / 'kvd'}; "
+                           f"{NON_ROOT_HINT}")
 
 
 def probe(path: Path) -> tuple[str, int | None]:
@@ -200,8 +255,17 @@ class SocketClaim:
 
     def _take_lock(self) -> None:
         lock = lock_path(self.path)
+        folder = self.path.parent
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileExistsError):
+                folder.mkdir(mode=SOCKET_DIR_MODE)
+        except OSError as exc:
+            raise _translate(self.path, exc, f"create {folder}") from exc
+        problem = _trust_error(self.path)  # checked again: the folder may be new, or swapped
+        if problem is not None:
+            raise problem
+        try:
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise _translate(self.path, exc, f"create {lock}") from exc

@@ -10,13 +10,21 @@ peer travel together in a :class:`Batch` frame.
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import Annotated, TypeAlias
 
 import msgspec
 
 from kvd.errors import ProtocolError
 from kvd.protocol import codec
 from kvd.protocol.memory import ExportedPool
+from kvd.text import clean
+
+#: A kvd's instance id as a peer names itself: ``Settings.instance_id``'s alphabet and
+#: length (empty: unknown). Anything else is a malformed frame (S21: no text from a peer
+#: reaches a log or a report unchecked).
+InstanceId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{0,64}$")]
+#: A ZMQ endpoint (``tcp://host:port``, ``tcp://[v6]:port``): printable ASCII, no space.
+Endpoint = Annotated[str, msgspec.Meta(pattern=r"^[!-~]{0,300}$")]
 
 
 class KVArgsWire(msgspec.Struct, frozen=True):
@@ -52,8 +60,8 @@ class KVArgsWire(msgspec.Struct, frozen=True):
 class RegisterRank(msgspec.Struct, tag="register_rank", frozen=True):
     """Decode rank registers its KV args with one prefill rank (once per peer)."""
 
-    instance_id: str
-    endpoint: str               # decode kvd's ZMQ endpoint, where RoomStatus goes
+    instance_id: InstanceId
+    endpoint: Endpoint            # decode kvd's ZMQ endpoint, where RoomStatus goes
     attn_tp_rank: int
     attn_tp_size: int
     kv_args: KVArgsWire
@@ -78,8 +86,8 @@ class RoomPages(msgspec.Struct, tag="room_pages", frozen=True):
 
     room: int
     inc: int
-    endpoint: str
-    instance_id: str
+    endpoint: Endpoint
+    instance_id: InstanceId
     dst_pages: bytes
     aux_index: int
     write_within: float
@@ -104,10 +112,13 @@ class RoomStatus(msgspec.Struct, tag="room_status", frozen=True):
     status: int
     kind: str
     reason: str
-    endpoint: str               # the reporting prefill kvd's ZMQ endpoint
-    instance_id: str
+    endpoint: Endpoint            # the reporting prefill kvd's ZMQ endpoint
+    instance_id: InstanceId
     quiesced: bool = True
     aux: list[bytes] = []       # aux_transport = "control": the aux slot's bytes, per buffer
+
+    def __post_init__(self) -> None:  # a peer's text, escaped and bounded on entry (S21)
+        msgspec.structs.force_setattr(self, "reason", clean(self.reason))
 
 
 class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):
@@ -121,8 +132,11 @@ class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):
     inc: int
     kind: str
     reason: str
-    endpoint: str
-    instance_id: str
+    endpoint: Endpoint
+    instance_id: InstanceId
+
+    def __post_init__(self) -> None:  # a peer's text, escaped and bounded on entry (S21)
+        msgspec.structs.force_setattr(self, "reason", clean(self.reason))
 
 
 ControlMessage: TypeAlias = RegisterRank | RoomPages | RoomStatus | RoomAbort

@@ -16,6 +16,7 @@ from kvd import errors
 from kvd.errors import ProtocolError
 from kvd.protocol import codec
 from kvd.protocol.memory import CudaIpcHandle, FdHandle, MemoryHandle, ShmHandle
+from kvd.text import clean
 
 __all__ = ["CudaIpcHandle", "FdHandle", "MemoryHandle", "ShmHandle"]  # re-exported
 
@@ -123,6 +124,9 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     reason: str = "aborted by engine"
     bootstrap_addr: str | None = None
     dp_rank: int | None = None
+
+    def __post_init__(self) -> None:  # the engine's text, escaped and bounded on entry (S21)
+        msgspec.structs.force_setattr(self, "reason", clean(self.reason))
 
 
 class Clear(msgspec.Struct, tag="clear", frozen=True):

@@ -1,4 +1,5 @@
-"""Leaf value types of the room protocol. PURE; imports nothing from kvd.
+"""Leaf value types of the room protocol. PURE; imports nothing from kvd but the leaf
+:mod:`kvd.text`.
 
 ``KVPoll`` numbers states exactly as SGLang's ``disaggregation.base.KVPoll``.
 ``FailureKind`` is set where a failure happens and travels unchanged to the
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from kvd.text import clean
 
 
 class KVPoll(enum.IntEnum):
@@ -62,6 +65,9 @@ class RoomFailure:
     kind: FailureKind
     reason: str
     origin: str = ""
+
+    def __post_init__(self) -> None:  # every reason kvd keeps: escaped and bounded (S21)
+        object.__setattr__(self, "reason", clean(self.reason))
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,16 @@ def test_config_parses_and_fills_placeholders() -> None:
     assert cfg.bootstrap_addr == "10.0.0.1:8998" and cfg.idle_wait == 0.0
 
 
+def test_s17_config_passes_the_expected_uid_to_the_client() -> None:
+    cfg = ConnectorConfig.from_extra({"kvd_socket": "/s", "kvd_expected_uid": 999},
+                                     is_producer=False)
+    assert cfg.kvd_expected_uid == 999
+    assert ConnectorConfig.from_extra({"kvd_socket": "/s"}, False).kvd_expected_uid is None
+    for bad in (-1, "999", True):
+        with pytest.raises(KvdAdapterError, match="kvd_expected_uid"):
+            ConnectorConfig.from_extra({"kvd_socket": "/s", "kvd_expected_uid": bad}, False)
+
+
 def test_config_lists_every_problem_at_once() -> None:
     with pytest.raises(KvdAdapterError) as err:
         ConnectorConfig.from_extra({"bootstrap_addr": "nope", "rpc_timeout": -1, "x": 1},

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvd.config import Settings, env_snapshot, load_settings, read_secret
+from kvd.engine_rpc.socket_path import default_engine_socket
 from kvd.errors import ConfigError
 
 FIELDS = list(Settings.model_fields)
@@ -34,7 +35,7 @@ def test_defaults() -> None:
     assert s.role == "decode"
     assert s.host == "127.0.0.1" and s.http_host == "127.0.0.1"
     assert s.http_port == 0 and s.zmq_port == 0
-    assert s.engine_socket == Path("/tmp/kvd.sock")
+    assert s.engine_socket == default_engine_socket()  # /run/kvd/kvd.sock as root (S17)
     assert s.serve_bootstrap is False
     assert s.bootstrap_addr is None
     assert s.shm_dir == Path("/dev/shm")

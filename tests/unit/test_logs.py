@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvd import logs
+from kvd.text import MAX_LOG_MESSAGE_BYTES, MAX_REASON_BYTES
 
 
 @pytest.fixture
@@ -204,3 +205,52 @@ def test_native_stderr_becomes_json_records(how: str, rc: int) -> None:
         assert by_msg["Check failed: fatal"]["level"] == "CRITICAL"
     if how == "exit":
         assert by_msg["late"]["source"] == "transfer_metadata.cpp:616"
+
+
+# ---- S21: foreign text cannot forge a record or reach the terminal raw ---------------------------
+
+FORGED = "bye\n2026-01-01 00:00:00,000 ERROR kvd: forged\x1b[31m"
+
+
+def test_s21_text_records_stay_one_line_whatever_the_text(stream: io.StringIO) -> None:
+    logs.setup("INFO", "text", stream)
+    log = logging.getLogger("kvd.test")
+    log.warning("abort: %s", FORGED, extra=logs.fields(room=1, peer="tcp://x\nERROR kvd:",
+                                                       reason=FORGED, who="a\x1b]0;t\x07"))
+    try:
+        raise ValueError(FORGED)
+    except ValueError:
+        log.exception("crashed %s", "\x1b[2J")
+    out = lines(stream)
+    heads = [n for n, line in enumerate(out) if not line.startswith(" ")]
+    assert heads == [0, 1]  # two records; a traceback's lines are indented under the second
+    assert not any(line.startswith("2026-01-01 00:00:00,000 ERROR") for line in out)
+    assert all("\x1b" not in line and "\x07" not in line for line in out)
+    assert "abort: bye\\n2026-01-01 00:00:00,000 ERROR kvd: forged\\x1b[31m" in out[0]
+    assert 'peer="tcp://x\\nERROR kvd:"' in out[0] and "who=a\\x1b]0;t\\x07" in out[0]
+    assert out[1].endswith("crashed \\x1b[2J")
+    # the exception's own newline stays a traceback line: indented, its ESC escaped
+    assert "    2026-01-01 00:00:00,000 ERROR kvd: forged\\x1b[31m" in out[2:]
+
+
+@pytest.mark.parametrize("fmt", ["text", "json"])
+def test_s21_log_text_is_bounded(stream: io.StringIO, fmt: str) -> None:
+    logs.setup("INFO", fmt, stream)
+    log = logging.getLogger("kvd.test")
+    log.warning("%s", "m" * (1 << 20), extra=logs.fields(reason="r" * (1 << 20)))
+    try:
+        raise ValueError("e" * (1 << 20))
+    except ValueError:
+        log.exception("crashed")
+    out = stream.getvalue()
+    assert len(out.encode()) < 3 * MAX_LOG_MESSAGE_BYTES + MAX_REASON_BYTES + 1000
+    assert out.count("...[cut, ") == 3  # the message, the field, the traceback
+
+
+def test_s21_json_records_escape_and_bound(stream: io.StringIO) -> None:
+    logs.setup("INFO", "json", stream)
+    logging.getLogger("kvd.test").warning("%s", FORGED, extra=logs.fields(reason="r" * 5000))
+    (line,) = lines(stream)
+    assert "\x1b" not in line
+    record = json.loads(line)
+    assert record["msg"] == FORGED and len(record["reason"]) <= MAX_REASON_BYTES

@@ -12,7 +12,10 @@ Selected with ``--disaggregation-transfer-backend kvd`` once the plugin in
   checks, without blocking start-up, that something answers there.
 * :class:`KvdKVManager` (each scheduler): connects to the local kvd
   (``SGLANG_KVD_SOCKET``, placeholders ``{engine_rank}`` ``{tp_rank}`` ``{pp_rank}``
-  ``{dp_rank}``, default ``/tmp/kvd.sock``) and registers the rank's ``KVArgs``
+  ``{dp_rank}``, default kvd's own: ``/run/kvd/kvd.sock`` as root,
+  ``$XDG_RUNTIME_DIR/kvd/kvd.sock`` otherwise), proves it is kvd's (``SO_PEERCRED``;
+  ``KVD_EXPECTED_UID`` names kvd's uid when it is not root, the engine's user or the
+  socket folder's owner: :mod:`kvd.client.peer`), and registers the rank's ``KVArgs``
   (:mod:`kvd.adapters.sglang.kvargs`: the pool must live in ``/dev/shm``) with its
   attention TP/DP and PP position (:func:`engine_ranks`): kvd takes them where its rank
   settings are unset and refuses a mismatch where they are set. The prefill kvd registers
@@ -61,7 +64,9 @@ from kvd.adapters.shmmaps import read_maps
 from kvd.addr import http_url
 from kvd.bootstrap import client as signed_http
 from kvd.client import KvdClient, Receiver, Sender
-from kvd.errors import KvdError, KvdUnreachable
+from kvd.engine_rpc.socket_path import default_engine_socket
+from kvd.errors import ConfigError, KvdError, KvdUnreachable
+from kvd.filetrust import read_secret_file
 from kvd.protocol import rpc
 from kvd.rooms import UNKNOWN_ROOM
 from kvd.security import Authenticator
@@ -69,13 +74,12 @@ from kvd.security import Authenticator
 log = logging.getLogger(__name__)
 
 SOCKET_ENV = "SGLANG_KVD_SOCKET"
-DEFAULT_SOCKET = "/tmp/kvd.sock"
 _TERMINAL = (int(KVPoll.Success), int(KVPoll.Failed))
 
 
 def socket_path(args: Any, template: str | None = None) -> str:
     """The kvd socket of the rank described by ``args`` (``SGLANG_KVD_SOCKET``)."""
-    template = template or os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+    template = template or os.environ.get(SOCKET_ENV) or str(default_engine_socket())
     rank = int(getattr(args, "engine_rank", 0) or 0)
     return template.format(engine_rank=rank, tp_rank=rank,
                            pp_rank=int(getattr(args, "pp_rank", 0) or 0),
@@ -100,13 +104,19 @@ def engine_ranks(args: Any) -> rpc.EngineRanks | None:
 
 def cluster_secret() -> bytes | None:
     """kvd's cluster secret as the operator gives it to kvd (``KVD_CLUSTER_SECRET`` or the
-    first line of ``KVD_CLUSTER_SECRET_FILE``); None when kvd runs without one."""
-    value = os.environ.get("KVD_CLUSTER_SECRET", "").strip()
+    first line of ``KVD_CLUSTER_SECRET_FILE``, checked as kvd checks it: S22,
+    :func:`kvd.filetrust.read_secret_file`); None when kvd runs without one, or when the
+    file is refused (logged: the bootstrap then refuses the unsigned query)."""
+    value = os.environ.get("KVD_CLUSTER_SECRET", "").strip().encode()
     path = os.environ.get("KVD_CLUSTER_SECRET_FILE")
     if not value and path:
-        with contextlib.suppress(OSError, IndexError):
-            value = Path(path).read_text().splitlines()[0].strip()
-    return value.encode() if value else None
+        try:
+            data = read_secret_file(Path(path), "KVD_CLUSTER_SECRET_FILE")
+        except ConfigError as exc:
+            log.warning("kvd: %s", exc)
+            return None
+        value = (data.splitlines() or [b""])[0].strip()
+    return value or None
 
 
 def fetch_parallel_info(bootstrap_addr: str, timeout: float = 5.0) -> dict[str, Any] | None:

@@ -310,7 +310,8 @@ class _Scheduler:
         self.pending: dict[str, _Pending] = {}
         self.receiving: set[str] = set()  # decode requests whose receive is in flight
         self.inflight: dict[str, tuple[int, ...]] = {}  # request -> its rooms in kvd
-        self.sleeper = IdleSleeper(config.socket_for(0, 0), rpc_timeout=config.rpc_timeout)
+        self.sleeper = IdleSleeper(config.socket_for(0, 0), rpc_timeout=config.rpc_timeout,
+                                   expected_uid=config.kvd_expected_uid)
         # (bootstrap addr, first room) -> rooms of that request claimed by samples so far
         # (least recently used dropped past MAX_CLAIMS; a finished request's entry stays so
         # that no later request with the same params ever claims a room twice)
@@ -518,7 +519,8 @@ class _Worker:
         pp = get_pp_group()
         self.pp_rank, self.pp_size = pp.rank_in_group, pp.world_size
         self.client = KvdClient(config.socket_for(self.tp_rank, self.pp_rank),
-                                timeout=config.rpc_timeout)
+                                timeout=config.rpc_timeout,
+                                expected_uid=config.kvd_expected_uid)
         on_cpu = vllm_config.device_config.device_type == "cpu"
         self.shm = ShmAllocation(shm_dir=config.shm_dir) if on_cpu else None
         self.transfers: dict[str, _Transfer] = {}

@@ -70,12 +70,13 @@ class IdleSleeper:
     ``max_sleep`` is long on purpose: each step that does happen costs the workers a second
     of busy waiting, and every room ends by kvd's deadlines anyway (which wakes the engine).
 
-    ``socket``: rank 0's kvd engine socket. Times in seconds. ``sleeps`` and ``slept_s``
-    count what it did (for logs and tests)."""
+    ``socket``: rank 0's kvd engine socket; ``expected_uid``: as :class:`KvdClient`'s.
+    Times in seconds. ``sleeps`` and ``slept_s`` count what it did (for logs and tests)."""
 
-    def __init__(self, socket: str, max_sleep: float = 60.0, rpc_timeout: float = 30.0
-                 ) -> None:
+    def __init__(self, socket: str, max_sleep: float = 60.0, rpc_timeout: float = 30.0,
+                 expected_uid: int | None = None) -> None:
         self.socket, self.rpc_timeout, self.max_sleep = socket, rpc_timeout, max_sleep
+        self.expected_uid = expected_uid
         self.queue: queue.Queue[Any] | None = None
         self.scheduler: Any = None
         self.searched = False
@@ -117,5 +118,5 @@ class IdleSleeper:
 
     def connect(self) -> KvdClient:
         """A fresh connection to the rank-0 kvd (tests replace this)."""
-        return KvdClient(self.socket, timeout=self.rpc_timeout)
+        return KvdClient(self.socket, timeout=self.rpc_timeout, expected_uid=self.expected_uid)
 

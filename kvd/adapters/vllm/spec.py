@@ -81,6 +81,9 @@ class ConnectorConfig:
     (vLLM keeps stepping while a request's blocks wait for kvd; blocking here is what
     keeps such an engine near zero CPU, K36). A request that arrives meanwhile waits at
     most this long. ``shm_dir``: where the CPU KV cache files go (kvd's ``shm_dir``).
+    ``kvd_expected_uid``: the uid kvd runs as, when it is not root, the engine's user or
+    the owner of the socket's folder (default: ``KVD_EXPECTED_UID``, else derived); the
+    client refuses any other server before sending a byte (S17, :mod:`kvd.client.peer`).
     """
 
     kvd_socket: str
@@ -88,6 +91,7 @@ class ConnectorConfig:
     rpc_timeout: float = 30.0
     idle_wait: float = 0.05
     shm_dir: str = "/dev/shm"
+    kvd_expected_uid: int | None = None
 
     @staticmethod
     def from_extra(extra: Mapping[str, Any] | None, is_producer: bool) -> ConnectorConfig:
@@ -107,12 +111,16 @@ class ConnectorConfig:
                 problems.append(f"{key} must be a non-negative number, got {value!r}")
             numbers[key] = float(value) if isinstance(value, int | float) else default
         shm_dir = str(extra.pop("shm_dir", "/dev/shm"))
+        uid = extra.pop("kvd_expected_uid", None)
+        if uid is not None and (isinstance(uid, bool) or not isinstance(uid, int) or uid < 0):
+            problems.append(f"kvd_expected_uid must be a uid (an integer >= 0), got {uid!r}")
+            uid = None
         if extra:
             problems.append(f"unknown keys {sorted(extra)}")
         if problems:
             raise KvdAdapterError("kv_connector_extra_config: " + "; ".join(problems))
         return ConnectorConfig(str(socket), addr, numbers["rpc_timeout"], numbers["idle_wait"],
-                               shm_dir)
+                               shm_dir, uid)
 
     def socket_for(self, tp_rank: int, pp_rank: int = 0, rank: int | None = None) -> str:
         """The socket path of one worker (placeholders filled in)."""

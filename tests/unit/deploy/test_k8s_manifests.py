@@ -177,7 +177,8 @@ def test_sidecars_fit_their_pod(where: str, spec: dict[str, Any], tmp_path: Path
         assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
         assert c["livenessProbe"]["httpGet"]["path"] == "/health"
         mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-        assert mounts["kvd-run"] == shared["kvd-run"] == str(s.engine_socket.parent)
+        # the socket in a folder kvd makes 0750 inside the (world-writable) emptyDir (S17)
+        assert mounts["kvd-run"] == shared["kvd-run"] == str(s.engine_socket.parent.parent)
         assert mounts["dshm"] == shared["dshm"] == str(s.shm_dir)
         ports = {p["containerPort"] for p in c["ports"]}
         assert {s.http_port, s.zmq_port} <= ports and 0 not in (s.http_port, s.zmq_port)

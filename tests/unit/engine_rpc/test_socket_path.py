@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 from kvd import notify
-from kvd.engine_rpc.socket_path import SocketClaim, SocketPathError, preflight, probe
+from kvd.engine_rpc.socket_path import (
+    SocketClaim,
+    SocketPathError,
+    default_engine_socket,
+    default_socket_dir,
+    folder_trust_problem,
+    preflight,
+    probe,
+)
 from kvd.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -245,3 +253,47 @@ def test_engine_server_takes_the_socket_systemd_passes(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", _ACTIVATED, str(path), str(other)],
                          capture_output=True, text=True, timeout=60, check=False, env=env)
     assert out.stdout.startswith("refused:") and "ListenStream=" in out.stdout, out.stderr
+
+
+# ---- S17: the socket's folder is kvd's own -------------------------------------------------------
+
+def test_s17_the_daemon_creates_its_socket_folder_0750(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "kvd" / "kvd.sock"
+    claim = SocketClaim(path)
+    sock = claim.bind()
+    try:
+        assert path.parent.stat().st_mode & 0o777 == 0o750
+        assert folder_trust_problem(path.parent) is None
+    finally:
+        sock.close()
+        claim.release()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o770, 0o757])
+def test_s17_the_daemon_refuses_a_folder_others_can_write(tmp_path: Path, mode: int) -> None:
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(mode)
+    for attempt in (lambda: preflight(folder / "kvd.sock"),
+                    lambda: SocketClaim(folder / "kvd.sock").bind()):
+        with pytest.raises(SocketPathError, match="writable by group or others"):
+            attempt()
+    assert list(folder.iterdir()) == []  # no lock file, no socket left behind
+
+
+def test_s17_the_daemon_refuses_a_folder_of_another_user(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    folder = tmp_path / "theirs"
+    folder.mkdir(mode=0o755)
+    os.chown(folder, 65534, 65534)
+    with pytest.raises(SocketPathError, match="belongs to uid 65534"):
+        SocketClaim(folder / "kvd.sock").bind()
+
+
+def test_s17_default_socket_folder_is_never_a_shared_one() -> None:
+    assert default_socket_dir(0) == Path("/run/kvd")
+    assert default_socket_dir(1000, {"XDG_RUNTIME_DIR": "/run/user/1000"}) == \
+        Path("/run/user/1000/kvd")
+    assert default_socket_dir(1000, {}) == Path("/tmp/kvd-1000")  # made 0750 and checked
+    assert default_engine_socket().name == "kvd.sock"

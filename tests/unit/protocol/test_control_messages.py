@@ -36,16 +36,19 @@ kv_args_wire = st.builds(
     layout=TEXT,
 )
 
-register_rank = st.builds(control.RegisterRank, instance_id=TEXT, endpoint=TEXT,
+#: Peer names as the codec admits them (S21): other text is a malformed frame.
+IID = st.from_regex(r"[A-Za-z0-9._-]{0,64}", fullmatch=True)
+ENDPOINT = st.from_regex(r"[!-~]{0,300}", fullmatch=True)
+register_rank = st.builds(control.RegisterRank, instance_id=IID, endpoint=ENDPOINT,
                           attn_tp_rank=I64, attn_tp_size=I64, kv_args=kv_args_wire)
 FLOATS = st.floats(allow_nan=False)
-room_pages = st.builds(control.RoomPages, room=I64, inc=I64, endpoint=TEXT, instance_id=TEXT,
+room_pages = st.builds(control.RoomPages, room=I64, inc=I64, endpoint=ENDPOINT, instance_id=IID,
                        dst_pages=st.binary(max_size=64), aux_index=I64, write_within=FLOATS,
                        required_dst_info_num=I64, is_dummy=st.booleans())
 room_status = st.builds(control.RoomStatus, room=I64, inc=I64, status=I64, kind=TEXT,
-                        reason=TEXT, endpoint=TEXT, instance_id=TEXT, quiesced=st.booleans())
+                        reason=TEXT, endpoint=ENDPOINT, instance_id=IID, quiesced=st.booleans())
 room_abort = st.builds(control.RoomAbort, room=I64, inc=I64, kind=TEXT, reason=TEXT,
-                       endpoint=TEXT, instance_id=TEXT)
+                       endpoint=ENDPOINT, instance_id=IID)
 control_messages = st.one_of(register_rank, room_pages, room_status, room_abort)
 
 
