@@ -21,6 +21,11 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
   destination after its ``write_within`` bound (K22). Every destination hears
   the final status; a failure while a write is in flight is reported twice:
   at once (``quiesced=False``) and again when the write returned (``quiesced``).
+* **Cancellation.** An attempt that ends while its write is in flight emits
+  :class:`~kvd.rooms.effects.CancelWrites` in the same step as its end, whatever
+  ended it (every ending goes through one place): the daemon drops the write's
+  parts not started yet, so the write returns (and ``quiesced`` is reported) once
+  what was already in flight returned, not when the transfer queue drained (K43).
 * **Termination.** Every non-terminal room has a deadline (:class:`Timeouts`);
   :meth:`SenderRooms.tick` fails it when passed, whatever happened to the tasks
   that perform its effects (K32).
@@ -44,7 +49,16 @@ from kvd.control.routing import resolve_targets
 from kvd.errors import LayoutError, RegistrationError, RoomError
 from kvd.protocol import control
 from kvd.protocol.codec import unpack_indices
-from kvd.rooms.effects import Effect, Ended, ForgetPeer, Report, Wake, Write, WriteDest
+from kvd.rooms.effects import (
+    CancelWrites,
+    Effect,
+    Ended,
+    ForgetPeer,
+    Report,
+    Wake,
+    Write,
+    WriteDest,
+)
 from kvd.rooms.state import TERMINAL, FailureKind, KVPoll, RoomFailure, Timeouts
 from kvd.rooms.tombstones import Bounded
 from kvd.transfer.plan import Pages, check_page_range
@@ -688,6 +702,8 @@ class SenderRooms:
         self._advance(r, KVPoll.Failed, now)
         r.failure = failure
         r.chunks.clear()
+        if r.writing:  # its write is no longer wanted: what has not started never will
+            out.append(CancelWrites(r.room, r.attempt))
         self._report_all(r, now, out)
         out.append(Ended(r.room, r.attempt, KVPoll.Failed, failure, r.peers, r.created,
                          r.nbytes, r.seconds))

@@ -29,6 +29,13 @@ Rules, same as the blocking path (:func:`kvd.transfer.backends.base.submit_with_
   the job's deadline;
 * no entry starts after the job's ``deadline`` (monotonic s): the job then fails
   once its entries in flight have returned;
+* no entry starts once the job's cancellation token (:class:`~kvd.transfer.backends.
+  base.CancelToken`: its room attempt ended) is cancelled, checked before every
+  submission -- also while the destination's window is full, so a queued job of an
+  ended room finishes in the next round instead of waiting for the jobs ahead of it;
+  the entries in flight return as usual and ``done`` gets a
+  :class:`~kvd.errors.WriteCancelled` naming the bytes that landed and those dropped
+  (K43);
 * an entry still pending ``timeout_s + length/1 GB/s`` after it was submitted
   (the binding's own sync timeout, ``MC_TRANSFER_TIMEOUT``) is given up: the job
   fails. Its batch id cannot be freed while busy and is dropped.
@@ -43,7 +50,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvd.errors import TransportError
+from kvd.errors import TransportError, WriteCancelled
+from kvd.transfer.backends.base import CancelToken
 from kvd.transfer.plan import Descriptors
 
 log = logging.getLogger(__name__)
@@ -73,6 +81,7 @@ class _Job:
     length: list[int]
     deadline: float | None
     done: Done
+    cancel: CancelToken | None = None
     next: int = 0                       # first entry not submitted yet
     batch_end: int = 0                  # end of the sub-batch being submitted
     inflight: list[tuple[int, int, float]] = field(default_factory=list)  # (id, entry, t)
@@ -84,6 +93,8 @@ class _Job:
     attempt: int = 0                    # hook attempts of the current sub-batch
     error: TransportError | None = None
     stopped: bool = False               # no further submissions
+    cancelled: bool = False             # stopped by its token (its room attempt ended)
+    landed: int = 0                     # bytes of entries that landed
 
     @property
     def unsubmitted(self) -> bool:
@@ -129,13 +140,16 @@ class WritePump:
         self._batch_no = 0
         self.retried = 0
         self.abandoned = 0  # entries given up after the engine's timeout
+        self.cancelled = 0  # jobs stopped by their token
 
     # ---- any thread -------------------------------------------------------------------
 
-    def start(self, peer: str, desc: Descriptors, deadline: float | None, done: Done) -> None:
-        """Queue a write of ``desc`` to ``peer``; ``done`` is called once, from the pump."""
+    def start(self, peer: str, desc: Descriptors, deadline: float | None, done: Done,
+              cancel: CancelToken | None = None) -> None:
+        """Queue a write of ``desc`` to ``peer``; ``done`` is called once, from the pump.
+        Once ``cancel`` is cancelled no further entry of it is submitted."""
         job = _Job(peer, desc.src.tolist(), desc.dst.tolist(), desc.length.tolist(),
-                   deadline, done)
+                   deadline, done, cancel)
         with self._cond:
             if self._closing:
                 raise TransportError(f"write to {peer}: the transfer engine is closing")
@@ -211,6 +225,11 @@ class WritePump:
         return progressed
 
     def _fill(self, peer: _Peer, job: _Job, now: float) -> bool:
+        if job.cancel is not None and job.cancel.cancelled and job.unsubmitted:
+            job.stopped = job.cancelled = True  # before the window check: see module doc
+            job.retry.clear()
+            self.cancelled += 1
+            return True
         if not job.unsubmitted or peer.inflight >= self.per_peer or now < job.retry_at:
             return False
         if job.deadline is not None and now > job.deadline:
@@ -297,6 +316,7 @@ class WritePump:
                 keep.append(entry)
             elif rc == 1:
                 job.retry_since = None  # progress: a later failure starts a new budget
+                job.landed += job.length[entry[1]]
                 continue
             elif rc == -1 and not job.stopped:  # failed: the same bytes again, bounded
                 job.retry.append(entry[1])
@@ -324,7 +344,13 @@ class WritePump:
 
     @staticmethod
     def _finish(job: _Job) -> None:
+        error = job.error
+        if error is None and job.cancelled:
+            total = sum(job.length)
+            error = WriteCancelled(f"write to {job.peer}: cancelled (its room attempt ended) "
+                                   f"after {job.landed} of {total} bytes", job.landed,
+                                   total - job.landed)
         try:
-            job.done(job.error)
+            job.done(error)
         except Exception:  # a callback bug must not stop every other write
             log.exception("write completion callback failed")

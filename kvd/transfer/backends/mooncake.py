@@ -45,6 +45,7 @@ from typing import Any
 
 from kvd.addr import format_host
 from kvd.errors import TransportError
+from kvd.transfer.backends.base import CancelToken
 from kvd.transfer.backends.bindaddr import pinned_binds
 from kvd.transfer.backends.handshake import HandshakeFront, Reservation
 from kvd.transfer.plan import Descriptors
@@ -240,10 +241,11 @@ class MooncakeEngine:
         return True
 
     def start_write(self, peer_session: str, desc: Descriptors, deadline: float | None,
-                    done: Done) -> None:
+                    done: Done, cancel: CancelToken | None = None) -> None:
         """Start writing ``desc``; ``done(error)`` is called once from the pump thread,
-        when every submitted entry returned (error: a TransportError, or None)."""
-        self.pump.start(peer_session, desc, deadline, done)
+        when every submitted entry returned (error: a TransportError, or None; entries
+        not submitted when ``cancel`` is cancelled are dropped: WriteCancelled)."""
+        self.pump.start(peer_session, desc, deadline, done, cancel)
 
     def write(self, peer_session: str, desc: Descriptors, deadline: float | None = None) -> None:
         if len(desc) == 0:

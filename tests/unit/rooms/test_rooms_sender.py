@@ -26,7 +26,7 @@ from roomkit import (
 )
 
 from kvd.errors import RoomError
-from kvd.rooms.effects import Ended, ForgetPeer, Report, Wake, Write
+from kvd.rooms.effects import CancelWrites, Ended, ForgetPeer, Report, Wake, Write
 from kvd.rooms.sender import Limits, SenderRooms
 from kvd.rooms.state import FailureKind, KVPoll, RoomFailure
 
@@ -812,3 +812,34 @@ def test_a_chunk_after_the_last_one_is_refused_not_dropped(written: bool) -> Non
     with pytest.raises(RoomError, match="after the last one"):
         s.send(R, pages(), False, 0.0)
     assert status(s) in (KVPoll.Bootstrapping, KVPoll.Transferring)
+
+
+# ---- K43: an ended attempt cancels its write ------------------------------------------------
+
+@pytest.mark.parametrize("end", ["abort", "decode_abort", "clear", "deadline", "restart"])
+def test_k43_every_ending_mid_write_cancels_that_attempts_write(end: str) -> None:
+    """Whatever ends an attempt while its write is in flight, the same step cancels the
+    write (its queued parts are dropped), before the reports; idle endings cancel
+    nothing; the write's late result still reports quiescence."""
+    s = bound()
+    w = one(s.send(R, pages(1, 2), True, 1.0), Write)
+    match end:
+        case "abort":
+            out = s.abort(R, "client gone", 1.2)
+        case "decode_abort":
+            out = s.on_abort(room_abort(R, 1), 1.2)
+        case "clear":
+            out = s.clear(R, 1.2)
+        case "deadline":
+            out = s.tick(1.0 + TIMEOUTS.transfer + 1.0)
+        case _:
+            out = registered(s, 1.2, instance="d0-restarted")
+    c = one(out, CancelWrites)
+    assert (c.room, c.attempt) == (R, w.attempt)
+    assert out.index(c) < min((i for i, e in enumerate(out) if isinstance(e, Report)),
+                              default=len(out))
+    rep = one(s.write_done(R, w.attempt, None, 0, 0.1, 3.0), Report) if end != "restart" \
+        else None
+    assert rep is None or rep.quiesced
+    idle = bound()
+    assert not of(idle.abort(R, "client gone", 1.0), CancelWrites)

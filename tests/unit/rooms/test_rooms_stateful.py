@@ -68,6 +68,7 @@ from kvd.protocol import control
 from kvd.protocol.codec import pack_indices, unpack_indices
 from kvd.rooms.effects import (
     AbortUnknown,
+    CancelWrites,
     Effect,
     Ended,
     ForgetPeer,
@@ -194,6 +195,7 @@ class InWrite:
     landings: list[Landing]
     landed: int = 0
     dead: bool = False  # its prefill daemon died: it may still land, nobody hears its end
+    cancelled: bool = False  # its attempt ended: only what was in flight may still land
 
     @property
     def landable(self) -> bool:
@@ -251,6 +253,8 @@ class RoomsWorld(RuleBasedStateMachine):
                     self.net.append(Msg(e.to, msg, self.now))
                 case Write():
                     self._start_write(p, e)
+                case CancelWrites():
+                    self._cancel_write(p, e)
                 case Ended() | Wake() | ForgetPeer():
                     pass
                 case _:
@@ -300,6 +304,18 @@ class RoomsWorld(RuleBasedStateMachine):
             landings += [Landing(pool, int(pg), p.index, (e.room, bind.inc, offset + k))
                          for k, pg in enumerate(dest.dst_pages)]
         self.writes.append(InWrite(p, e, landings))
+
+    def _cancel_write(self, p: PRank, e: CancelWrites) -> None:
+        """K43: the machine cancels exactly the write in flight of an attempt that ended;
+        the pump drops what it has not submitted (modelled: one page may be in flight)."""
+        ws = [w for w in self.writes if w.p is p and not w.dead and
+              (w.eff.room, w.eff.attempt) == (e.room, e.attempt)]
+        assert len(ws) == 1, f"CancelWrites({e.room}, {e.attempt}) names {len(ws)} writes"
+        r = p.machine.rooms.get(e.room)
+        assert r is None or r.attempt != e.attempt or r.done, "cancelled a live attempt"
+        w = ws[0]
+        w.cancelled = True
+        del w.landings[w.landed + 1:]
 
     def _land(self, w: InWrite, upto: int) -> None:
         """(a): a write lands only on pages its room's incarnation still owns."""
@@ -386,7 +402,10 @@ class RoomsWorld(RuleBasedStateMachine):
         if ok and self.now <= w.eff.deadline + SUB_BATCH:
             self._land(w, len(w.landings))
         failure = None
-        if not ok or w.landable or any(not ld.pool.alive for ld in w.landings):
+        if w.cancelled:
+            failure = RoomFailure(FailureKind.ABORTED, f"room {w.eff.room}: cancelled",
+                                  "prefill")
+        elif not ok or w.landable or any(not ld.pool.alive for ld in w.landings):
             failure = RoomFailure(FailureKind.TRANSPORT, f"room {w.eff.room}: write failed",
                                   "prefill")
         self.run_p(w.p, w.p.machine.write_done(w.eff.room, w.eff.attempt, failure, w.landed,
