@@ -239,7 +239,10 @@ class WritePump:
                 f"entries not started"))
             return True
         moved = False
+        cancel = job.cancel
         while peer.inflight < self.per_peer and job.unsubmitted:
+            if cancel is not None and cancel.cancelled:  # per entry: the next round stops it
+                break
             i = job.retry[0] if job.retry else self._next_entry(job, now)
             if i is None:
                 break

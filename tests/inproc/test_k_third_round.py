@@ -111,3 +111,80 @@ async def test_k43_a_cancelled_write_in_flight_is_waited_out(cluster: Cluster) -
     await settle(cluster)
     assert await de.releasable(0)
     assert await de.status(1) == SUCCESS and same_pages(de, pe, src_of(1), dst_of(1))
+
+
+# ---- K44: one engine-release rule ----------------------------------------------------------
+
+async def _register_again(eng: Engine) -> asyncio.Task[None]:
+    """The engine's connection drops and an engine registers the same pool again (a new
+    registration: the daemon maps it anew, possibly at the same addresses)."""
+    from kvd.engine_rpc.server import Connection
+
+    eng.disconnect()
+    eng.conn = Connection(next(eng.node.cluster._conns))
+    return asyncio.ensure_future(eng.call(eng.pool.registration))
+
+
+async def test_k44_a_decode_pool_registered_again_gets_no_write_of_an_old_room(
+        cluster: Cluster) -> None:
+    """A room to the decode's pool has its write held in flight when the decode engine
+    goes and registers its pool again. The daemon runs the machine's rule: the room is
+    aborted at once (the prefill hears why), the new registration completes only once
+    that write returned (nothing of it can land in memory registered anew), and after it
+    completed not one byte of the pool changes; a room to the new pool then succeeds."""
+    p, d, pe, de = await pair(cluster)
+    gate = cluster.fabric.hold(d.session)
+    await de.receiver(50, [0, 1], p.http_addr)
+    await settle(cluster)
+    await pe.sender(50, [20, 21])
+    await until(lambda: cluster.fabric.held == 1)
+    seen: list[list[np.ndarray]] = []
+    reg = await _register_again(de)
+    reg.add_done_callback(lambda _: seen.append([kv.copy() for kv in de.pool.kv]))
+    await until(lambda: p.side.rooms.rooms[50].done)
+    assert (await pe.failure(50))[0] == "aborted"
+    assert "engine disconnected" in (await pe.failure(50))[1]
+    for _ in range(50):  # the loop runs freely: the registration still waits for the write
+        await asyncio.sleep(0)
+    assert not reg.done(), "registered anew while a write of an old room was in flight"
+    gate.set()
+    cluster.fabric.release(d.session)
+    await reg
+    await settle(cluster)
+    assert all(np.array_equal(kv, b) for kv, b in zip(de.pool.kv, seen[0], strict=True))
+    assert d.side.rooms.rooms == {}
+    await de.receiver(51, [4, 5], p.http_addr)
+    await pe.sender(51, [22, 23])
+    await settle(cluster)
+    assert await de.status(51) == SUCCESS and same_pages(de, pe, [22, 23], [4, 5])
+
+
+async def test_k44_a_prefill_pool_registered_again_is_never_read_by_an_old_write(
+        cluster: Cluster) -> None:
+    """The sibling on the prefill side: its engine goes while a write reads its pool and
+    registers the pool again, then fills it with new content. The registration completes
+    only once the old write returned, so the decode never receives a byte of the new
+    content for the old room; the room fails on both sides."""
+    p, d, pe, de = await pair(cluster)
+    gate = cluster.fabric.hold(d.session)
+    await de.receiver(60, [0, 1], p.http_addr)
+    await settle(cluster)
+    await pe.sender(60, [20, 21])
+    await until(lambda: cluster.fabric.held == 1)
+    reg = await _register_again(pe)
+
+    def refill(_: object) -> None:  # the new engine writes its own KV at once
+        for kv in pe.pool.kv:
+            kv[[20, 21]] = 0xAB
+
+    reg.add_done_callback(refill)
+    for _ in range(50):
+        await asyncio.sleep(0)
+    assert not reg.done(), "registered anew while a write read the old pool"
+    gate.set()
+    cluster.fabric.release(d.session)
+    await reg
+    await settle(cluster)
+    assert not any((kv[[0, 1]] == 0xAB).all() for kv in de.pool.kv)
+    assert await pe.status(60) in (FAILED, -1)
+    assert await de.status(60) == FAILED

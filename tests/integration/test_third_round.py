@@ -93,3 +93,41 @@ def test_k43_aborted_rooms_queued_to_a_frozen_decode_are_not_written(
     assert c["writes_cancelled"] >= len(aborted) - window_rooms - 1, c
     assert c["cancelled_bytes_dropped"] >= len(aborted) * per_room - PER_PEER * ENTRY, c
     assert c["bytes_sent"] - base >= len(KEEP) * per_room
+
+
+def test_k44_a_decode_pool_registered_again_gets_no_write_of_an_old_room(
+        tmp_path: Path, stack: Cleanup) -> None:
+    """P's batches wait 1 s (fault injection) before they go. While P holds a 4 MiB write
+    of room R, D's engine drops its connection and registers the same pool again: R fails
+    on both sides (``engine disconnected``), the registration returns once nothing of R
+    can land, and from then on not one byte of D's pool changes; a room to the pool
+    registered anew is then written exactly."""
+    from kvd.client import KvdClient
+
+    opts = {"num_layers": 2, "num_pages": 64, "item_len": ITEM, "page_size": 16,
+            "head_dim": 64}
+    pd = pair(stack, tmp_path, p_opts={"fault_injection": '{"delay_s": 1.0}'},
+              engine_opts=opts)
+    p, d = pd.p_engine, pd.d_engine
+    dst, src = np.arange(16), np.arange(16, 32)
+    r = Receiver(d.client, 4400, pd.bootstrap)
+    r.init(dst, 0)
+    s = Sender(p.client, 4400)
+    s.init(16, 0)
+    until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound to D's pages")
+    s.send(src, is_last=True)  # its first batch waits 1 s in P's pump
+    d.client.close()
+    d.client = KvdClient(pd.decode.socket)
+    d.client.call(d.registration)  # returns once nothing of room 4400 can land
+    after = snapshot(d)
+    until(lambda: s.poll() == KVPoll.Failed, "P's room failed")
+    kind, reason = s.failure()
+    assert kind == "aborted" and "engine disconnected" in reason, (kind, reason)
+    _s, _r2 = transfer_room(p, d, pd.bootstrap, 4401, np.arange(40, 48), np.arange(20, 28),
+                           chunk=8)  # after anything of room 4400 could have gone
+    assert wait_rooms(d.client, [4401], timeout=BOUND) == [KVPoll.Success]
+    assert d.pages_equal(p, np.arange(40, 48), np.arange(20, 28))
+    for kv, b in zip(d.kv, after, strict=True):
+        b[20:28] = kv[20:28]
+    assert all(np.array_equal(kv, b) for kv, b in zip(d.kv, after, strict=True)), \
+        "a write of the old room landed in the pool registered anew"

@@ -145,6 +145,7 @@ class DRank:
     gen: int = 0
     registered: dict[int, str] = field(default_factory=dict)  # prefill rank -> its instance
     held: dict[int, Held] = field(default_factory=dict)
+    releasing: bool = False  # its engine went: the pool stays until the machine is quiet
 
 
 @dataclass
@@ -412,8 +413,11 @@ class RoomsWorld(RuleBasedStateMachine):
                                                0.0, self.now))
 
     def _settle(self) -> None:
-        """The decode engines free a room's pages as soon as the machine allows it."""
+        """The decode engines free a room's pages as soon as the machine allows it; a
+        released pool goes as soon as the machine is quiet."""
         for d in self.d:
+            if d.releasing and d.machine.quiet(self.now):
+                self._finish_release(d)
             for room, h in list(d.held.items()):
                 r = d.machine.rooms.get(room)
                 if r is None or r.inc != h.inc or r.releasable(self.now, TIMEOUTS):
@@ -505,7 +509,7 @@ class RoomsWorld(RuleBasedStateMachine):
 
     def _d_init(self, d: DRank, room: int, aux: int) -> None:
         r = d.machine.rooms.get(room)
-        if r is None or r.dst_pages is not None or room in d.held:
+        if d.releasing or r is None or r.dst_pages is not None or room in d.held:
             return
         free = [pg for pg in range(D_POOL) if d.pool.owner[pg] is None]
         if len(free) < length(room):
@@ -593,15 +597,25 @@ class RoomsWorld(RuleBasedStateMachine):
 
     def _d_engine_disconnect(self, d: DRank) -> None:
         """The decode engine goes and comes back (kvd/decode.py engine_released, then
-        engine_registered): the old memory is unregistered, nothing can land in it; the
-        machine presents a new instance, which the next lookups register."""
+        engine_registered, K44): the machine aborts its rooms; the pool is unregistered,
+        and a new one registered under the same instance, only once the machine is quiet
+        (:meth:`_finish_release`)."""
+        if d.releasing:
+            return
         self.run_d(d, d.machine.engine_released(self.now))
-        d.instance = d.machine.instance
+        d.releasing = True
+
+    def _finish_release(self, d: DRank) -> None:
+        """Nothing can be written into the old pool any more: it goes, a new one comes (the
+        model cannot express the same addresses; that is the in-process test's part)."""
+        d.machine.forget_rooms()
         d.pool.alive = False
         d.gen += 1
         d.pool = Pool(f"{d.instance}/{d.gen}")
         d.held.clear()
         d.registered.clear()
+        d.machine.engine_registered(D_POOL, AUX_SLOTS, ())
+        d.releasing = False
 
     # ---- rules: lookups, network, writes, time ----------------------------------------------
 
