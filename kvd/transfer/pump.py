@@ -14,7 +14,9 @@ thread exactly once, when every entry the job submitted has landed, failed or
 timed out -- never earlier, so the room protocol's release rules hold as with
 a blocking write. Per destination at most ``per_peer`` entries are in flight
 (the TCP transport refuses more than 1024 queued per peer, shared by every
-caller); jobs of one destination start in FIFO order. A frozen destination
+caller) and at most ``per_peer_bytes`` bytes (one entry always may go): what is in
+flight is what a cancelled room may still write, and how long a fresh room waits behind
+a queue of cancelled ones (K43); jobs of one destination start in FIFO order. A frozen destination
 only holds its own window: the thread keeps polling and serving the others
 (K24, P8), and isolation does not depend on hashing peers onto threads.
 
@@ -109,6 +111,7 @@ class _Job:
 class _Peer:
     jobs: deque[_Job] = field(default_factory=deque)
     inflight: int = 0
+    inflight_bytes: int = 0
 
 
 class WritePump:
@@ -123,9 +126,10 @@ class WritePump:
                  batch_entries: int = 512, retry_budget: float = 1.0,
                  retry_backoff: float = 0.001, timeout_s: float = 30.0,
                  hook: Callable[[str, int, int], int | None] | None = None,
-                 name: str = "kvd-xfer-pump") -> None:
+                 name: str = "kvd-xfer-pump", per_peer_bytes: int = 32 << 20) -> None:
         self._submit, self._check = submit, check
         self.per_peer = max(1, per_peer)
+        self.per_peer_bytes = max(1, per_peer_bytes)
         self.batch_entries = max(1, batch_entries)
         self.retry_budget, self.retry_backoff = retry_budget, retry_backoff
         self.timeout_s = timeout_s
@@ -230,7 +234,7 @@ class WritePump:
             job.retry.clear()
             self.cancelled += 1
             return True
-        if not job.unsubmitted or peer.inflight >= self.per_peer or now < job.retry_at:
+        if not job.unsubmitted or not self._room(peer) or now < job.retry_at:
             return False
         if job.deadline is not None and now > job.deadline:
             left = len(job.src) - job.next + len(job.retry)
@@ -240,7 +244,7 @@ class WritePump:
             return True
         moved = False
         cancel = job.cancel
-        while peer.inflight < self.per_peer and job.unsubmitted:
+        while self._room(peer) and job.unsubmitted:
             if cancel is not None and cancel.cancelled:  # per entry: the next round stops it
                 break
             i = job.retry[0] if job.retry else self._next_entry(job, now)
@@ -259,8 +263,14 @@ class WritePump:
             # transfer address) would be retried forever. Only a landed entry does.
             job.inflight.append((bid, i, now))
             peer.inflight += 1
+            peer.inflight_bytes += job.length[i]
             moved = True
         return moved
+
+    def _room(self, peer: _Peer) -> bool:
+        """May one more entry go to ``peer`` (its entry and byte windows)?"""
+        return peer.inflight < self.per_peer and (
+            peer.inflight_bytes < self.per_peer_bytes or not peer.inflight)
 
     def _next_entry(self, job: _Job, now: float) -> int | None:
         """The next fresh entry; at a sub-batch boundary the fault hook is asked first."""
@@ -329,6 +339,9 @@ class WritePump:
                                                f"(rc={rc})", rc))
         moved = len(keep) != len(head)
         peer.inflight -= len(head) - len(keep)
+        if moved:
+            kept = {entry[0] for entry in keep}
+            peer.inflight_bytes -= sum(job.length[e[1]] for e in head if e[0] not in kept)
         job.inflight = keep + rest if moved else job.inflight
         return moved
 

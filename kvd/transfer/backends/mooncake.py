@@ -130,17 +130,17 @@ class MooncakeEngine:
 
     Create one per daemon and keep it: destroying an engine takes about 1 s.
     ``max_batch_entries`` is the sub-batch size the fault hook counts in (<= 1024,
-    the TCP transport's per-peer queue); ``per_peer_inflight`` bounds the entries in
-    flight per destination. A refused entry (a full queue answers like a dead peer)
-    is retried with backoff from ``retry_backoff`` doubling up to 50 ms, for at most
-    ``retry_budget`` seconds and never past the caller's deadline.
+    the TCP transport's per-peer queue); ``per_peer_inflight`` and ``per_peer_bytes``
+    bound the entries and bytes in flight per destination. A refused entry (a full queue
+    answers like a dead peer) is retried with backoff from ``retry_backoff`` doubling up
+    to 50 ms, for at most ``retry_budget`` seconds and never past the caller's deadline.
     ``submit_hook`` (fault injection, tests only) may force a sub-batch's rc.
     """
 
     def __init__(self, host: str | MooncakeOptions, max_batch_entries: int = 512,
                  retry_budget: float = 1.0, retry_backoff: float = 0.001,
                  submit_hook: Callable[[str, int, int], int | None] | None = None,
-                 per_peer_inflight: int = 256) -> None:
+                 per_peer_inflight: int = 256, per_peer_bytes: int = 32 << 20) -> None:
         opts = host if isinstance(host, MooncakeOptions) else MooncakeOptions(host)
         self.options = opts
         if opts.protocol == "rdma":
@@ -156,7 +156,8 @@ class MooncakeEngine:
         self.pump = WritePump(self._submit_one, self._native.transfer_check_status,
                               per_peer=per_peer_inflight, batch_entries=max_batch_entries,
                               retry_budget=retry_budget, retry_backoff=retry_backoff,
-                              timeout_s=float(timeout), hook=submit_hook)
+                              timeout_s=float(timeout), hook=submit_hook,
+                              per_peer_bytes=per_peer_bytes)
 
     @property
     def retried(self) -> int:
