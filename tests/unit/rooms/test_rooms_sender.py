@@ -15,6 +15,7 @@ from roomkit import (
     D1,
     POOL,
     TIMEOUTS,
+    kv_args,
     of,
     one,
     pages,
@@ -843,3 +844,21 @@ def test_k43_every_ending_mid_write_cancels_that_attempts_write(end: str) -> Non
     assert rep is None or rep.quiesced
     idle = bound()
     assert not of(idle.abort(R, "client gone", 1.0), CancelWrites)
+
+
+def test_k44_a_decode_registering_another_pool_ends_rooms_bound_to_the_old_one() -> None:
+    """The same instance registers other KV args (its engine registered a new pool):
+    the room bound to the previous pool fails (its write in flight is cancelled) and is
+    never written again; the same args again change nothing."""
+    import msgspec
+
+    s = bound()
+    w = one(s.send(R, pages(1, 2), False, 1.0), Write)
+    assert registered(s, 1.1) == [] and status(s) == KVPoll.Transferring  # same args
+    moved = msgspec.structs.replace(register(), kv_args=msgspec.structs.replace(
+        kv_args(), kv_data_ptrs=[1 << 20]))
+    out = s.on_register(moved, POOL, AUX, None, "plan", 1.2)
+    assert one(out, CancelWrites).attempt == w.attempt
+    assert status(s) == KVPoll.Failed and s.rooms[R].failure.kind == FailureKind.PEER
+    assert "another KV pool" in s.rooms[R].failure.reason
+    assert not of(s.write_done(R, w.attempt, None, 0, 0.1, 2.0), Write)
