@@ -16,13 +16,15 @@ flood: /health latency, heartbeat jitter and engine-RPC latency of a prefill kvd
   process floods it (tiny ZMQ frames, 250 MB unauthenticated bodies, idle half-sent
   requests), against an idle baseline in the same run (goal: p99 /health <= 50 ms, no
   missed heartbeat; benchmarks/flood_bench.py).
+cancel: a fresh 1-page room's latency after N queued rooms of M MiB were aborted, vs the
+  same room alone (goal <= 2x; benchmarks/cancel_bench.py, case K43).
 issue14: every row of issue 14's table (P1, P1b, P4, P5, P6, P8) beside its baseline,
   ratio and goal (benchmarks/issue14.py); SGLang's connector rows need SGLang installed
   (`make bench` builds .venv-bench with it).
 All results are saved as one JSON file under benchmarks/results/.
 
 Usage: python benchmarks/run.py [--mib 256] [--repeats 3]
-       [--only issue14,transfer,plan,hetero,samehost,flood]
+       [--only issue14,transfer,plan,hetero,samehost,flood,cancel]
 """
 
 from __future__ import annotations
@@ -260,7 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rooms", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", default="issue14,plan,hetero,samehost,flood")
+    ap.add_argument("--only", default="issue14,plan,hetero,samehost,flood,cancel")
+    ap.add_argument("--cancel-rooms", type=int, default=150, help="cancel: rooms aborted")
+    ap.add_argument("--cancel-mib", type=int, default=32, help="cancel: MiB per room")
+    ap.add_argument("--cancel-inflight-mib", type=int, default=None,
+                    help="cancel: the prefill's inflight_bytes in MiB (default: kvd's)")
     ap.add_argument("--flood-seconds", type=float, default=6.0, help="per flood phase")
     ap.add_argument("--rss-rooms", type=int, default=100_000,
                     help="P6: rooms created -> succeeded -> cleared (after the room "
@@ -275,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="P5: idle-pair rooms per placement and repeat (send/init)")
     args = ap.parse_args(argv)
     for name, low in (("repeats", 1), ("mib", 1), ("layers", 1), ("rooms", 1),
+                      ("cancel_rooms", 1), ("cancel_mib", 1),
                       ("max_rooms", 1), ("rate_rooms", 1), ("api_rooms", 1),
                       ("api_calls", args.repeats), ("rss_rooms", 10)):
         if getattr(args, name) < low:
@@ -307,6 +314,12 @@ def main(argv: list[str] | None = None) -> int:
         import flood_bench
 
         results["flood"] = flood_bench.run(console, args.flood_seconds)
+    if "cancel" in only:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import cancel_bench
+
+        results["cancel"] = cancel_bench.run(console, args.cancel_rooms, args.cancel_mib,
+                                             args.repeats, args.cancel_inflight_mib)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(results, indent=2, default=str))

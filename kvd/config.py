@@ -250,6 +250,15 @@ class Settings(BaseSettings):
     max_batch_entries: int = _setting(
         512, ge=1, le=1024, unit="descriptors",
         help="descriptors per Mooncake batch call (the TCP transport refuses > 1024)")
+    inflight_entries: int = _setting(
+        256, ge=1, le=1024, unit="descriptors",
+        help="Mooncake entries in flight per destination; what a cancelled room may still "
+             "write is bounded by this window (the rest of its queue is dropped)")
+    inflight_bytes: int = _setting(
+        32 << 20, ge=1, unit="bytes",
+        help="Mooncake bytes in flight per destination (one entry always may go): bounds "
+             "what a cancelled room may still write and how long a fresh room waits "
+             "behind cancelled ones")
     control_send_timeout: float = _setting(5.0, gt=0, unit="s",
                                            help="give up sending one control message after")
     http_timeout: float = _setting(5.0, gt=0, unit="s", help="timeout of one bootstrap request")

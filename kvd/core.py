@@ -55,6 +55,11 @@ class Counters:
     """Daemon-wide totals (bytes, rooms)."""
 
     bytes_sent: int = 0
+    # K43: writes stopped because their room attempt ended; bytes of them that still
+    # landed (in flight when it ended) and bytes never written (dropped unstarted)
+    writes_cancelled: int = 0
+    cancelled_bytes_landed: int = 0
+    cancelled_bytes_dropped: int = 0
     rooms_succeeded: int = 0
     rooms_failed: int = 0
     protocol_errors: int = 0

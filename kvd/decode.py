@@ -509,17 +509,20 @@ class DecodeSide(Side):
     def engine_registered(self, args: RankArgs) -> None:
         """New local buffers: register them again with every prefill rank."""
         self.registered.clear()
-        self.rooms.num_pages, self.rooms.num_aux_slots = args.num_pages, args.num_aux_slots
-        self.rooms.aux_sizes = tuple(int(n) for n in args.aux_item_lens)
+        self.rooms.engine_registered(args.num_pages, args.num_aux_slots,
+                                     tuple(int(n) for n in args.aux_item_lens))
 
     async def drain_done(self) -> None:
         """Nothing to deregister: a decode rank is not in any bootstrap table."""
 
     async def engine_released(self) -> None:
-        for room in self.unfinished():
-            self.abort(room, "engine disconnected")
-        self.rooms.rooms.clear()  # its memory is unregistered: nothing can land in it
-        self.rooms.num_pages = self.rooms.num_aux_slots = 0
+        """The machine's rule (:meth:`ReceiverRooms.engine_released`, K44): abort the rooms,
+        return once nothing can still be written into the pool (every room releasable:
+        quiesced, or past its write bound plus the release margin), forget them."""
+        self.run(self.rooms.engine_released(self.core.clock()))
+        while not self.rooms.quiet(self.core.clock()):
+            await self.core.wait_changed(self.timeouts.release)  # Wake, or the next sweep
+        self.rooms.forget_rooms()
 
     # ---- status -----------------------------------------------------------------------
 

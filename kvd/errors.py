@@ -117,6 +117,16 @@ class TransportError(KvdError):
         self.code = code
 
 
+class WriteCancelled(TransportError):
+    """A write stopped because the room attempt it belonged to ended (K43): its entries
+    not started were dropped, those in flight returned. ``landed``/``dropped``: bytes
+    written before it stopped, and bytes never written."""
+
+    def __init__(self, message: str, landed: int = 0, dropped: int = 0) -> None:
+        super().__init__(message)
+        self.landed, self.dropped = landed, dropped
+
+
 class PeerUnreachable(KvdError):
     """A control message could not be handed to a peer kvd within the send timeout."""
 

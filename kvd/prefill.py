@@ -20,15 +20,22 @@ import httpx
 from kvd.addr import http_url, parse_hostport
 from kvd.core import Core
 from kvd.discovery.base import Registrar
-from kvd.errors import ConfigError, KvdError, LayoutError, RegistrationError, TransportError
+from kvd.errors import (
+    ConfigError,
+    KvdError,
+    LayoutError,
+    RegistrationError,
+    TransportError,
+    WriteCancelled,
+)
 from kvd.protocol import control, rpc
 from kvd.protocol.codec import unpack_indices
-from kvd.rooms.effects import Effect, Report, Write, WriteDest
+from kvd.rooms.effects import CancelWrites, Effect, Report, Write, WriteDest
 from kvd.rooms.sender import Limits, RankPosition, SenderRooms
 from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
 from kvd.side import RoomView, Side, Snapshot, not_available
-from kvd.transfer.backends.base import PeerAttach
+from kvd.transfer.backends.base import CancelToken, PeerAttach
 from kvd.transfer.kvargs import RankArgs
 from kvd.transfer.layout import PairPlan, RankLayout, check_coverage, check_pair
 from kvd.transfer.plan import Descriptors, check_plan_bounds, plan_aux
@@ -61,6 +68,9 @@ class PrefillSide(Side):
         self._layout: RankLayout | None = None
         self._pairs: dict[str, PairPlan] = {}  # decode endpoint -> its planning constants
         self._writes: set[asyncio.Task[None]] = set()
+        # the token of each write in flight, by (room, attempt): the machine's CancelWrites
+        # cancels it (K43); at most one write per attempt is in flight
+        self._tokens: dict[tuple[int, int], CancelToken] = {}
         self.failing_sessions: dict[str, int] = {}
         self.bootstrap_registered = False
         self.bootstrap_instance: str | None = None
@@ -220,9 +230,15 @@ class PrefillSide(Side):
             case Report():
                 self._report(eff)
             case Write():
-                task = self.core.spawn(self._write(eff), f"write-{eff.room}")
+                token = self._tokens[(eff.room, eff.attempt)] = CancelToken(
+                    (eff.room, eff.attempt))
+                task = self.core.spawn(self._write(eff, token), f"write-{eff.room}")
                 self._writes.add(task)
                 task.add_done_callback(self._writes.discard)
+            case CancelWrites():
+                queued = self._tokens.get((eff.room, eff.attempt))
+                if queued is not None:
+                    queued.cancel()
             case _:
                 raise TypeError(f"prefill cannot perform {eff!r}")
 
@@ -252,7 +268,7 @@ class PrefillSide(Side):
         await asyncio.sleep(delay)
         self.core.post(to, msg, instance=instance)
 
-    async def _write(self, eff: Write) -> None:
+    async def _write(self, eff: Write, token: CancelToken) -> None:
         """Plan and write one chunk to every destination; report exactly once."""
         start = time.perf_counter()
         failure: RoomFailure | None = RoomFailure(
@@ -262,9 +278,10 @@ class PrefillSide(Side):
         deadline = time.monotonic() + (eff.deadline - self.core.clock())
         try:
             plans = [(d, self._plan(eff, d)) for d in eff.dests]
-            await asyncio.gather(*(self.core.executor.write(d.peer.args.wire.session_id, desc,
-                                                            deadline)
-                                   for d, desc in plans if len(desc)))
+            results = await asyncio.gather(
+                *(self.core.executor.write(d.peer.args.wire.session_id, desc, deadline, token)
+                  for d, desc in plans if len(desc)), return_exceptions=True)
+            self._raise_first(results)
             moved = sum(desc.nbytes for _, desc in plans)
             self.core.counters.bytes_sent += moved
             self.core.events.chunks_sent((d.endpoint, desc.nbytes) for d, desc in plans)
@@ -272,6 +289,8 @@ class PrefillSide(Side):
             failure = None
         except LayoutError as exc:
             failure = RoomFailure(FailureKind.LAYOUT, f"room {eff.room}: {exc}", self.role)
+        except WriteCancelled as exc:  # the attempt already ended: nothing to decide
+            failure = RoomFailure(FailureKind.ABORTED, f"room {eff.room}: {exc}", self.role)
         except TransportError as exc:
             self._session_failed(eff.dests)
             failure = RoomFailure(FailureKind.TRANSPORT, f"room {eff.room}: transfer to "
@@ -280,8 +299,23 @@ class PrefillSide(Side):
         except KvdError as exc:
             failure = RoomFailure(FailureKind.TRANSPORT, f"room {eff.room}: {exc}", self.role)
         finally:
+            if self._tokens.get((eff.room, eff.attempt)) is token:
+                del self._tokens[(eff.room, eff.attempt)]
             self.run(self.rooms.write_done(eff.room, eff.attempt, failure, moved,
                                            time.perf_counter() - start, self.core.clock()))
+
+    def _raise_first(self, results: list[BaseException | None]) -> None:
+        """Count what cancelled writes left behind (K43), then raise the first error
+        (a real failure before a cancellation), if any."""
+        errors = [r for r in results if isinstance(r, BaseException)]
+        c = self.core.counters
+        for e in errors:
+            if isinstance(e, WriteCancelled):
+                c.writes_cancelled += 1
+                c.cancelled_bytes_landed += e.landed
+                c.cancelled_bytes_dropped += e.dropped
+        if errors:
+            raise next((e for e in errors if not isinstance(e, WriteCancelled)), errors[0])
 
     def _plan(self, eff: Write, d: WriteDest) -> Descriptors:
         """Descriptors of one chunk (and, last chunk, the aux slot) to one destination,

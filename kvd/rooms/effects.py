@@ -85,6 +85,17 @@ class Write:
 
 
 @dataclass(frozen=True)
+class CancelWrites:
+    """Prefill: attempt ``attempt`` of ``room`` ended while its write was in flight: drop
+    every part of that write not started yet (the pump's queued entries, a lane's
+    queued write). What is in flight still returns, and its ``write_done`` still
+    comes (then the room reports ``quiesced``): K43."""
+
+    room: int
+    attempt: int
+
+
+@dataclass(frozen=True)
 class Resolve:
     """Decode: find the prefill ranks of ``room`` (bootstrap lookup, registration of this
     rank's KV args with each); answered by ``resolved`` or ``resolve_failed``."""
@@ -144,4 +155,5 @@ class Wake:
     """Something a ``wait`` may be waiting for changed (a room ended, pages freed up)."""
 
 
-Effect = Send | Report | Write | Resolve | AbortUnknown | WriteAux | ForgetPeer | Ended | Wake
+Effect = (Send | Report | Write | CancelWrites | Resolve | AbortUnknown | WriteAux | ForgetPeer
+          | Ended | Wake)

@@ -30,6 +30,11 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
 * **Termination.** Every non-terminal room has a deadline (:class:`Timeouts`);
   :meth:`ReceiverRooms.tick` fails it when passed, whatever happened to the tasks
   performing its effects; a failed send fails its room at once (K32).
+* **Engine release.** When the engine goes (:meth:`ReceiverRooms.engine_released`) its
+  rooms are aborted and kept until :meth:`ReceiverRooms.quiet` -- the release rule above,
+  applied to the whole pool -- and only then may the daemon unregister the pool and a new
+  one be registered, possibly at the same addresses: no write of an old room lands in it
+  (K44). The daemon runs this rule; it does not re-implement it.
 """
 
 from __future__ import annotations
@@ -150,12 +155,11 @@ class ReceiverRooms:
         self.dropped: Counter[str] = Counter()
         self._incs = itertools.count(first_inc if first_inc is not None else
                                      first_incarnation(instance))
-        self._base_instance = instance
-        self._registrations = 0
         # Page -> (room, incarnation) that last named it; checked lazily against the
         # room's releasability, so it needs no update when a room's pages free up.
         self._owner_room = np.zeros(0, dtype=np.int64)
         self._owner_inc = np.zeros(0, dtype=np.int64)
+        self.released = False  # the engine's pool is going away (engine_released)
 
     # ---- engine events ----------------------------------------------------------------
 
@@ -163,6 +167,9 @@ class ReceiverRooms:
                now: float) -> list[Effect]:
         """``Receiver(room, bootstrap_addr)``: a new incarnation. Raises RoomError if the
         room is in flight, or if its previous incarnation's pages are not releasable."""
+        if self.released:
+            raise RoomError(f"room {room}: the engine released its KV pool; register it "
+                            f"again first")
         old = self.rooms.get(room)
         if old is not None and not old.done:
             raise RoomError(f"room {room} already active on this decode rank (duplicate room)")
@@ -237,20 +244,38 @@ class ReceiverRooms:
         return out
 
     def engine_released(self, now: float) -> list[Effect]:
-        """The engine went away and its memory is unregistered: every unfinished room is
-        aborted (its targets told), every room forgotten (nothing can land in that memory
-        any more), and this rank takes a new instance id for what it registers next, so
-        the prefill ranks treat the new memory as a restart: pages sent for the old memory
-        can never be written into the new one (K28). Registrations must use
-        :attr:`instance` from now on."""
+        """The engine went away. Every unfinished room is aborted (its targets told) and no
+        room can be created until :meth:`engine_registered`. The engine's memory must stay
+        registered until :meth:`quiet`: a new pool may be registered at the same addresses
+        (the same shm remapped, the same device memory), so no write bound to a room of the
+        old registration may start or land once it is (K44; a restarted decode daemon is
+        K28). Then the daemon unregisters it and calls :meth:`forget_rooms`."""
+        self.released = True
         out: list[Effect] = []
         for room in [k for k, r in self.rooms.items() if not r.done]:
             out += self.abort(room, "engine disconnected", now)
+        return out
+
+    def quiet(self, now: float) -> bool:
+        """Nothing can still be written into the released pool: every room's pages are
+        releasable (their targets confirmed quiescence, or the write bound they were
+        given plus the release margin passed)."""
+        return all(r.releasable(now, self.timeouts) for r in self.rooms.values())
+
+    def forget_rooms(self) -> None:
+        """After :meth:`quiet`: forget every room of the released pool (late statuses about
+        them are dropped as stale)."""
         self.rooms.clear()
         self._owner_room = self._owner_room[:0]  # the memory they named is gone
-        self._registrations += 1
-        self.instance = f"{self._base_instance}+{self._registrations}"
-        return out
+        self.num_pages = self.num_aux_slots = 0
+        self.aux_sizes = ()
+
+    def engine_registered(self, num_pages: int, num_aux_slots: int,
+                          aux_sizes: tuple[int, ...]) -> None:
+        """The engine registered a pool (again): its size (pages, aux slots, bytes per aux
+        item per buffer); rooms can be created again."""
+        self.num_pages, self.num_aux_slots, self.aux_sizes = num_pages, num_aux_slots, aux_sizes
+        self.released = False
 
     # ---- results ----------------------------------------------------------------------
 

@@ -11,8 +11,10 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
 * **Incarnations.** A room is bound, per decode rank, to the incarnation that
   rank chose (``RoomPages.inc``); messages naming another incarnation, or sent
   by another instance of the peer than the one that registered, never change it
-  (K26, K28). Engine-side re-creation of a room id makes a new *attempt*; write
-  results name their attempt, so an old write cannot decide a new attempt.
+  (K26, K28); a rank that registers other KV args (a new pool) ends the rooms bound
+  to its previous pool (K44). Engine-side re-creation of a room id makes a new
+  *attempt*; write results name their attempt, so an old write cannot decide a new
+  attempt.
 * **One word per incarnation.** The final status this rank tells a decode
   incarnation (endpoint, instance, ``inc``) is remembered (bounded in time and
   count) and never taken back: a late or repeated message about it is answered
@@ -21,6 +23,11 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
   destination after its ``write_within`` bound (K22). Every destination hears
   the final status; a failure while a write is in flight is reported twice:
   at once (``quiesced=False``) and again when the write returned (``quiesced``).
+* **Cancellation.** An attempt that ends while its write is in flight emits
+  :class:`~kvd.rooms.effects.CancelWrites` in the same step as its end, whatever
+  ended it (every ending goes through one place): the daemon drops the write's
+  parts not started yet, so the write returns (and ``quiesced`` is reported) once
+  what was already in flight returned, not when the transfer queue drained (K43).
 * **Termination.** Every non-terminal room has a deadline (:class:`Timeouts`);
   :meth:`SenderRooms.tick` fails it when passed, whatever happened to the tasks
   that perform its effects (K32).
@@ -46,7 +53,16 @@ from kvd.control.routing import resolve_targets
 from kvd.errors import LayoutError, RegistrationError, RoomError
 from kvd.protocol import control
 from kvd.protocol.codec import unpack_indices
-from kvd.rooms.effects import Effect, Ended, ForgetPeer, Report, Wake, Write, WriteDest
+from kvd.rooms.effects import (
+    CancelWrites,
+    Effect,
+    Ended,
+    ForgetPeer,
+    Report,
+    Wake,
+    Write,
+    WriteDest,
+)
 from kvd.rooms.state import TERMINAL, FailureKind, KVPoll, RoomFailure, Timeouts
 from kvd.rooms.tombstones import Bounded
 from kvd.transfer.plan import Pages, check_distinct, check_page_range
@@ -94,6 +110,7 @@ class DecodePeer:
     rejected: RoomFailure | None
     payload: Any
     last_seen: float
+    kv_args: control.KVArgsWire | None = None  # what it registered (its pool)
 
 
 @dataclass
@@ -332,9 +349,11 @@ class SenderRooms:
             return out
         if old is not None and old.instance != msg.instance_id:
             self._peer_restarted(old, now, out)
+        elif old is not None and old.kv_args is not None and old.kv_args != msg.kv_args:
+            self._pool_replaced(old, msg.kv_args, now, out)
         self.peers[msg.endpoint] = DecodePeer(
             msg.endpoint, msg.instance_id, msg.attn_tp_rank, msg.attn_tp_size,
-            msg.kv_args.is_mla, num_pages, num_aux_slots, rejected, payload, now)
+            msg.kv_args.is_mla, num_pages, num_aux_slots, rejected, payload, now, msg.kv_args)
         return out
 
     def on_pages(self, msg: control.RoomPages, now: float) -> list[Effect]:
@@ -698,6 +717,8 @@ class SenderRooms:
         self._advance(r, KVPoll.Failed, now)
         r.failure = failure
         r.chunks.clear()
+        if r.writing:  # its write is no longer wanted: what has not started never will
+            out.append(CancelWrites(r.room, r.attempt))
         self._report_all(r, now, out)
         out.append(Ended(r.room, r.attempt, KVPoll.Failed, failure, r.peers, r.created,
                          r.nbytes, r.seconds))
@@ -750,6 +771,20 @@ class SenderRooms:
         if r.writing:
             self.retired[(r.room, r.attempt)] = r
         self.tombstones.put(r.room, Tombstone(r.room, r.status, r.failure, len(r.dests)), now)
+
+    def _pool_replaced(self, old: DecodePeer, args: control.KVArgsWire, now: float,
+                       out: list[Effect]) -> None:
+        """The same instance registered other KV args (its engine registered a new pool,
+        K44): rooms bound to the previous registration were planned for memory that is
+        gone; they fail and are never written again (their queued writes are cancelled)."""
+        failure = RoomFailure(FailureKind.PEER, f"decode rank {old.endpoint} registered "
+                              f"another KV pool: rooms bound to its previous pool end",
+                              ORIGIN)
+        for r in list(self.rooms.values()):
+            d = r.dests.get(old.endpoint)
+            if d is not None and d.peer.instance == old.instance and d.peer.kv_args != args:
+                self._fail(r, failure, now, out)
+        self.dropped["replaced_pool"] += 1
 
     def _peer_restarted(self, old: DecodePeer, now: float, out: list[Effect]) -> None:
         failure = RoomFailure(FailureKind.PEER, f"decode rank {old.endpoint} restarted "

@@ -17,6 +17,12 @@ thread at a time (SGLang's ``QUEUE_SIZE``); further writes wait on the loop.
 The loop awaits each result; cancelling the awaiting task does NOT stop a
 write already inside a thread, so callers must not free or acknowledge pages
 until :meth:`TransferExecutor.write` returns or raises.
+
+Cancellation (K43) is by token, not by task: a write whose
+:class:`~kvd.transfer.backends.base.CancelToken` is cancelled before it starts -- while
+it waits for a lane slot, or in the lane's queue before its thread picks it up -- never
+starts and raises :class:`~kvd.errors.WriteCancelled`; the pump drops the entries it
+has not submitted. What already runs is waited out, as above.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvd.transfer.backends.base import StartWrite, TransferEngine
+from kvd.errors import WriteCancelled
+from kvd.transfer.backends.base import CancelToken, StartWrite, TransferEngine
 from kvd.transfer.plan import Descriptors
 
 
@@ -82,35 +89,80 @@ class TransferExecutor:
                 lane.pool.shutdown(wait=False)
                 self._retired.append(lane.pool)
 
-    async def write(self, session: str, desc: Descriptors, deadline: float | None = None) -> None:
+    async def write(self, session: str, desc: Descriptors, deadline: float | None = None,
+                    cancel: CancelToken | None = None) -> None:
         """Write ``desc`` to ``session`` (retrying refusals until ``deadline``, monotonic s);
-        raises TransportError from the backend."""
+        raises TransportError from the backend, WriteCancelled once ``cancel`` stopped it
+        (see the module doc)."""
         if len(desc) == 0:
             return
         engine = self._starts
         if engine is not None and engine.can_start(session):
-            await self._started(engine, session, desc, deadline)
+            await self._started(engine, session, desc, deadline, cancel)
             return
         lane = self._lane(session)
         lane.active += 1
         try:
-            async with lane.slots:
-                loop = asyncio.get_running_loop()
-                fut = loop.run_in_executor(lane.pool, self.engine.write, session, desc, deadline)
-                await self._wait_out(fut)
+            await self._admit(lane, desc, cancel)
+            try:
+                await self._in_lane(lane, session, desc, deadline, cancel)
+            finally:
+                lane.slots.release()
         finally:
             lane.active -= 1
             lane.last_used = time.monotonic()
 
+    async def _in_lane(self, lane: _Lane, session: str, desc: Descriptors,
+                       deadline: float | None, cancel: CancelToken | None) -> None:
+        """Run the write on the lane's thread. Cancelled while it still waits in the lane's
+        queue, it is taken out (never runs: WriteCancelled); once running it is waited out."""
+        cf = lane.pool.submit(_blocking, self.engine, session, desc, deadline, cancel)
+        undo = cancel.on_cancel(cf.cancel) if cancel is not None else None
+        try:
+            await self._wait_out(asyncio.wrap_future(cf))
+        except asyncio.CancelledError:
+            if cf.cancelled():  # taken out of the queue, not this task cancelled
+                raise _cancelled(desc) from None
+            raise
+        finally:
+            if undo is not None:
+                undo()
+
+    @staticmethod
+    async def _admit(lane: _Lane, desc: Descriptors, cancel: CancelToken | None) -> None:
+        """Take one of the lane's slots, unless ``cancel`` is cancelled first (then raise
+        WriteCancelled: a queued write of an ended room does not wait for the writes
+        ahead of it)."""
+        if cancel is None or not lane.slots.locked():
+            if cancel is not None and cancel.cancelled:
+                raise _cancelled(desc)
+            await lane.slots.acquire()
+            return
+        slot: asyncio.Future[bool] = asyncio.ensure_future(lane.slots.acquire())
+        undo = cancel.on_cancel(slot.cancel)
+        admitted = False
+        try:
+            await asyncio.wait([slot])
+            admitted = not cancel.cancelled
+        finally:
+            undo()
+            if not slot.done():  # this task was cancelled
+                slot.cancel()
+                await asyncio.wait([slot])
+            if not admitted and slot.done() and not slot.cancelled():
+                lane.slots.release()  # got a slot it will not use
+        if not admitted:
+            raise _cancelled(desc)
+
     async def _started(self, engine: StartWrite, session: str, desc: Descriptors,
-                       deadline: float | None) -> None:
+                       deadline: float | None, cancel: CancelToken | None) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
 
         def done(error: BaseException | None) -> None:
             loop.call_soon_threadsafe(_settle, fut, error)
 
-        engine.start_write(session, desc, deadline, done)
+        engine.start_write(session, desc, deadline, done, cancel)
         await self._wait_out(fut)
 
     async def _wait_out(self, fut: asyncio.Future[None]) -> None:
@@ -136,6 +188,19 @@ class TransferExecutor:
         self._retired.clear()
         if isinstance(self.engine, StartWrite):  # entries in flight get a bounded wait
             self.engine.close_writes(5.0)
+
+
+def _cancelled(desc: Descriptors) -> WriteCancelled:
+    return WriteCancelled(f"write of {desc.nbytes} bytes cancelled before it started (its "
+                          f"room attempt ended)", 0, desc.nbytes)
+
+
+def _blocking(engine: TransferEngine, session: str, desc: Descriptors, deadline: float | None,
+              cancel: CancelToken | None) -> None:
+    """A lane thread's write: a cancelled one waiting in the lane's queue never starts."""
+    if cancel is not None and cancel.cancelled:
+        raise _cancelled(desc)
+    engine.write(session, desc, deadline)
 
 
 def _settle(fut: asyncio.Future[None], error: BaseException | None) -> None:

@@ -14,7 +14,9 @@ thread exactly once, when every entry the job submitted has landed, failed or
 timed out -- never earlier, so the room protocol's release rules hold as with
 a blocking write. Per destination at most ``per_peer`` entries are in flight
 (the TCP transport refuses more than 1024 queued per peer, shared by every
-caller); jobs of one destination start in FIFO order. A frozen destination
+caller) and at most ``per_peer_bytes`` bytes (one entry always may go): what is in
+flight is what a cancelled room may still write, and how long a fresh room waits behind
+a queue of cancelled ones (K43); jobs of one destination start in FIFO order. A frozen destination
 only holds its own window: the thread keeps polling and serving the others
 (K24, P8), and isolation does not depend on hashing peers onto threads.
 
@@ -29,6 +31,13 @@ Rules, same as the blocking path (:func:`kvd.transfer.backends.base.submit_with_
   the job's deadline;
 * no entry starts after the job's ``deadline`` (monotonic s): the job then fails
   once its entries in flight have returned;
+* no entry starts once the job's cancellation token (:class:`~kvd.transfer.backends.
+  base.CancelToken`: its room attempt ended) is cancelled, checked before every
+  submission -- also while the destination's window is full, so a queued job of an
+  ended room finishes in the next round instead of waiting for the jobs ahead of it;
+  the entries in flight return as usual and ``done`` gets a
+  :class:`~kvd.errors.WriteCancelled` naming the bytes that landed and those dropped
+  (K43);
 * an entry still pending ``timeout_s + length/1 GB/s`` after it was submitted
   (the binding's own sync timeout, ``MC_TRANSFER_TIMEOUT``) is given up: the job
   fails. Its batch id cannot be freed while busy and is dropped.
@@ -43,7 +52,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvd.errors import TransportError
+from kvd.errors import TransportError, WriteCancelled
+from kvd.transfer.backends.base import CancelToken
 from kvd.transfer.plan import Descriptors
 
 log = logging.getLogger(__name__)
@@ -73,6 +83,7 @@ class _Job:
     length: list[int]
     deadline: float | None
     done: Done
+    cancel: CancelToken | None = None
     next: int = 0                       # first entry not submitted yet
     batch_end: int = 0                  # end of the sub-batch being submitted
     inflight: list[tuple[int, int, float]] = field(default_factory=list)  # (id, entry, t)
@@ -84,6 +95,8 @@ class _Job:
     attempt: int = 0                    # hook attempts of the current sub-batch
     error: TransportError | None = None
     stopped: bool = False               # no further submissions
+    cancelled: bool = False             # stopped by its token (its room attempt ended)
+    landed: int = 0                     # bytes of entries that landed
 
     @property
     def unsubmitted(self) -> bool:
@@ -98,6 +111,7 @@ class _Job:
 class _Peer:
     jobs: deque[_Job] = field(default_factory=deque)
     inflight: int = 0
+    inflight_bytes: int = 0
 
 
 class WritePump:
@@ -112,9 +126,10 @@ class WritePump:
                  batch_entries: int = 512, retry_budget: float = 1.0,
                  retry_backoff: float = 0.001, timeout_s: float = 30.0,
                  hook: Callable[[str, int, int], int | None] | None = None,
-                 name: str = "kvd-xfer-pump") -> None:
+                 name: str = "kvd-xfer-pump", per_peer_bytes: int = 32 << 20) -> None:
         self._submit, self._check = submit, check
         self.per_peer = max(1, per_peer)
+        self.per_peer_bytes = max(1, per_peer_bytes)
         self.batch_entries = max(1, batch_entries)
         self.retry_budget, self.retry_backoff = retry_budget, retry_backoff
         self.timeout_s = timeout_s
@@ -129,13 +144,16 @@ class WritePump:
         self._batch_no = 0
         self.retried = 0
         self.abandoned = 0  # entries given up after the engine's timeout
+        self.cancelled = 0  # jobs stopped by their token
 
     # ---- any thread -------------------------------------------------------------------
 
-    def start(self, peer: str, desc: Descriptors, deadline: float | None, done: Done) -> None:
-        """Queue a write of ``desc`` to ``peer``; ``done`` is called once, from the pump."""
+    def start(self, peer: str, desc: Descriptors, deadline: float | None, done: Done,
+              cancel: CancelToken | None = None) -> None:
+        """Queue a write of ``desc`` to ``peer``; ``done`` is called once, from the pump.
+        Once ``cancel`` is cancelled no further entry of it is submitted."""
         job = _Job(peer, desc.src.tolist(), desc.dst.tolist(), desc.length.tolist(),
-                   deadline, done)
+                   deadline, done, cancel)
         with self._cond:
             if self._closing:
                 raise TransportError(f"write to {peer}: the transfer engine is closing")
@@ -211,7 +229,12 @@ class WritePump:
         return progressed
 
     def _fill(self, peer: _Peer, job: _Job, now: float) -> bool:
-        if not job.unsubmitted or peer.inflight >= self.per_peer or now < job.retry_at:
+        if job.cancel is not None and job.cancel.cancelled and job.unsubmitted:
+            job.stopped = job.cancelled = True  # before the window check: see module doc
+            job.retry.clear()
+            self.cancelled += 1
+            return True
+        if not job.unsubmitted or not self._room(peer) or now < job.retry_at:
             return False
         if job.deadline is not None and now > job.deadline:
             left = len(job.src) - job.next + len(job.retry)
@@ -220,7 +243,10 @@ class WritePump:
                 f"entries not started"))
             return True
         moved = False
-        while peer.inflight < self.per_peer and job.unsubmitted:
+        cancel = job.cancel
+        while self._room(peer) and job.unsubmitted:
+            if cancel is not None and cancel.cancelled:  # per entry: the next round stops it
+                break
             i = job.retry[0] if job.retry else self._next_entry(job, now)
             if i is None:
                 break
@@ -237,8 +263,14 @@ class WritePump:
             # transfer address) would be retried forever. Only a landed entry does.
             job.inflight.append((bid, i, now))
             peer.inflight += 1
+            peer.inflight_bytes += job.length[i]
             moved = True
         return moved
+
+    def _room(self, peer: _Peer) -> bool:
+        """May one more entry go to ``peer`` (its entry and byte windows)?"""
+        return peer.inflight < self.per_peer and (
+            peer.inflight_bytes < self.per_peer_bytes or not peer.inflight)
 
     def _next_entry(self, job: _Job, now: float) -> int | None:
         """The next fresh entry; at a sub-batch boundary the fault hook is asked first."""
@@ -297,6 +329,7 @@ class WritePump:
                 keep.append(entry)
             elif rc == 1:
                 job.retry_since = None  # progress: a later failure starts a new budget
+                job.landed += job.length[entry[1]]
                 continue
             elif rc == -1 and not job.stopped:  # failed: the same bytes again, bounded
                 job.retry.append(entry[1])
@@ -306,6 +339,9 @@ class WritePump:
                                                f"(rc={rc})", rc))
         moved = len(keep) != len(head)
         peer.inflight -= len(head) - len(keep)
+        if moved:
+            kept = {entry[0] for entry in keep}
+            peer.inflight_bytes -= sum(job.length[e[1]] for e in head if e[0] not in kept)
         job.inflight = keep + rest if moved else job.inflight
         return moved
 
@@ -324,7 +360,13 @@ class WritePump:
 
     @staticmethod
     def _finish(job: _Job) -> None:
+        error = job.error
+        if error is None and job.cancelled:
+            total = sum(job.length)
+            error = WriteCancelled(f"write to {job.peer}: cancelled (its room attempt ended) "
+                                   f"after {job.landed} of {total} bytes", job.landed,
+                                   total - job.landed)
         try:
-            job.done(job.error)
+            job.done(error)
         except Exception:  # a callback bug must not stop every other write
             log.exception("write completion callback failed")

@@ -39,6 +39,15 @@ def test_bench_runs_and_reports_ratios() -> None:
     assert result["samehost"]["bytes_equal"] is True
 
 
+def test_cancel_bench_reports_the_fresh_room_against_its_baseline() -> None:
+    stdout, result = _bench("--only", "cancel", "--cancel-rooms", "6", "--cancel-mib", "1",
+                            "--repeats", "1")
+    assert "fresh 1-page room" in stdout
+    c = result["cancel"]
+    assert len(c["baseline_s"]) == len(c["loaded_s"]) == 1 and c["ratio"] > 0
+    assert c["aborted_bytes_landed"][0] <= c["aborted_bytes_queued"]
+
+
 def test_flood_bench_reports_every_phase_against_the_idle_baseline() -> None:
     stdout, result = _bench("--only", "flood", "--flood-seconds", "1")
     assert "/health p99" in stdout and "flood goal" in stdout

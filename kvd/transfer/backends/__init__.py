@@ -47,7 +47,8 @@ def make_mooncake(s: Settings, submit_hook: Callable[[str, int, int], int | None
         port_range=parse_port_range(s.transfer_port_range) if s.transfer_port_range else None,
         handshake_front=s.transfer_handshake_front)
     return MooncakeEngine(opts, s.max_batch_entries, retry_budget=s.transient_retry_s,
-                          submit_hook=submit_hook)
+                          submit_hook=submit_hook, per_peer_inflight=s.inflight_entries,
+                          per_peer_bytes=s.inflight_bytes)
 
 
 class _NoMooncake:

@@ -73,6 +73,46 @@ def submit_with_retry(submit: Callable[[int], int], budget: float, deadline: flo
     raise AssertionError("unreachable")
 
 
+class CancelToken:
+    """Whether the room attempt a write belongs to still wants it (K43).
+
+    The prefill side makes one per :class:`~kvd.rooms.effects.Write` (``key``: room,
+    attempt) and calls :meth:`cancel` when the machine says the attempt ended
+    (:class:`~kvd.rooms.effects.CancelWrites`). Whoever is about to start a part of the
+    write checks :attr:`cancelled` first: the pump before each entry it submits, an
+    executor lane before it hands a write to its thread and again in the thread. What is
+    already in flight is never interrupted (it may still land; the write returns once
+    it did). Set from the loop, read from any thread: a plain bool is enough under the
+    GIL; ``callbacks`` (loop thread) run once, on :meth:`cancel`."""
+
+    __slots__ = ("callbacks", "cancelled", "key")
+
+    def __init__(self, key: tuple[int, int] = (0, 0)) -> None:
+        self.key = key
+        self.cancelled = False
+        self.callbacks: list[Callable[[], object]] = []
+
+    def cancel(self) -> None:
+        """Drop every part of the write not started yet (idempotent; loop thread)."""
+        self.cancelled = True
+        callbacks, self.callbacks = self.callbacks, []
+        for cb in callbacks:
+            cb()
+
+    def on_cancel(self, cb: Callable[[], object]) -> Callable[[], None]:
+        """Run ``cb`` on :meth:`cancel` (at once if already cancelled); returns the undo."""
+        if self.cancelled:
+            cb()
+            return lambda: None
+        self.callbacks.append(cb)
+
+        def undo() -> None:
+            if cb in self.callbacks:
+                self.callbacks.remove(cb)
+
+        return undo
+
+
 #: ``done(error)``: a started write returned (error None) or failed (a TransportError).
 WriteDone = Callable[[BaseException | None], None]
 
@@ -86,12 +126,14 @@ class StartWrite(Protocol):
     thread, when every byte of ``desc`` that was handed to the transport has landed or
     failed -- never while a submitted entry may still land. ``can_start(peer)`` says
     whether writes to ``peer`` go this way (AutoEngine: not for locally attached peers).
+    ``cancel``: entries not submitted once it is cancelled are dropped, and ``done``
+    gets a :class:`~kvd.errors.WriteCancelled` (K43).
     """
 
     def can_start(self, peer_session: str) -> bool: ...
 
     def start_write(self, peer_session: str, desc: Descriptors, deadline: float | None,
-                    done: WriteDone) -> None: ...
+                    done: WriteDone, cancel: CancelToken | None = None) -> None: ...
 
     def close_writes(self, timeout: float | None = None) -> None:
         """Fail writes not started yet; wait up to ``timeout`` s for those in flight."""

@@ -16,7 +16,7 @@ from typing import Literal
 from kvd.errors import HandleError, RegistrationError
 from kvd.hostid import same_host
 from kvd.protocol.memory import ExportedPool
-from kvd.transfer.backends.base import StartWrite, TransferEngine, WriteDone
+from kvd.transfer.backends.base import CancelToken, StartWrite, TransferEngine, WriteDone
 from kvd.transfer.backends.local import LocalEngine
 from kvd.transfer.plan import Descriptors
 
@@ -102,9 +102,9 @@ class AutoEngine:
                                                                        StartWrite)
 
     def start_write(self, peer_session: str, desc: Descriptors, deadline: float | None,
-                    done: WriteDone) -> None:
+                    done: WriteDone, cancel: CancelToken | None = None) -> None:
         assert isinstance(self.mooncake, StartWrite)
-        self.mooncake.start_write(peer_session, desc, deadline, done)
+        self.mooncake.start_write(peer_session, desc, deadline, done, cancel)
 
     def close_writes(self, timeout: float | None = None) -> None:
         if isinstance(self.mooncake, StartWrite):

@@ -45,6 +45,7 @@ from typing import Any
 
 from kvd.addr import format_host
 from kvd.errors import TransportError
+from kvd.transfer.backends.base import CancelToken
 from kvd.transfer.backends.bindaddr import pinned_binds
 from kvd.transfer.backends.handshake import HandshakeFront, Reservation
 from kvd.transfer.plan import Descriptors
@@ -129,17 +130,17 @@ class MooncakeEngine:
 
     Create one per daemon and keep it: destroying an engine takes about 1 s.
     ``max_batch_entries`` is the sub-batch size the fault hook counts in (<= 1024,
-    the TCP transport's per-peer queue); ``per_peer_inflight`` bounds the entries in
-    flight per destination. A refused entry (a full queue answers like a dead peer)
-    is retried with backoff from ``retry_backoff`` doubling up to 50 ms, for at most
-    ``retry_budget`` seconds and never past the caller's deadline.
+    the TCP transport's per-peer queue); ``per_peer_inflight`` and ``per_peer_bytes``
+    bound the entries and bytes in flight per destination. A refused entry (a full queue
+    answers like a dead peer) is retried with backoff from ``retry_backoff`` doubling up
+    to 50 ms, for at most ``retry_budget`` seconds and never past the caller's deadline.
     ``submit_hook`` (fault injection, tests only) may force a sub-batch's rc.
     """
 
     def __init__(self, host: str | MooncakeOptions, max_batch_entries: int = 512,
                  retry_budget: float = 1.0, retry_backoff: float = 0.001,
                  submit_hook: Callable[[str, int, int], int | None] | None = None,
-                 per_peer_inflight: int = 256) -> None:
+                 per_peer_inflight: int = 256, per_peer_bytes: int = 32 << 20) -> None:
         opts = host if isinstance(host, MooncakeOptions) else MooncakeOptions(host)
         self.options = opts
         if opts.protocol == "rdma":
@@ -155,7 +156,8 @@ class MooncakeEngine:
         self.pump = WritePump(self._submit_one, self._native.transfer_check_status,
                               per_peer=per_peer_inflight, batch_entries=max_batch_entries,
                               retry_budget=retry_budget, retry_backoff=retry_backoff,
-                              timeout_s=float(timeout), hook=submit_hook)
+                              timeout_s=float(timeout), hook=submit_hook,
+                              per_peer_bytes=per_peer_bytes)
 
     @property
     def retried(self) -> int:
@@ -240,10 +242,11 @@ class MooncakeEngine:
         return True
 
     def start_write(self, peer_session: str, desc: Descriptors, deadline: float | None,
-                    done: Done) -> None:
+                    done: Done, cancel: CancelToken | None = None) -> None:
         """Start writing ``desc``; ``done(error)`` is called once from the pump thread,
-        when every submitted entry returned (error: a TransportError, or None)."""
-        self.pump.start(peer_session, desc, deadline, done)
+        when every submitted entry returned (error: a TransportError, or None; entries
+        not submitted when ``cancel`` is cancelled are dropped: WriteCancelled)."""
+        self.pump.start(peer_session, desc, deadline, done, cancel)
 
     def write(self, peer_session: str, desc: Descriptors, deadline: float | None = None) -> None:
         if len(desc) == 0:

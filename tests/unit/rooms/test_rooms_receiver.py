@@ -422,19 +422,35 @@ def test_k28_two_instances_of_a_decode_number_incarnations_apart() -> None:
     assert new.rooms[R].status == KVPoll.WaitingForInput and new.dropped["stale"] == 1
 
 
-def test_k28_engine_released_aborts_forgets_and_takes_a_new_instance() -> None:
+def test_k44_engine_released_aborts_then_keeps_rooms_until_quiet() -> None:
+    """The rule kvd/decode.py runs: abort every unfinished room (its targets told), refuse
+    new rooms, keep the rooms until nothing can land in the pool (the target confirmed
+    quiescence, or the write bound plus the release margin passed), then forget them;
+    the instance stays (it is the daemon's, K28), incarnations keep counting."""
     d, _ = waiting(P0)
-    d.create(R + 1, BOOT, None, 0.0)
+    inc = d.rooms[R].inc
+    d.create(R + 1, BOOT, None, 0.0)  # still resolving: its pages never left
     out = d.engine_released(1.0)
     (s,) = of(out, Send)
     assert isinstance(s.msg, control.RoomAbort) and s.to == P0 and s.msg.instance_id == "d-a"
-    assert d.table_sizes() == {"rooms": 0}
-    assert d.instance not in ("d-a", "") and d.instance.startswith("d-a")
-    first = d.instance
-    d.engine_released(2.0)
-    assert d.instance not in (first, "d-a")
-    (r,) = d.create(R, BOOT, None, 3.0)  # incarnations keep counting: never reused
-    assert isinstance(r, Resolve) and r.inc > 2
+    assert not d.quiet(1.0)  # room R's pages went to P0, which has not confirmed
+    with pytest.raises(RoomError, match="released its KV pool"):
+        d.create(R + 2, BOOT, None, 1.0)
+    d.on_status(room_status(R, inc, KVPoll.Failed, quiesced=True), 1.5)
+    assert d.quiet(1.5)
+    d.forget_rooms()
+    assert d.table_sizes() == {"rooms": 0} and d.instance == "d-a"
+    d.engine_registered(POOL, AUX, (16,))
+    (res,) = d.create(R, BOOT, None, 3.0)
+    assert isinstance(res, Resolve) and res.inc > inc
+
+
+def test_k44_a_silent_target_holds_the_pool_until_the_write_bound() -> None:
+    d, _ = waiting(P0)
+    d.engine_released(1.0)
+    bound = d.rooms[R].write_deadline
+    assert bound is not None and not d.quiet(bound + TIMEOUTS.release - 0.01)
+    assert d.quiet(bound + TIMEOUTS.release)
 
 
 def test_k33_samples_sharing_a_room_never_share_an_outcome() -> None:

@@ -15,6 +15,7 @@ from roomkit import (
     D1,
     POOL,
     TIMEOUTS,
+    kv_args,
     of,
     one,
     pages,
@@ -26,7 +27,7 @@ from roomkit import (
 )
 
 from kvd.errors import RoomError
-from kvd.rooms.effects import Ended, ForgetPeer, Report, Wake, Write
+from kvd.rooms.effects import CancelWrites, Ended, ForgetPeer, Report, Wake, Write
 from kvd.rooms.sender import Limits, SenderRooms
 from kvd.rooms.state import FailureKind, KVPoll, RoomFailure
 
@@ -812,3 +813,52 @@ def test_a_chunk_after_the_last_one_is_refused_not_dropped(written: bool) -> Non
     with pytest.raises(RoomError, match="after the last one"):
         s.send(R, pages(), False, 0.0)
     assert status(s) in (KVPoll.Bootstrapping, KVPoll.Transferring)
+
+
+# ---- K43: an ended attempt cancels its write ------------------------------------------------
+
+@pytest.mark.parametrize("end", ["abort", "decode_abort", "clear", "deadline", "restart"])
+def test_k43_every_ending_mid_write_cancels_that_attempts_write(end: str) -> None:
+    """Whatever ends an attempt while its write is in flight, the same step cancels the
+    write (its queued parts are dropped), before the reports; idle endings cancel
+    nothing; the write's late result still reports quiescence."""
+    s = bound()
+    w = one(s.send(R, pages(1, 2), True, 1.0), Write)
+    match end:
+        case "abort":
+            out = s.abort(R, "client gone", 1.2)
+        case "decode_abort":
+            out = s.on_abort(room_abort(R, 1), 1.2)
+        case "clear":
+            out = s.clear(R, 1.2)
+        case "deadline":
+            out = s.tick(1.0 + TIMEOUTS.transfer + 1.0)
+        case _:
+            out = registered(s, 1.2, instance="d0-restarted")
+    c = one(out, CancelWrites)
+    assert (c.room, c.attempt) == (R, w.attempt)
+    assert out.index(c) < min((i for i, e in enumerate(out) if isinstance(e, Report)),
+                              default=len(out))
+    rep = one(s.write_done(R, w.attempt, None, 0, 0.1, 3.0), Report) if end != "restart" \
+        else None
+    assert rep is None or rep.quiesced
+    idle = bound()
+    assert not of(idle.abort(R, "client gone", 1.0), CancelWrites)
+
+
+def test_k44_a_decode_registering_another_pool_ends_rooms_bound_to_the_old_one() -> None:
+    """The same instance registers other KV args (its engine registered a new pool):
+    the room bound to the previous pool fails (its write in flight is cancelled) and is
+    never written again; the same args again change nothing."""
+    import msgspec
+
+    s = bound()
+    w = one(s.send(R, pages(1, 2), False, 1.0), Write)
+    assert registered(s, 1.1) == [] and status(s) == KVPoll.Transferring  # same args
+    moved = msgspec.structs.replace(register(), kv_args=msgspec.structs.replace(
+        kv_args(), kv_data_ptrs=[1 << 20]))
+    out = s.on_register(moved, POOL, AUX, None, "plan", 1.2)
+    assert one(out, CancelWrites).attempt == w.attempt
+    assert status(s) == KVPoll.Failed and s.rooms[R].failure.kind == FailureKind.PEER
+    assert "another KV pool" in s.rooms[R].failure.reason
+    assert not of(s.write_done(R, w.attempt, None, 0, 0.1, 2.0), Write)

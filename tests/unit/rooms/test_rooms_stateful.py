@@ -68,6 +68,7 @@ from kvd.protocol import control
 from kvd.protocol.codec import pack_indices, unpack_indices
 from kvd.rooms.effects import (
     AbortUnknown,
+    CancelWrites,
     Effect,
     Ended,
     ForgetPeer,
@@ -144,6 +145,7 @@ class DRank:
     gen: int = 0
     registered: dict[int, str] = field(default_factory=dict)  # prefill rank -> its instance
     held: dict[int, Held] = field(default_factory=dict)
+    releasing: bool = False  # its engine went: the pool stays until the machine is quiet
 
 
 @dataclass
@@ -194,6 +196,7 @@ class InWrite:
     landings: list[Landing]
     landed: int = 0
     dead: bool = False  # its prefill daemon died: it may still land, nobody hears its end
+    cancelled: bool = False  # its attempt ended: only what was in flight may still land
 
     @property
     def landable(self) -> bool:
@@ -251,6 +254,8 @@ class RoomsWorld(RuleBasedStateMachine):
                     self.net.append(Msg(e.to, msg, self.now))
                 case Write():
                     self._start_write(p, e)
+                case CancelWrites():
+                    self._cancel_write(p, e)
                 case Ended() | Wake() | ForgetPeer():
                     pass
                 case _:
@@ -300,6 +305,18 @@ class RoomsWorld(RuleBasedStateMachine):
             landings += [Landing(pool, int(pg), p.index, (e.room, bind.inc, offset + k))
                          for k, pg in enumerate(dest.dst_pages)]
         self.writes.append(InWrite(p, e, landings))
+
+    def _cancel_write(self, p: PRank, e: CancelWrites) -> None:
+        """K43: the machine cancels exactly the write in flight of an attempt that ended;
+        the pump drops what it has not submitted (modelled: one page may be in flight)."""
+        ws = [w for w in self.writes if w.p is p and not w.dead and
+              (w.eff.room, w.eff.attempt) == (e.room, e.attempt)]
+        assert len(ws) == 1, f"CancelWrites({e.room}, {e.attempt}) names {len(ws)} writes"
+        r = p.machine.rooms.get(e.room)
+        assert r is None or r.attempt != e.attempt or r.done, "cancelled a live attempt"
+        w = ws[0]
+        w.cancelled = True
+        del w.landings[w.landed + 1:]
 
     def _land(self, w: InWrite, upto: int) -> None:
         """(a): a write lands only on pages its room's incarnation still owns."""
@@ -386,15 +403,21 @@ class RoomsWorld(RuleBasedStateMachine):
         if ok and self.now <= w.eff.deadline + SUB_BATCH:
             self._land(w, len(w.landings))
         failure = None
-        if not ok or w.landable or any(not ld.pool.alive for ld in w.landings):
+        if w.cancelled:
+            failure = RoomFailure(FailureKind.ABORTED, f"room {w.eff.room}: cancelled",
+                                  "prefill")
+        elif not ok or w.landable or any(not ld.pool.alive for ld in w.landings):
             failure = RoomFailure(FailureKind.TRANSPORT, f"room {w.eff.room}: write failed",
                                   "prefill")
         self.run_p(w.p, w.p.machine.write_done(w.eff.room, w.eff.attempt, failure, w.landed,
                                                0.0, self.now))
 
     def _settle(self) -> None:
-        """The decode engines free a room's pages as soon as the machine allows it."""
+        """The decode engines free a room's pages as soon as the machine allows it; a
+        released pool goes as soon as the machine is quiet."""
         for d in self.d:
+            if d.releasing and d.machine.quiet(self.now):
+                self._finish_release(d)
             for room, h in list(d.held.items()):
                 r = d.machine.rooms.get(room)
                 if r is None or r.inc != h.inc or r.releasable(self.now, TIMEOUTS):
@@ -486,7 +509,7 @@ class RoomsWorld(RuleBasedStateMachine):
 
     def _d_init(self, d: DRank, room: int, aux: int) -> None:
         r = d.machine.rooms.get(room)
-        if r is None or r.dst_pages is not None or room in d.held:
+        if d.releasing or r is None or r.dst_pages is not None or room in d.held:
             return
         free = [pg for pg in range(D_POOL) if d.pool.owner[pg] is None]
         if len(free) < length(room):
@@ -574,15 +597,25 @@ class RoomsWorld(RuleBasedStateMachine):
 
     def _d_engine_disconnect(self, d: DRank) -> None:
         """The decode engine goes and comes back (kvd/decode.py engine_released, then
-        engine_registered): the old memory is unregistered, nothing can land in it; the
-        machine presents a new instance, which the next lookups register."""
+        engine_registered, K44): the machine aborts its rooms; the pool is unregistered,
+        and a new one registered under the same instance, only once the machine is quiet
+        (:meth:`_finish_release`)."""
+        if d.releasing:
+            return
         self.run_d(d, d.machine.engine_released(self.now))
-        d.instance = d.machine.instance
+        d.releasing = True
+
+    def _finish_release(self, d: DRank) -> None:
+        """Nothing can be written into the old pool any more: it goes, a new one comes (the
+        model cannot express the same addresses; that is the in-process test's part)."""
+        d.machine.forget_rooms()
         d.pool.alive = False
         d.gen += 1
         d.pool = Pool(f"{d.instance}/{d.gen}")
         d.held.clear()
         d.registered.clear()
+        d.machine.engine_registered(D_POOL, AUX_SLOTS, ())
+        d.releasing = False
 
     # ---- rules: lookups, network, writes, time ----------------------------------------------
 

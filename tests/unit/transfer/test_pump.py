@@ -250,3 +250,82 @@ def test_close_fails_jobs_not_started(native: FakeNative) -> None:
     closer.join()
     with pytest.raises(TransportError):
         pump.start("p", _desc(src, dst, item, [2], [2]), None, Waiter())
+
+
+# ---- K43: cancellation tokens ----------------------------------------------------------------
+
+def _submitted(native: FakeNative, dst: np.ndarray, item: int, pages: int) -> int:
+    """Entries ever submitted whose destination lies in ``dst``'s first ``pages`` pages."""
+    lo, hi = dst.ctypes.data, dst.ctypes.data + pages * item
+    return sum(1 for _, _, d, _ in native.entries.values() if lo <= d < hi)
+
+
+def test_k43_queued_entries_of_a_cancelled_token_are_never_submitted(
+        native: FakeNative) -> None:
+    """A frozen destination with a job in flight and two queued behind it: cancelling
+    the running job's token and a queued one's drops every entry they had not
+    submitted; the queued one reports at once (nothing of it in flight), the running
+    one once its in-flight window returned, with WriteCancelled naming the bytes landed
+    and dropped; the job not cancelled is written byte for byte."""
+    from kvd.errors import WriteCancelled
+    from kvd.transfer.backends.base import CancelToken
+
+    item, pages, window = 64, 100, 8
+    src = np.random.default_rng(3).integers(0, 256, pages * item, dtype=np.uint8)
+    dsts = [np.zeros_like(src) for _ in range(3)]
+    pump = _pump(native, per_peer=window, batch_entries=16)
+    tokens = [CancelToken((r, 1)) for r in range(3)]
+    waiters = [Waiter() for _ in range(3)]
+    for dst, tok, w in zip(dsts, tokens, waiters, strict=True):
+        pump.start("a", _desc(src, dst, item, list(range(pages)), list(range(pages))), None,
+                   w, tok)
+    _until(lambda: _submitted(native, dsts[0], item, pages) == window)
+    tokens[1].cancel()  # queued behind job 0: not one entry submitted, done at once
+    err = waiters[1].wait()
+    assert isinstance(err, WriteCancelled) and (err.landed, err.dropped) == (0, pages * item)
+    assert not waiters[0].event.is_set()  # job 0 still holds its window, gate closed
+    tokens[0].cancel()
+    native.gate("a").set()
+    err = waiters[0].wait()
+    assert isinstance(err, WriteCancelled)
+    assert (err.landed, err.dropped) == (window * item, (pages - window) * item)
+    assert waiters[2].wait() is None
+    assert np.array_equal(dsts[2], src)
+    assert _submitted(native, dsts[0], item, pages) == window
+    assert _submitted(native, dsts[1], item, pages) == 0
+    assert not dsts[1].any() and not dsts[0][window * item:].any()
+    assert np.array_equal(dsts[0][:window * item], src[:window * item])
+    assert pump.cancelled == 2 and all(w.calls == 1 for w in waiters)
+    pump.close(5)
+
+
+def _until(cond: Callable[[], bool], bound: float = 30.0) -> None:
+    """Poll ``cond`` until true, within a generous bound (no wall-clock thresholds)."""
+    import time
+
+    stop = time.monotonic() + bound
+    while not cond():
+        assert time.monotonic() < stop, "condition not met within the bound"
+        time.sleep(0.001)
+
+
+def test_k43_bytes_in_flight_per_destination_are_bounded(native: FakeNative) -> None:
+    """Big entries: at most ``per_peer_bytes`` in flight per destination (one entry always
+    may go, whatever its size), so a cancelled queue leaves at most that much to land."""
+    item, pages = 1024, 40
+    src = np.random.default_rng(5).integers(0, 256, pages * item, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    pump = _pump(native, per_peer=100, per_peer_bytes=3 * item)
+    w = Waiter()
+    pump.start("a", _desc(src, dst, item, list(range(pages)), list(range(pages))), None, w)
+    _until(lambda: _submitted(native, dst, item, pages) == 3)
+    native.gate("a").set()
+    assert w.wait() is None and np.array_equal(dst, src)
+    assert native.max_inflight["a"] == 3
+    big = _pump(native, per_peer=100, per_peer_bytes=1)
+    w2 = Waiter()
+    dst2 = np.zeros_like(src)
+    big.start("a", _desc(src, dst2, item, list(range(pages)), list(range(pages))), None, w2)
+    assert w2.wait() is None and np.array_equal(dst2, src)
+    pump.close(5)
+    big.close(5)
