@@ -201,6 +201,10 @@ class Settings(BaseSettings):
     heartbeat_max_failures: int = _setting(
         2, ge=1, validation_alias=_env("heartbeat_max_failures"),
         help="missed heartbeats before a prefill's rooms fail")
+    heartbeat_max_probes_per_s: float = _setting(
+        100.0, gt=0, unit="probes/s",
+        help="decode: at most this many heartbeat probes per second on average (one round "
+             "probes at most this x heartbeat_interval peers, those with a live room first)")
     transfer_threads: int = _setting(
         1, ge=1, le=64, unit="threads", validation_alias=_env("transfer_threads"),
         help="accepted for SGLang compatibility (THREAD_POOL_SIZE) and ignored: one pump "
