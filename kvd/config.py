@@ -222,6 +222,11 @@ class Settings(BaseSettings):
     http_timeout: float = _setting(5.0, gt=0, unit="s", help="timeout of one bootstrap request")
     bootstrap_retry_budget: float = _setting(
         30.0, gt=0, unit="s", help="how long lookups/registration keep retrying before failing")
+    bootstrap_max_lookups: int = _setting(
+        32, ge=1, unit="requests",
+        help="decode: bootstrap lookups (/route requests) in flight at once; more wait for a "
+             "slot within their retry budget, so thousands of addresses cannot flood the loop "
+             "that answers /health")
     max_frame_bytes: int = _setting(64 << 20, ge=1024, unit="bytes",
                                     help="largest control or RPC frame accepted")
     transient_retry_s: float = _setting(

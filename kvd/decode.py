@@ -47,12 +47,14 @@ class BootstrapClient:
 
     503 (not every rank registered yet) and connection errors are retried with
     backoff for up to ``budget`` seconds; other 4xx answers fail at once.
-    Concurrent lookups of the same key share one request.
+    Concurrent lookups of the same key share one request; at most ``slots`` requests
+    are in flight at once, the others wait for one within their budget (K41).
     """
 
-    def __init__(self, core: Core, budget: float) -> None:
+    def __init__(self, core: Core, budget: float, slots: int = 32) -> None:
         self.core = core
         self.budget = budget
+        self._slots = asyncio.Semaphore(slots)  # /route requests in flight (K41)
         self.info: dict[str, ParallelInfo] = {}
         self.ranks: dict[tuple[str, int, int, int], RankInfo] = {}
         self._inflight: dict[tuple[object, ...], asyncio.Future[dict[str, object]]] = {}
@@ -67,7 +69,9 @@ class BootstrapClient:
 
     async def _get_shared(self, addr: str, params: dict[str, int],
                           retry: bool = True) -> dict[str, object]:
-        key = (addr, *sorted(params.items()))
+        # a one-try lookup (peer down) never joins a retrying one: that may run for the
+        # whole budget although the rooms that started it failed already
+        key = (addr, retry, *sorted(params.items()))
         fut = self._inflight.get(key)
         if fut is None:
             fut = asyncio.ensure_future(self._get(addr, params, retry))
@@ -77,13 +81,20 @@ class BootstrapClient:
 
     async def _get(self, addr: str, params: dict[str, int],
                    retry: bool = True) -> dict[str, object]:
+        """One ``/route`` answer. 503 (not every rank registered yet) and connection errors
+        are retried with backoff within ``budget`` s; without ``retry`` (the peer is down)
+        a connection error fails at once, while a 503 -- the server answered: it is up --
+        is still retried within the budget."""
         loop = asyncio.get_running_loop()
-        budget = self.budget if retry else 0.0
-        url, deadline, delay = http_url(addr, "/route"), loop.time() + budget, 0.05
+        url, deadline, delay = http_url(addr, "/route"), loop.time() + self.budget, 0.05
         last = ""
         while True:
             try:
-                resp = await self.core.http("GET", url, params=params)
+                async with self._slots:
+                    if loop.time() > deadline:
+                        raise BootstrapError(f"bootstrap {addr}: {last or 'no lookup slot'} "
+                                             f"after {self.budget:.0f}s (lookups queued)")
+                    resp = await self.core.http("GET", url, params=params)
                 if resp.status_code == 200:
                     result: dict[str, object] = resp.json()
                     return result
@@ -92,11 +103,13 @@ class BootstrapClient:
                     raise BootstrapError(f"bootstrap {addr} answered {last}")
             except httpx.HTTPError as exc:
                 last = f"bootstrap unreachable ({type(exc).__name__})"
+                if not retry:
+                    raise BootstrapError(f"bootstrap {addr}: {last} (peer down: one "
+                                         f"try)") from exc
             except ValueError as exc:  # a 200 whose body is not JSON
                 raise BootstrapError(f"bootstrap {addr} sent a malformed answer: {exc}") from exc
             if loop.time() + delay > deadline:
-                raise BootstrapError(f"bootstrap {addr}: {last} after {budget:.0f}s" if retry
-                                     else f"bootstrap {addr}: {last} (peer down: one try)")
+                raise BootstrapError(f"bootstrap {addr}: {last} after {self.budget:.0f}s")
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
@@ -136,6 +149,10 @@ class PeerRestarted(KvdError):
     """A room's lookup named an instance of the prefill that is not its current one."""
 
 
+class PeerDown(KvdError):
+    """The prefill is down (heartbeats missed) and was looked up moments ago."""
+
+
 class DecodeSide(Side):
     """Receivers of one decode rank."""
 
@@ -144,14 +161,16 @@ class DecodeSide(Side):
     def __init__(self, core: Core) -> None:
         super().__init__(core)
         self.rooms = ReceiverRooms(core.control.endpoint, core.instance_id, self.timeouts)
-        self.bootstrap = BootstrapClient(core, core.settings.bootstrap_retry_budget)
+        self.bootstrap = BootstrapClient(core, core.settings.bootstrap_retry_budget,
+                                         core.settings.bootstrap_max_lookups)
         self.registered: dict[str, str] = {}  # prefill endpoint -> instance registered with
         self._registering: dict[tuple[str, str], asyncio.Future[None]] = {}
         st = core.settings
         self.members = Members(Limits(
             max_failures=st.heartbeat_max_failures, peer_ttl=st.peer_ttl,
             fresh_for=st.heartbeat_interval,
-            max_probes=max(1, int(st.heartbeat_max_probes_per_s * st.heartbeat_interval))))
+            max_probes=max(1, int(st.heartbeat_max_probes_per_s * st.heartbeat_interval)),
+            down_retry=min(1.0, st.heartbeat_interval)))
         self.last_round_probes = 0
 
     # ---- engine calls -----------------------------------------------------------------
@@ -280,6 +299,11 @@ class DecodeSide(Side):
         if local is None or ranks is None:
             raise RegistrationError("the engine released its KV buffers")
         plan = self.members.lookup(addr, self.core.clock())
+        if plan.refuse:
+            p = self.members.peers[addr]
+            raise PeerDown(f"prefill {addr} is down ({p.misses} heartbeats missed; "
+                           f"looked up again at most every "
+                           f"{self.members.limits.down_retry:g}s)")
         if plan.refresh:
             self._close(Resource(ResourceKind.LOOKUP, addr))
         info = await self.bootstrap.parallel_info(
@@ -480,12 +504,21 @@ class DecodeSide(Side):
                               state_age_s=round(now - r.since, 3), peer=peer,
                               reason=r.failure.reason if r.failure else "",
                               kind=r.failure.kind.value if r.failure else ""))
-        tables = {**self.rooms.table_sizes(), "registered": len(self.registered),
-                  "health": len(self.members.peers), "rank_cache": len(self.bootstrap.ranks),
-                  "heartbeat_targets": self.last_round_probes,
-                  "peers_down": self.members.table_sizes()["peers_down"]}
-        return Snapshot(self.role, rooms, self._peers(), by_state, 0, tables,
+        return Snapshot(self.role, rooms, self._peers(), by_state, 0, self._tables(),
                         dict(self.rooms.dropped))
+
+    def summary(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Rooms by state and table sizes without a row per room or peer (K41)."""
+        by_state = {s.name: 0 for s in KVPoll}
+        for r in self.rooms.rooms.values():
+            by_state[r.status.name] += 1
+        return by_state, self._tables()
+
+    def _tables(self) -> dict[str, int]:
+        return {**self.rooms.table_sizes(), "registered": len(self.registered),
+                "health": len(self.members.peers), "rank_cache": len(self.bootstrap.ranks),
+                "heartbeat_targets": self.last_round_probes,
+                "peers_down": self.members.table_sizes()["peers_down"]}
 
     def _peers(self) -> list[Peer]:
         """One row per prefill rank endpoint; a bootstrap address with none gets its own."""
@@ -538,6 +571,8 @@ def _kind_of(exc: KvdError) -> FailureKind:
         return FailureKind.UNREACHABLE
     if isinstance(exc, PeerRestarted):
         return FailureKind.PEER
+    if isinstance(exc, PeerDown):
+        return FailureKind.HEARTBEAT
     if isinstance(exc, RegistrationError):
         return FailureKind.REGISTRATION
     if isinstance(exc, RoomError):

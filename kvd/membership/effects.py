@@ -79,11 +79,15 @@ class Forget:
 @dataclass(frozen=True)
 class Lookup:
     """How a room resolves its targets now: ``refresh``: drop the cached lookups of the
-    address first (nothing fresh enough is known about it); ``retry``: retry 503s and
-    connection errors within the bootstrap budget (False: the peer is down, one try)."""
+    address first (nothing fresh enough is known about it); ``retry``: retry connection
+    errors within the bootstrap budget (False: the peer is down, so a connection error
+    fails the room at once; a 503 -- the server is up, its ranks not registered yet -- is
+    retried either way); ``refuse``: the peer is down and was tried moments ago: fail
+    the room at once."""
 
     refresh: bool
     retry: bool
+    refuse: bool = False
 
 
 Effect = Probe | Close | FailRooms | Forget

@@ -19,20 +19,23 @@ Rules this module guarantees (tested in ``tests/unit/membership``):
   fail because of the old one (K37).
 * **Down.** ``heartbeat_max_failures`` missed heartbeats in a row, a watch delete or a
   lease expiry make the peer down: its rooms fail, lookups and registrations close.
-  A lookup while down is tried once, fresh (:class:`Lookup`), never refused outright:
-  a restarted peer is usable as soon as its bootstrap answers.
+  A lookup while down is tried once, fresh (:class:`Lookup`), by one room per
+  ``down_retry`` seconds (the others fail at once): a restarted peer is usable as soon
+  as its bootstrap answers, and a dead one costs no lookup per room.
 * **Ownership.** Each :class:`Resource` (cached lookup, registration, control socket)
   is held by peers; :class:`Close` is emitted when the last holder lets it go. A
   forgotten peer holds nothing (K31, K39).
 * **Bounded work.** A peer with no live room is forgotten at once when nothing ever
-  answered for it or it is down, otherwise after ``peer_ttl``; one heartbeat round
-  probes at most ``max_probes`` peers, those with a live room first (K41). A peer's
+  answered for it, otherwise after ``peer_ttl``; one heartbeat round probes at most
+  ``max_probes`` peers, those with a live room first, never an idle one that is down
+  (K41). A peer's
   cached lookup is refreshed on its next use when no fact about it is younger than
-  ``fresh_for``.
+  ``fresh_for`` or its last heartbeat went unanswered.
 """
 
 from __future__ import annotations
 
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -73,6 +76,8 @@ class Peer:
     last_ok: float = 0.0           # last answered heartbeat (0: never)
     last_error: str = ""
     last_probe: float | None = None
+    last_try: float | None = None  # last lookup tried while down
+    answered: bool = False         # some source ever showed it alive
     fact: Fact | None = None       # newest liveness fact, any source
     ranks: dict[str, str] = field(default_factory=dict)  # control endpoint -> instance
     held: set[Resource] = field(default_factory=set)
@@ -95,6 +100,7 @@ class Limits:
     peer_ttl: float = 600.0
     fresh_for: float = 5.0         # heartbeat_interval
     max_probes: int = 500          # per heartbeat round
+    down_retry: float = 1.0        # while down, one lookup try per this many seconds
 
 
 class Members:
@@ -103,6 +109,10 @@ class Members:
     def __init__(self, limits: Limits | None = None) -> None:
         self.limits = limits or Limits()
         self.peers: dict[str, Peer] = {}
+        # indexes (kept with Peer.held): how many peers hold each resource, and which
+        # peers hold a socket to each rank endpoint -- events stay O(1) in the peer count
+        self._holders: Counter[Resource] = Counter()
+        self._by_endpoint: defaultdict[str, set[str]] = defaultdict(set)
 
     # ---- rooms ------------------------------------------------------------------------
 
@@ -117,12 +127,20 @@ class Members:
 
     def lookup(self, addr: str, now: float) -> Lookup:
         """How a room of ``addr`` resolves now: from the cache, or fresh (and retried
-        within the bootstrap budget unless the peer is down)."""
+        within the bootstrap budget unless the peer is down). While down, one room per
+        ``down_retry`` seconds tries (the peer may be back: K37); the others fail at once
+        (thousands of rooms for a dead peer cost no lookups, K19). Records that try."""
         p = self.peers.get(addr)
         if p is None:
             return Lookup(refresh=True, retry=True)
-        stale = p.fact is None or now - p.fact.at > self.limits.fresh_for
-        return Lookup(refresh=p.down or stale, retry=not p.down)
+        if p.down:
+            if p.last_try is not None and now - p.last_try < self.limits.down_retry:
+                return Lookup(refresh=True, retry=False, refuse=True)
+            p.last_try = now
+            return Lookup(refresh=True, retry=False)
+        # a missed heartbeat is a hint too: the peer may be restarting
+        stale = p.fact is None or p.misses > 0 or now - p.fact.at > self.limits.fresh_for
+        return Lookup(refresh=stale, retry=True)
 
     def bound_to(self, addr: str, instance: str | None) -> bool:
         """May a room resolved from a lookup of ``addr`` naming ``instance`` proceed? No
@@ -151,7 +169,7 @@ class Members:
             self._release(p, out, (ResourceKind.LOOKUP, ResourceKind.REGISTRATION))
         p.instance = instance if instance is not None else p.instance
         p.epoch = epoch if epoch is not None else p.epoch
-        p.down, p.misses, p.last_error = False, 0, ""
+        p.down, p.misses, p.last_error, p.answered = False, 0, "", True
         p.fact = Fact(source, now, instance)
         if source is Source.HEARTBEAT:
             p.last_ok = now
@@ -173,7 +191,8 @@ class Members:
         naming its current instance). Another instance than the one resolved means that
         rank restarted: the peers it belongs to drop what they hold for the old one."""
         out: list[Effect] = []
-        for p in self.peers.values():
+        for addr in sorted(self._by_endpoint.get(endpoint, ())):
+            p = self.peers[addr]
             known = p.ranks.get(endpoint)
             if known is None:
                 continue
@@ -234,13 +253,18 @@ class Members:
         p = self.peers.get(addr)
         if p is None:
             return [] if self.holders(resource) else [Close(resource)]
-        p.held.add(resource)
+        if resource not in p.held:
+            p.held.add(resource)
+            self._holders[resource] += 1
+            if resource.kind is ResourceKind.SOCKET:
+                self._by_endpoint[resource.key].add(addr)
         if resource.kind is ResourceKind.SOCKET and instance is not None:
             p.ranks[resource.key] = instance
         return []
 
     def holders(self, resource: Resource) -> int:
-        return sum(resource in p.held for p in self.peers.values())
+        """How many peers hold ``resource``."""
+        return self._holders.get(resource, 0)
 
     def _release(self, p: Peer, out: list[Effect], kinds: Iterable[ResourceKind]) -> None:
         for r in sorted((r for r in p.held if r.kind in tuple(kinds)),
@@ -251,26 +275,36 @@ class Members:
         if r not in p.held:
             return
         p.held.discard(r)
-        if not self.holders(r):
+        self._holders[r] -= 1
+        if r.kind is ResourceKind.SOCKET:
+            p.ranks.pop(r.key, None)
+            peers = self._by_endpoint[r.key]
+            peers.discard(p.addr)
+            if not peers:
+                del self._by_endpoint[r.key]
+        if not self._holders[r]:
+            del self._holders[r]
             out.append(Close(r))
 
     # ---- time -------------------------------------------------------------------------
 
     def heartbeat_round(self, now: float, live: set[str]) -> list[Effect]:
         """One heartbeat round: ``live``: bootstrap addresses with an unfinished room.
-        Forgets the idle peers that no longer earn their entry (down, never answered,
-        or unused for ``peer_ttl``), then probes at most ``max_probes`` targets: peers
-        with a live room first, then idle ones that are up (their death closes what is
-        held for them before ``peer_ttl``), the longest unprobed first."""
+        Forgets the idle peers that no longer earn their entry (nothing ever answered
+        for them, or unused for ``peer_ttl``), then probes at most ``max_probes``
+        targets: peers with a live room first, then idle ones that are up (their death
+        closes what is held for them before ``peer_ttl``), the longest unprobed first.
+        An idle peer that is down is kept (so its rooms fail at once, K19) but not
+        probed: a room's lookup is its probe (:meth:`lookup`)."""
         out: list[Effect] = []
         for addr in live:
             self.used(addr, now)
         for p in list(self.peers.values()):
             if p.addr in live:
                 continue
-            if p.down or p.fact is None or now - p.last_used > self.limits.peer_ttl:
+            if not p.answered or now - p.last_used > self.limits.peer_ttl:
                 self._forget(p, out)
-        due = sorted(self.peers.values(),
+        due = sorted((p for p in self.peers.values() if p.addr in live or not p.down),
                      key=lambda p: (p.addr not in live, p.last_probe is not None,
                                     p.last_probe or 0.0, p.addr))
         for p in due[:self.limits.max_probes]:

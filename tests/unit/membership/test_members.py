@@ -22,7 +22,8 @@ LOOKUP_A = Resource(ResourceKind.LOOKUP, A)
 
 def members(**limits: float) -> Members:
     return Members(Limits(**{"max_failures": 2, "peer_ttl": 60.0, "fresh_for": 5.0,
-                             "max_probes": 100, **limits}))  # type: ignore[arg-type]
+                             "max_probes": 100, "down_retry": 0.5,
+                             **limits}))  # type: ignore[arg-type]
 
 
 def resolved(m: Members, addr: str = A, instance: str = "i1", now: float = 0.0,
@@ -46,8 +47,10 @@ def test_k37_a_route_answer_naming_a_new_instance_clears_down_and_fails_only_the
     assert Close(LOOKUP_A) in out and Close(Resource(ResourceKind.REGISTRATION, EP0)) in out
     assert Close(Resource(ResourceKind.SOCKET, EP0)) not in out  # kept until forgotten
     assert m.peers[A].down and m.peers[A].heartbeat == "down"
-    # while down, a room's lookup is one fresh try, never a refusal
+    # while down, one room per down_retry tries a fresh lookup; the others fail at once
     assert m.lookup(A, 2.5) == Lookup(refresh=True, retry=False)
+    assert m.lookup(A, 2.9).refuse
+    assert m.lookup(A, 3.0) == Lookup(refresh=True, retry=False)
     out = m.route_answered(A, "i2", 3.0)  # the restarted prefill answered /route
     fail = [e for e in out if isinstance(e, FailRooms)]
     assert len(fail) == 1 and fail[0].keep == "i2" and fail[0].kind is FailureKind.PEER
@@ -56,7 +59,7 @@ def test_k37_a_route_answer_naming_a_new_instance_clears_down_and_fails_only_the
     assert not p.down and p.instance == "i2" and p.misses == 0
     assert p.fact is not None and p.fact.source is Source.ROUTE and p.fact.at == 3.0
     assert m.bound_to(A, "i2") and not m.bound_to(A, "i1")
-    assert m.lookup(A, 3.5) == Lookup(refresh=False, retry=True)
+    assert m.lookup(A, 3.5) == Lookup(refresh=False, retry=True)  # up again: no refusal
 
 
 def test_k37_every_source_naming_the_instance_counts() -> None:

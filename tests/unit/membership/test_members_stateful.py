@@ -20,8 +20,8 @@ Checked after every step:
     peer holds nothing;
 (b) a room resolved from a lookup naming the address's current instance, with every
     rank it targets at its current instance, never failed because of a restart;
-(c) a round probes at most ``max_probes`` peers, each tracked, and no peer without a
-    live room is kept when it is down or nothing ever answered for it;
+(c) a round probes at most ``max_probes`` peers, each tracked, never an idle one that
+    is down, and no peer without a live room is kept when nothing ever answered for it;
 (d) once a fact naming the current instance arrived, the machine knows that instance.
 """
 
@@ -138,6 +138,10 @@ class MembershipWorld(RuleBasedStateMachine):
         self.rooms.append(room)
         self.apply(self.m.used(addr, self.now))
         plan = self.m.lookup(addr, self.now)
+        if plan.refuse:  # down, tried moments ago
+            assert self.m.peers[addr].down
+            room.done, room.failed = True, "down"
+            return
         if plan.refresh and Resource(ResourceKind.LOOKUP, addr) in self.open:
             self.open.discard(Resource(ResourceKind.LOOKUP, addr))  # refreshed at once
             self.open.add(Resource(ResourceKind.LOOKUP, addr))
@@ -193,7 +197,8 @@ class MembershipWorld(RuleBasedStateMachine):
         probes = self.apply(self.m.heartbeat_round(self.now, live))
         assert len(probes) <= MAX_PROBES
         for p in self.m.peers.values():
-            assert p.addr in live or (p.fact is not None and not p.down)
+            assert p.addr in live or p.answered
+        assert all(p.addr in live or not self.m.peers[p.addr].down for p in probes)
         for p in probes:
             assert p.addr in self.m.peers
             s = self.sites[p.addr]
@@ -232,6 +237,8 @@ class MembershipWorld(RuleBasedStateMachine):
     def ownership(self) -> None:
         held = set().union(*(p.held for p in self.m.peers.values()))
         assert held == self.open, (held ^ self.open)
+        for r in held:  # the machine's holder index agrees with the peers
+            assert self.m.holders(r) == sum(r in p.held for p in self.m.peers.values())
 
     @invariant()
     def rooms_of_the_current_instance_never_fail_for_the_old_one(self) -> None:
