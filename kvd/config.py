@@ -238,6 +238,10 @@ class Settings(BaseSettings):
     heartbeat_max_failures: int = _setting(
         2, ge=1, validation_alias=_env("heartbeat_max_failures"),
         help="missed heartbeats before a prefill's rooms fail")
+    heartbeat_max_probes_per_s: float = _setting(
+        100.0, gt=0, unit="probes/s",
+        help="decode: at most this many heartbeat probes per second on average (one round "
+             "probes at most this x heartbeat_interval peers, those with a live room first)")
     transfer_threads: int = _setting(
         1, ge=1, le=64, unit="threads", validation_alias=_env("transfer_threads"),
         help="accepted for SGLang compatibility (THREAD_POOL_SIZE) and ignored: one pump "
@@ -264,6 +268,11 @@ class Settings(BaseSettings):
     http_timeout: float = _setting(5.0, gt=0, unit="s", help="timeout of one bootstrap request")
     bootstrap_retry_budget: float = _setting(
         30.0, gt=0, unit="s", help="how long lookups/registration keep retrying before failing")
+    bootstrap_max_lookups: int = _setting(
+        32, ge=1, unit="requests",
+        help="decode: bootstrap lookups (/route requests) in flight at once; more wait for a "
+             "slot within their retry budget, so thousands of addresses cannot flood the loop "
+             "that answers /health")
     max_frame_bytes: int = _setting(64 << 20, ge=1024, unit="bytes",
                                     help="largest control or RPC frame accepted")
     transient_retry_s: float = _setting(

@@ -434,26 +434,27 @@ class Daemon:
     def health(self) -> dict[str, Any]:
         """Liveness JSON: role, instance id, uptime (s), room counts, totals."""
         core, side = self.core, self.side
-        snap = side.snapshot() if side is not None else None
+        by_state, tables = side.summary() if side is not None else ({}, {})
         return {"status": "ok", "role": self.settings.role,
                 "instance_id": self.settings.instance_id,
                 "uptime_s": round(time.time() - self.started_at, 3),
                 "engine_registered": bool(core and core.local),
                 "draining": self.draining,
                 "bootstrap_epoch": self.table.epoch if self.table is not None else None,
-                "tables": self.table_sizes(),
-                "rooms": {k: v for k, v in snap.by_state.items() if v} if snap else {},
+                "tables": self.table_sizes(tables),
+                "rooms": {k: v for k, v in by_state.items() if v},
                 "counters": core.totals() if core else {}}
 
-    def table_sizes(self) -> dict[str, int]:
-        """Sizes of every per-room and per-peer table (leak checks)."""
+    def table_sizes(self, side_tables: dict[str, int] | None = None) -> dict[str, int]:
+        """Sizes of every per-room and per-peer table (leak checks); ``side_tables``: the
+        side's, when the caller has them already."""
         core, side = self.core, self.side
         sizes = {"tasks": len(core.tasks) if core else 0,
                  "control_sockets": len(core.control._push) if core else 0,
                  "outboxes": len(core.outboxes) if core else 0}
-        if side is not None:
-            sizes |= side.snapshot().tables
-        return sizes
+        if side_tables is None and side is not None:
+            side_tables = side.summary()[1]
+        return sizes | (side_tables or {})
 
 
 def serve(settings: Settings) -> int:

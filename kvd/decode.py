@@ -1,10 +1,12 @@
 """The decode side of a daemon: performs what :class:`kvd.rooms.receiver.ReceiverRooms`
 decides — bootstrap lookups, registering this rank's KV args with prefill ranks,
-control messages, aux copies — and heartbeats the prefill instances in use.
+control messages, aux copies — and what :class:`kvd.membership.machine.Members`
+decides about the prefill peers: heartbeat probes, closing cached lookups,
+registrations and sockets, failing the rooms of a lost or restarted peer.
 
-Prefill instances are named by their bootstrap address. Lookups are cached per
-address; a heartbeat that sees a new instance id (a restart) or a new bootstrap
-epoch drops the cache, so new rooms resolve and register again.
+Prefill instances are named by their bootstrap address. This module only does I/O:
+which peer is alive, which instance it is and what is held for it is the
+membership machine's, fed by heartbeats, ``/route`` answers and control messages.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -27,6 +28,10 @@ from kvd.discovery.events import PeerDeleted, PeerEvent, PeerPut
 from kvd.errors import BootstrapError, KvdError, PeerUnreachable, RegistrationError, RoomError
 from kvd.hostid import host_identity
 from kvd.logs import fields
+from kvd.membership.effects import Close, FailRooms, Forget, Probe, Resource, ResourceKind
+from kvd.membership.effects import Effect as MemberEffect
+from kvd.membership.machine import Limits, Members
+from kvd.membership.machine import Peer as Member
 from kvd.protocol import control, rpc
 from kvd.rooms.effects import AbortUnknown, Effect, Resolve, Send, WriteAux
 from kvd.rooms.receiver import ReceiverRooms, Target
@@ -43,12 +48,14 @@ class BootstrapClient:
 
     503 (not every rank registered yet) and connection errors are retried with
     backoff for up to ``budget`` seconds; other 4xx answers fail at once.
-    Concurrent lookups of the same key share one request.
+    Concurrent lookups of the same key share one request; at most ``slots`` requests
+    are in flight at once, the others wait for one within their budget (K41).
     """
 
-    def __init__(self, core: Core, budget: float) -> None:
+    def __init__(self, core: Core, budget: float, slots: int = 32) -> None:
         self.core = core
         self.budget = budget
+        self._slots = asyncio.Semaphore(slots)  # /route requests in flight (K41)
         self.info: dict[str, ParallelInfo] = {}
         self.ranks: dict[tuple[str, int, int, int], RankInfo] = {}
         self._inflight: dict[tuple[object, ...], asyncio.Future[dict[str, object]]] = {}
@@ -61,22 +68,34 @@ class BootstrapClient:
             endpoints.add(endpoint_of(self.ranks.pop(key)))
         return endpoints
 
-    async def _get_shared(self, addr: str, params: dict[str, int]) -> dict[str, object]:
-        key = (addr, *sorted(params.items()))
+    async def _get_shared(self, addr: str, params: dict[str, int],
+                          retry: bool = True) -> dict[str, object]:
+        # a one-try lookup (peer down) never joins a retrying one: that may run for the
+        # whole budget although the rooms that started it failed already
+        key = (addr, retry, *sorted(params.items()))
         fut = self._inflight.get(key)
         if fut is None:
-            fut = asyncio.ensure_future(self._get(addr, params))
+            fut = asyncio.ensure_future(self._get(addr, params, retry))
             self._inflight[key] = fut
             fut.add_done_callback(lambda _: self._inflight.pop(key, None))
         return await asyncio.shield(fut)
 
-    async def _get(self, addr: str, params: dict[str, int]) -> dict[str, object]:
+    async def _get(self, addr: str, params: dict[str, int],
+                   retry: bool = True) -> dict[str, object]:
+        """One ``/route`` answer. 503 (not every rank registered yet) and connection errors
+        are retried with backoff within ``budget`` s; without ``retry`` (the peer is down)
+        a connection error fails at once, while a 503 -- the server answered: it is up --
+        is still retried within the budget."""
         loop = asyncio.get_running_loop()
         url, deadline, delay = http_url(addr, "/route"), loop.time() + self.budget, 0.05
         last = ""
         while True:
             try:
-                resp = await self.core.http("GET", url, params=params)
+                async with self._slots:
+                    if loop.time() > deadline:
+                        raise BootstrapError(f"bootstrap {addr}: {last or 'no lookup slot'} "
+                                             f"after {self.budget:.0f}s (lookups queued)")
+                    resp = await self.core.http("GET", url, params=params)
                 if resp.status_code == 200:
                     result: dict[str, object] = resp.json()
                     return result
@@ -85,6 +104,9 @@ class BootstrapClient:
                     raise BootstrapError(f"bootstrap {addr} answered {last}")
             except httpx.HTTPError as exc:
                 last = f"bootstrap unreachable ({type(exc).__name__})"
+                if not retry:
+                    raise BootstrapError(f"bootstrap {addr}: {last} (peer down: one "
+                                         f"try)") from exc
             except ValueError as exc:  # a 200 whose body is not JSON
                 raise BootstrapError(f"bootstrap {addr} sent a malformed answer: {exc}") from exc
             if loop.time() + delay > deadline:
@@ -92,13 +114,22 @@ class BootstrapClient:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    async def parallel_info(self, addr: str) -> ParallelInfo:
-        """The prefill instance's sizes (cached per bootstrap address)."""
-        if addr not in self.info:
-            data = await self._get_shared(addr, {"engine_rank": -1, "target_dp_group": -1,
-                                                 "target_pp_rank": -1})
-            self.info[addr] = ParallelInfo.model_validate(data)
-        return self.info[addr]
+    async def parallel_info(self, addr: str, retry: bool = True,
+                            seen: Callable[[ParallelInfo], object] | None = None
+                            ) -> ParallelInfo:
+        """The prefill instance's sizes (cached per bootstrap address). A fresh answer
+        goes to ``seen`` before it is cached (the membership machine learns the instance
+        it names, which may close older lookups). ``retry``: see :meth:`_get`."""
+        cached = self.info.get(addr)
+        if cached is not None:
+            return cached
+        data = await self._get_shared(addr, {"engine_rank": -1, "target_dp_group": -1,
+                                             "target_pp_rank": -1}, retry)
+        info = ParallelInfo.model_validate(data)
+        if seen is not None:
+            seen(info)
+        self.info[addr] = info
+        return info
 
     async def rank(self, addr: str, t: RouteTarget) -> RankInfo:
         """Where prefill rank (tp, dp, pp) listens (cached)."""
@@ -115,23 +146,12 @@ def endpoint_of(rank: RankInfo) -> str:
     return f"tcp://{join_hostport(rank.rank_ip.strip('[]'), rank.rank_port)}"
 
 
-@dataclass
-class PeerHealth:
-    """Heartbeat state of one prefill bootstrap address (times: monotonic s)."""
+class PeerRestarted(KvdError):
+    """A room's lookup named an instance of the prefill that is not its current one."""
 
-    last_used: float
-    misses: int = 0
-    instance_id: str | None = None
-    epoch: int | None = None
-    last_ok: float = 0.0
-    last_error: str = ""
-    down: bool = False
-    # the cached lookup rooms are resolved from now; its instance is the one a heartbeat
-    # must see, or the rooms resolved from it are bound to a process that is gone
-    resolved_from: ParallelInfo | None = None
-    # control endpoints resolved from this address whose sockets a soft forget (down,
-    # restart, new epoch) kept: closed when the address itself is forgotten (K31)
-    endpoints: set[str] = field(default_factory=set)
+
+class PeerDown(KvdError):
+    """The prefill is down (heartbeats missed) and was looked up moments ago."""
 
 
 class DecodeSide(Side):
@@ -142,9 +162,10 @@ class DecodeSide(Side):
     def __init__(self, core: Core) -> None:
         super().__init__(core)
         self.rooms = ReceiverRooms(core.control.endpoint, core.instance_id, self.timeouts)
-        self.bootstrap: Lookups = BootstrapClient(core, core.settings.bootstrap_retry_budget)
+        self.bootstrap: Lookups = BootstrapClient(core, core.settings.bootstrap_retry_budget,
+                                                  core.settings.bootstrap_max_lookups)
         self.etcd = None
-        if core.settings.discovery == "etcd":  # seam until the membership machine lands
+        if core.settings.discovery == "etcd":  # watched leases replace heartbeats
             from kvd.discovery.etcd import EtcdClient, EtcdLookups, etcd_options
             s = core.settings
             self.etcd = self.bootstrap = EtcdLookups(
@@ -152,7 +173,13 @@ class DecodeSide(Side):
                 s.etcd_view_ttl, s.etcd_lease_ttl, self.on_discovery, core.clock)
         self.registered: dict[str, str] = {}  # prefill endpoint -> instance registered with
         self._registering: dict[tuple[str, str], asyncio.Future[None]] = {}
-        self.health: dict[str, PeerHealth] = {}
+        st = core.settings
+        self.members = Members(Limits(
+            max_failures=st.heartbeat_max_failures, peer_ttl=st.peer_ttl,
+            fresh_for=st.heartbeat_interval,
+            max_probes=max(1, int(st.heartbeat_max_probes_per_s * st.heartbeat_interval)),
+            down_retry=min(1.0, st.heartbeat_interval)))
+        self.last_round_probes = 0
 
     # ---- engine calls -----------------------------------------------------------------
 
@@ -164,7 +191,7 @@ class DecodeSide(Side):
                 if self.core.local is None:
                     raise RegistrationError("no engine has registered KV buffers with this kvd")
                 effects = self.rooms.create(call.room, call.bootstrap_addr, call.dp_rank, now)
-                self._used(call.bootstrap_addr, now)
+                self.members.used(call.bootstrap_addr, now)
                 self.core.events.room_started(self.role, call.room, call.bootstrap_addr)
             case rpc.ReceiverInit():
                 effects = self.rooms.init(call.room, call.dst_pages, call.aux_index, now,
@@ -219,7 +246,9 @@ class DecodeSide(Side):
 
     def on_control(self, msg: control.ControlMessage) -> None:
         if isinstance(msg, control.RoomStatus):
-            self.run(self.rooms.on_status(msg, self.core.clock()))
+            now = self.core.clock()
+            self.apply(self.members.control_seen(msg.endpoint, msg.instance_id, now))
+            self.run(self.rooms.on_status(msg, now))
         else:
             self.core.counters.protocol_errors += 1
             log.warning("decode kvd ignores %s from %s", type(msg).__name__,
@@ -257,38 +286,49 @@ class DecodeSide(Side):
         failure: RoomFailure | None = RoomFailure(
             FailureKind.ABORTED, f"room {eff.room}: lookup cancelled (kvd stopping)", self.role)
         targets: list[Target] = []
+        via: str | None = None
         try:
-            h = self.health.get(eff.bootstrap_addr)
-            if h is not None and h.down:
-                failure = RoomFailure(FailureKind.HEARTBEAT, f"room {eff.room}: prefill "
-                                      f"{eff.bootstrap_addr} is down ({h.misses} heartbeats "
-                                      f"missed)", self.role)
-                return
-            targets = await self._current_targets(eff.room, eff.bootstrap_addr, eff.dp_rank)
+            targets, via = await self._current_targets(eff.room, eff.bootstrap_addr,
+                                                       eff.dp_rank)
             failure = None
         except KvdError as exc:
             failure = RoomFailure(_kind_of(exc), f"room {eff.room}: {exc}", self.role)
         finally:
             now = self.core.clock()
-            self.run(self.rooms.resolved(eff.room, eff.inc, targets, now) if failure is None
+            self.run(self.rooms.resolved(eff.room, eff.inc, targets, now, via)
+                     if failure is None
                      else self.rooms.resolve_failed(eff.room, eff.inc, failure, now))
 
     async def _current_targets(self, room: int, addr: str,
-                               dp_rank: int | None) -> list[Target]:
+                               dp_rank: int | None) -> tuple[list[Target], str | None]:
         """:meth:`_targets`, resolved again while discovery replaced one of them meanwhile:
         a room resolved after a restart is known is never bound to the old instance."""
         for _ in range(3):
-            targets = await self._targets(room, addr, dp_rank)
+            targets, via = await self._targets(room, addr, dp_rank)
             if self.etcd is None or self.etcd.all_current(addr, targets):
-                return targets
+                return targets, via
         raise BootstrapError(f"prefill {addr}: its ranks kept changing instance during lookup")
 
-    async def _targets(self, room: int, addr: str, dp_rank: int | None) -> list[Target]:
+    async def _targets(self, room: int, addr: str,
+                       dp_rank: int | None) -> tuple[list[Target], str | None]:
+        """The room's targets and the instance the lookup they came from names. Looked up
+        as the membership machine says (:class:`~kvd.membership.effects.Lookup`): fresh
+        when nothing recent is known of the peer, one try while it is down."""
         local, ranks = self.core.local, self.core.ranks
         if local is None or ranks is None:
             raise RegistrationError("the engine released its KV buffers")
-        info = await self.bootstrap.parallel_info(addr)
-        self._resolved_from(addr, info)
+        plan = self.members.lookup(addr, self.core.clock())
+        if plan.refuse:
+            p = self.members.peers[addr]
+            raise PeerDown(f"prefill {addr} is down ({p.misses} heartbeats missed; "
+                           f"looked up again at most every "
+                           f"{self.members.limits.down_retry:g}s)")
+        if plan.refresh:
+            self._close(Resource(ResourceKind.LOOKUP, addr))
+        info = await self.bootstrap.parallel_info(
+            addr, plan.retry, lambda i: self.apply(self.members.route_answered(
+                addr, i.instance_id, self.core.clock())))
+        self.apply(self.members.hold(addr, Resource(ResourceKind.LOOKUP, addr)))
         routes = resolve_targets(room, ranks.attn_tp_rank, ranks.attn_tp_size,
                                  info.prefill_attn_tp_size,
                                  info.prefill_dp_size, info.prefill_pp_size, local.wire.is_mla,
@@ -298,9 +338,15 @@ class DecodeSide(Side):
             rank = await self.bootstrap.rank(addr, t)
             endpoint, instance = endpoint_of(rank), rank.instance_id or ""
             self.core.control.learn(endpoint, instance)  # fills the directory's gaps (S09)
+            self.apply(self.members.hold(addr, Resource(ResourceKind.SOCKET, endpoint),
+                                         rank.instance_id))
             await self._ensure_registered(endpoint, instance)
+            self.apply(self.members.hold(addr, Resource(ResourceKind.REGISTRATION, endpoint)))
             out.append(Target(endpoint, instance, t.required_dst_info_num, t.is_dummy))
-        return out
+        if not self.members.bound_to(addr, info.instance_id):  # it restarted meanwhile
+            raise PeerRestarted(f"prefill {addr} restarted while the room resolved (lookup "
+                                f"named instance {info.instance_id})")
+        return out, info.instance_id
 
     async def _ensure_registered(self, endpoint: str, instance: str) -> None:
         """Register this rank's KV args with prefill rank ``endpoint`` (its instance
@@ -332,8 +378,9 @@ class DecodeSide(Side):
 
     async def _abort_unknown(self, eff: AbortUnknown) -> None:
         """Tell the prefill ranks of a room this daemon does not know (K34)."""
+        self.members.used(eff.bootstrap_addr, self.core.clock())
         try:
-            targets = await self._targets(eff.room, eff.bootstrap_addr, eff.dp_rank)
+            targets, _ = await self._targets(eff.room, eff.bootstrap_addr, eff.dp_rank)
         except KvdError as exc:
             log.warning("room %d: abort could not reach the prefill ranks of %s: %s", eff.room,
                         eff.bootstrap_addr, exc,
@@ -389,42 +436,18 @@ class DecodeSide(Side):
         if isinstance(ev, PeerDeleted) or ev.endpoint != endpoint:
             self.core.control.drop(endpoint)
 
-    def _used(self, addr: str, now: float) -> None:
-        h = self.health.get(addr)
-        if h is None:
-            self.health[addr] = PeerHealth(last_used=now)
-        else:
-            h.last_used = now
-
-    def _resolved_from(self, addr: str, info: ParallelInfo) -> None:
-        """Rooms of ``addr`` are being resolved from lookup ``info``: a freshly fetched one
-        names the instance the next heartbeat must still see. Lookups are only dropped
-        after the rooms resolved from them failed (restart, heartbeats missed) or when none
-        is left (peer_ttl), so a fresh lookup's instance is the baseline; without it a
-        restart before the first heartbeat went unseen and rooms resolved from the stale
-        cache waited for their timeout."""
-        h = self.health.get(addr)
-        if h is None:
-            h = self.health[addr] = PeerHealth(last_used=self.core.clock())
-        if info is not h.resolved_from:
-            h.resolved_from = info
-            if info.instance_id is not None:
-                h.instance_id = info.instance_id
-
     async def heartbeat_round(self) -> None:
-        """Probe every prefill bootstrap address in use; forget those unused for
-        ``peer_ttl`` (no probes, no sockets, no log lines for them any more, K31)."""
+        """One round of the membership machine's probes (peers with a live room first,
+        at most ``heartbeat_max_probes_per_s`` x ``heartbeat_interval``); idle peers that
+        no longer earn their entry are forgotten (no probes, sockets or log lines for
+        them any more, K31, K41)."""
         now = self.core.clock()
         live = {r.bootstrap_addr for r in self.rooms.rooms.values() if not r.done}
-        for addr in live:
-            self._used(addr, now)
-        for addr, h in list(self.health.items()):
-            if addr not in live and now - h.last_used > self.core.settings.peer_ttl:
-                self._forget(addr)
-                del self.health[addr]
+        probes = self.apply(self.members.heartbeat_round(now, live))
         if self.etcd is not None:  # liveness comes from leases: the name may not listen
-            return
-        await asyncio.gather(*(self._guarded(self.probe, addr) for addr in list(self.health)))
+            probes = []
+        self.last_round_probes = len(probes)
+        await asyncio.gather(*(self._guarded(self.probe, p.addr) for p in probes))
 
     async def _guarded(self, probe: Callable[[str], Awaitable[None]], addr: str) -> None:
         try:
@@ -434,15 +457,12 @@ class DecodeSide(Side):
         except Exception as exc:  # an HTTP client bug must not stop the other probes
             self.core.counters.loop_errors += 1
             log.exception("heartbeat of %s failed unexpectedly", addr, extra=fields(peer=addr))
-            h = self.health.get(addr)
-            if h is not None:
-                self._missed(addr, h, f"{type(exc).__name__}: {exc}")
+            self._missed(addr, f"{type(exc).__name__}: {exc}")
 
     async def probe(self, addr: str) -> None:
         """One heartbeat of ``addr``'s ``/health`` (bounded by the heartbeat interval)."""
         s = self.core.settings
-        h = self.health.get(addr)
-        if h is None:
+        if addr not in self.members.peers:
             return
         try:
             resp = await self.core.http("GET", http_url(addr, "/health"),
@@ -452,54 +472,55 @@ class DecodeSide(Side):
         except (httpx.HTTPError, ValueError) as exc:
             data, error = None, f"{type(exc).__name__}"
         if not isinstance(data, dict):
-            self._missed(addr, h, error or "malformed /health answer")
+            self._missed(addr, error or "malformed /health answer")
             return
-        self._answered(addr, h, data)
-
-    def _answered(self, addr: str, h: PeerHealth, data: dict[str, Any]) -> None:
-        if h.down:
-            log.info("prefill %s is back after %d missed heartbeats", addr, h.misses,
+        p = self.members.peers.get(addr)
+        if p is not None and p.down:
+            log.info("prefill %s is back after %d missed heartbeats", addr, p.misses,
                      extra=fields(peer=addr))
-        now = self.core.clock()
-        h.misses, h.down, h.last_ok, h.last_error = 0, False, now, ""
         instance, epoch = data.get("instance_id"), data.get("bootstrap_epoch")
-        if h.instance_id is not None and instance != h.instance_id:
-            # Every room in flight was resolved from the cache of the old instance: it is
-            # bound to a process that is gone. New rooms resolve and register again.
-            failure = RoomFailure(FailureKind.PEER, f"prefill {addr} restarted (instance "
-                                  f"{h.instance_id} -> {instance})", self.role)
-            self.run(self.rooms.peer_lost(addr, failure, now))
-            self._forget(addr, drop_sockets=False)
-        elif h.epoch is not None and epoch != h.epoch:
-            self._forget(addr, drop_sockets=False)  # a rank re-registered: refresh endpoints
-        h.instance_id, h.epoch = instance, epoch
+        self.apply(self.members.heartbeat_answered(
+            addr, instance if isinstance(instance, str) else None,
+            epoch if isinstance(epoch, int) else None, self.core.clock()))
 
-    def _missed(self, addr: str, h: PeerHealth, error: str) -> None:
-        h.misses += 1
-        h.last_error = error
+    def _missed(self, addr: str, error: str) -> None:
+        if addr not in self.members.peers:
+            return
         self.core.counters.heartbeat_misses += 1
         self.core.events.heartbeat_missed(addr, f"heartbeat unanswered: {error}")
-        if h.misses >= self.core.settings.heartbeat_max_failures and not h.down:
-            h.down = True
-            failure = RoomFailure(FailureKind.HEARTBEAT, f"prefill {addr} unreachable: "
-                                  f"{h.misses} heartbeats missed ({error})", self.role)
-            log.warning("%s", failure.reason, extra=fields(peer=addr))
-            self.run(self.rooms.peer_lost(addr, failure, self.core.clock()))
-            self._forget(addr, drop_sockets=False)
+        self.apply(self.members.heartbeat_missed(addr, error, self.core.clock()))
 
-    def _forget(self, addr: str, drop_sockets: bool = True) -> None:
-        """Drop the lookups and registrations of bootstrap ``addr``; with ``drop_sockets``
-        also the control sockets to its ranks, including those an earlier forget without
-        it kept (a dead prefill's sockets must not outlive its address, K31)."""
-        endpoints = self.bootstrap.forget(addr)
-        h = self.health.get(addr)
-        if h is not None:
-            endpoints |= h.endpoints
-            h.endpoints = set() if drop_sockets else endpoints
-        for ep in endpoints:
-            self.registered.pop(ep, None)
-            if drop_sockets:
-                self.core.control.drop(ep)
+    # ---- membership effects -----------------------------------------------------------
+
+    def apply(self, effects: list[MemberEffect]) -> list[Probe]:
+        """Perform the membership machine's effects in order; returns the probes (the
+        heartbeat round runs them)."""
+        probes: list[Probe] = []
+        for eff in effects:
+            match eff:
+                case Probe():
+                    probes.append(eff)
+                case Close():
+                    self._close(eff.resource)
+                case FailRooms():
+                    failure = RoomFailure(eff.kind, eff.reason, self.role)
+                    log.warning("%s", eff.reason, extra=fields(peer=eff.addr))
+                    self.run(self.rooms.peer_lost(eff.addr, failure, self.core.clock(),
+                                                  eff.keep, eff.endpoint))
+                case Forget():
+                    log.debug("prefill %s forgotten", eff.addr, extra=fields(peer=eff.addr))
+        return probes
+
+    def _close(self, r: Resource) -> None:
+        """Drop what this side holds: a bootstrap address's cached lookups, the record of
+        a registration with a rank (the next room registers again), a control socket."""
+        match r.kind:
+            case ResourceKind.LOOKUP:
+                self.bootstrap.forget(r.key)
+            case ResourceKind.REGISTRATION:
+                self.registered.pop(r.key, None)
+            case ResourceKind.SOCKET:
+                self.core.control.drop(r.key)
 
     # ---- lifecycle --------------------------------------------------------------------
 
@@ -538,32 +559,43 @@ class DecodeSide(Side):
                               state_age_s=round(now - r.since, 3), peer=peer,
                               reason=r.failure.reason if r.failure else "",
                               kind=r.failure.kind.value if r.failure else ""))
-        tables = {**self.rooms.table_sizes(), "registered": len(self.registered),
-                  "health": len(self.health), "rank_cache": len(self.bootstrap.ranks)}
-        return Snapshot(self.role, rooms, self._peers(), by_state, 0, tables,
+        return Snapshot(self.role, rooms, self._peers(), by_state, 0, self._tables(),
                         dict(self.rooms.dropped))
+
+    def summary(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Rooms by state and table sizes without a row per room or peer (K41)."""
+        by_state = {s.name: 0 for s in KVPoll}
+        for r in self.rooms.rooms.values():
+            by_state[r.status.name] += 1
+        return by_state, self._tables()
+
+    def _tables(self) -> dict[str, int]:
+        return {**self.rooms.table_sizes(), "registered": len(self.registered),
+                "health": len(self.members.peers), "rank_cache": len(self.bootstrap.ranks),
+                "heartbeat_targets": self.last_round_probes,
+                "peers_down": self.members.table_sizes()["peers_down"]}
 
     def _peers(self) -> list[Peer]:
         """One row per prefill rank endpoint; a bootstrap address with none gets its own."""
         rows: dict[str, Peer] = {}
         for (addr, tp, dp, pp), info in self.bootstrap.ranks.items():
             ep = endpoint_of(info)
-            h = self.health.get(addr)
+            h = self.members.peers.get(addr)
             rows[ep] = Peer(endpoint=ep, kind="prefill", bootstrap=addr,
                             state="registered" if ep in self.registered else "resolved",
                             heartbeat=_heartbeat(h), instance_id=info.instance_id or "",
                             detail=f"tp {tp} dp {dp} pp {pp}{_health_detail(h)}",
                             **self._liveness(ep, addr, h))
         known = {p.bootstrap for p in rows.values()}
-        for addr in (set(self.bootstrap.info) | set(self.health)) - known:
-            h = self.health.get(addr)
+        for addr in (set(self.bootstrap.info) | set(self.members.peers)) - known:
+            h = self.members.peers.get(addr)
             rows[addr] = Peer(endpoint=addr, kind="prefill", bootstrap=addr, state="bootstrap",
                               heartbeat=_heartbeat(h), detail=_health_detail(h).lstrip("; "),
-                              instance_id=(h.instance_id or "") if h else "",
+                              instance_id=(h.instance or "") if h else "",
                               **self._liveness("", addr, h))
         return sorted(rows.values(), key=lambda p: (p.bootstrap, p.endpoint))
 
-    def _liveness(self, endpoint: str, addr: str, h: PeerHealth | None) -> dict[str, Any]:
+    def _liveness(self, endpoint: str, addr: str, h: Member | None) -> dict[str, Any]:
         """A prefill peer's liveness fields: its last control message (from ``endpoint``),
         last answered heartbeat (of ``addr``) and newest error (a failed room, send or
         heartbeat, recorded under either name; it stays after the peer recovers)."""
@@ -574,15 +606,11 @@ class DecodeSide(Side):
                 "last_error": error, "last_error_time": error_time}
 
 
-def _heartbeat(h: PeerHealth | None) -> str:
-    if h is None or (h.misses == 0 and not h.last_ok):
-        return "unknown"
-    if h.down:
-        return "down"
-    return f"missed {h.misses}" if h.misses else "ok"
+def _heartbeat(h: Member | None) -> str:
+    return "unknown" if h is None else h.heartbeat
 
 
-def _health_detail(h: PeerHealth | None) -> str:
+def _health_detail(h: Member | None) -> str:
     """What the heartbeats say now, beyond the liveness fields: ``; never answered`` or
     ``; failing: <error>`` (empty while they are answered)."""
     if h is None:
@@ -596,6 +624,10 @@ def _kind_of(exc: KvdError) -> FailureKind:
     """The failure kind of an error raised while resolving a room's targets."""
     if isinstance(exc, PeerUnreachable):
         return FailureKind.UNREACHABLE
+    if isinstance(exc, PeerRestarted):
+        return FailureKind.PEER
+    if isinstance(exc, PeerDown):
+        return FailureKind.HEARTBEAT
     if isinstance(exc, RegistrationError):
         return FailureKind.REGISTRATION
     if isinstance(exc, RoomError):

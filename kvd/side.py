@@ -169,6 +169,13 @@ class Side(abc.ABC):
     def snapshot(self) -> Snapshot:
         """Values for status and metrics."""
 
+    def summary(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Rooms by state and table sizes (what /health shows): by default from
+        :meth:`snapshot`; a side may answer without building every room and peer row
+        (a /health with thousands of rooms and peers stays cheap, K41)."""
+        snap = self.snapshot()
+        return snap.by_state, snap.tables
+
     # ---- effects ----------------------------------------------------------------------
 
     def run_call(self, event: Callable[[], list[Effect]]) -> None:

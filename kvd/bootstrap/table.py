@@ -5,6 +5,12 @@ Speaks SGLang's ``/route`` semantics: prefill ranks register with
 target_dp_group=-1&target_pp_rank=-1`` for the parallel info and then
 ``GET /route?engine_rank=T&target_dp_group=D&target_pp_rank=P`` for one rank.
 
+Membership is per DP group (K38): the parallel info answers as soon as one DP
+group has every rank (all its TP ranks of every PP stage) registered, and names the
+groups that do (``ready_dp_groups``, a kvd extension); a rank not registered answers
+503 naming its group. A single-group instance thus answers 503 until every rank
+registered, as SGLang's server does (K01).
+
 Rules: the first registration fixes the instance's sizes (attn TP, DP, PP);
 a later one with other sizes is refused (409). The same key (dp, tp, pp)
 registered again with the same endpoint is idempotent; with a different
@@ -65,6 +71,10 @@ class ParallelInfo(BaseModel):
     # tell a restart even when no heartbeat ran before it (rooms resolved from a cache the
     # heartbeat never saw, the K21 kind). None from other bootstrap servers.
     instance_id: str | None = None
+    # kvd extension: the DP groups with every rank registered (None from other bootstrap
+    # servers: all of them). A decode resolves rooms of these groups; a room of another
+    # group waits within its lookup budget for that group's ranks (K38).
+    ready_dp_groups: list[int] | None = None
 
 
 Key = tuple[int, int, int]  # (dp, tp, pp)
@@ -123,14 +133,27 @@ class BootstrapTable:
         self.epoch += 1
         return True
 
+    def ready_groups(self) -> list[int]:
+        """DP groups with every rank (each TP rank of each PP stage) registered."""
+        if self.sizes is None:
+            return []
+        tp, dp, pp = self.sizes
+        counts = [0] * dp
+        for (d, _t, _p) in self.ranks:
+            counts[d] += 1
+        return [d for d in range(dp) if counts[d] == tp * pp]
+
     def parallel_info(self) -> ParallelInfo:
-        """Sizes of the instance; raises :class:`NotReady` until every rank registered."""
-        if self.sizes is None or len(self.ranks) < (self.expected or 0):
+        """Sizes of the instance and its ready DP groups; raises :class:`NotReady` until
+        one DP group has every rank registered."""
+        ready = self.ready_groups()
+        if self.sizes is None or not ready:
             raise NotReady(f"prefill not fully registered: {len(self.ranks)}/"
-                           f"{self.expected if self.expected is not None else '?'} registered")
+                           f"{self.expected if self.expected is not None else '?'} registered"
+                           f" (no DP group complete)")
         tp, dp, pp = self.sizes
         return ParallelInfo(prefill_attn_tp_size=tp, prefill_dp_size=dp, prefill_pp_size=pp,
-                            prefill_page_size=self.page_size)
+                            prefill_page_size=self.page_size, ready_dp_groups=ready)
 
     def lookup(self, tp_rank: int, dp_group: int, pp_rank: int) -> RankInfo:
         """The rank at (tp, dp, pp). Raises NotFound outside the sizes, NotReady if
@@ -144,6 +167,9 @@ class BootstrapTable:
         if info is None:
             if self.sizes is None:
                 raise NotReady("no prefill rank registered yet")
+            tp, _dp, pp = self.sizes
+            group = sum(d == dp_group for (d, _t, _p) in self.ranks)
             raise NotReady(f"prefill rank tp={tp_rank} dp={dp_group} pp={pp_rank} "
-                           f"not registered yet ({len(self.ranks)}/{self.expected})")
+                           f"not registered yet ({len(self.ranks)}/{self.expected}; DP group "
+                           f"{dp_group} has {group}/{tp * pp} ranks)")
         return info

@@ -8,6 +8,7 @@ A new source is one module in this package implementing them (docs/architecture.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from kvd.bootstrap.table import ParallelInfo, RankInfo
@@ -29,8 +30,14 @@ class Lookups(Protocol):
     def ranks(self) -> dict[tuple[str, int, int, int], RankInfo]:
         """Known ranks per (name, tp, dp, pp) (for status)."""
 
-    async def parallel_info(self, addr: str) -> ParallelInfo:
-        """The instance's sizes (attn TP, DP, PP, page size)."""
+    async def parallel_info(self, addr: str, retry: bool = True,
+                            seen: Callable[[ParallelInfo], object] | None = None
+                            ) -> ParallelInfo:
+        """The instance's sizes (attn TP, DP, PP, page size). ``retry``: whether a source
+        that polls may retry within its budget (False: one try, the peer is down);
+        ``seen``: told of a freshly fetched answer before it is cached (the membership
+        machine learns the instance it names); a source that follows the store live may
+        ignore both."""
 
     async def rank(self, addr: str, t: Target) -> RankInfo:
         """Where prefill rank ``t`` of ``addr`` listens, and its instance id."""

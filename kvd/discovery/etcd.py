@@ -181,7 +181,11 @@ class EtcdLookups:
     def ranks(self) -> dict[tuple[str, int, int, int], RankInfo]:
         return {(a, r.tp, r.dp, r.pp): e.rank_info() for (a, r), e in self.view.entries.items()}
 
-    async def parallel_info(self, addr: str) -> ParallelInfo:
+    async def parallel_info(self, addr: str, retry: bool = True,
+                            seen: Callable[[ParallelInfo], object] | None = None
+                            ) -> ParallelInfo:
+        """The newest rank's sizes from the watched view (``retry``/``seen``: unused, the
+        view follows the store live; liveness comes from its leases)."""
         def newest() -> Entry | None:
             ranks = self.view.instance(addr)
             return max(ranks.values(), key=lambda e: e.revision) if ranks else None

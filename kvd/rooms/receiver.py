@@ -90,6 +90,7 @@ class ReceiverRoom:
     told: set[str] = field(default_factory=set)        # know the room ended
     write_deadline: float | None = None
     release_seen: bool = False
+    via: str | None = None   # instance named by the bootstrap lookup it was resolved from
 
     @property
     def done(self) -> bool:
@@ -279,13 +280,15 @@ class ReceiverRooms:
 
     # ---- results ----------------------------------------------------------------------
 
-    def resolved(self, room: int, inc: int, targets: list[Target], now: float) -> list[Effect]:
-        """The prefill ranks of ``room`` are known and this rank is registered with each."""
+    def resolved(self, room: int, inc: int, targets: list[Target], now: float,
+                 via: str | None = None) -> list[Effect]:
+        """The prefill ranks of ``room`` are known and this rank is registered with each;
+        ``via``: the instance the bootstrap lookup they came from named (None: unknown)."""
         r = self._current(room, inc)
         out: list[Effect] = []
         if r is None or r.targets is not None:
             return out
-        r.targets = tuple(targets)
+        r.targets, r.via = tuple(targets), via
         if r.done:  # ended while resolving: the prefill ranks must hear it (K34)
             self._abort_targets(r, out)
             return out
@@ -370,16 +373,25 @@ class ReceiverRooms:
             out.append(Wake())
         return out
 
-    def peer_lost(self, bootstrap_addr: str, failure: RoomFailure,
-                  now: float) -> list[Effect]:
+    def peer_lost(self, bootstrap_addr: str, failure: RoomFailure, now: float,
+                  keep: str | None = None, endpoint: str | None = None) -> list[Effect]:
         """Fail every unfinished room fed by ``bootstrap_addr`` (it stopped answering, or
         it restarted: rooms resolved before that are bound to an instance that is gone).
         Its prefill ranks are still told (queued behind the pages), so a frozen prefill
-        that resumes drops them."""
+        that resumes drops them.
+
+        ``keep`` (a restart, the new instance): rooms still resolving and rooms resolved
+        from a lookup naming ``keep`` are spared -- they are not bound to the old
+        instance (K37). ``endpoint``: only rooms with a target at that rank endpoint
+        whose instance is not ``keep`` (one rank restarted)."""
         out: list[Effect] = []
         for r in list(self.rooms.values()):
-            if r.bootstrap_addr == bootstrap_addr and not r.done:
-                self._fail(r, failure, now, out)
+            if r.bootstrap_addr != bootstrap_addr or r.done:
+                continue
+            if (keep is not None or endpoint is not None) and not _bound_elsewhere(
+                    r, keep, endpoint):
+                continue
+            self._fail(r, failure, now, out)
         return out
 
     def target_lost(self, endpoint: str, instance: str, failure: RoomFailure,
@@ -542,3 +554,12 @@ class ReceiverRooms:
                                     instance_id=self.instance)
             out.append(Send(t.endpoint, t.instance, msg))
 
+
+def _bound_elsewhere(r: ReceiverRoom, keep: str | None, endpoint: str | None) -> bool:
+    """Is resolved room ``r`` bound to something other than ``keep``: at rank ``endpoint``
+    (when given) or to the lookup's instance?"""
+    if r.targets is None:
+        return False  # still resolving: judged when its lookup returns
+    if endpoint is not None:
+        return any(t.endpoint == endpoint and t.instance != keep for t in r.targets)
+    return r.via is None or r.via != keep

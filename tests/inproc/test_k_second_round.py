@@ -328,7 +328,7 @@ async def test_k31_a_crashing_probe_does_not_stop_the_others_and_dead_peers_are_
     cluster.router.requests.clear()
     await d.heartbeat()
     assert not any(gone.http_addr in r for r in cluster.router.requests)
-    assert gone.http_addr not in d.side.health
+    assert gone.http_addr not in d.side.members.peers
 
 
 async def test_k32_every_room_ends_when_its_messages_cannot_be_delivered(

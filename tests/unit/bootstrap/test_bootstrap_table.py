@@ -58,10 +58,15 @@ def test_full_registration_and_lookup() -> None:
                 t.register(reg(attn_tp_size=2, attn_dp_size=2, pp_size=3, attn_tp_rank=tp,
                                attn_dp_rank=dp, pp_rank=pp, rank_port=1000 + 100 * dp
                                + 10 * tp + pp, page_size=32))
-                if (dp, tp, pp) != (1, 1, 2):
-                    with pytest.raises(NotReady):
+                if dp == 0 and (tp, pp) != (1, 2):  # group 0 incomplete: nothing to route
+                    with pytest.raises(NotReady, match="no DP group complete"):
                         t.parallel_info()
+                elif dp == 1 and (tp, pp) != (1, 2):  # group 0 routable, group 1 not yet
+                    assert t.parallel_info().ready_dp_groups == [0]
+                    with pytest.raises(NotReady, match="DP group 1 has"):
+                        t.lookup(1, 1, 2)
     info = t.parallel_info()
+    assert info.ready_dp_groups == [0, 1]
     assert (info.prefill_attn_tp_size, info.prefill_dp_size, info.prefill_pp_size,
             info.prefill_page_size) == (2, 2, 3, 32)
     assert t.lookup(1, 0, 2).rank_port == 1012  # (tp, dp, pp) argument order
@@ -116,3 +121,18 @@ def test_invalid_registration_bodies(fields: dict[str, Any]) -> None:
 def test_registration_ignores_extra_fields() -> None:
     r = reg(system_dp_rank=3, something_new="x")
     assert not hasattr(r, "something_new")
+
+
+def test_k38_one_dp_group_deregistered_leaves_the_other_routable() -> None:
+    t = BootstrapTable()
+    for dp in range(2):
+        t.register(reg(attn_dp_size=2, attn_dp_rank=dp, rank_port=7000 + dp, instance_id="p"))
+    assert t.parallel_info().ready_dp_groups == [0, 1]
+    assert t.deregister(0, 1, 0, "p")
+    assert t.parallel_info().ready_dp_groups == [0]
+    assert t.lookup(0, 0, 0).rank_port == 7000
+    with pytest.raises(NotReady, match="DP group 1 has 0/1 ranks"):
+        t.lookup(0, 1, 0)
+    t.register(reg(attn_dp_size=2, attn_dp_rank=1, rank_port=7101, instance_id="q"))
+    assert t.parallel_info().ready_dp_groups == [0, 1]
+    assert t.lookup(0, 1, 0).rank_port == 7101
