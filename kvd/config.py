@@ -234,6 +234,10 @@ class Settings(BaseSettings):
         600.0, gt=0, unit="s", help="a finished room the engine never cleared is dropped after")
     fault_injection: str | None = _setting(
         None, unit="JSON", help="TESTING ONLY: a FaultPlan applied to every transfer batch")
+    test_clock_offset: float = _setting(
+        0.0, unit="s", help="TESTING ONLY: this daemon's wall clock (seals, signatures and "
+                            "their freshness checks) runs this far ahead of the host's: a "
+                            "skewed host without faketime (case K40)")
     cluster_secret: SecretStr | None = _setting(
         None, unit="secret",
         help="shared secret authenticating bootstrap and kvd<->kvd messages; ONLY from the "
