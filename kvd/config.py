@@ -126,6 +126,12 @@ class Settings(BaseSettings):
                    "idle or slow connections to it cannot stall transfers (S05); false, or "
                    "transfer_bind_host = 0.0.0.0: no front, Mooncake's listener is the "
                    "advertised one")
+    transfer_tcp_pool: bool = _setting(
+        False, help="keep Mooncake's per-peer TCP connection pool (4 connections per peer, "
+                    "MC_TCP_ENABLE_CONNECTION_POOL); off: a transfer's connections close "
+                    "when it completes, because Mooncake's Python binding cannot close a "
+                    "peer's pooled connections and each decode that went away would leave "
+                    "4 sockets open (K39)")
     transfer_port_range: str | None = _setting(
         None, unit="port-port",
         help="ports of the transfer engine's two listeners (P2P handshake and TCP data), "

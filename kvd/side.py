@@ -204,8 +204,9 @@ class Side(abc.ABC):
                     self.perform(eff)
 
     def forget_peer(self, endpoint: str) -> None:
-        """A peer the machine forgot: drop what is held for it outside the machine."""
-        self.core.control.drop(endpoint)
+        """A peer the machine forgot: drop what is held for it outside the machine (its
+        control socket, instance and clock offset, K39)."""
+        self.core.control.forget(endpoint)
 
     @abc.abstractmethod
     def perform(self, eff: Effect) -> None:

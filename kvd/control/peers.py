@@ -123,6 +123,16 @@ class Addressing:
         if len(self._instances) > MAX_KNOWN_PEERS:
             self._instances.popitem(last=False)
 
+    def forget(self, endpoint: str) -> None:
+        """Drop what is known of ``endpoint`` (its instance, its clock offset): the peer's
+        entry ended (K39); a later message or lookup teaches them again."""
+        self._instances.pop(endpoint, None)
+        self._offsets.pop(endpoint, None)
+        self.drop(endpoint)
+
+    def drop(self, endpoint: str) -> None:
+        """Close whatever carries frames to ``endpoint`` (nothing here)."""
+
     def instance_of(self, endpoint: str) -> str | None:
         """The instance id last learned for ``endpoint``, if any."""
         known = self._instances.get(endpoint)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from kvd.protocol import control
+from kvd.protocol import control, rpc
 from kvd.security import Authenticator
 from tests.inproc.harness import FAILED, SECRET, SUCCESS, Cluster, same_pages, settle
 
@@ -143,3 +143,29 @@ async def test_a_refusal_is_rate_limited_per_peer_and_a_replay_is_not_answered(
     assert stats["sent"] <= 1 + 4 + 1 and stats["limited"] >= 40  # burst 4, 2/s refill
     refusals = [f for ep, f in p.core.control.sent if ep == d.endpoint]
     assert refusals and all(len(f) < len(captured) for f in refusals)
+
+
+async def test_k39_a_forgotten_decode_leaves_nothing_on_the_prefill(cluster: Cluster) -> None:
+    """Decodes come and go; once each is forgotten (peer_ttl, no room), the prefill holds
+    nothing for it: no registration, transfer session, plan, outbox, instance or clock
+    entry -- the per-peer tables return to their baseline."""
+    p = await cluster.node("prefill", peer_ttl=5.0)
+    pe = await p.engine(seed=1)
+    gone = []
+    for i in range(3):
+        d = await cluster.node("decode")
+        de = await d.engine(seed=2 + i)
+        await de.receiver(420 + i, [i], p.http_addr)
+        await pe.sender(420 + i, [i + 3])
+        await settle(cluster)
+        assert await de.status(420 + i) == SUCCESS
+        gone.append(d.endpoint)
+        await d.stop()
+    await pe.call(rpc.Clear(room=420))
+    for i in (421, 422):
+        await pe.call(rpc.Clear(room=i))
+    await cluster.advance(6.0)
+    side, ctl = p.side, p.core.control
+    assert not side.rooms.peers and not side._registrations and not side._sessions
+    assert not side._pairs and not p.core.outboxes
+    assert all(ctl.instance_of(ep) is None and ctl.clock_offset(ep) is None for ep in gone)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 
 from kvd.client import KVPoll, Receiver, Sender
 from kvd.launch import LAUNCH_SECRET, DaemonProcess, start_daemon
-from kvd.protocol import control
+from kvd.protocol import control, rpc
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
 from tests.conftest import PdPair, health, start_pair, stop_pair
 from tests.integration.test_security import FAST_HEARTBEAT, _flood, _misses, _while_flooding
@@ -113,3 +115,48 @@ def test_k40_skew_is_measured_and_beyond_the_window_fails_the_room_fast(
             e.close()
         for d in (far, near, p, boot):
             d.stop()
+
+
+def test_k39_decodes_that_come_and_go_leave_no_socket_on_the_prefill(tmp_path: Path) -> None:
+    """K39: decodes come and go one after another (each serves a room, then is killed).
+    Once each is forgotten (peer_ttl), the prefill holds no socket to it in any state --
+    no CLOSE-WAIT transfer lanes (Mooncake's pool, which its binding cannot close, is
+    off), no control socket redialling it: the prefill's TCP sockets are back to their
+    baseline."""
+    from kvd.netstat import connections, listeners
+
+    def to_others(pid: int) -> list:
+        """The process's TCP sockets whose other end is not the process itself (its own
+        keep-alive to its bootstrap, its handshake front to Mooncake behind it)."""
+        mine = connections(pid)
+        own = {c.port for c in mine} | {x.port for x in listeners(pid)}
+        return [c for c in mine if c.remote_port not in own]
+
+    p = start_daemon("prefill", tmp_path, serve_bootstrap=True, peer_ttl=1.0)
+    engine = EngineStandIn(p.socket, seed=1)
+    try:
+        pid = p.proc.pid
+        baseline = len(to_others(pid))
+        for i in range(5):
+            d = start_daemon("decode", tmp_path)
+            de = EngineStandIn(d.socket, seed=2)
+            try:
+                transfer_room(engine, de, p.http_addr, 390 + i, [i], [i], chunk=1)
+                assert wait_rooms(de.client, [390 + i]) == [KVPoll.Success]
+                assert de.pages_equal(engine, [i], [i])
+            finally:
+                de.close()
+                d.kill(signal.SIGKILL)
+                d.proc.wait(30)
+            engine.client.call(rpc.Clear(room=390 + i))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (len(to_others(pid)) > baseline or
+                                               peer_rows(p)):
+            time.sleep(0.2)
+        left = to_others(pid)
+        assert len(left) <= baseline, left
+        assert not any(c.state == "08" for c in left)  # no CLOSE-WAIT
+        assert peer_rows(p) == {}  # every decode forgotten
+    finally:
+        engine.close()
+        p.stop()
