@@ -259,8 +259,15 @@ class DecodeSide(Side):
         else:
             reason = (f"prefill rank {endpoint} restarted: it refused a frame sealed for its "
                       f"previous instance (it is {instance} now)")
-            for addr in {k[0] for k, info in self.bootstrap.ranks.items()
-                         if endpoint_of(info) == endpoint and info.instance_id != instance}:
+            stale = {k[0]: info.instance_id for k, info in self.bootstrap.ranks.items()
+                     if endpoint_of(info) == endpoint and info.instance_id != instance}
+            for addr, old in stale.items():
+                h = self.health.get(addr)
+                if h is not None and old and h.instance_id == old:
+                    # that rank's daemon serves the address's bootstrap too: its restart is
+                    # known now, and the next heartbeat must not fail the rooms resolving
+                    # against its new instance as if it were news
+                    h.instance_id = instance
                 self._forget(addr, drop_sockets=False)
             gone = instance
         failure = RoomFailure(FailureKind.PEER, reason, self.role)

@@ -99,8 +99,9 @@ async def test_a_restarted_prefill_refuses_old_frames_with_its_instance_and_new_
     """Push, don't wait: P restarts at the same endpoint; D's next room, resolved from its
     cache, is sealed for the old instance. P answers with a refusal naming its new
     instance: that room fails at once (kind peer, no heartbeat), D drops its cached
-    lookups, and a room created after the refusal never fails because of the old P."""
-    p, _d, pe, de = await pair(cluster)
+    lookups, and a room created after the refusal never fails because of the old P (nor
+    does the next heartbeat fail it: the refusal told it the new instance already)."""
+    p, d, pe, de = await pair(cluster)
     await de.receiver(410, [0], p.http_addr)
     await pe.sender(410, [1])
     await settle(cluster)
@@ -113,7 +114,10 @@ async def test_a_restarted_prefill_refuses_old_frames_with_its_instance_and_new_
     assert await de.status(411) == FAILED
     kind, reason = await de.failure(411)
     assert kind == "peer" and p2.core.instance_id in reason
-    for room in range(412, 416):
+    await de.receiver(412, [2], http)  # created after the refusal, resolving now
+    await d.heartbeat()  # sees the instance the refusal named: no news, nothing fails
+    await pe2.sender(412, [4])
+    for room in range(413, 416):
         await de.receiver(room, [room - 410], http)
         await pe2.sender(room, [room - 408])
     await settle(cluster)
