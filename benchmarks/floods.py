@@ -4,11 +4,14 @@ Each flood runs for a bounded time against loopback and prints one JSON line of 
 it did. Run one as a child process::
 
     python benchmarks/floods.py zmq tcp://127.0.0.1:5555 --seconds 5
+    python benchmarks/floods.py zmq tcp://127.0.0.1:5555 --size 4000000 --connections 4
     python benchmarks/floods.py body 127.0.0.1:8998 --seconds 5 --mib 250
     python benchmarks/floods.py idle 127.0.0.1:8998 --seconds 5 --connections 4000
 
 zmq   tiny random frames, as fast as one DEALER socket sends them (the control socket
-      is a ROUTER; a PUSH socket would not get past the ZMTP handshake);
+      is a ROUTER; a PUSH socket would not get past the ZMTP handshake); with ``--size``
+      and ``--connections``: big forged frames (a seal's magic, a random header and body)
+      from several DEALER sockets, round robin (S19);
 body  ``PUT /route`` declaring (and streaming) a huge body, unauthenticated, again and
       again; reports the most bytes the server took on one connection before closing it;
 idle  many connections that each send half a request head and then nothing; a
@@ -32,28 +35,36 @@ from kvd.addr import parse_hostport
 
 
 def zmq_flood(endpoint: str, seconds: float, size: int = 16,
-              kind: str = "dealer") -> dict[str, Any]:
-    """Send ``size``-byte random frames to ``endpoint`` for ``seconds`` (``kind`` "push"
-    reaches the PULL socket of kvd before seal version 2, for comparisons)."""
+              kind: str = "dealer", connections: int = 1) -> dict[str, Any]:
+    """Send ``size``-byte random frames to ``endpoint`` for ``seconds`` from
+    ``connections`` sockets (``kind`` "push" reaches the PULL socket of kvd before seal
+    version 2, for comparisons). Frames of 1 KiB and more look sealed (``KVA2``): they
+    are forged seals, refused at the MAC."""
     import zmq
 
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.PUSH if kind == "push" else zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDTIMEO, 200)
-    sock.connect(endpoint)
-    frames = [os.urandom(size) for _ in range(64)]
+    socks = []
+    for _ in range(connections):
+        sock = ctx.socket(zmq.PUSH if kind == "push" else zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDTIMEO, 200)
+        sock.connect(endpoint)
+        socks.append(sock)
+    big = size >= 1024
+    frames = [(b"KVA2" if big else b"") + os.urandom(size - 4 if big else size)
+              for _ in range(4 if big else 64)]
     sent, end = 0, time.monotonic() + seconds
     while time.monotonic() < end:
-        for f in frames:
+        for i, f in enumerate(frames):
             try:
-                sock.send(f)
+                socks[i % len(socks)].send(f, copy=not big)
                 sent += 1
             except zmq.Again:  # the receiver's queue is full: that is backpressure
                 break
-    sock.close()
+    for sock in socks:
+        sock.close()
     ctx.term()
-    return {"flood": "zmq", "frames_sent": sent}
+    return {"flood": "zmq", "frames_sent": sent, "bytes_sent": sent * size}
 
 
 _HEAD = ("PUT /route HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -146,16 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("target", help="tcp://host:port (zmq) or host:port (http)")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--mib", type=int, default=250)
-    ap.add_argument("--connections", type=int, default=4000)
+    ap.add_argument("--connections", type=int, default=None,
+                    help="idle: connections held (4000); zmq: sockets sending (1)")
+    ap.add_argument("--size", type=int, default=16, help="zmq: bytes per frame")
     ap.add_argument("--socket", choices=["dealer", "push"], default="dealer",
                     help="zmq: the socket type (push: kvd before seal version 2)")
     args = ap.parse_args(argv)
     if args.kind == "zmq":
-        result = zmq_flood(args.target, args.seconds, kind=args.socket)
+        result = zmq_flood(args.target, args.seconds, args.size, args.socket,
+                           args.connections or 1)
     elif args.kind == "body":
         result = body_flood(args.target, args.seconds, args.mib)
     else:
-        result = idle_flood(args.target, args.seconds, args.connections)
+        result = idle_flood(args.target, args.seconds, args.connections or 4000)
     print(json.dumps(result), flush=True)
     return 0
 

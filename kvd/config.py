@@ -127,6 +127,12 @@ class Settings(BaseSettings):
                    "idle or slow connections to it cannot stall transfers (S05); false, or "
                    "transfer_bind_host = 0.0.0.0: no front, Mooncake's listener is the "
                    "advertised one")
+    transfer_tcp_pool: bool = _setting(
+        False, help="keep Mooncake's per-peer TCP connection pool (4 connections per peer, "
+                    "MC_TCP_ENABLE_CONNECTION_POOL); off: a transfer's connections close "
+                    "when it completes, because Mooncake's Python binding cannot close a "
+                    "peer's pooled connections and each decode that went away would leave "
+                    "4 sockets open (K39)")
     transfer_port_range: str | None = _setting(
         None, unit="port-port",
         help="ports of the transfer engine's two listeners (P2P handshake and TCP data), "
@@ -289,6 +295,10 @@ class Settings(BaseSettings):
         600.0, gt=0, unit="s", help="a finished room the engine never cleared is dropped after")
     fault_injection: str | None = _setting(
         None, unit="JSON", help="TESTING ONLY: a FaultPlan applied to every transfer batch")
+    test_clock_offset: float = _setting(
+        0.0, unit="s", help="TESTING ONLY: this daemon's wall clock (seals, signatures and "
+                            "their freshness checks) runs this far ahead of the host's: a "
+                            "skewed host without faketime (case K40)")
     cluster_secret: SecretStr | None = _setting(
         None, unit="secret",
         help="shared secret authenticating bootstrap and kvd<->kvd messages; ONLY from the "

@@ -194,14 +194,16 @@ class Core:
     def _batch(self, box: Outbox, instance: str | None) -> tuple[int, bytes]:
         """``(n, frame)``: the first ``n`` messages of ``box`` as one frame -- those sealed
         for the same ``instance`` (one seal per frame), at most ``MAX_BATCH``, and no more
-        than fit in ``max_frame_bytes`` (a batch of long page lists is split)."""
+        than fit in ``max_frame_bytes`` nor the largest real message (a batch of long page
+        lists is split: a peer refuses a larger frame unread, S19)."""
         msgs: list[ControlMessage] = []
         for msg, inst, _ in itertools.islice(box.queue, control.MAX_BATCH):
             if inst != instance:
                 break
             msgs.append(msg)
         frame = control.encode_many(msgs)
-        while len(msgs) > 1 and len(frame) > self.settings.max_frame_bytes:
+        cap = min(self.settings.max_frame_bytes, control.max_frame())
+        while len(msgs) > 1 and len(frame) > cap:
             msgs = msgs[:len(msgs) // 2]
             frame = control.encode_many(msgs)
         return len(msgs), frame
@@ -284,7 +286,8 @@ class Core:
     def totals(self) -> dict[str, int]:
         """Daemon-wide counters, with the inbound control pipeline's drops folded in
         (``misaddressed``: authentic frames sealed for a previous instance of this
-        daemon, dropped unanswered)."""
+        daemon; ``skewed``: authentic frames sealed outside its freshness window; neither
+        acted on; ``refusals_sent``: typed refusals that answered them)."""
         inbound = self.control.stats
         out = dict(vars(self.counters))
         out["auth_failures"] += inbound.auth_failures
@@ -292,6 +295,8 @@ class Core:
         out["control_dropped"] = inbound.dropped
         out["control_penalized"] = inbound.penalized
         out["misaddressed"] = inbound.misaddressed
+        out["skewed"] = inbound.skewed
+        out["refusals_sent"] = self.control.refusal_stats.get("sent", 0)
         return out
 
     def _log_auth_once(self, key: str, exc: Exception) -> None:

@@ -10,6 +10,7 @@ cancels tasks, waits for in-flight writes, and unregisters memory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -27,13 +28,13 @@ from kvd.bootstrap.guard import is_loopback
 from kvd.bootstrap.server import ConnectionGuard, HttpLimits, HttpServer, bind_socket
 from kvd.bootstrap.table import BootstrapTable
 from kvd.config import Settings, read_secret
-from kvd.control.inbound import Misaddressed
-from kvd.control.peers import ControlPlane
+from kvd.control.inbound import Answer, Misaddressed
+from kvd.control.peers import ControlPlane, PeerSendError
 from kvd.core import Core, http_client
 from kvd.engine_rpc.server import LATER, Connection, EngineRpcServer
 from kvd.errors import ConfigError, KvdError, ProtocolError, RegistrationError, RoomError
 from kvd.memory import Importer
-from kvd.protocol import rpc
+from kvd.protocol import control, rpc
 from kvd.ranks import PAIRS, Ranks, resolve
 from kvd.security import Authenticator
 from kvd.side import Side, make_side
@@ -46,6 +47,13 @@ from kvd.transfer.faults import FaultInjector, FaultPlan
 log = logging.getLogger("kvd")
 
 SWEEP_INTERVAL = 0.1
+
+
+def _wall_clock(offset_s: float) -> Callable[[], float]:
+    """The wall clock seals are dated by: the host's, or ``offset_s`` off it (a test knob)."""
+    if not offset_s:
+        return time.time
+    return lambda: time.time() + offset_s
 
 
 class Daemon:
@@ -187,7 +195,11 @@ class Daemon:
         if secret is None:
             log.warning("INSECURE: no cluster secret; bootstrap and control messages are NOT "
                         "authenticated (insecure = true)")
-        return Authenticator(secret, s.instance_id, s.auth_max_skew)
+        if s.test_clock_offset:
+            log.warning("TEST CLOCK ACTIVE (testing only): this daemon's wall clock is "
+                        "%+.1fs off the host's", s.test_clock_offset)
+        return Authenticator(secret, s.instance_id, s.auth_max_skew,
+                             clock=_wall_clock(s.test_clock_offset))
 
     def _make_engine(self) -> TransferEngine:
         s, hook = self.settings, None
@@ -258,9 +270,10 @@ class Daemon:
         assert self.core is not None and self.side is not None
         async for msg in self.core.control.messages():  # bounded batches (case S02)
             if isinstance(msg, Misaddressed):
-                # Sealed for a previous instance of this daemon: counted (``misaddressed``),
-                # never acted on and never answered -- a decode learns of the restart from
-                # its heartbeat (rooms bound to the old instance fail; new ones resolve).
+                # Sealed for a previous instance of this daemon, or outside its freshness
+                # window: never acted on; its sender is told (rate-limited, never larger
+                # than the frame), so it re-resolves or names the skew at once (S09, K40).
+                self._refuse(msg)
                 continue
             self.core.events.peer_message(msg.endpoint)  # (bounded: names are authentic)
             with logs.log_context(**logs.message_context(msg)):
@@ -269,6 +282,23 @@ class Daemon:
                 except Exception:  # a bug must not stop the control plane (K31)
                     self.core.counters.loop_errors += 1
                     log.exception("control message %s failed", type(msg).__name__)
+
+    def _refuse(self, m: Misaddressed) -> None:
+        assert self.core is not None and self.side is not None
+        if m.why == "clock_skew" and not isinstance(m.message, control.Refused):
+            # this daemon can tell as well as the sender: the rooms bound to it end now
+            msg = m.message
+            self.side.peer_refused(msg.endpoint, msg.instance_id, m.why, m.offset_s,
+                                   self.settings.auth_max_skew)
+        answer = self.core.control.refusal(m)
+        if answer is None:
+            return
+        self.core.spawn(self._send_refusal(answer), f"refuse-{answer.endpoint}")
+
+    async def _send_refusal(self, a: Answer) -> None:
+        assert self.core is not None
+        with contextlib.suppress(PeerSendError):  # best effort: the sender may be gone
+            await self.core.control.send(a.endpoint, a.frame, a.instance, at=a.at)
 
     async def _sweep_loop(self, interval: float) -> None:
         assert self.core is not None and self.side is not None

@@ -25,7 +25,14 @@ from kvd.control.routing import resolve_targets
 from kvd.core import Core
 from kvd.discovery.base import Lookups
 from kvd.discovery.events import PeerDeleted, PeerEvent, PeerPut
-from kvd.errors import BootstrapError, KvdError, PeerUnreachable, RegistrationError, RoomError
+from kvd.errors import (
+    BootstrapError,
+    ClockSkew,
+    KvdError,
+    PeerUnreachable,
+    RegistrationError,
+    RoomError,
+)
 from kvd.hostid import host_identity
 from kvd.logs import fields
 from kvd.membership.effects import Close, FailRooms, Forget, Probe, Resource, ResourceKind
@@ -37,10 +44,17 @@ from kvd.rooms.effects import AbortUnknown, Effect, Resolve, Send, WriteAux
 from kvd.rooms.receiver import ReceiverRooms, Target
 from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
-from kvd.side import RoomView, Side, Snapshot, not_available
+from kvd.security import CLOCK_HEADER
+from kvd.side import RoomView, Side, Snapshot, not_available, skew_reason
 from kvd.transfer.kvargs import RankArgs
 
 log = logging.getLogger("kvd.decode")
+
+#: How long a prefill rank that refused this daemon's frames for clock skew fails new
+#: rooms at once (s); after that a room tries again (and is refused again if still off).
+SKEW_MEMORY_S = 10.0
+#: Prefill ranks remembered as skewed (oldest forgotten first).
+MAX_SKEWED = 1024
 
 
 class BootstrapClient:
@@ -100,6 +114,10 @@ class BootstrapClient:
                     result: dict[str, object] = resp.json()
                     return result
                 last = f"{resp.status_code} {resp.text.strip()}"
+                skew = _skew_of(resp)
+                if skew is not None:
+                    raise ClockSkew(skew_reason(f"bootstrap {addr}", -skew,
+                                                self.core.settings.auth_max_skew))
                 if resp.status_code != 503:
                     raise BootstrapError(f"bootstrap {addr} answered {last}")
             except httpx.HTTPError as exc:
@@ -172,6 +190,7 @@ class DecodeSide(Side):
                 EtcdClient(etcd_options(s)), s.etcd_prefix, s.bootstrap_retry_budget,
                 s.etcd_view_ttl, s.etcd_lease_ttl, self.on_discovery, core.clock)
         self.registered: dict[str, str] = {}  # prefill endpoint -> instance registered with
+        self.skewed: dict[str, tuple[str, float]] = {}  # endpoint -> (skew reason, when)
         self._registering: dict[tuple[str, str], asyncio.Future[None]] = {}
         st = core.settings
         self.members = Members(Limits(
@@ -249,10 +268,49 @@ class DecodeSide(Side):
             now = self.core.clock()
             self.apply(self.members.control_seen(msg.endpoint, msg.instance_id, now))
             self.run(self.rooms.on_status(msg, now))
+        elif isinstance(msg, control.Refused):
+            self.peer_refused(msg.endpoint, msg.instance_id, msg.why, -msg.offset_s,
+                              msg.window_s)
         else:
             self.core.counters.protocol_errors += 1
             log.warning("decode kvd ignores %s from %s", type(msg).__name__,
                         getattr(msg, "endpoint", "?"))
+
+    def peer_refused(self, endpoint: str, instance: str, why: str, offset_s: float,
+                     window_s: float) -> None:
+        """A signed refusal from prefill rank ``endpoint`` (kvd/control/inbound.py).
+        ``instance``: prefill rank ``endpoint`` restarted -- rooms
+        bound to its old instance fail (kind ``peer``) and every lookup that named it is
+        dropped, so the next room resolves and registers afresh. ``clock_skew``: every
+        room bound to it fails naming the offset, and rooms resolved to it fail at once for
+        :data:`SKEW_MEMORY_S` (its refusals are rate-limited: later ones may not come)."""
+        now = self.core.clock()
+        self.registered.pop(endpoint, None)
+        if why == "clock_skew":
+            reason = skew_reason(f"prefill rank {endpoint}", offset_s,
+                                 window_s or self.core.settings.auth_max_skew)
+            self.skewed[endpoint] = (reason, now)
+            while len(self.skewed) > MAX_SKEWED:
+                self.skewed.pop(next(iter(self.skewed)))
+            gone: str | None = None
+        else:
+            reason = (f"prefill rank {endpoint} restarted: it refused a frame sealed for its "
+                      f"previous instance (it is {instance} now)")
+            # one more liveness source: the machine fails the rooms bound to the old
+            # instance and drops the lookups that named it (K37)
+            self.apply(self.members.refused(endpoint, instance, now))
+            gone = instance
+        failure = RoomFailure(FailureKind.PEER, reason, self.role)
+        self.run(self.rooms.peer_refused(endpoint, gone, failure, now))
+
+    def _skew_refused(self, targets: list[Target]) -> str | None:
+        """The skew reason of a target that refused this daemon's frames lately, if any."""
+        now = self.core.clock()
+        for t in targets:
+            known = self.skewed.get(t.endpoint)
+            if known is not None and now - known[1] < SKEW_MEMORY_S:
+                return known[0]
+        return None
 
     # ---- effects ----------------------------------------------------------------------
 
@@ -290,7 +348,9 @@ class DecodeSide(Side):
         try:
             targets, via = await self._current_targets(eff.room, eff.bootstrap_addr,
                                                        eff.dp_rank)
-            failure = None
+            skew = self._skew_refused(targets)
+            failure = None if skew is None else RoomFailure(
+                FailureKind.PEER, f"room {eff.room}: {skew}", self.role)
         except KvdError as exc:
             failure = RoomFailure(_kind_of(exc), f"room {eff.room}: {exc}", self.role)
         finally:
@@ -601,7 +661,8 @@ class DecodeSide(Side):
         heartbeat, recorded under either name; it stays after the peer recovers)."""
         error, error_time = self.last_error(endpoint, addr)
         last_message = self.core.events.peer_record(endpoint).last_message if endpoint else None
-        return {"last_message": last_message,
+        offset = self.core.control.clock_offset(endpoint) if endpoint else None
+        return {"last_message": last_message, "clock_offset_s": offset,
                 "last_heartbeat": self.wall(h.last_ok) if h else None,
                 "last_error": error, "last_error_time": error_time}
 
@@ -620,8 +681,19 @@ def _health_detail(h: Member | None) -> str:
     return "" if h.last_ok else "; never answered"
 
 
+def _skew_of(resp: httpx.Response) -> float | None:
+    """A 401's claim that our request was signed this far (s) ahead of the server's clock."""
+    value = resp.headers.get(CLOCK_HEADER) if resp.status_code == 401 else None
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
 def _kind_of(exc: KvdError) -> FailureKind:
     """The failure kind of an error raised while resolving a room's targets."""
+    if isinstance(exc, ClockSkew):
+        return FailureKind.PEER
     if isinstance(exc, PeerUnreachable):
         return FailureKind.UNREACHABLE
     if isinstance(exc, PeerRestarted):

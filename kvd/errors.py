@@ -11,6 +11,7 @@ with ``raise ... from exc``, and carry the room and peer in their message::
     │   └── AuthError            missing or forged authentication
     │       ├── WrongRecipient         addressed to another daemon instance
     │       └── StaleMessage           outside the time window, or a replay
+    │           └── Skewed                 authentic, but sealed outside the window
     ├── LayoutError            KV layout math refused the request
     │   ├── IndexLengthMismatch  src/dst page counts disagree
     │   └── BoundsError          a descriptor would touch unregistered bytes
@@ -20,6 +21,7 @@ with ``raise ... from exc``, and carry the room and peer in their message::
     ├── RoomError              unknown room, duplicate room, wrong state
     ├── TransportError         the transfer engine failed (init, register, write)
     ├── PeerUnreachable        a peer kvd did not take a control message in time
+    ├── ClockSkew              a peer's clock is beyond the freshness window (K40)
     ├── BootstrapError         bootstrap registration or lookup failed
     │   ├── NotReady             fewer ranks registered than the instance needs (503)
     │   ├── NotFound             no rank under the requested key (404)
@@ -64,7 +66,8 @@ class WrongRecipient(AuthError):
     time (s since the epoch).
     """
 
-    def __init__(self, message: str, frame: bytes | None = None, sent_at: float = 0.0) -> None:
+    def __init__(self, message: str, frame: bytes | memoryview | None = None,
+                 sent_at: float = 0.0) -> None:
         super().__init__(message)
         self.frame = frame
         self.sent_at = sent_at
@@ -72,6 +75,30 @@ class WrongRecipient(AuthError):
 
 class StaleMessage(AuthError):
     """A message outside the ``auth_max_skew`` window, or whose nonce was seen before."""
+
+
+class Skewed(StaleMessage):
+    """An authentic frame (MAC and body good) sealed outside the ``auth_max_skew`` window:
+    its sender's clock disagrees with this daemon's (case K40), or it is an old capture.
+
+    ``frame`` is the inner frame (None when its body was not checked: see
+    :meth:`kvd.security.Authenticator.open_sealed`), ``sent_at`` its seal time and
+    ``offset_s`` the sender's clock minus this daemon's at receipt (seconds; includes the
+    frame's time in transit).
+    """
+
+    def __init__(self, message: str, frame: bytes | memoryview | None, sent_at: float,
+                 offset_s: float) -> None:
+        super().__init__(message)
+        self.frame = frame
+        self.sent_at = sent_at
+        self.offset_s = offset_s
+
+
+class ClockSkew(KvdError):
+    """A peer's wall clock is further from this daemon's than the freshness window
+    (``auth_max_skew``): neither can trust the other's seals (case K40). Rooms that need
+    the peer fail with kind ``peer`` and this message, which names the measured offset."""
 
 
 class LayoutError(KvdError):

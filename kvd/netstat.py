@@ -4,7 +4,9 @@
 rows of ``/proc/net/tcp`` and ``/proc/net/tcp6`` (of that process's network
 namespace: ``/proc/<pid>/net/...``). Addresses are returned as text; an IPv4-mapped
 IPv6 address (``::ffff:127.0.0.1``) is given as its IPv4 form. :func:`wider_than`
-says which listeners accept more than the configured hosts.
+says which listeners accept more than the configured hosts; :func:`connections` lists a
+process's other TCP sockets (connected, closing: what a forgotten peer must not leave,
+K39).
 """
 
 from __future__ import annotations
@@ -71,6 +73,36 @@ def listeners(pid: int) -> list[Listener]:
                 host_hex, port_hex = f[1].split(":")
                 out.append(Listener(_decode(host_hex), int(port_hex, 16), family))
     return sorted(out, key=lambda x: (x.port, x.host))
+
+
+@dataclass(frozen=True)
+class Connection:
+    """One non-listening TCP socket: local port, remote host and port, state (``/proc``
+    hex code: ``01`` ESTABLISHED, ``08`` CLOSE_WAIT, ...)."""
+
+    port: int
+    remote: str
+    remote_port: int
+    state: str
+
+
+def connections(pid: int) -> list[Connection]:
+    """Every TCP socket of ``pid`` that is not listening (raises OSError if unreadable)."""
+    inodes = _inodes(pid)
+    out = []
+    for name in ("tcp", "tcp6"):
+        try:
+            rows = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for row in rows:
+            f = row.split()
+            if len(f) > 9 and f[3] != _LISTEN and f[9] in inodes:
+                port_hex = f[1].split(":")[1]
+                host_hex, rport_hex = f[2].split(":")
+                out.append(Connection(int(port_hex, 16), _decode(host_hex),
+                                      int(rport_hex, 16), f[3]))
+    return out
 
 
 def wider_than(found: list[Listener], allowed: set[str]) -> list[Listener]:

@@ -28,13 +28,14 @@ from kvd.errors import (
     TransportError,
     WriteCancelled,
 )
+from kvd.logs import fields
 from kvd.protocol import control, rpc
 from kvd.protocol.codec import unpack_indices
 from kvd.rooms.effects import CancelWrites, Effect, Report, Write, WriteDest
 from kvd.rooms.sender import Limits, RankPosition, SenderRooms
 from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
-from kvd.side import RoomView, Side, Snapshot, not_available
+from kvd.side import RoomView, Side, Snapshot, not_available, skew_reason
 from kvd.transfer.backends.base import CancelToken, PeerAttach
 from kvd.transfer.kvargs import RankArgs
 from kvd.transfer.layout import PairPlan, RankLayout, check_coverage, check_pair
@@ -79,6 +80,7 @@ class PrefillSide(Side):
         if s.discovery == "etcd":  # read the password file now: a bad one stops startup
             from kvd.discovery.etcd import etcd_options
             self._etcd_options = etcd_options(s)
+        self._skew_logged: set[str] = set()
 
     # ---- engine calls -----------------------------------------------------------------
 
@@ -155,10 +157,26 @@ class PrefillSide(Side):
                 self.run(self.rooms.on_pages(msg, now))
             case control.RoomAbort():
                 self.run(self.rooms.on_abort(msg, now))
+            case control.Refused():
+                self.peer_refused(msg.endpoint, msg.instance_id, msg.why, -msg.offset_s,
+                                  msg.window_s)
             case _:
                 self.core.counters.protocol_errors += 1
                 log.warning("prefill kvd ignores %s from %s", type(msg).__name__,
                             getattr(msg, "endpoint", "?"))
+
+    def peer_refused(self, endpoint: str, instance: str, why: str, offset_s: float,
+                     window_s: float) -> None:
+        """``instance``: decode rank ``endpoint`` restarted (rooms bound to its old instance
+        fail, K28). ``clock_skew``: logged once per peer; its rooms end on the decode side,
+        which can tell too (its frames to this rank are refused and answered)."""
+        if why == "instance":
+            self.run(self.rooms.peer_refused(endpoint, instance, self.core.clock()))
+        elif endpoint not in self._skew_logged and len(self._skew_logged) < 1024:
+            self._skew_logged.add(endpoint)
+            log.warning("%s", skew_reason(f"decode rank {endpoint}", offset_s,
+                                          window_s or self.core.settings.auth_max_skew),
+                        extra=fields(peer=endpoint))
 
     def _register(self, msg: control.RegisterRank, now: float) -> list[Effect]:
         """Check a decode rank's KV args against ours; the machine remembers the verdict."""
@@ -539,6 +557,7 @@ class PrefillSide(Side):
                               reason=r.failure.reason if r.failure else "",
                               kind=r.failure.kind.value if r.failure else ""))
         peers = []
+        control_plane = self.core.control
         for p in self.rooms.peers.values():
             error, error_time = self.last_error(p.endpoint)
             peers.append(Peer(endpoint=p.endpoint, kind="decode", instance_id=p.instance,
@@ -547,11 +566,26 @@ class PrefillSide(Side):
                               detail=p.rejected.reason if p.rejected else
                               f"attn_tp {p.tp_rank}/{p.tp_size}",
                               last_message=self.wall(p.last_seen), last_error=error,
-                              last_error_time=error_time))
+                              last_error_time=error_time,
+                              clock_offset_s=control_plane.clock_offset(p.endpoint)))
+        peers += self._skewed_peers()
         queue = sum(len(r.chunks) for r in self.rooms.rooms.values())
         return Snapshot(self.role, rooms, peers, by_state, queue, self.rooms.table_sizes(),
                         dict(self.rooms.dropped), self.bootstrap_registered or
                         (self.etcd is not None and self.etcd.registered))
+
+    def _skewed_peers(self) -> list[Peer]:
+        """Rows for decode endpoints whose frames are refused for clock skew: they never
+        registered, so only the measured offset tells an operator why (K40)."""
+        window, rows = self.core.settings.auth_max_skew, []
+        for endpoint, offset in self.core.control.offsets().items():
+            if abs(offset) > window and endpoint not in self.rooms.peers:
+                rows.append(Peer(endpoint=endpoint, kind="decode", state="refused",
+                                 heartbeat="n/a", clock_offset_s=round(offset, 3),
+                                 instance_id=self.core.control.instance_of(endpoint) or "",
+                                 detail=skew_reason(f"decode rank {endpoint}", offset,
+                                                   window)))
+        return rows
 
 
 def _check_aux(local: control.KVArgsWire, peer: control.KVArgsWire) -> None:

@@ -54,6 +54,8 @@ class Peer(BaseModel):
     last_heartbeat: float | None = None  # unix s: last answered heartbeat (decode side)
     last_error: Foreign = ""
     last_error_time: float | None = None
+    # s: the peer's wall clock minus this daemon's, from its last authentic frame (K40)
+    clock_offset_s: float | None = None
 
 
 class Room(BaseModel):

@@ -43,8 +43,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
-from kvd.errors import AuthError, StaleMessage, WrongRecipient
+from kvd.errors import AuthError, Skewed, StaleMessage, WrongRecipient
 
 SEAL_VERSION = 2
 SEAL_MAGIC = b"KVA2"
@@ -57,6 +58,9 @@ SCHEME = "KVD-HMAC"
 #: Response header of a 401 that names the instance that answered, so that a sender
 #: whose cached recipient is stale (the server restarted) can re-address and retry.
 INSTANCE_HEADER = "KVD-Instance"
+#: Response header of a 401 for a request signed outside the window: the request's
+#: signature time minus the server's clock (s), so that the client can name the skew.
+CLOCK_HEADER = "KVD-Clock-Offset"
 _CONTROL_DOMAIN = b"kvd-control-v2\0"
 _HTTP_DOMAIN = b"kvd-http-v2"
 
@@ -65,12 +69,16 @@ def recipient_tag(instance_id: str) -> bytes:
     return hashlib.sha256(instance_id.encode()).digest()[:16]
 
 
+#: A received frame: bytes, or a view of the transport's buffer (nothing copied).
+Buffer: TypeAlias = bytes | memoryview
+
+
 @dataclass(frozen=True)
 class Opened:
     """An opened control frame: the inner ``frame`` and when it was sealed
     (``sent_at``, seconds since the epoch, by the sender's clock)."""
 
-    frame: bytes
+    frame: Buffer
     sent_at: float
 
 
@@ -119,46 +127,71 @@ class Authenticator:
 
     # ---- control frames -----------------------------------------------------------------
 
-    def seal(self, frame: bytes, to_instance: str) -> bytes:
+    def seal(self, frame: bytes, to_instance: str, at: float | None = None) -> bytes:
         """``frame`` with a seal addressed to the daemon ``to_instance`` (unchanged in
-        insecure mode)."""
+        insecure mode), dated ``at`` (s since the epoch; None: now). Only a refusal names
+        ``at``: it is dated as the frame it answers, in that sender's clock, so that it is
+        fresh for its recipient whatever the two clocks say (K40)."""
         if self._secret is None:
             return frame
-        to, ts, nonce = recipient_tag(to_instance), int(self.clock() * 1000), os.urandom(16)
+        when = self.clock() if at is None else at
+        to, ts, nonce = recipient_tag(to_instance), int(when * 1000), os.urandom(16)
         digest = hashlib.sha256(frame).digest()
         mac = self._mac(_CONTROL_DOMAIN, to, struct.pack(">Q", ts), nonce, digest)
         return _HEAD.pack(SEAL_MAGIC, to, ts, nonce, digest, mac) + frame
 
     def open(self, data: bytes) -> bytes:
         """The inner frame of a sealed message (see :meth:`open_sealed`)."""
-        return self.open_sealed(data).frame
+        return bytes(self.open_sealed(data).frame)
 
-    def open_sealed(self, data: bytes) -> Opened:
+    def open_sealed(self, data: Buffer) -> Opened:
         """The inner frame of a sealed message and when it was sealed.
 
-        Raises :class:`AuthError` if it is not sealed (or sealed by an older kvd) or
-        its MAC or body digest does not match; :class:`StaleMessage` if it is outside
-        the window or a replay; :class:`WrongRecipient` (carrying the frame) if it is
-        authentic but addressed to another instance. Work before the MAC check is
-        O(1) in the frame's size. In insecure mode every frame opens, "sent" now.
+        ``data`` may be a ``memoryview`` of the received frame (ZMQ's buffer): nothing is
+        copied, and the inner frame is a view of it. Raises :class:`AuthError` if it is
+        not sealed (or sealed by an older kvd) or its MAC or body digest does not match;
+        :class:`Skewed` if it is authentic but outside the window (its body unchecked:
+        see :meth:`skewed_body`); :class:`StaleMessage` if it is a replay;
+        :class:`WrongRecipient` (carrying the frame) if it is authentic but addressed to
+        another instance. Work before the MAC check, and for any frame the MAC refuses, is
+        O(1) in the frame's size (S03, S19). In insecure mode every frame opens, "sent" now.
         """
         if self._secret is None:
             return Opened(data, self.clock())
         if len(data) < _HEAD.size or data[:4] != SEAL_MAGIC:
-            raise AuthError(_unsealed_reason(data[:4]))
+            raise AuthError(_unsealed_reason(bytes(data[:4])))
         _, to, ts, nonce, digest, mac = _HEAD.unpack_from(data)
-        self._check_window(ts / 1000.0)
         want = self._mac(_CONTROL_DOMAIN, to, struct.pack(">Q", ts), nonce, digest)
         if not hmac.compare_digest(mac, want):
             raise AuthError("bad frame MAC (wrong cluster secret or tampered)")
+        sent_at = ts / 1000.0
+        offset = sent_at - self.clock()
+        if abs(offset) > self.max_skew:
+            # Authentic (a holder of the secret sealed it) but not fresh: its nonce is not
+            # remembered (it would outlive the replay cache's window), so it is never acted
+            # on; the receiver may tell its sender that the clocks disagree (K40).
+            raise Skewed(f"stale message ({-offset:+.1f}s outside the {self.max_skew:.0f}s "
+                         f"window)", None, sent_at, offset)
         self._check_nonce(nonce)
         frame = data[_HEAD.size:]
         if not hmac.compare_digest(hashlib.sha256(frame).digest(), digest):
             raise AuthError("frame body does not match its sealed digest (tampered)")
-        self._remember(nonce, ts / 1000.0)  # also when misaddressed: one answer per frame
+        self._remember(nonce, sent_at)  # also when misaddressed: one answer per frame
         if not hmac.compare_digest(to, self._tag):
-            raise WrongRecipient("frame addressed to another kvd instance", frame, ts / 1000.0)
-        return Opened(frame, ts / 1000.0)
+            raise WrongRecipient("frame addressed to another kvd instance", frame, sent_at)
+        return Opened(frame, sent_at)
+
+    def skewed_body(self, data: Buffer) -> Buffer:
+        """The inner frame of a frame :meth:`open_sealed` refused as :class:`Skewed`, once
+        its body matches its sealed digest (O(n): the caller bounds how often it asks, see
+        :class:`kvd.control.inbound.RefusalGate`); raises :class:`AuthError` otherwise."""
+        if self._secret is None:
+            return data
+        digest = _HEAD.unpack_from(data)[4]
+        frame = data[_HEAD.size:]
+        if not hmac.compare_digest(hashlib.sha256(frame).digest(), digest):
+            raise AuthError("frame body does not match its sealed digest (tampered)")
+        return frame
 
     # ---- HTTP ---------------------------------------------------------------------------
 
@@ -216,10 +249,11 @@ class Authenticator:
     # ---- freshness ----------------------------------------------------------------------
 
     def _check_window(self, ts: float) -> None:
+        """Raise :class:`Skewed` (no frame) unless ``ts`` is within the window of now."""
         now = self.clock()
         if abs(now - ts) > self.max_skew:
-            raise StaleMessage(f"stale message ({now - ts:+.1f}s outside the "
-                               f"{self.max_skew:.0f}s window)")
+            raise Skewed(f"stale message ({now - ts:+.1f}s outside the "
+                         f"{self.max_skew:.0f}s window)", None, ts, ts - now)
 
     def _check_nonce(self, nonce: bytes) -> None:
         self._prune(self.clock())

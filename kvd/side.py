@@ -140,6 +140,15 @@ class Side(abc.ABC):
         """A control message from a peer (already authenticated and decoded)."""
 
     @abc.abstractmethod
+    def peer_refused(self, endpoint: str, instance: str, why: str, offset_s: float,
+                     window_s: float) -> None:
+        """Peer ``endpoint`` and this daemon cannot act on each other's frames: ``why``
+        ``instance`` -- it refused a frame sealed for a previous instance of it (it is
+        ``instance`` now); ``clock_skew`` -- its clock minus this daemon's is ``offset_s``
+        seconds, beyond a ``window_s`` freshness window (it refused our frame, or we got
+        one of its). The rooms that depend on it fail now with kind ``peer`` (S09, K40)."""
+
+    @abc.abstractmethod
     def tick(self) -> None:
         """Deadlines (called by the daemon's sweep)."""
 
@@ -202,8 +211,9 @@ class Side(abc.ABC):
                     self.perform(eff)
 
     def forget_peer(self, endpoint: str) -> None:
-        """A peer the machine forgot: drop what is held for it outside the machine."""
-        self.core.control.drop(endpoint)
+        """A peer the machine forgot: drop what is held for it outside the machine (its
+        control socket, instance and clock offset, K39)."""
+        self.core.control.forget(endpoint)
 
     @abc.abstractmethod
     def perform(self, eff: Effect) -> None:
@@ -239,6 +249,14 @@ class Side(abc.ABC):
             if rec.last_error_time is not None:
                 found.append((rec.last_error, rec.last_error_time))
         return max(found, key=lambda e: e[1] or 0.0) if found else ("", None)
+
+
+def skew_reason(peer: str, offset_s: float, window_s: float) -> str:
+    """The failure reason of a room lost to clock skew, naming the measured offset."""
+    side = "ahead of" if offset_s > 0 else "behind"
+    return (f"clock skew: {peer}'s clock is {abs(offset_s):.1f}s {side} this daemon's, "
+            f"beyond the {window_s:.0f}s freshness window (auth_max_skew), so their signed "
+            f"messages are refused; synchronise the hosts' clocks (NTP)")
 
 
 def not_available(call: rpc.Call, role: str) -> RoomError:

@@ -32,8 +32,8 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvd.errors import AuthError
-from kvd.security import HEADER, INSTANCE_HEADER, Authenticator
+from kvd.errors import AuthError, Skewed
+from kvd.security import CLOCK_HEADER, HEADER, INSTANCE_HEADER, Authenticator
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,10 @@ class RequestGuard:
         if self.on_auth_failure is not None:
             self.on_auth_failure(exc)
         assert self.auth is not None
-        return Refusal(401, f"unauthenticated: {exc}",
-                       {INSTANCE_HEADER: self.auth.instance_id})
+        headers = {INSTANCE_HEADER: self.auth.instance_id}
+        if isinstance(exc, Skewed):  # the client's clock is off ours: say by how much (K40)
+            headers[CLOCK_HEADER] = f"{exc.offset_s:.3f}"
+        return Refusal(401, f"unauthenticated: {exc}", headers)
 
     async def _read_body(self, receive: Receive, limit: int) -> bytes | None:
         return await read_body(receive, limit, self.body_timeout)

@@ -9,7 +9,8 @@ suffered); RDMA devices; the locked-memory limit RDMA registration needs; the
 shared-memory folder; the configured ports are free; the engine socket (its
 folder, its lock, any file at its path) and its group; and, when a kvd is
 running on that socket, every port it listens on with its bind address (a
-warning for any wider than the configured hosts).
+warning for any wider than the configured hosts) and its peers' clock offsets (a
+warning past half the freshness window, a failure past it: K40).
 
 :func:`refusals` is what ``kvd serve`` refuses before it starts; doctor reports
 each of them as a failed check, so doctor fails whenever serve would.
@@ -61,9 +62,11 @@ class Check:
 
 
 def run_checks(settings: Settings | None, config_error: KvdError | None = None,
-               engine_probe: bool = True) -> list[Check]:
+               engine_probe: bool = True, config: Path | None = None) -> list[Check]:
     """Every check, in order. ``settings`` None means the config was invalid
-    (``config_error`` says why); the checks then use the built-in defaults."""
+    (``config_error`` says why); the checks then use the built-in defaults. ``config``:
+    the file the settings came from (the running daemon's peers are read with its
+    secret)."""
     s = settings or Settings.model_construct(role="decode")
     checks = [check_config(config_error)]
     if settings is not None:
@@ -82,7 +85,46 @@ def run_checks(settings: Settings | None, config_error: KvdError | None = None,
     pid = daemon_pid(s.engine_socket)
     if pid is not None:
         checks.append(check_listeners(pid, s))
+        if settings is not None:
+            checks.append(peer_clocks(settings, config))
     return checks
+
+
+def peer_clocks(s: Settings, config: Path | None) -> Check:
+    """The running daemon's peers' clock offsets (its ``/v1/status``), judged against its
+    freshness window (:func:`check_peer_clocks`)."""
+    from kvd.cli.client import get, resolve_addr
+
+    try:
+        addr = resolve_addr(None, config) if config is not None else \
+            resolve_addr(f"{'127.0.0.1' if s.http_host in ('0.0.0.0', '') else s.http_host}"
+                         f":{s.http_port}", None)
+        rows = get(addr, "/v1/status", 3.0, config, failures=0)["peers"]
+    except KvdError as exc:
+        return Check("peer clocks", "warn", f"could not read the daemon's peers: {exc}",
+                     "run kvd peers -a HOST:PORT with the cluster secret")
+    return check_peer_clocks(rows, s.auth_max_skew)
+
+
+def check_peer_clocks(rows: list[dict[str, Any]], window_s: float) -> Check:
+    """Peers' clock offsets (``clock_offset_s`` of ``/v1/status`` peer rows, s) against
+    the freshness window ``window_s``: beyond it their frames are refused (fail); past
+    half of it a little more drift will be (warn). PURE."""
+    known = [(r["endpoint"], float(r["clock_offset_s"])) for r in rows
+             if r.get("clock_offset_s") is not None]
+    if not known:
+        return Check("peer clocks", "ok", "no peer clock measured yet")
+    worst = max(known, key=lambda k: abs(k[1]))
+    beyond = [f"{ep} {off:+.1f}s" for ep, off in known if abs(off) > window_s]
+    detail = f"{len(known)} peer(s), largest offset {worst[1]:+.3f}s ({worst[0]})"
+    fix = "synchronise the hosts' clocks (NTP, chrony); auth_max_skew is the window"
+    if beyond:
+        return Check("peer clocks", "fail", f"beyond the {window_s:.0f}s freshness window, "
+                     f"their frames are refused: {', '.join(beyond)}", fix)
+    if abs(worst[1]) > window_s / 2:
+        return Check("peer clocks", "warn", f"{detail}: over half the {window_s:.0f}s "
+                     f"freshness window", fix)
+    return Check("peer clocks", "ok", detail)
 
 
 def refusals(settings: Settings) -> list[KvdError]:

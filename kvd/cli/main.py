@@ -170,7 +170,7 @@ def doctor(config: ConfigOpt = None, role: RoleOpt = None, set_: SetOpt = None,
         settings = load_settings(config, **_overrides(set_, role=role or "decode"))
     except ConfigError as exc:
         error = exc
-    checks = as_dicts(run_checks(settings, error))
+    checks = as_dicts(run_checks(settings, error, config=config))
     render.print_json(checks) if json_ else render.doctor(checks)
     raise typer.Exit(1 if any(c["status"] == "fail" for c in checks) else 0)
 

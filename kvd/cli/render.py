@@ -82,8 +82,8 @@ def peers(rows: list[dict[str, Any]], out: Console | None = None) -> None:
         out.print("  peers: none yet")
         return
     table = Table(title="peers", title_justify="left")
-    for col in ("endpoint", "kind", "state", "heartbeat", "last heard", "bootstrap", "instance",
-                "detail", "last error"):
+    for col in ("endpoint", "kind", "state", "heartbeat", "last heard", "clock", "bootstrap",
+                "instance", "detail", "last error"):
         table.add_column(col, overflow="fold")
     now = time.time()
     for p in rows:
@@ -96,9 +96,15 @@ def peers(rows: list[dict[str, Any]], out: Console | None = None) -> None:
         if error and p.get("last_error_time"):
             error = f"{ago(now, p['last_error_time'])}: {error}"
         table.add_row(p["endpoint"], p["kind"], p["state"], Text(hb, style=style),
-                      ago(now, heard), p.get("bootstrap", ""), p.get("instance_id", ""),
+                      ago(now, heard), clock(p.get("clock_offset_s")), p.get("bootstrap", ""),
+                      p.get("instance_id", ""),
                       p.get("detail", ""), Text(error, style="red" if error else ""))
     out.print(table)
+
+
+def clock(offset_s: float | None) -> str:
+    """A peer's clock offset: ``+0.002s`` (its clock minus this daemon's), ``-`` unknown."""
+    return "-" if offset_s is None else f"{offset_s:+.3f}s"
 
 
 def ago(now: float, then: float | None) -> str:

@@ -10,7 +10,12 @@ sender names (a room's messages go to the instance the room is bound to), else
 the one in a bounded directory ``endpoint -> instance id``, filled from the
 bootstrap table (:meth:`Addressing.learn`) and from authenticated messages.
 The inbound side is :class:`kvd.control.inbound.Inbound` (case S02); the bound
-socket is a ROUTER (senders are DEALERs) so that it can tell connections apart.
+socket is a ROUTER (senders are DEALERs) so that it can tell connections apart, and
+refuses frames larger than the largest real message before they are read (S19).
+An authentic frame this daemon will not act on (for a previous instance of it, or
+sealed outside its freshness window) may be answered with a typed refusal
+(:meth:`Addressing.refusal`); every authenticated frame measures its sender's clock
+offset (:meth:`Addressing.clock_offset`, K40).
 Wire history: PUSH -> PULL with seal version 1 until seal version 2.
 """
 
@@ -25,7 +30,15 @@ import zmq
 import zmq.asyncio
 
 from kvd.addr import format_host
-from kvd.control.inbound import Inbound, InboundStats, Misaddressed, Received, SourceLimiter
+from kvd.control.inbound import (
+    Answer,
+    Inbound,
+    InboundStats,
+    Misaddressed,
+    Received,
+    Refusals,
+    SourceLimiter,
+)
 from kvd.errors import KvdError, PeerUnreachable
 from kvd.protocol import control
 from kvd.security import SEAL_OVERHEAD, Authenticator
@@ -36,7 +49,8 @@ log = logging.getLogger(__name__)
 PeerSendError = PeerUnreachable  # the name this module's callers use
 
 
-#: Peers whose instance id is remembered (least recently learned forgotten first).
+#: Peers whose instance id (and clock offset) is remembered (least recently learned
+#: forgotten first).
 MAX_KNOWN_PEERS = 4096
 #: A connection must finish the ZMTP handshake within this many seconds (libzmq's
 #: default is 30 s): idle half-open connections do not hold file descriptors long.
@@ -55,7 +69,41 @@ class Addressing:
 
     def __init__(self, auth: Authenticator | None = None) -> None:
         self.auth = auth if auth is not None else Authenticator(None)
+        self.endpoint = ""
         self._instances: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._offsets: OrderedDict[str, float] = OrderedDict()  # endpoint -> offset (s)
+        self._refusals: Refusals | None = None
+
+    def observe_offset(self, endpoint: str, offset_s: float) -> None:
+        """Record ``endpoint``'s clock minus this daemon's (s), as last measured."""
+        if not endpoint:
+            return
+        self._offsets[endpoint] = offset_s
+        self._offsets.move_to_end(endpoint)
+        if len(self._offsets) > MAX_KNOWN_PEERS:
+            self._offsets.popitem(last=False)
+
+    def clock_offset(self, endpoint: str) -> float | None:
+        """``endpoint``'s wall clock minus this daemon's (s) when its last authentic frame
+        was sealed and received (the time in transit, usually under a millisecond, counts
+        against it); None if none was measured (K40)."""
+        return self._offsets.get(endpoint)
+
+    def offsets(self) -> dict[str, float]:
+        """Every measured clock offset, by endpoint (s, see :meth:`clock_offset`)."""
+        return dict(self._offsets)
+
+    def refusal(self, m: Misaddressed) -> Answer | None:
+        """The typed refusal to send back for ``m`` (rate-limited, never larger than the
+        frame, never to a refusal: :class:`~kvd.control.inbound.Refusals`), or None."""
+        if self._refusals is None:
+            self._refusals = Refusals(self.endpoint, self.auth.instance_id, self.auth.max_skew)
+        return self._refusals.answer(m)
+
+    @property
+    def refusal_stats(self) -> dict[str, int]:
+        """Refusals sent and not sent (``limited``, ``oversize``, ``unanswerable``)."""
+        return vars(self._refusals.stats).copy() if self._refusals is not None else {}
 
     def learn(self, endpoint: str, instance_id: str | None, at: float = 0.0) -> None:
         """Remember that ``endpoint`` is served by ``instance_id`` (frames to it are
@@ -75,27 +123,47 @@ class Addressing:
         if len(self._instances) > MAX_KNOWN_PEERS:
             self._instances.popitem(last=False)
 
+    def forget(self, endpoint: str) -> None:
+        """Drop what is known of ``endpoint`` (its instance, its clock offset): the peer's
+        entry ended (K39); a later message or lookup teaches them again."""
+        self._instances.pop(endpoint, None)
+        self._offsets.pop(endpoint, None)
+        self.drop(endpoint)
+
+    def drop(self, endpoint: str) -> None:
+        """Close whatever carries frames to ``endpoint`` (nothing here)."""
+
     def instance_of(self, endpoint: str) -> str | None:
         """The instance id last learned for ``endpoint``, if any."""
         known = self._instances.get(endpoint)
         return known[0] if known is not None else None
 
-    def seal(self, endpoint: str, frame: bytes, instance: str | None = None) -> bytes:
+    def seal(self, endpoint: str, frame: bytes, instance: str | None = None,
+             at: float | None = None) -> bytes:
         """``frame`` sealed for ``instance``, else for the instance learned for
-        ``endpoint``; raises :class:`PeerSendError` when neither is known (with a
-        secret, nothing can be addressed to it)."""
+        ``endpoint``, dated ``at`` (None: now; see :meth:`Authenticator.seal`); raises
+        :class:`PeerSendError` when neither is known (with a secret, nothing can be
+        addressed to it)."""
         instance = instance or self.instance_of(endpoint)
         if instance is None and self.auth.enabled:
             raise PeerSendError(f"control send to {endpoint}: its instance id is unknown "
                                 f"(not learned from the bootstrap table or a message)")
-        return self.auth.seal(frame, instance or "")
+        return self.auth.seal(frame, instance or "", at)
 
     async def _learning(self, source: AsyncIterator[Received]
                         ) -> AsyncIterator[control.ControlMessage | Misaddressed]:
         async for got in source:
             msg = got.message
-            self.learn(msg.endpoint, msg.instance_id, got.sent_at)
-            yield Misaddressed(msg) if got.misaddressed else msg
+            if isinstance(msg, control.Refused):
+                # dated in this daemon's own clock (the refused frame's time): its seal
+                # says nothing of the peer's clock, its offset does (theirs minus ours)
+                self.observe_offset(msg.endpoint, -msg.offset_s)
+            else:
+                self.observe_offset(msg.endpoint, got.offset_s)
+            if got.refused != "clock_skew":  # a skewed date would outrank later claims
+                self.learn(msg.endpoint, msg.instance_id, got.sent_at)
+            yield (Misaddressed(msg, got.refused, got.sent_at, got.offset_s, got.size)
+                   if got.refused else msg)
 
 
 class ControlPlane(Addressing):
@@ -114,12 +182,12 @@ class ControlPlane(Addressing):
         self.ctx = zmq.asyncio.Context()
         self.send_timeout = send_timeout
         self.hwm = hwm
-        self.max_frame = max_frame
+        # no real message is larger (S19): the socket drops anything bigger unread
+        self.max_frame = min(max_frame, control.max_frame())
         self._limiter = limiter
         self._pull: zmq.asyncio.Socket | None = None
         self._push: dict[str, zmq.asyncio.Socket] = {}
         self.inbound: Inbound | None = None
-        self.endpoint = ""
 
     @property
     def stats(self) -> InboundStats:
@@ -169,14 +237,15 @@ class ControlPlane(Addressing):
             self._push[endpoint] = sock
         return sock
 
-    async def send(self, endpoint: str, frame: bytes, instance: str | None = None) -> None:
+    async def send(self, endpoint: str, frame: bytes, instance: str | None = None,
+                   at: float | None = None) -> None:
         """Seal ``frame`` for ``instance`` (else the instance learned for ``endpoint``,
-        see :meth:`seal`) and push it there.
+        see :meth:`seal`), dated ``at`` (None: now), and push it there.
 
         Raises :class:`PeerSendError` after the send timeout, or at once when the
         recipient's instance is unknown.
         """
-        frame = self.seal(endpoint, frame, instance)
+        frame = self.seal(endpoint, frame, instance, at)
         sock = self._socket(endpoint)
         try:
             await asyncio.wait_for(sock.send(frame, copy=False), self.send_timeout)

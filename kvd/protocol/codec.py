@@ -20,6 +20,11 @@ Version history:
       would ignore ``first_page`` and write pages the decode did not ask for.
   4 — control: ``Batch`` carries several room messages for one peer in one frame (one
       seal, one ZMQ send); a sender batches what is queued for a peer, in order.
+  5 — control: ``Refused`` answers an authentic frame a daemon will not act on (sealed
+      for a previous instance of it, or outside its freshness window: clock skew), naming
+      its current instance and the measured clock offset; every control field is bounded
+      (pages, buffers, aux, text, names) and a frame is capped at the largest real message
+      (``control.max_frame()``, S19). A v4 daemon would drop a ``Refused`` as malformed.
 
 Control frames travel inside an authentication seal versioned on its own
 (:data:`kvd.security.SEAL_VERSION`, checked before this frame is parsed):
@@ -40,7 +45,7 @@ import numpy.typing as npt
 from kvd.errors import ProtocolError
 
 MAGIC = b"KVD"
-VERSION = 4
+VERSION = 5
 HEADER_LEN = len(MAGIC) + 1
 #: Default upper bound on a frame (bytes); daemons pass their configured limit.
 DEFAULT_MAX_FRAME = 64 << 20

@@ -5,26 +5,53 @@ decode kvd -> prefill kvd: :class:`RegisterRank` once per (decode rank,
 prefill rank), then :class:`RoomPages` per room and :class:`RoomAbort` when the
 decode ends a room; prefill kvd -> decode kvd: :class:`RoomStatus` when the room
 ends (and again, quiesced, once a write in flight returned). Messages queued for one
-peer travel together in a :class:`Batch` frame.
+peer travel together in a :class:`Batch` frame. Either side answers an authentic frame it
+will not act on with a :class:`Refused` (sealed for a previous instance of it, or sealed
+outside its freshness window), so the sender learns at once instead of timing out.
+
+Bounds (case S19): every field has a bound (:data:`MAX_ROOM_PAGES`, :data:`MAX_BUFFERS`,
+:data:`MAX_AUX_BUFFERS`, :data:`MAX_AUX_ITEM`, :data:`MAX_TEXT`, :data:`MAX_NAME`),
+checked when a frame is decoded; :func:`max_frame` is the largest frame a real message
+can need, derived from them, and the control socket refuses anything larger before it
+is read (ZMQ ``MAXMSGSIZE``). Reasons longer than :data:`MAX_TEXT` are clipped when
+encoded.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, TypeAlias
+import functools
+from typing import Annotated, Literal, TypeAlias
 
 import msgspec
 
 from kvd.errors import ProtocolError
 from kvd.protocol import codec
-from kvd.protocol.memory import ExportedPool
+from kvd.protocol.memory import CUDA_IPC_HANDLE_BYTES, CudaIpcHandle, ExportedBuffer, ExportedPool
 from kvd.text import clean
 
+#: Most pages one RoomPages may name (a 1M-page room: 1M tokens at page size 1).
+MAX_ROOM_PAGES = 1 << 20
+#: Most KV (or aux) buffers a rank registers (MHA: 2 per layer).
+MAX_BUFFERS = 4096
+#: Most aux buffers, and bytes of one aux slot of one buffer, a RoomStatus carries
+#: (``aux_transport = "control"``; SGLang's largest aux item is a hidden state).
+MAX_AUX_BUFFERS = 32
+MAX_AUX_ITEM = 128 << 10
+#: Longest reason text (bytes of UTF-8 at most 4 per character: characters here).
+MAX_TEXT = 4096
+#: Longest name: endpoints, instance ids, transfer sessions, failure kinds.
+MAX_NAME = 256
+
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+Ints = Annotated[list[int], msgspec.Meta(max_length=MAX_BUFFERS)]
 #: A kvd's instance id as a peer names itself: ``Settings.instance_id``'s alphabet and
 #: length (empty: unknown). Anything else is a malformed frame (S21: no text from a peer
 #: reaches a log or a report unchecked).
 InstanceId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{0,64}$")]
-#: A ZMQ endpoint (``tcp://host:port``, ``tcp://[v6]:port``): printable ASCII, no space.
-Endpoint = Annotated[str, msgspec.Meta(pattern=r"^[!-~]{0,300}$")]
+#: A ZMQ endpoint (``tcp://host:port``, ``tcp://[v6]:port``): printable ASCII, no space,
+#: at most MAX_NAME characters.
+Endpoint = Annotated[str, msgspec.Meta(pattern=r"^[!-~]{0,256}$")]
 
 
 class KVArgsWire(msgspec.Struct, frozen=True):
@@ -38,13 +65,13 @@ class KVArgsWire(msgspec.Struct, frozen=True):
     (``kv_item_lens[i]`` = bytes of one page of buffer i). Aux buffers alike.
     """
 
-    session_id: str
-    kv_data_ptrs: list[int]
-    kv_data_lens: list[int]
-    kv_item_lens: list[int]
-    aux_data_ptrs: list[int]
-    aux_data_lens: list[int]
-    aux_item_lens: list[int]
+    session_id: Name
+    kv_data_ptrs: Ints
+    kv_data_lens: Ints
+    kv_item_lens: Ints
+    aux_data_ptrs: Ints
+    aux_data_lens: Ints
+    aux_item_lens: Ints
     page_size: int
     num_kv_heads: int
     head_dim: int
@@ -52,7 +79,7 @@ class KVArgsWire(msgspec.Struct, frozen=True):
     num_layers: int
     layer_start: int = 0
     is_mla: bool = False
-    layout: str = "NHD"
+    layout: Name = "NHD"
     total_kv_heads: int = 0     # KV heads of the model; 0: num_kv_heads * attn_tp_size
     fused_kv: bool = False      # MHA, one buffer per layer: a head's K and V side by side
 
@@ -88,7 +115,7 @@ class RoomPages(msgspec.Struct, tag="room_pages", frozen=True):
     inc: int
     endpoint: Endpoint
     instance_id: InstanceId
-    dst_pages: bytes
+    dst_pages: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_ROOM_PAGES)]
     aux_index: int
     write_within: float
     required_dst_info_num: int = 1
@@ -110,12 +137,14 @@ class RoomStatus(msgspec.Struct, tag="room_status", frozen=True):
     room: int
     inc: int
     status: int
-    kind: str
-    reason: str
+    kind: Name
+    reason: Text
     endpoint: Endpoint            # the reporting prefill kvd's ZMQ endpoint
     instance_id: InstanceId
     quiesced: bool = True
-    aux: list[bytes] = []       # aux_transport = "control": the aux slot's bytes, per buffer
+    # aux_transport = "control": the aux slot's bytes, per buffer
+    aux: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_AUX_ITEM)]],
+                   msgspec.Meta(max_length=MAX_AUX_BUFFERS)] = []
 
     def __post_init__(self) -> None:  # a peer's text, escaped and bounded on entry (S21)
         msgspec.structs.force_setattr(self, "reason", clean(self.reason))
@@ -130,8 +159,8 @@ class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):
 
     room: int
     inc: int
-    kind: str
-    reason: str
+    kind: Name
+    reason: Text
     endpoint: Endpoint
     instance_id: InstanceId
 
@@ -139,7 +168,31 @@ class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):
         msgspec.structs.force_setattr(self, "reason", clean(self.reason))
 
 
-ControlMessage: TypeAlias = RegisterRank | RoomPages | RoomStatus | RoomAbort
+#: Why a daemon refused an authentic frame (:class:`Refused`).
+RefusedWhy: TypeAlias = Literal["instance", "clock_skew"]
+
+
+class Refused(msgspec.Struct, tag="refused", frozen=True, omit_defaults=True):
+    """This daemon (``endpoint``, now instance ``instance_id``) did not act on an authentic
+    frame from the recipient (wire version 5):
+
+    * ``instance``: it was sealed for a previous instance of this daemon (a restart since
+      the sender looked it up, case S09): the sender re-resolves this peer at once;
+    * ``clock_skew``: it was sealed outside this daemon's freshness window (``window_s``,
+      s): the sender's clock minus this daemon's was ``offset_s`` seconds (case K40).
+
+    A refusal is sealed at the refused frame's own time (the sender's clock), is never
+    larger than the frame it answers, is rate-limited per peer, and is never answered.
+    """
+
+    why: RefusedWhy
+    endpoint: Endpoint
+    instance_id: InstanceId
+    offset_s: float = 0.0
+    window_s: float = 0.0
+
+
+ControlMessage: TypeAlias = RegisterRank | RoomPages | RoomStatus | RoomAbort | Refused
 
 #: Most messages one :class:`Batch` may carry (a longer one is malformed).
 MAX_BATCH = 256
@@ -157,16 +210,50 @@ Frame: TypeAlias = ControlMessage | Batch
 _decoder: msgspec.msgpack.Decoder[Frame] = msgspec.msgpack.Decoder(Frame)
 
 
+def clipped(msg: ControlMessage) -> ControlMessage:
+    """``msg`` with its reason cut to :data:`MAX_TEXT` characters (a peer refuses longer)."""
+    if isinstance(msg, RoomStatus | RoomAbort) and len(msg.reason) > MAX_TEXT:
+        return msgspec.structs.replace(msg, reason=msg.reason[:MAX_TEXT - 3] + "...")
+    return msg
+
+
 def encode(msg: ControlMessage | Batch) -> bytes:
     """One versioned frame for ``msg`` (a message or a :class:`Batch`)."""
-    return codec.encode(msg)
+    if isinstance(msg, Batch):
+        return codec.encode(Batch(messages=[clipped(m) for m in msg.messages]))
+    return codec.encode(clipped(msg))
 
 
 def encode_many(msgs: list[ControlMessage]) -> bytes:
     """One frame for ``msgs``: the message itself when there is one, else a Batch."""
     if len(msgs) == 1:
-        return codec.encode(msgs[0])
-    return codec.encode(Batch(messages=msgs))
+        return encode(msgs[0])
+    return encode(Batch(messages=msgs))
+
+
+@functools.cache
+def max_frame() -> int:
+    """The largest control frame a real message needs (bytes, without the seal; about
+    4.0 MiB: a RoomPages of :data:`MAX_ROOM_PAGES` pages): each message type encoded with
+    every field at its bound (a RegisterRank's exported pool, for the same-host ``local``
+    backend, at 2 x :data:`MAX_BUFFERS` buffers). The control socket's ``MAXMSGSIZE`` is
+    this plus the seal, and a Batch is split below it (S19). Computed once (~20 ms)."""
+    name, text = "n" * MAX_NAME, "t" * MAX_TEXT
+    ints = [2**64 - 1] * MAX_BUFFERS
+    args = KVArgsWire(name, ints, ints, ints, ints, ints, ints, 2**31, 2**31, 2**31, 2**31,
+                      2**31, 2**31, True, name, 2**31, True)
+    handle = CudaIpcHandle(b"h" * CUDA_IPC_HANDLE_BYTES, 2**64 - 1, 2**64 - 1, name, 2**31)
+    pool = ExportedPool(name, [ExportedBuffer(2**64 - 1, 2**64 - 1, handle)] * (2 * MAX_BUFFERS))
+    worst: list[ControlMessage] = [
+        RegisterRank(name, name, 2**31, 2**31, args, pool),
+        RoomPages(2**63, 2**64 - 1, name, name, b"\xff" * (4 * MAX_ROOM_PAGES), 2**31, 1e300,
+                  2**31, True, 2**31),
+        RoomStatus(2**63, 2**64 - 1, 4, name, text, name, name, True,
+                   [b"a" * MAX_AUX_ITEM] * MAX_AUX_BUFFERS),
+        RoomAbort(2**63, 2**64 - 1, name, text, name, name),
+        Refused("clock_skew", name, name, 1e300, 1e300)]
+    return max(len(codec.encode(m)) for m in worst)
+
 
 
 def decode_many(data: bytes, max_frame: int = codec.DEFAULT_MAX_FRAME) -> list[ControlMessage]:

@@ -356,6 +356,16 @@ class SenderRooms:
             msg.kv_args.is_mla, num_pages, num_aux_slots, rejected, payload, now, msg.kv_args)
         return out
 
+    def peer_refused(self, endpoint: str, instance: str, now: float) -> list[Effect]:
+        """Decode rank ``endpoint`` refused a frame sealed for another instance of it: it
+        is ``instance`` now. If it registered as another one, that one restarted: as on a
+        new registration, rooms bound to it fail and are never written again (K28)."""
+        out: list[Effect] = []
+        old = self.peers.get(endpoint)
+        if old is not None and old.instance != instance:
+            self._peer_restarted(old, now, out)
+        return out
+
     def on_pages(self, msg: control.RoomPages, now: float) -> list[Effect]:
         """Destination pages of room ``msg.room`` on decode rank ``msg.endpoint``."""
         out: list[Effect] = []

@@ -130,8 +130,9 @@ class LocalControl(Addressing):
             for got in inbound.admit(*await self.queue.get()):  # a Batch: each message
                 yield got
 
-    async def send(self, endpoint: str, frame: bytes, instance: str | None = None) -> None:
-        frame = self.seal(endpoint, frame, instance)
+    async def send(self, endpoint: str, frame: bytes, instance: str | None = None,
+                   at: float | None = None) -> None:
+        frame = self.seal(endpoint, frame, instance, at)
         peer = self.bus.sockets.get(endpoint)
         if peer is None or endpoint in self.bus.dead:
             raise PeerSendError(f"control send to {endpoint} failed: timed out after 5.0s")

@@ -408,10 +408,11 @@ async def test_k21_a_prefill_restart_before_any_heartbeat_fails_rooms_from_the_s
         cluster: Cluster) -> None:
     """The kind behind "restart between heartbeats": a decode caches a prefill's lookups,
     the prefill restarts before any heartbeat probed it, and a room resolved from the stale
-    cache is sealed for the old instance (dropped unanswered). The instance the lookups
-    came from is the heartbeat's baseline, so the first heartbeat fails that room with
-    kind "peer" (not at the waiting timeout); the next room registers again and succeeds."""
-    p, d, pe, de = await pair(cluster)
+    cache is sealed for the old instance. The new instance answers with a typed refusal
+    naming itself (issue 19: push, don't wait), so that room fails at once with kind
+    "peer", before any heartbeat (not at the waiting timeout); the next room resolves
+    afresh, registers again and succeeds."""
+    p, _d, pe, de = await pair(cluster)
     await de.receiver(140, [0], p.http_addr)
     await pe.sender(140, [1])
     await settle(cluster)
@@ -422,12 +423,11 @@ async def test_k21_a_prefill_restart_before_any_heartbeat_fails_rooms_from_the_s
     pe2 = await p2.engine(seed=3)
     await de.receiver(141, [2], http)  # resolved from the cache of the old instance
     await pe2.sender(141, [4], send=False)
-    await settle(cluster)
-    assert await de.status(141) == 2  # WaitingForInput: its pages went to the old instance
-    await d.heartbeat()  # the first heartbeat ever: sees a new instance
+    await settle(cluster)  # no heartbeat: the refusal alone ends it
     assert await de.status(141) == FAILED
     kind, reason = await de.failure(141)
-    assert kind == "peer" and "restarted" in reason
+    assert kind == "peer" and "restarted" in reason and p2.core.instance_id in reason
+    assert p2.core.totals()["refusals_sent"] >= 1
     await de.receiver(142, [3], http)
     await pe2.sender(142, [5])
     await settle(cluster)

@@ -467,8 +467,10 @@ def test_s09_frame_for_one_decode_is_useless_at_another(pd_pair: PdPair, room_id
 
 def test_s09_frame_for_a_prefill_is_useless_after_it_restarts(tmp_path: Path) -> None:
     """S09: an abort sealed for prefill P (instance 1) reaches P after it restarted on the
-    same control port (instance 2) → dropped, counted, unanswered: the new P's room is
-    untouched; the same abort sealed for instance 2 fails it (the seal is good)."""
+    same control port (instance 2) → not acted on, counted, and answered with a typed
+    refusal naming instance 2 (push, don't wait): the new P's room is untouched, and so
+    is D's room, bound to instance 2 already; the same abort sealed for instance 2 fails
+    it (the seal is good)."""
     ports = {"zmq_port": free_port(), "http_port": free_port()}
     auth = Authenticator(LAUNCH_SECRET.encode())
     p = start_daemon("prefill", tmp_path, serve_bootstrap=True, **ports)
@@ -497,9 +499,10 @@ def test_s09_frame_for_a_prefill_is_useless_after_it_restarts(tmp_path: Path) ->
             time.sleep(0.05)
         counters = health(p)["counters"]
         assert counters["misaddressed"] >= 1 and counters["auth_failures"] >= 1
+        assert counters["refusals_sent"] >= 1  # to the endpoint the authentic frame names
         time.sleep(0.3)
         assert sender.poll() == KVPoll.WaitingForInput
-        assert receiver.poll() == KVPoll.WaitingForInput  # nothing was answered to D
+        assert receiver.poll() == KVPoll.WaitingForInput  # bound to instance 2: untouched
         push_frames(ep, [auth.seal(abort, p.ready["instance_id"])])
         assert wait_rooms(engine.client, [77], timeout=10) == [KVPoll.Failed]
         receiver.abort("test over")

@@ -45,7 +45,7 @@ def make_mooncake(s: Settings, submit_hook: Callable[[str, int, int], int | None
         host=effective_transfer_host(s), bind_host=effective_bind_host(s),
         protocol=s.transfer_protocol, devices=_devices(s),
         port_range=parse_port_range(s.transfer_port_range) if s.transfer_port_range else None,
-        handshake_front=s.transfer_handshake_front)
+        handshake_front=s.transfer_handshake_front, tcp_pool=s.transfer_tcp_pool)
     return MooncakeEngine(opts, s.max_batch_entries, retry_budget=s.transient_retry_s,
                           submit_hook=submit_hook, per_peer_inflight=s.inflight_entries,
                           per_peer_bytes=s.inflight_bytes)

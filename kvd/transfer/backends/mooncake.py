@@ -14,6 +14,12 @@ settings (protocol, NICs, bind address, port range) and how each is applied
   it and only sees complete requests (S05);
 * ports come from ``port_range`` via ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``, read
   once per process when the engine's global configuration loads;
+* the TCP transport's per-peer connection pool (``MC_TCP_ENABLE_CONNECTION_POOL``, four
+  lanes per peer) is off unless ``tcp_pool``: the binding (Mooncake 0.3.13) exposes no
+  call that closes a peer's lanes (``closeSegment`` and the pool's retirement are C++
+  only), so every decode that went away left four sockets in CLOSE-WAIT for the life of
+  the daemon (K39); without the pool a transfer's connections close when it completes
+  (see :func:`native_env`);
 * ``rdma`` with ``devices`` (a NIC filter) or ``[]`` (topology discovery);
   asking for RDMA where ``/sys/class/infiniband`` lists no NIC is refused up front.
 
@@ -65,7 +71,8 @@ class MooncakeOptions:
     RDMA NIC names, ``[]`` = topology discovery; ``port_range``: (first, last) for both
     listeners, None = Mooncake's default 15000-17000; ``handshake_front``: serve the
     advertised handshake port from kvd (:mod:`.handshake`; not with a wildcard
-    ``bind_host``)."""
+    ``bind_host``); ``tcp_pool``: keep Mooncake's per-peer TCP connection pool (see
+    :func:`native_env`)."""
 
     host: str
     bind_host: str | None = None
@@ -73,6 +80,17 @@ class MooncakeOptions:
     devices: list[str] = field(default_factory=list)
     port_range: tuple[int, int] | None = None
     handshake_front: bool = True
+    tcp_pool: bool = False
+
+
+def native_env(opts: MooncakeOptions) -> dict[str, str]:
+    """The environment the native engine reads its configuration from (once per process,
+    when it first loads): the port range, and the TCP connection pool -- off unless
+    ``tcp_pool``, so that no socket outlives the transfer that opened it (K39). PURE."""
+    env = {"MC_TCP_ENABLE_CONNECTION_POOL": "1" if opts.tcp_pool else "0"}
+    if opts.port_range is not None:
+        env["MC_MIN_RPC_PORT"], env["MC_MAX_RPC_PORT"] = map(str, opts.port_range)
+    return env
 
 
 def rdma_devices() -> dict[str, str]:
@@ -170,9 +188,7 @@ class MooncakeEngine:
 
     def _start(self, opts: MooncakeOptions) -> Any:
         os.environ.setdefault("GLOG_minloglevel", "1")
-        if opts.port_range is not None:  # read once, when the engine's config first loads
-            os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = map(
-                str, opts.port_range)
+        os.environ.update(native_env(opts))  # read once, when the engine's config loads
         try:
             from mooncake.engine import TransferEngine as _Native
         except ImportError as exc:  # pragma: no cover - depends on the install

@@ -77,3 +77,17 @@ def test_every_transfer_problem_is_listed_at_once() -> None:
     for part in ("transfer_protocol", "transfer_port_range", "transfer_devices",
                  "transfer_bind_host"):
         assert part in text
+
+
+def test_k40_doctor_judges_peer_clocks_against_the_freshness_window() -> None:
+    from kvd.cli.doctor import check_peer_clocks
+
+    def rows(*offsets: float | None) -> list[dict]:
+        return [{"endpoint": f"tcp://h:{i}", "clock_offset_s": o} for i, o in enumerate(offsets)]
+
+    assert check_peer_clocks(rows(None), 30.0).status == "ok"
+    ok = check_peer_clocks(rows(0.002, -0.4), 30.0)
+    assert ok.status == "ok" and "-0.400s" in ok.detail and "tcp://h:1" in ok.detail
+    assert check_peer_clocks(rows(0.0, 20.0), 30.0).status == "warn"
+    bad = check_peer_clocks(rows(0.0, -3600.2), 30.0)
+    assert bad.status == "fail" and "tcp://h:1 -3600.2s" in bad.detail and "NTP" in bad.fix

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvd.control.inbound import Admission, Misaddressed, SourceLimiter
 from kvd.control.peers import ControlPlane
 from kvd.protocol import codec, control
-from kvd.security import Authenticator
+from kvd.security import SEAL_OVERHEAD, Authenticator
 
 SECRET = b"0123456789abcdef-cluster"
 
@@ -324,3 +324,47 @@ def test_the_latest_sealed_claim_wins_and_undated_claims_only_fill_gaps() -> Non
         assert ctl.instance_of("tcp://a:1") == "new"
     finally:
         ctl.close()
+
+
+# ---- S19: frames capped at the largest real message, budget per frame -------------------
+
+async def test_s19_the_control_socket_caps_frames_at_the_largest_real_message() -> None:
+    """A frame one byte over the cap is refused by ZMQ unread (the connection is dropped,
+    nothing reaches the loop); a frame at the largest real message still arrives."""
+    async with plane() as ctl:
+        assert ctl.max_frame == control.max_frame() < 64 << 20
+        peer = Authenticator(SECRET, "peer")
+        big = control.RoomPages(room=9, inc=1, endpoint="tcp://127.0.0.1:1",
+                                instance_id="peer",
+                                dst_pages=b"\0" * (4 * control.MAX_ROOM_PAGES),
+                                aux_index=0, write_within=1.0)
+        over = dealer(ctl.endpoint)
+        over.send(b"KVA2" + b"\0" * (control.max_frame() + SEAL_OVERHEAD - 3))
+        ok = dealer(ctl.endpoint)
+        ok.send(peer.seal(control.encode(big), "me"))
+        (msg,) = await take(ctl, 1)
+        assert isinstance(msg, control.RoomPages) and msg.dst_pages == big.dst_pages
+        assert ctl.stats.received == 1  # the oversized frame never became one
+        over.close()
+        ok.close()
+
+
+async def test_s19_the_batch_budget_is_checked_after_every_frame() -> None:
+    """Big forged frames: one read stops once its byte budget is spent, however many
+    frames wait (the old check ran every 32 frames)."""
+    async with plane() as ctl:
+        assert ctl.inbound is not None
+        ctl.inbound.budget_bytes = 3 << 20
+        sock = dealer(ctl.endpoint)
+        for _ in range(8):
+            sock.send(b"KVA2" + b"\0" * (1 << 20))  # forged: refused at the MAC
+        reads: list[int] = []
+        async with asyncio.timeout(10):
+            while ctl.stats.received < 8:
+                before = ctl.stats.received
+                assert ctl.inbound.read_batch() == []
+                if ctl.stats.received > before:
+                    reads.append(ctl.stats.received - before)
+                await asyncio.sleep(0.01)
+        assert sum(reads) == 8 and max(reads) <= 3  # 3 MiB a read, then the loop's turn
+        sock.close()

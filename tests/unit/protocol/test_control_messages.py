@@ -49,11 +49,14 @@ room_status = st.builds(control.RoomStatus, room=I64, inc=I64, status=I64, kind=
                         reason=TEXT, endpoint=ENDPOINT, instance_id=IID, quiesced=st.booleans())
 room_abort = st.builds(control.RoomAbort, room=I64, inc=I64, kind=TEXT, reason=TEXT,
                        endpoint=ENDPOINT, instance_id=IID)
-control_messages = st.one_of(register_rank, room_pages, room_status, room_abort)
+refused = st.builds(control.Refused, why=st.sampled_from(["instance", "clock_skew"]),
+                    endpoint=ENDPOINT, instance_id=IID, offset_s=FLOATS, window_s=FLOATS)
+control_messages = st.one_of(register_rank, room_pages, room_status, room_abort, refused)
 
 
-@pytest.mark.parametrize("strategy", [register_rank, room_pages, room_status, room_abort],
-                         ids=["RegisterRank", "RoomPages", "RoomStatus", "RoomAbort"])
+@pytest.mark.parametrize("strategy", [register_rank, room_pages, room_status, room_abort,
+                                      refused],
+                         ids=["RegisterRank", "RoomPages", "RoomStatus", "RoomAbort", "Refused"])
 @given(data=st.data())
 def test_round_trip_each_message_type(strategy: st.SearchStrategy, data: st.DataObject) -> None:
     msg = data.draw(strategy)
@@ -67,7 +70,8 @@ def test_round_trip_each_message_type(strategy: st.SearchStrategy, data: st.Data
 
 def test_every_control_message_has_a_strategy() -> None:
     assert set(get_args(control.ControlMessage)) == {
-        control.RegisterRank, control.RoomPages, control.RoomStatus, control.RoomAbort}
+        control.RegisterRank, control.RoomPages, control.RoomStatus, control.RoomAbort,
+        control.Refused}
 
 
 def test_room_status_defaults_to_quiesced() -> None:
@@ -161,7 +165,7 @@ def test_bad_magic_and_version_refused() -> None:
 @given(msgs=st.lists(control_messages, min_size=1, max_size=20))
 def test_batch_round_trips_messages_in_order(msgs: list[control.ControlMessage]) -> None:
     frame = control.encode_many(msgs)
-    assert frame[3] == codec.VERSION == 4
+    assert frame[3] == codec.VERSION == 5
     assert control.decode_many(frame) == msgs
 
 
@@ -189,3 +193,39 @@ def test_oversized_or_nested_batch_is_refused() -> None:
         {"type": "batch", "messages": [{"type": "batch", "messages": []}]})
     with pytest.raises(ProtocolError):
         control.decode_many(nested)
+
+
+# ---- bounds and the frame cap (case S19) --------------------------------------------------
+
+def test_s19_max_frame_holds_the_largest_real_message_and_not_much_more() -> None:
+    """The cap is derived from the field bounds: a RoomPages at MAX_ROOM_PAGES pages fits,
+    and the cap is within a few KiB of it (not the 64 MiB frames S19 was flooded with)."""
+    biggest = control.RoomPages(room=2**63 - 1, inc=2**64 - 1, endpoint="e" * control.MAX_NAME,
+                                instance_id="i" * control.MAX_NAME,
+                                dst_pages=b"\xff" * (4 * control.MAX_ROOM_PAGES),
+                                aux_index=2**31, write_within=1e9)
+    frame = control.encode(biggest)
+    assert len(frame) <= control.max_frame() < len(frame) + (64 << 10)
+    assert control.decode(frame) == biggest
+
+
+@pytest.mark.parametrize("field,value", [
+    ("dst_pages", b"\0" * (4 * control.MAX_ROOM_PAGES + 4)),
+    ("endpoint", "e" * (control.MAX_NAME + 1)),
+    ("instance_id", "i" * (control.MAX_NAME + 1))])
+def test_s19_a_field_past_its_bound_is_refused(field: str, value: object) -> None:
+    fields = {"room": 1, "inc": 1, "endpoint": "tcp://a:1", "instance_id": "x",
+              "dst_pages": b"", "aux_index": 0, "write_within": 1.0, field: value}
+    frame = codec.encode(msgspec.structs.replace(control.RoomPages(**fields)))  # unchecked
+    with pytest.raises(ProtocolError, match="malformed"):
+        control.decode(frame)
+
+
+def test_a_long_reason_is_clipped_when_encoded_so_that_the_peer_takes_it() -> None:
+    msg = control.RoomAbort(room=1, inc=2, kind="aborted", reason="r" * 10_000,
+                            endpoint="tcp://a:1", instance_id="x")
+    out = control.decode(control.encode(msg))
+    assert isinstance(out, control.RoomAbort) and len(out.reason) == control.MAX_TEXT
+    assert out.reason.endswith("...") and out.room == 1
+    batch = control.decode_many(control.encode_many([msg, msg]))
+    assert all(len(m.reason) == control.MAX_TEXT for m in batch)  # type: ignore[union-attr]

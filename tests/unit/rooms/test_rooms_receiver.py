@@ -473,3 +473,22 @@ def test_k16_a_lookup_answered_after_the_deadline_fails_the_room() -> None:
     assert d.rooms[R].status == KVPoll.Failed and "Bootstrapping" in d.rooms[R].failure.reason
     assert [type(s.msg) for s in of(out, Send)] == [control.RoomAbort]  # no pages, an abort
     assert state(d, 9.0) == (KVPoll.Failed, True)
+
+
+# ---- refusals (issue 19: push, don't wait) -------------------------------------------------
+
+def test_a_refusal_naming_a_new_instance_fails_only_rooms_bound_to_the_old_one() -> None:
+    """A prefill rank refused a frame sealed for its previous instance: rooms bound to that
+    one fail (kind peer) and hold their pages until confirmed or the release bound, as on a
+    lost peer; a room bound to the instance it names now is untouched (K37)."""
+    d, _ = waiting(P0)
+    old = d.rooms[R].targets[0].instance  # type: ignore[index]
+    d.create(R + 1, BOOT, None, 0.0)
+    d.init(R + 1, DST, 1, 0.0)
+    d.resolved(R + 1, d.rooms[R + 1].inc, [Target(P0, "new")], 0.0)
+    failure = RoomFailure(FailureKind.PEER, "restarted", "decode")
+    out = d.peer_refused(P0, "new", failure, 1.0)
+    assert one(out, Ended).room == R and d.rooms[R].failure == failure
+    assert d.rooms[R + 1].status == KVPoll.WaitingForInput and old != "new"
+    assert state(d, 1.0) == (KVPoll.Failed, False)  # its pages went out: not yet releasable
+    assert d.peer_refused(P0, None, failure, 2.0) and d.rooms[R + 1].status == KVPoll.Failed

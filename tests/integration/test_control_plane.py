@@ -1,0 +1,165 @@
+"""Real processes: the control plane under big forged frames (S19) and clock skew between
+daemons (K40: measured, reported, and beyond the window named in the room's failure)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvd.client import KVPoll, Receiver, Sender
+from kvd.launch import LAUNCH_SECRET, DaemonProcess, start_daemon
+from kvd.protocol import control, rpc
+from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
+from tests.conftest import PdPair, health, start_pair, stop_pair
+from tests.integration.test_security import FAST_HEARTBEAT, _flood, _misses, _while_flooding
+
+KVD = [sys.executable, "-m", "kvd.cli.main"]
+
+
+def kvd(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "KVD_CLUSTER_SECRET": LAUNCH_SECRET}
+    return subprocess.run([*KVD, *args], capture_output=True, text=True, timeout=60,
+                          check=False, env=env)
+
+
+def peer_rows(daemon: DaemonProcess) -> dict[str, dict]:
+    out = kvd("peers", "--json", "-a", daemon.http_addr)
+    assert out.returncode == 0, out.stderr
+    return {r["endpoint"]: r for r in json.loads(out.stdout)}
+
+
+@pytest.fixture(scope="module")
+def s19_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdPair]:
+    """A P/D pair whose decode heartbeats every 0.5 s: a loop stalled for a second shows."""
+    pair = start_pair(tmp_path_factory.mktemp("s19"), d_opts=FAST_HEARTBEAT)
+    transfer_room(pair.p_engine, pair.d_engine, pair.bootstrap, 1, [1], [1], chunk=1)
+    assert wait_rooms(pair.d_engine.client, [1]) == [KVPoll.Success]
+    yield pair
+    stop_pair(pair)
+
+
+def test_s19_big_forged_frames_from_several_connections_fail_no_room_and_miss_no_heartbeat(
+        s19_pair: PdPair) -> None:
+    """S19: forged frames just under the cap (the largest real message) from four
+    connections, and 60 MiB ones over it from two more, flood P's control port → every
+    room of the healthy decode succeeds, no heartbeat is missed, /health answers, and the
+    frames are refused (counted; the oversized ones by ZMQ, unread)."""
+    pair = s19_pair
+    before, ep = _misses(pair.decode), pair.prefill.ready["control_endpoint"]
+    dropped = health(pair.prefill)["counters"]["control_dropped"]
+    under = _flood("zmq", ep, 6, "--size", str(control.max_frame() - 1024),
+                   "--connections", "4")
+    over = _flood("zmq", ep, 6, "--size", str(60 << 20), "--connections", "2")
+    try:
+        out = _while_flooding(pair, under, 3_000, pair.prefill.http_addr)
+    finally:
+        over.communicate(timeout=60)
+    assert out.flood["frames_sent"] > 20, out.flood
+    assert out.states == [KVPoll.Success] * len(out.rooms) and len(out.rooms) >= 3
+    assert out.health_failures == []
+    assert _misses(pair.decode) == before
+    assert health(pair.prefill)["counters"]["control_dropped"] > dropped + 20
+
+
+def test_k40_skew_is_measured_and_beyond_the_window_fails_the_room_fast(
+        tmp_path: Path) -> None:
+    """K40 on real processes, with the decode's wall clock offset by the test knob
+    (``test_clock_offset``; no faketime needed). A bootstrap-only kvd with a wide window
+    lets the decode resolve P; P's window is 30 s.
+
+    * D 10 s ahead (within P's window): rooms succeed, and ``kvd peers`` on P shows D's
+      clock about +10 s;
+    * D 45 s ahead: P refuses D's registration as skewed and answers with a typed refusal
+      -> D's room fails with kind ``peer`` and a reason naming the skew and the offset,
+      long before its waiting timeout (300 s); P's peers show D as refused with +45 s.
+    """
+    boot = start_daemon("decode", tmp_path, serve_bootstrap=True, auth_max_skew=120.0)
+    p = start_daemon("prefill", tmp_path, bootstrap_addr=boot.http_addr)
+    near = start_daemon("decode", tmp_path, test_clock_offset=10.0)
+    far = start_daemon("decode", tmp_path, test_clock_offset=45.0, waiting_timeout=300.0)
+    engines = [EngineStandIn(d.socket, seed=s) for d, s in ((p, 1), (near, 2), (far, 3))]
+    try:
+        transfer_room(engines[0], engines[1], boot.http_addr, 40, [3], [4], chunk=1)
+        assert wait_rooms(engines[1].client, [40], timeout=30) == [KVPoll.Success]
+        assert engines[1].pages_equal(engines[0], [3], [4])  # byte for byte
+        row = peer_rows(p)[near.ready["control_endpoint"]]
+        assert 5.0 < row["clock_offset_s"] < 15.0
+        shown = kvd("peers", "-a", p.http_addr)
+        assert shown.returncode == 0 and re.search(r"\+(9|10)\.\d{3}s", shown.stdout), \
+            shown.stdout
+
+        receiver = Receiver(engines[2].client, 41, boot.http_addr)
+        receiver.init([5], 0)
+        sender = Sender(engines[0].client, 41)
+        sender.init(1, 0)
+        deadline = time.monotonic() + 60  # generous; the waiting timeout is 300 s
+        while receiver.poll() != KVPoll.Failed and time.monotonic() < deadline:
+            time.sleep(0.05)  # (not wait(): its pages stay held for the release bound)
+        assert receiver.poll() == KVPoll.Failed
+        kind, reason = receiver.failure()
+        assert kind == "peer", reason
+        assert re.search(r"clock skew: prefill rank \S+'s clock is 4[45]\.\ds behind", reason)
+        row = peer_rows(p)[far.ready["control_endpoint"]]
+        assert row["state"] == "refused" and 40.0 < row["clock_offset_s"] < 50.0
+        counters = health(p)["counters"]
+        assert counters["skewed"] >= 1 and counters["refusals_sent"] >= 1
+        sender.abort("test over")
+    finally:
+        for e in engines:
+            e.close()
+        for d in (far, near, p, boot):
+            d.stop()
+
+
+def test_k39_decodes_that_come_and_go_leave_no_socket_on_the_prefill(tmp_path: Path) -> None:
+    """K39: decodes come and go one after another (each serves a room, then is killed).
+    Once each is forgotten (peer_ttl), the prefill holds no socket to it in any state --
+    no CLOSE-WAIT transfer lanes (Mooncake's pool, which its binding cannot close, is
+    off), no control socket redialling it: the prefill's TCP sockets are back to their
+    baseline."""
+    from kvd.netstat import connections, listeners
+
+    def to_others(pid: int) -> list:
+        """The process's TCP sockets whose other end is not the process itself (its own
+        keep-alive to its bootstrap, its handshake front to Mooncake behind it)."""
+        mine = connections(pid)
+        own = {c.port for c in mine} | {x.port for x in listeners(pid)}
+        return [c for c in mine if c.remote_port not in own]
+
+    p = start_daemon("prefill", tmp_path, serve_bootstrap=True, peer_ttl=1.0)
+    engine = EngineStandIn(p.socket, seed=1)
+    try:
+        pid = p.proc.pid
+        baseline = len(to_others(pid))
+        for i in range(5):
+            d = start_daemon("decode", tmp_path)
+            de = EngineStandIn(d.socket, seed=2)
+            try:
+                transfer_room(engine, de, p.http_addr, 390 + i, [i], [i], chunk=1)
+                assert wait_rooms(de.client, [390 + i]) == [KVPoll.Success]
+                assert de.pages_equal(engine, [i], [i])
+            finally:
+                de.close()
+                d.kill(signal.SIGKILL)
+                d.proc.wait(30)
+            engine.client.call(rpc.Clear(room=390 + i))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (len(to_others(pid)) > baseline or
+                                               peer_rows(p)):
+            time.sleep(0.2)
+        left = to_others(pid)
+        assert len(left) <= baseline, left
+        assert not any(c.state == "08" for c in left)  # no CLOSE-WAIT
+        assert peer_rows(p) == {}  # every decode forgotten
+    finally:
+        engine.close()
+        p.stop()
