@@ -201,7 +201,7 @@ def test_s19_max_frame_holds_the_largest_real_message_and_not_much_more() -> Non
     """The cap is derived from the field bounds: a RoomPages at MAX_ROOM_PAGES pages fits,
     and the cap is within a few KiB of it (not the 64 MiB frames S19 was flooded with)."""
     biggest = control.RoomPages(room=2**63 - 1, inc=2**64 - 1, endpoint="e" * control.MAX_NAME,
-                                instance_id="i" * control.MAX_NAME,
+                                instance_id="i" * 64,  # an instance id's longest (S21)
                                 dst_pages=b"\xff" * (4 * control.MAX_ROOM_PAGES),
                                 aux_index=2**31, write_within=1e9)
     frame = control.encode(biggest)
@@ -225,7 +225,9 @@ def test_a_long_reason_is_clipped_when_encoded_so_that_the_peer_takes_it() -> No
     msg = control.RoomAbort(room=1, inc=2, kind="aborted", reason="r" * 10_000,
                             endpoint="tcp://a:1", instance_id="x")
     out = control.decode(control.encode(msg))
-    assert isinstance(out, control.RoomAbort) and len(out.reason) == control.MAX_TEXT
-    assert out.reason.endswith("...") and out.room == 1
+    # bounded where it entered (S21's clean(): at most MAX_REASON_BYTES, the cut said)
+    assert isinstance(out, control.RoomAbort) and len(out.reason.encode()) <= control.MAX_TEXT
+    assert "cut" in out.reason and out.room == 1
     batch = control.decode_many(control.encode_many([msg, msg]))
-    assert all(len(m.reason) == control.MAX_TEXT for m in batch)  # type: ignore[union-attr]
+    assert all(len(m.reason.encode()) <= control.MAX_TEXT  # type: ignore[union-attr]
+               for m in batch)
