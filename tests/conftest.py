@@ -140,7 +140,7 @@ def eventually_transfers(p_engine: object, d_engine: object, bootstrap: str, fir
     returns the room that succeeded, or fails the test after ``within`` seconds."""
     import time
 
-    from kvd.client import KVPoll
+    from kvd.client import KVPoll, Receiver
     from kvd.refengine.standin import transfer_room, wait_rooms
 
     deadline, room = time.monotonic() + within, first_room
@@ -148,6 +148,9 @@ def eventually_transfers(p_engine: object, d_engine: object, bootstrap: str, fir
         transfer_room(p_engine, d_engine, bootstrap, room, src, dst, chunk=1)  # type: ignore[arg-type]
         if wait_rooms(d_engine.client, [room], timeout=10) == [KVPoll.Success]:  # type: ignore[attr-defined]
             return room
+        # the failed attempt holds ``dst`` until nothing can land in it (K42: live rooms'
+        # pages never overlap): clear it, which waits for that, before the next attempt
+        Receiver.attach(d_engine.client, room).clear()  # type: ignore[attr-defined]
         room += 1
         time.sleep(0.5)
     raise AssertionError(f"no room succeeded within {within}s after recovery")

@@ -371,13 +371,14 @@ def test_sigkill_prefill_fails_rooms_and_restart_recovers(tmp_path: Path) -> Non
         assert detect < 0.5 * 2 + 2
         reason = Receiver.attach(d.client, 1).failure_reason()
         assert pair.bootstrap in reason
-        transfer_room(other_engine, d, other.http_addr, 500, [1], [1], chunk=1)
+        # pages the failed rooms (1-200) do not hold: theirs are not releasable yet (K42)
+        transfer_room(other_engine, d, other.http_addr, 500, [1], [201], chunk=1)
         assert wait_rooms(d.client, [500]) == [KVPoll.Success]
         p.close()
         pair.prefill = start_daemon("prefill", tmp_path, serve_bootstrap=True, **p_opts)
         pair.p_engine = p = EngineStandIn(pair.prefill.socket, seed=1)
-        eventually_transfers(p, d, pair.bootstrap, 600, [7, 8], [9, 10])
-        assert d.pages_equal(p, [7, 8], [9, 10])
+        eventually_transfers(p, d, pair.bootstrap, 600, [7, 8], [209, 210])
+        assert d.pages_equal(p, [7, 8], [209, 210])
         # Peers that come and go leave the decode daemon's open FDs bounded.
         fds = _fds(pair.decode.proc.pid)
         for cycle in range(3):
@@ -386,7 +387,7 @@ def test_sigkill_prefill_fails_rooms_and_restart_recovers(tmp_path: Path) -> Non
             p.close()
             pair.prefill = start_daemon("prefill", tmp_path, serve_bootstrap=True, **p_opts)
             pair.p_engine = p = EngineStandIn(pair.prefill.socket, seed=1)
-            eventually_transfers(p, d, pair.bootstrap, 700 + 50 * cycle, [1], [2])
+            eventually_transfers(p, d, pair.bootstrap, 700 + 50 * cycle, [1], [220 + cycle])
         assert _fds(pair.decode.proc.pid) <= fds + 4
     finally:
         other_engine.close()
@@ -407,8 +408,8 @@ def test_rooms_in_any_order_leave_tables_and_fds_at_baseline(tmp_path: Path) -> 
         base = (health(pair.prefill)["tables"], health(pair.decode)["tables"],
                 _fds(pair.prefill.proc.pid), _fds(pair.decode.proc.pid))
         rooms = list(range(10, 10_010))
-        for i in range(0, len(rooms), 500):
-            batch = rooms[i:i + 500]
+        for i in range(0, len(rooms), 250):  # room % 256: distinct pages per batch (K42)
+            batch = rooms[i:i + 250]
             senders = {}
             for room in batch:
                 kind = rng.integers(0, 4)  # 0 success, 1 abort, 2 timeout, 3 receiver-only

@@ -146,7 +146,9 @@ def test_k19_frozen_or_dead_prefill_bounds_every_send(tmp_path: Path, fault: str
     hb = {"heartbeat_interval": 0.5, "heartbeat_max_failures": 2, "control_send_timeout": 1.0}
     http_port, zmq_port = free_port(), free_port()
     p_opts = {"http_port": http_port, "zmq_port": zmq_port}
-    pair = start_pair(tmp_path, p_opts=p_opts, d_opts=hb)
+    # a page per room: live rooms' pages never overlap (K42)
+    pair = start_pair(tmp_path, p_opts=p_opts, d_opts=hb, engine_opts={},
+                      d_engine_opts={"num_pages": 5120})
     healthy = start_daemon("prefill", tmp_path, serve_bootstrap=True)
     h_engine = EngineStandIn(healthy.socket, seed=3)
     d = pair.d_engine
@@ -157,10 +159,10 @@ def test_k19_frozen_or_dead_prefill_bounds_every_send(tmp_path: Path, fault: str
         rooms = list(range(10, 5010))
         t0 = time.monotonic()
         for room in rooms:
-            Receiver(d.client, room, pair.bootstrap).init([room % 256], 0)
+            Receiver(d.client, room, pair.bootstrap).init([room], 0)
         assert time.monotonic() - t0 < 30  # no RPC waited on the dead peer
         ok_room = 20_000
-        transfer_room(h_engine, d, healthy.http_addr, ok_room, [2], [300 % 256], chunk=1)
+        transfer_room(h_engine, d, healthy.http_addr, ok_room, [2], [5100], chunk=1)
         assert wait_rooms(d.client, [ok_room]) == [KVPoll.Success]
         states = _poll_until(d.client, rooms, {KVPoll.Failed}, 10)
         assert states == [KVPoll.Failed] * len(rooms)
