@@ -27,8 +27,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
-import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,6 +43,7 @@ from kvd.bootstrap.guard import (
     respond,
 )
 from kvd.errors import ConfigError
+from kvd.filetrust import read_secret_file
 
 #: Paths served without the token (GET only): liveness and scraping.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -59,40 +58,13 @@ _KINDS = {400: "invalid_request_error", 401: "authentication_error",
           408: "timeout_error", 413: "invalid_request_error"}
 
 
-def check_secret_file(path: Path, what: str) -> int:
-    """Open ``path`` for reading a secret and return its descriptor: a regular file of
-    this process's user, readable by nobody else (mode 0600 or stricter). Raises
-    :class:`ConfigError` naming ``what`` and the problem (never the content).
-
-    Checked on the open descriptor (``fstat``), so the file checked is the file read.
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ConfigError(f"cannot read {what} {path}: "
-                          f"{exc.strerror or type(exc).__name__}") from exc
-    st = os.fstat(fd)
-    problem = None
-    if not stat.S_ISREG(st.st_mode):
-        problem = "is not a regular file"
-    elif st.st_uid != os.geteuid():
-        problem = f"is owned by uid {st.st_uid}, not by this user ({os.geteuid()})"
-    elif st.st_mode & 0o077:
-        problem = (f"is open to group or others (mode {st.st_mode & 0o777:04o}): "
-                   f"chmod 600 it")
-    if problem is not None:
-        os.close(fd)
-        raise ConfigError(f"{what} {path} {problem}")
-    return fd
-
-
 def read_token_file(path: Path) -> bytes:
-    """The bearer token: the first line of ``path``, stripped (see
-    :func:`check_secret_file`). Raises :class:`ConfigError` if the file is refused, empty
-    or shorter than :data:`MIN_TOKEN_BYTES`."""
-    fd = check_secret_file(path, "proxy token file")
-    with os.fdopen(fd, "rb") as fh:
-        data = fh.read(64 << 10)
+    """The bearer token: the first line of ``path``, stripped; the file is checked like
+    every secret file (:func:`kvd.filetrust.read_secret_file`: a regular file of this
+    user or root, owner-only, in folders nobody else can change). Raises
+    :class:`ConfigError` if the file is refused, empty or shorter than
+    :data:`MIN_TOKEN_BYTES`."""
+    data = read_secret_file(path, "proxy token file")
     token = (data.splitlines() or [b""])[0].strip()
     if len(token) < MIN_TOKEN_BYTES:
         raise ConfigError(f"proxy token file {path}: the token (its first line) must be at "
