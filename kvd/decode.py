@@ -35,7 +35,15 @@ from kvd.errors import (
 )
 from kvd.hostid import host_identity
 from kvd.logs import fields
-from kvd.membership.effects import Close, FailRooms, Forget, Probe, Resource, ResourceKind
+from kvd.membership.effects import (
+    Close,
+    FailRooms,
+    Forget,
+    Probe,
+    Resource,
+    ResourceKind,
+    Verify,
+)
 from kvd.membership.effects import Effect as MemberEffect
 from kvd.membership.machine import Limits, Members
 from kvd.membership.machine import Peer as Member
@@ -279,29 +287,42 @@ class DecodeSide(Side):
     def peer_refused(self, endpoint: str, instance: str, why: str, offset_s: float,
                      window_s: float) -> None:
         """A signed refusal from prefill rank ``endpoint`` (kvd/control/inbound.py).
-        ``instance``: prefill rank ``endpoint`` restarted -- rooms
-        bound to its old instance fail (kind ``peer``) and every lookup that named it is
-        dropped, so the next room resolves and registers afresh. ``clock_skew``: every
-        room bound to it fails naming the offset, and rooms resolved to it fail at once for
-        :data:`SKEW_MEMORY_S` (its refusals are rate-limited: later ones may not come)."""
+        ``instance``: the rank says it restarted. Sealed with the cluster secret, so a
+        claim: the membership machine drops the cached lookup and has the rank looked up
+        again (``Verify``); a fresh answer naming the new instance fails the rooms bound to
+        the old one (kind ``peer``), so a forged refusal ends no room (S11).
+        ``clock_skew``: every room bound to it fails naming the offset, and rooms resolved
+        to it fail at once for :data:`SKEW_MEMORY_S` (its refusals are rate-limited: later
+        ones may not come)."""
         now = self.core.clock()
         self.registered.pop(endpoint, None)
-        if why == "clock_skew":
-            reason = skew_reason(f"prefill rank {endpoint}", offset_s,
-                                 window_s or self.core.settings.auth_max_skew)
-            self.skewed[endpoint] = (reason, now)
-            while len(self.skewed) > MAX_SKEWED:
-                self.skewed.pop(next(iter(self.skewed)))
-            gone: str | None = None
-        else:
-            reason = (f"prefill rank {endpoint} restarted: it refused a frame sealed for its "
-                      f"previous instance (it is {instance} now)")
-            # one more liveness source: the machine fails the rooms bound to the old
-            # instance and drops the lookups that named it (K37)
+        if why != "clock_skew":
             self.apply(self.members.refused(endpoint, instance, now))
-            gone = instance
+            return
+        reason = skew_reason(f"prefill rank {endpoint}", offset_s,
+                             window_s or self.core.settings.auth_max_skew)
+        self.skewed[endpoint] = (reason, now)
+        while len(self.skewed) > MAX_SKEWED:
+            self.skewed.pop(next(iter(self.skewed)))
         failure = RoomFailure(FailureKind.PEER, reason, self.role)
-        self.run(self.rooms.peer_refused(endpoint, gone, failure, now))
+        self.run(self.rooms.peer_refused(endpoint, None, failure, now))
+
+    async def _verify_rank(self, addr: str, endpoint: str,
+                           keys: list[tuple[str, int, int, int]]) -> None:
+        """Look rank ``endpoint`` of ``addr`` (its lookup ``keys``: address, tp, dp, pp) up
+        afresh and tell the membership machine which instance it is now (the answer to
+        its ``Verify``)."""
+        for key in keys:
+            self.bootstrap.ranks.pop(key, None)  # a live view (etcd) has nothing to drop
+        for _, tp, dp, pp in keys:
+            try:
+                info = await self.bootstrap.rank(addr, RouteTarget(tp, dp, pp, False, 1))
+            except KvdError as exc:  # the heartbeat and the rooms' deadlines still hold
+                log.info("prefill %s: rank %s could not be looked up again: %s", addr,
+                         endpoint, exc, extra=fields(peer=addr))
+                continue
+            self.apply(self.members.rank_verified(addr, endpoint_of(info),
+                                                  info.instance_id or "", self.core.clock()))
 
     def _skew_refused(self, targets: list[Target]) -> str | None:
         """The skew reason of a target that refused this daemon's frames lately, if any."""
@@ -560,6 +581,11 @@ class DecodeSide(Side):
             match eff:
                 case Probe():
                     probes.append(eff)
+                case Verify():  # which ranks, read now: a Close after it drops the cache
+                    keys = [k for k, info in self.bootstrap.ranks.items()
+                            if k[0] == eff.addr and endpoint_of(info) == eff.endpoint]
+                    self.core.spawn(self._verify_rank(eff.addr, eff.endpoint, keys),
+                                    f"verify-{eff.endpoint}")
                 case Close():
                     self._close(eff.resource)
                 case FailRooms():

@@ -48,6 +48,17 @@ class Probe:
 
 
 @dataclass(frozen=True)
+class Verify:
+    """Rank ``endpoint`` of ``addr`` claimed another instance than the one resolved (a
+    control message or a refusal: sealed with the cluster secret every member holds, so
+    a claim, not proof). Look the rank up again (a fresh ``/route`` answer, or the
+    discovery view) and answer with ``rank_verified``; only that answer fails rooms."""
+
+    addr: str
+    endpoint: str
+
+
+@dataclass(frozen=True)
 class Close:
     """Nobody holds ``resource`` any more: drop the cache entry, the registration record
     or the socket."""
@@ -90,4 +101,4 @@ class Lookup:
     refuse: bool = False
 
 
-Effect = Probe | Close | FailRooms | Forget
+Effect = Probe | Verify | Close | FailRooms | Forget

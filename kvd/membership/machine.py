@@ -49,6 +49,7 @@ from kvd.membership.effects import (
     Resource,
     ResourceKind,
     Source,
+    Verify,
 )
 from kvd.rooms.state import FailureKind
 
@@ -188,25 +189,41 @@ class Members:
     def rank_seen(self, endpoint: str, instance: str, source: Source,
                   now: float) -> list[Effect]:
         """A rank's control endpoint spoke as ``instance`` (a control message, or a refusal
-        naming its current instance). Another instance than the one resolved means that
-        rank restarted: the peers it belongs to drop what they hold for the old one."""
+        naming its current instance). The instance resolved: the rank is alive. Another
+        one is only a claim (any holder of the cluster secret can seal a frame naming any
+        endpoint, S11): the cached lookup is dropped and the rank looked up again
+        (:class:`Verify`); :meth:`rank_verified` decides."""
         out: list[Effect] = []
         for addr in sorted(self._by_endpoint.get(endpoint, ())):
             p = self.peers[addr]
             known = p.ranks.get(endpoint)
             if known is None:
                 continue
-            if known != instance:
-                reason = (f"prefill rank {endpoint} restarted (instance {known} -> "
-                          f"{instance}, seen by {source.value})")
-                out.append(FailRooms(p.addr, FailureKind.PEER, reason, keep=instance,
-                                     endpoint=endpoint))
+            if known != instance:  # Verify first: the side reads the ranks it looked up
+                out.append(Verify(p.addr, endpoint))
                 self._release(p, out, (ResourceKind.LOOKUP,))
-                self._release_one(p, Resource(ResourceKind.REGISTRATION, endpoint), out)
-                p.ranks[endpoint] = instance
-            else:
-                p.down, p.misses = False, 0
+                continue
+            p.down, p.misses = False, 0
             p.fact = Fact(source, now, p.instance)
+        return out
+
+    def rank_verified(self, addr: str, endpoint: str, instance: str,
+                      now: float) -> list[Effect]:
+        """A fresh lookup of ``addr`` says rank ``endpoint`` is ``instance`` now (the
+        answer to :class:`Verify`). Another instance than the one resolved: that rank
+        restarted, and the peer drops what it holds for the old one (K37)."""
+        p = self.peers.get(addr)
+        known = p.ranks.get(endpoint) if p is not None else None
+        if p is None or known is None or known == instance:
+            return []
+        out: list[Effect] = [FailRooms(p.addr, FailureKind.PEER,
+                                       f"prefill rank {endpoint} restarted (instance {known} "
+                                       f"-> {instance}, seen by {Source.ROUTE.value})",
+                                       keep=instance, endpoint=endpoint)]
+        self._release(p, out, (ResourceKind.LOOKUP,))
+        self._release_one(p, Resource(ResourceKind.REGISTRATION, endpoint), out)
+        p.ranks[endpoint] = instance
+        p.fact = Fact(Source.ROUTE, now, p.instance)
         return out
 
     def control_seen(self, endpoint: str, instance: str, now: float) -> list[Effect]:

@@ -11,6 +11,7 @@ from kvd.membership.effects import (
     Resource,
     ResourceKind,
     Source,
+    Verify,
 )
 from kvd.membership.machine import Limits, Members
 from kvd.rooms.state import FailureKind
@@ -84,12 +85,23 @@ def test_k37_every_source_naming_the_instance_counts() -> None:
 def test_a_rank_restart_fails_only_rooms_at_that_rank() -> None:
     m = members()
     resolved(m, endpoints=(EP0, EP1))
-    out = m.refused(EP1, "r2", 1.0)
+    out = m.refused(EP1, "r2", 1.0)  # a claim (sealed with the shared secret): verify it
+    assert Verify(A, EP1) in out and not [e for e in out if isinstance(e, FailRooms)]
+    out = m.rank_verified(A, EP1, "r2", 1.2)  # a fresh lookup says so
     fail = [e for e in out if isinstance(e, FailRooms)]
     assert fail == [FailRooms(A, FailureKind.PEER, fail[0].reason, keep="r2", endpoint=EP1)]
     assert Close(Resource(ResourceKind.REGISTRATION, EP1)) in out
     assert Close(Resource(ResourceKind.REGISTRATION, EP0)) not in out
     assert m.refused(EP1, "r2", 1.5) == []  # known now: nothing more to do
+    assert m.rank_verified(A, EP1, "r2", 1.6) == []
+
+
+def test_s11_a_claimed_restart_fails_no_room_until_a_lookup_confirms_it() -> None:
+    m = members()
+    resolved(m, endpoints=(EP0, EP1))
+    out = m.control_seen(EP1, "forged", 1.0)
+    assert out and all(isinstance(e, Verify | Close) for e in out)
+    assert m.rank_verified(A, EP1, "i1", 1.1) == []  # the lookup names the known one
 
 
 def test_an_idle_peer_is_refreshed_on_its_next_use() -> None:
