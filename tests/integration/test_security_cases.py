@@ -470,20 +470,22 @@ MIB = 1 << 20
 
 def test_s13_pages_for_unknown_rooms_are_bounded_and_unregistered_ones_dropped(
         tmp_path: Path, stack: contextlib.ExitStack) -> None:
-    """P (``max_rooms_per_peer`` 8) gets sealed pages for rooms its engine never created:
-    from registered decode D, five 13 MiB messages and then 100 small ones; from an
-    endpoint that never registered, four 13 MiB messages and 100 small ones → P buffers at
-    most 64 MiB and at most 8 rooms of D's, refuses (answers) the rest, drops and counts
+    """P (``max_rooms_per_peer`` 32) gets sealed pages for rooms its engine never created:
+    from registered decode D, twenty-five 3 MiB messages and then 100 small ones; from an
+    endpoint that never registered, four 3 MiB messages and 100 small ones → P buffers at
+    most 64 MiB and at most 32 rooms of D's, refuses (answers) the rest, drops and counts
     every unregistered message without answering or connecting to it, and a normal room
     from D still succeeds byte-exact."""
-    pd = pair(stack, tmp_path, p_opts={"max_rooms_per_peer": 8})
+    pd = pair(stack, tmp_path, p_opts={"max_rooms_per_peer": 32})
     p, d = pd.p_engine, pd.d_engine
     transfer_room(p, d, pd.bootstrap, 900, [1], [1], chunk=1)  # D registered with P
     assert wait_rooms(d.client, [900], timeout=BOUND) == [KVPoll.Success]
     ghost = fake_peer(stack, "s13-ghost")
     base, sockets = tables(pd.prefill), tables(pd.prefill)["control_sockets"]
     unregistered = dropped(pd.prefill, "unregistered")
-    big = bytes(13 * MIB)  # page 0, 3.4 M times: valid indices, 13 MiB of them
+    # page 0, 786 432 times: valid indices, 3 MiB of them (a frame is capped at the largest
+    # real message, a 1M-page RoomPages: S19)
+    big = bytes(3 * MIB)
     d_ep, d_id = pd.decode.ready["control_endpoint"], pd.decode.ready["instance_id"]
     for i in range(4):  # the unregistered endpoint first: none of it may be kept
         forge(pd.prefill, pages_msg(20_000 + i, ghost.endpoint, "s13-ghost", big))
@@ -493,17 +495,17 @@ def test_s13_pages_for_unknown_rooms_are_bounded_and_unregistered_ones_dropped(
           "P dropped the unregistered endpoint's 104 messages")
     assert tables(pd.prefill)["pending"] == base["pending"] == 0
     assert tables(pd.prefill)["pending_bytes"] == 0
-    for i in range(5):
+    for i in range(25):
         forge(pd.prefill, pages_msg(30_000 + i, d_ep, d_id, big))
     forge(pd.prefill, *(pages_msg(30_100 + i, d_ep, d_id, pack_indices([i]))
                         for i in range(100)))
     # every message of D's is either buffered or answered (P's final words are remembered)
-    until(lambda: (t := tables(pd.prefill))["pending"] + t["words"] - base["words"] == 105,
-          "P buffered or answered each of D's 105 messages")
+    until(lambda: (t := tables(pd.prefill))["pending"] + t["words"] - base["words"] == 125,
+          "P buffered or answered each of D's 125 messages")
     t = tables(pd.prefill)
-    assert t["pending_bytes"] <= 64 * MIB, t  # the byte bound: four 13 MiB messages fit
-    assert t["pending"] <= 8, t  # the per-peer bound
-    assert t["pending_bytes"] == 4 * 13 * MIB + 4 * (t["pending"] - 4), t
+    assert t["pending_bytes"] <= 64 * MIB, t  # the byte bound: twenty-one 3 MiB messages fit
+    assert t["pending"] <= 32, t  # the per-peer bound
+    assert t["pending_bytes"] == 21 * 3 * MIB + 4 * (t["pending"] - 21), t
     assert ghost.received(0.5) == []  # never answered
     assert tables(pd.prefill)["control_sockets"] == sockets  # and never connected to
     # a normal room from D: its sender exists before its pages (D's buffer is full)
