@@ -144,8 +144,10 @@ class StartWrite(Protocol):
 class PeerAttach(Protocol):
     """Backends that can write into a same-host peer's imported memory."""
 
-    def attach_peer(self, address: str, pool: ExportedPool | None) -> str:
-        """Import ``pool`` for peer ``address``; returns the backend that will carry its
+    def attach_peer(self, address: str, pool: ExportedPool | None,
+                    peer_instance: str = "") -> str:
+        """Import ``pool`` for peer ``address`` (daemon ``peer_instance``, whose peer
+        channel must prove it: case S18); returns the backend that will carry its
         writes (``"local"`` or ``"mooncake"``). Raises HandleError if a ``local``-only
         backend cannot import it (or got no pool)."""
         ...

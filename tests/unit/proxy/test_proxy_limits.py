@@ -217,7 +217,7 @@ def test_s20_token_file_behind_a_symlink_is_checked_where_it_points(tmp_path: Pa
     link.symlink_to(token_file(tmp_path))
     assert read_token_file(link) == TOKEN.encode()
     (tmp_path / "token").chmod(0o644)
-    with pytest.raises(ConfigError, match="group or others|open"):
+    with pytest.raises(ConfigError, match=r"group or others|open"):
         read_token_file(link)
 
 
