@@ -55,7 +55,7 @@ def _child(nbuf: int, per_buf: int, item: int, folder: str, secret: bytes) -> No
     from kvd.hostid import host_identity
     from kvd.memory import Importer, import_engine
     from kvd.transfer.backends.mooncake import MooncakeEngine
-    from kvd.transfer.backends.peerchannel import channel_name, listen, serve_one
+    from kvd.transfer.backends.peerchannel import Claim, channel_name, listen, serve_one
 
     pool = FdPool(FdPool.size_for([per_buf] * nbuf))
     handles = [msgspec.structs.replace(pool.alloc(per_buf)[1], fd=0) for _ in range(nbuf)]
@@ -64,12 +64,13 @@ def _child(nbuf: int, per_buf: int, item: int, folder: str, secret: bytes) -> No
     mem.register(engine)
     exported, fds = mem.export(host_identity(), channel_name(INSTANCE))
     sock, me = listen(Path(folder), exported.channel), _identity(INSTANCE, secret)
+    mine = Claim(INSTANCE, "", engine.session_id)
 
     def serve() -> None:
         while True:
             conn, _ = sock.accept()
             with conn, contextlib.suppress(Exception):
-                serve_one(conn, me, exported, fds)
+                serve_one(conn, me, mine, exported, fds)
 
     threading.Thread(target=serve, daemon=True).start()
     print(msgspec.json.encode({"pool": exported,

@@ -209,7 +209,7 @@ class Daemon:
         there; a prefill's local backend fetches a decode's pool only from it."""
         from kvd.transfer.backends.choice import AutoEngine
         from kvd.transfer.backends.local import Channel
-        from kvd.transfer.backends.peerchannel import ChannelServer, Identity
+        from kvd.transfer.backends.peerchannel import ChannelServer, Claim, Identity
 
         assert self.core is not None
         s, core = self.settings, self.core
@@ -220,11 +220,16 @@ class Daemon:
             engine.local.channel = Channel(s.peer_channel_dir, me,
                                            own_files=lambda: set(core.memory.host.files))
         elif s.role == "decode":
-            server = ChannelServer(s.peer_channel_dir, me, core.export_snapshot)
+            mine = Claim(s.instance_id, core.control.endpoint, engine.session_id)
+            server = ChannelServer(s.peer_channel_dir, me, mine, core.export_snapshot)
             try:
                 server.open()
             except (OSError, KvdError) as exc:
-                raise ConfigError(f"peer channel in {s.peer_channel_dir}: {exc}") from exc
+                if s.transfer_backend == "local":
+                    raise ConfigError(f"peer channel in {s.peer_channel_dir}: {exc}") from exc
+                log.warning("peer channel in %s: %s; same-host prefills copy through "
+                            "mooncake (no pool exported)", s.peer_channel_dir, exc)
+                return
             core.peer_channel = server.name
             core.spawn(server.run(), "peer-channel")
 

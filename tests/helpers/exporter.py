@@ -20,7 +20,10 @@ from kvd.client import FdPool
 from kvd.hostid import host_identity
 from kvd.memory import Importer, import_engine
 from kvd.security import Authenticator
-from kvd.transfer.backends.peerchannel import Identity, channel_name, listen, serve_one
+from kvd.transfer.backends.peerchannel import Claim, Identity, channel_name, listen, serve_one
+
+#: The transfer session the tests attach this peer under (its claim names it).
+SESSION = "decode-1"
 
 
 def main() -> None:
@@ -34,6 +37,7 @@ def main() -> None:
     exported, fds = mem.export(host_identity(), channel_name(instance))
     sock = listen(folder, exported.channel)
     me = Identity(instance, frozenset({os.geteuid()}), auth.channel_mac)
+    mine = Claim(instance, "", SESSION)
 
     def serve() -> None:
         while True:
@@ -42,7 +46,7 @@ def main() -> None:
             except OSError:
                 return
             with conn, contextlib.suppress(Exception):
-                serve_one(conn, me, exported, fds)
+                serve_one(conn, me, mine, exported, fds)
 
     threading.Thread(target=serve, daemon=True).start()
     print(msgspec.json.encode(exported).decode(), flush=True)

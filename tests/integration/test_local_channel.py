@@ -21,7 +21,9 @@ import msgspec
 import pytest
 
 from kvd.client import KVPoll
+from kvd.errors import KvdError
 from kvd.hostid import host_identity
+from kvd.launch import start_daemon
 from kvd.protocol import codec, control
 from kvd.protocol.memory import ExportedBuffer, ExportedPool, PassedFdHandle
 from kvd.refengine.standin import transfer_room, wait_rooms
@@ -129,16 +131,20 @@ def test_s18_local_rooms_move_through_the_peer_channel_and_forged_memory_is_refu
         "s18-abs": (forged_pool(str(victim.path), victim.proc.pid), "not a socket name"),
         "s18-pid": (forged_pool(decode_channel, victim.proc.pid),
                     f"not pid {victim.proc.pid}"),
-        "s18-relay": (forged_pool(decode_channel, decode_pid), "asked for instance"),
+        "s18-relay": (forged_pool(decode_channel, decode_pid), "asked for instance"),  # own id
         "s18-squat": (forged_pool("peer-s18-squat.sock", squat.proc.pid), "uid 65534"),
     }
-    peers = {name: fake_peer(stack, name) for name in [*cases, "s18-old"]}
+    peers = {name: fake_peer(stack, name) for name in [*cases, "s18-old", "s18-claim"]}
     errors = int(status(pd.prefill)["totals"]["protocol_errors"])
     push_frames(pd.prefill.ready["control_endpoint"], [AUTH.seal(
         old_proc_fd_frame(peers["s18-old"].endpoint, "s18-old", victim.proc.pid, victim.fd),
         pd.prefill.ready["instance_id"])], linger_ms=60_000)
-    forge(pd.prefill, *(register_with(peers[name].endpoint, name, pool)
-                        for name, (pool, _) in cases.items()))
+    claim = msgspec.structs.replace(  # the decode's instance, the forger's endpoint
+        register_with(peers["s18-claim"].endpoint, "s18-claim",
+                      forged_pool(decode_channel, decode_pid)),
+        instance_id=pd.decode.ready["instance_id"])
+    forge(pd.prefill, claim, *(register_with(peers[name].endpoint, name, pool)
+                               for name, (pool, _) in cases.items()))
     rows = until(lambda: all(peer_row(pd.prefill, peers[n].endpoint) for n in cases)
                  and {n: peer_row(pd.prefill, peers[n].endpoint) for n in cases},
                  "P answered every forged registration")
@@ -146,6 +152,9 @@ def test_s18_local_rooms_move_through_the_peer_channel_and_forged_memory_is_refu
         row = rows[name]
         assert row is not None and row["state"] == "rejected", (name, row)
         assert why in row["detail"], (name, row["detail"])
+    row = until(lambda: peer_row(pd.prefill, peers["s18-claim"].endpoint),
+                "P answered the registration claiming the decode's instance")
+    assert row["state"] == "rejected" and "asked for instance" in row["detail"], row
     until(lambda: int(status(pd.prefill)["totals"]["protocol_errors"]) > errors,
           "P dropped the old proc_fd frame as malformed")
     assert peer_row(pd.prefill, peers["s18-old"].endpoint) is None
@@ -156,3 +165,20 @@ def test_s18_local_rooms_move_through_the_peer_channel_and_forged_memory_is_refu
     transfer_room(p, d, pd.bootstrap, 1801, [7, 8], [9, 10], chunk=1)
     assert wait_rooms(d.client, [1801], timeout=BOUND) == [KVPoll.Success]
     assert d.pages_equal(p, [7, 8], [9, 10])
+
+
+def test_s18_a_channel_folder_others_may_write_is_refused(tmp_path: Path) -> None:
+    """A peer channel folder another user could write (where a squatter could replace the
+    socket): a ``local`` decode refuses to start; an ``auto`` one starts, exports no pool
+    (its prefills use Mooncake) and says why."""
+    folder = tmp_path / "open"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with pytest.raises(KvdError, match="peer channel"):
+        start_daemon("decode", tmp_path, transfer_backend="local", peer_channel_dir=str(folder))
+    d = start_daemon("decode", tmp_path, transfer_backend="auto", peer_channel_dir=str(folder))
+    try:
+        assert "writable by group or others" in d.log.read_text()
+        assert list(folder.iterdir()) == []  # no socket was bound there
+    finally:
+        d.stop()

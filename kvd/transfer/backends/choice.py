@@ -81,11 +81,11 @@ class AutoEngine:
         self.mooncake.unregister(addr)
 
     def attach_peer(self, address: str, pool: ExportedPool | None,
-                    peer_instance: str = "") -> Choice:
+                    peer_instance: str = "", peer_endpoint: str = "") -> Choice:
         choice, why = choose_backend(self.setting, self.local.host_id, pool, self.importable)
         if choice == "local" and pool is not None:
             try:
-                self.local.attach_peer(address, pool, peer_instance)
+                self.local.attach_peer(address, pool, peer_instance, peer_endpoint)
             except HandleError as exc:
                 if self.setting == "local":
                     raise

@@ -36,7 +36,13 @@ from kvd.errors import BoundsError, HandleError, KvdError, TransportError
 from kvd.hostid import host_identity, same_host
 from kvd.memory import Buffer, Importer, import_all, release_all
 from kvd.protocol.memory import CudaIpcHandle, ExportedPool
-from kvd.transfer.backends.peerchannel import Identity, check_not_own, close_all, fetch_pool
+from kvd.transfer.backends.peerchannel import (
+    Claim,
+    Identity,
+    check_not_own,
+    close_all,
+    fetch_pool,
+)
 from kvd.transfer.plan import U64, Descriptors
 
 log = logging.getLogger(__name__)
@@ -130,10 +136,12 @@ class LocalEngine:
                 raise TransportError(f"unregister({addr:#x}): not registered")
             self._own_table = None
 
-    def attach_peer(self, address: str, pool: ExportedPool, peer_instance: str = "") -> str:
+    def attach_peer(self, address: str, pool: ExportedPool, peer_instance: str = "",
+                    peer_endpoint: str = "") -> str:
         """Import every buffer of ``pool`` (all or nothing): host memory only as the
         descriptors the peer's channel passes after proving it is daemon
-        ``peer_instance`` (:func:`~.peerchannel.fetch_pool`). Raises HandleError when
+        ``peer_instance`` at control endpoint ``peer_endpoint`` with transfer session
+        ``address`` (:func:`~.peerchannel.fetch_pool`). Raises HandleError when
         the pool is from another host, the channel refuses, or a buffer cannot be
         imported here."""
         if not same_host(pool.host_id, self.host_id):
@@ -143,8 +151,8 @@ class LocalEngine:
             if self.channel is None:
                 raise HandleError("no peer channel configured: host memory of a peer is "
                                   "accepted only through it")
-            fds = fetch_pool(self.channel.folder, pool, self.channel.me, peer_instance,
-                             self.channel.timeout)
+            fds = fetch_pool(self.channel.folder, pool, self.channel.me,
+                             Claim(peer_instance, peer_endpoint, address), self.channel.timeout)
         try:
             if fds and self.channel is not None:
                 check_not_own(fds, self.channel.own_files())

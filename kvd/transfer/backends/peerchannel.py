@@ -11,9 +11,11 @@ then connects to that socket and, over one ``SOCK_SEQPACKET`` connection:
 1. reads the server's ``SO_PEERCRED`` (set by the kernel): its uid must be trusted
    (kvd's own euid, or ``peer_channel_uid``) and its pid the one the registration
    names -- before a byte is sent;
-2. ``Hello(client, server, nonce_c)`` -> ``Challenge(nonce_s, pool_digest, proof_s)``:
-   ``proof_s = HMAC(cluster secret, "server" | nonce_c | nonce_s | server instance |
-   client instance | server pid | pool_digest)``; the prefill checks it and that
+2. ``Hello(client, claim, nonce_c)`` -> ``Challenge(nonce_s, pool_digest, proof_s)``:
+   the decode first refuses a ``claim`` (instance, control endpoint, transfer session:
+   who the registration says it is) that is not its own; ``proof_s = HMAC(cluster
+   secret, "server" | nonce_c | nonce_s | claim | client instance | server pid |
+   pool_digest)``; the prefill checks it and that
    ``pool_digest`` is the SHA-256 of the pool its registration named (the memory served
    is the memory registered, not a later or another one);
 3. ``Proof(proof_c)``, ``proof_c = HMAC(secret, "client" | nonce_s | nonce_c | ...)``:
@@ -73,9 +75,23 @@ _DOMAIN = b"kvd-peer-channel-v1\0"
 Mac = Callable[..., bytes]
 
 
+class Claim(msgspec.Struct, frozen=True):
+    """Who the registration says the exporting decode is: its ``instance`` id, control
+    ``endpoint`` and transfer ``session`` (the KV args' ``session_id``). The decode proves
+    all three are its own, so a secret holder registering under its own endpoint or
+    session cannot be handed an honest decode's memory (S18 with S11)."""
+
+    instance: str
+    endpoint: str
+    session: str
+
+    def key(self) -> str:
+        return f"{self.instance}\0{self.endpoint}\0{self.session}"
+
+
 class Hello(msgspec.Struct, tag="hello", frozen=True):
     client: str
-    server: str
+    server: Claim
     nonce: bytes
 
 
@@ -225,10 +241,11 @@ class Identity:
     mac: Mac
 
 
-def fetch_pool(folder: Path, pool: ExportedPool, me: Identity, server: str,
+def fetch_pool(folder: Path, pool: ExportedPool, me: Identity, claim: Claim,
                timeout: float = 5.0) -> list[int]:
-    """Prefill side: the descriptors of ``pool`` (a decode's registration) from its
-    channel, each checked; the caller owns (and closes) them. Raises HandleError."""
+    """Prefill side: the descriptors of ``pool`` (a decode's registration, which says the
+    decode is ``claim``) from its channel, each checked; the caller owns (and closes)
+    them. Raises HandleError."""
     need = needed_sizes(pool)
     path = channel_path(folder, pool.channel)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
@@ -243,7 +260,8 @@ def fetch_pool(folder: Path, pool: ExportedPool, me: Identity, server: str,
         pid, uid = peer_credentials(sock)
         check_credentials(pid, uid, pool.pid, me.uids, f"the peer channel {path}")
         nonce_c = os.urandom(NONCE_BYTES)
-        sock.send(encode(Hello(me.instance, server, nonce_c)))
+        sock.send(encode(Hello(me.instance, claim, nonce_c)))
+        server = claim.key()
         ch = decode(_recv(sock), Challenge)
         assert isinstance(ch, Challenge)
         digest = pool_digest(pool)
@@ -275,33 +293,41 @@ def fetch_pool(folder: Path, pool: ExportedPool, me: Identity, server: str,
         sock.close()
 
 
-def serve_one(conn: socket.socket, me: Identity, pool: ExportedPool, fds: Sequence[int],
-              timeout: float = 5.0) -> None:
-    """Decode side, one connection (blocking): prove this daemon, check the client, pass
-    ``fds`` (the pool's files, in ``PassedFdHandle.file`` order). Raises HandleError."""
+def serve_one(conn: socket.socket, me: Identity, mine: Claim, pool: ExportedPool,
+              fds: Sequence[int], timeout: float = 5.0) -> None:
+    """Decode side, one connection (blocking): refuse a client that asks for another
+    daemon than ``mine`` (this one's instance, endpoint and session), prove this daemon,
+    check the client, pass ``fds`` (the pool's files, in ``PassedFdHandle.file``
+    order). Raises HandleError."""
     conn.settimeout(timeout)
     pid, uid = peer_credentials(conn)
     try:
         check_credentials(pid, uid, None, me.uids, "the peer channel's client")
         hello = decode(_recv(conn), Hello)
         assert isinstance(hello, Hello)
-        if hello.server != me.instance:
-            raise HandleError(f"the client asked for instance {hello.server[:80]!r}, this is "
-                              f"{me.instance}")
+        if hello.server != mine:
+            raise HandleError(f"the client asked for {_show(hello.server)}, this is "
+                              f"{_show(mine)}")
+        server = mine.key()
         digest, nonce_s, my_pid = pool_digest(pool), os.urandom(NONCE_BYTES), os.getpid()
         conn.send(encode(Challenge(nonce_s, digest, proof(
-            me.mac, "server", nonce_s, hello.nonce, me.instance, hello.client, my_pid,
+            me.mac, "server", nonce_s, hello.nonce, server, hello.client, my_pid,
             digest))))
         got = decode(_recv(conn), Proof)
         assert isinstance(got, Proof)
         check_proof(me.mac, got.proof, proof(me.mac, "client", hello.nonce, nonce_s,
-                                             me.instance, hello.client, my_pid, digest),
+                                             server, hello.client, my_pid, digest),
                     "client")
     except HandleError as exc:
         with contextlib.suppress(OSError):
             conn.send(encode(Refusal(str(exc)[:500])))
         raise
     socket.send_fds(conn, [encode(Files(len(fds)))], list(fds))
+
+
+def _show(c: Claim) -> str:
+    return (f"instance {c.instance[:80]!r} at {c.endpoint[:120]!r} (transfer session "
+            f"{c.session[:120]!r})")
 
 
 def close_all(fds: Sequence[int]) -> None:
@@ -347,9 +373,10 @@ class ChannelServer:
     loop owns daemon state), answers each connection in a thread (bounded by
     ``timeout``)."""
 
-    def __init__(self, folder: Path, me: Identity, snapshot: Snapshot,
+    def __init__(self, folder: Path, me: Identity, mine: Claim, snapshot: Snapshot,
                  timeout: float = 5.0) -> None:
         self.folder, self.me, self.snapshot, self.timeout = folder, me, snapshot, timeout
+        self.mine = mine
         self.name = channel_name(me.instance)
         self.sock: socket.socket | None = None
         self.refused = 0
@@ -380,7 +407,7 @@ class ChannelServer:
 
     def _serve(self, conn: socket.socket, pool: ExportedPool, fds: list[int]) -> None:
         try:
-            serve_one(conn, self.me, pool, fds, self.timeout)
+            serve_one(conn, self.me, self.mine, pool, fds, self.timeout)
         except (HandleError, OSError) as exc:
             self.refused += 1
             log.warning("peer channel: refused a client: %s", exc)

@@ -125,13 +125,15 @@ def test_pool_from_another_host_or_without_a_proven_channel_is_refused(peer: Pee
     with pytest.raises(HandleError, match="another host"):
         eng.attach_peer("x", other, PEER)
     with pytest.raises(HandleError, match="no peer channel"):
-        LocalEngine().attach_peer("x", peer.pool, PEER)
+        LocalEngine().attach_peer("decode-1", peer.pool, PEER)
     with pytest.raises(HandleError, match="did not prove the cluster secret"):
-        engine(peer.folder, b"another-secret-0123456789abcdef!").attach_peer("x", peer.pool,
-                                                                            PEER)
+        engine(peer.folder, b"another-secret-0123456789abcdef!").attach_peer(
+            "decode-1", peer.pool, PEER)
     with pytest.raises(HandleError, match="refused the channel"):  # wrong instance named
-        eng.attach_peer("x", peer.pool, "someone-else")
-    assert not eng.has_peer("x")
+        eng.attach_peer("decode-1", peer.pool, "someone-else")
+    with pytest.raises(HandleError, match="refused the channel"):  # another session
+        eng.attach_peer("x", peer.pool, PEER)
+    assert not eng.has_peer("x") and not eng.has_peer("decode-1")
 
 
 def test_host_identity_is_machine_id_and_boot_id() -> None:

@@ -23,6 +23,7 @@ from tests.helpers.channel_squatter import ChannelSquatter
 
 SECRET = b"s18-unit-secret-0123456789abcdef"
 SIZE = 8192
+DEC = pc.Claim("dec", "tcp://127.0.0.1:1", "sess-dec")
 
 
 def me(instance: str, secret: bytes | None = SECRET) -> pc.Identity:
@@ -154,7 +155,7 @@ class Server:
                 return
             with conn:
                 try:
-                    pc.serve_one(conn, me(self.instance), self.pool, [self.fd])
+                    pc.serve_one(conn, me(self.instance), DEC, self.pool, [self.fd])
                 except (HandleError, OSError) as exc:
                     self.errors.append(str(exc))
 
@@ -172,7 +173,7 @@ def server(tmp_path: Path) -> Iterator[Server]:
 
 
 def test_s18_an_honest_decode_passes_its_registered_file(server: Server) -> None:
-    fds = pc.fetch_pool(server.folder, server.pool, me("pre"), "dec")
+    fds = pc.fetch_pool(server.folder, server.pool, me("pre"), DEC)
     try:
         assert len(fds) == 1
         st, want = os.fstat(fds[0]), os.stat(server.file)
@@ -184,21 +185,33 @@ def test_s18_an_honest_decode_passes_its_registered_file(server: Server) -> None
 def test_s18_a_registration_naming_another_pid_is_refused(server: Server) -> None:
     forged = msgspec.structs.replace(server.pool, pid=1)  # the channel is not pid 1's
     with pytest.raises(HandleError, match="not pid 1 that the registration names"):
-        pc.fetch_pool(server.folder, forged, me("pre"), "dec")
+        pc.fetch_pool(server.folder, forged, me("pre"), DEC)
 
 
-def test_s18_a_forger_cannot_speak_for_another_instance_or_pool(server: Server) -> None:
-    """A secret holder registers as instance "forger" naming the honest decode's channel:
-    the decode refuses to prove a registration that is not its own; a pool other than the
-    one it serves (other regions) is refused by the digest; another secret by the proof."""
+@pytest.mark.parametrize("claim", [
+    pc.Claim("forger", DEC.endpoint, DEC.session),
+    pc.Claim(DEC.instance, "tcp://127.0.0.1:2", DEC.session),  # the forger's own endpoint
+    pc.Claim(DEC.instance, DEC.endpoint, "sess-forger"),  # ... or its own session
+])
+def test_s18_a_forger_cannot_claim_an_honest_decodes_memory(server: Server,
+                                                            claim: pc.Claim) -> None:
+    """A secret holder registers naming the honest decode's channel under another instance,
+    or the decode's instance with its own endpoint or transfer session (so that its pages
+    would be written into the decode's memory): the decode refuses to prove a registration
+    that is not its own."""
     with pytest.raises(HandleError, match=r"refused the channel.*asked for instance"):
-        pc.fetch_pool(server.folder, server.pool, me("pre"), "forger")
-    bigger = pool(os.getpid(), server.pool.channel, length=SIZE)
+        pc.fetch_pool(server.folder, server.pool, me("pre"), claim)
+
+
+def test_s18_a_forger_cannot_name_other_memory_or_lack_the_secret(server: Server) -> None:
+    """A pool other than the one the decode serves (other regions) is refused by the
+    digest; a client without the secret by the proof."""
+    bigger = pool(os.getpid(), server.pool.channel, length=SIZE)  # other regions
     with pytest.raises(HandleError, match="other memory than its registration"):
-        pc.fetch_pool(server.folder, bigger, me("pre"), "dec")
+        pc.fetch_pool(server.folder, bigger, me("pre"), DEC)
     with pytest.raises(HandleError, match="did not prove the cluster secret"):
         pc.fetch_pool(server.folder, server.pool,
-                      me("pre", b"another-secret-0123456789abcdef!"), "dec")
+                      me("pre", b"another-secret-0123456789abcdef!"), DEC)
 
 
 def test_s18_a_squatter_running_as_another_uid_is_refused(tmp_path: Path) -> None:
@@ -214,7 +227,7 @@ def test_s18_a_squatter_running_as_another_uid_is_refused(tmp_path: Path) -> Non
         with ChannelSquatter(folder / "peer-dec.sock", fd) as sq:
             forged = pool(sq.proc.pid, "peer-dec.sock")
             with pytest.raises(HandleError, match="uid 65534"):
-                pc.fetch_pool(folder, forged, me("pre"), "dec")
+                pc.fetch_pool(folder, forged, me("pre"), DEC)
     finally:
         os.close(fd)
     assert victim.read_bytes() == data
