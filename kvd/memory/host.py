@@ -48,14 +48,6 @@ import numpy as np
 from kvd.errors import HandleError
 
 
-def pid_namespace() -> str:
-    """This process's pid namespace (``pid:[4026531836]``), or "" if unknown."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
-
-
 @dataclass
 class MappedFile:
     """One open, mapped file: ``fd`` (kept open), ``base`` address of the mapping in this
