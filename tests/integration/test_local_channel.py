@@ -182,3 +182,20 @@ def test_s18_a_channel_folder_others_may_write_is_refused(tmp_path: Path) -> Non
         assert list(folder.iterdir()) == []  # no socket was bound there
     finally:
         d.stop()
+
+
+def test_s18_auto_falls_back_to_mooncake_when_the_channel_is_refused(
+        tmp_path: Path, stack: contextlib.ExitStack) -> None:
+    """``auto`` on one host whose prefill cannot reach the decode's channel (another
+    ``peer_channel_dir``, as in another mount namespace): the pairing goes to Mooncake,
+    the log says why, and the room still moves byte for byte."""
+    pd = pair(stack, tmp_path,
+              p_opts={"transfer_backend": "auto", "peer_channel_dir": str(tmp_path / "p")},
+              d_opts={"transfer_backend": "auto", "peer_channel_dir": str(tmp_path / "d")})
+    p, d = pd.p_engine, pd.d_engine
+    transfer_room(p, d, pd.bootstrap, 1900, [3, 4], [5, 6], chunk=1)
+    assert wait_rooms(d.client, [1900], timeout=BOUND) == [KVPoll.Success]
+    assert d.pages_equal(p, [3, 4], [5, 6])
+    log = pd.prefill.log.read_text()
+    assert "mooncake backend (local import refused, falling back: cannot reach the peer " \
+           "channel" in log, log[-2000:]
