@@ -395,7 +395,11 @@ class ChannelServer:
         try:
             while True:
                 conn, _ = await loop.sock_accept(self.sock)
-                snap = self.snapshot()
+                try:
+                    snap = self.snapshot()
+                except OSError as exc:  # out of descriptors: this client, not the channel
+                    log.warning("peer channel: cannot pass the pool now: %s", exc)
+                    snap = None
                 if snap is None:
                     conn.close()
                     continue

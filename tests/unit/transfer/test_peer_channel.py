@@ -231,3 +231,40 @@ def test_s18_a_squatter_running_as_another_uid_is_refused(tmp_path: Path) -> Non
     finally:
         os.close(fd)
     assert victim.read_bytes() == data
+
+
+def test_s18_the_daemons_channel_server_passes_the_pool_it_has_now(tmp_path: Path) -> None:
+    """:class:`ChannelServer` on an event loop (as the decode daemon runs it): a client
+    gets the snapshot's file; with no engine registered (snapshot None) it is closed
+    at once; the socket file goes with the server."""
+    import asyncio
+
+    folder = tmp_path / "peers"
+    f = tmp_path / "pool"
+    f.write_bytes(os.urandom(SIZE))
+    fd = os.open(f, os.O_RDWR)
+    exported = pool(os.getpid(), pc.channel_name("dec"))
+    state: dict[str, bool] = {"registered": True}
+
+    def snapshot() -> tuple[ExportedPool, list[int]] | None:
+        return (exported, [os.dup(fd)]) if state["registered"] else None
+
+    async def main() -> None:
+        server = pc.ChannelServer(folder, me("dec"), DEC, snapshot)
+        task = asyncio.ensure_future(server.run())
+        await asyncio.sleep(0)
+        got = await asyncio.to_thread(pc.fetch_pool, folder, exported, me("pre"), DEC)
+        assert os.fstat(got[0]).st_ino == os.stat(f).st_ino
+        pc.close_all(got)
+        state["registered"] = False
+        with pytest.raises(HandleError, match=r"closed|reset"):
+            await asyncio.to_thread(pc.fetch_pool, folder, exported, me("pre"), DEC)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert not (folder / exported.channel).exists()
+
+    try:
+        asyncio.run(main())
+    finally:
+        os.close(fd)
