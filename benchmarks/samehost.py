@@ -2,12 +2,14 @@
 
 A child process plays the decode daemon: it owns the destination pool (a sealed memfd,
 imported as kvd imports an engine's fd), registers each buffer with a Mooncake engine,
-and exports the pool (ExportedPool). The parent plays the prefill daemon: the same
-descriptors go (a) through :class:`~kvd.transfer.backends.local.LocalEngine` attached
-to the export, (b) through a Mooncake engine over TCP loopback, and (c) a memcpy of the
-same pages inside the parent (the machine's ceiling). Runs are interleaved; before
-each run the child zeroes its pool, after it the child's digest of the destination
-pages must equal the source pages' digest (bytes verified, every run).
+exports the pool (ExportedPool) and serves its descriptors on a peer channel (the
+authenticated handshake kvd runs, case S18). The parent plays the prefill daemon: the
+same descriptors go (a) through :class:`~kvd.transfer.backends.local.LocalEngine`
+attached to the export through that channel, (b) through a Mooncake engine over TCP
+loopback, and (c) a memcpy of the same pages inside the parent (the machine's
+ceiling). Runs are interleaved; before each run the child zeroes its pool, after it
+the child's digest of the destination pages must equal the source pages' digest
+(bytes verified, every run).
 
 Run as ``python benchmarks/run.py --only samehost``; the child is this file with
 ``--child``.
@@ -20,6 +22,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,21 +35,45 @@ from rich.table import Table
 from kvd.protocol.memory import ExportedPool
 from kvd.transfer.plan import plan_pages
 
+SECRET = os.urandom(24)
+INSTANCE = "bench-decode"
 
-def _child(nbuf: int, per_buf: int, item: int) -> None:
+
+def _identity(instance: str, secret: bytes) -> Any:
+    from kvd.security import Authenticator
+    from kvd.transfer.backends.peerchannel import Identity
+
+    return Identity(instance, frozenset({os.geteuid()}), Authenticator(secret).channel_mac)
+
+
+def _child(nbuf: int, per_buf: int, item: int, folder: str, secret: bytes) -> None:
+    import contextlib
     import ctypes
+    import threading
 
     from kvd.client import FdPool
     from kvd.hostid import host_identity
     from kvd.memory import Importer, import_engine
     from kvd.transfer.backends.mooncake import MooncakeEngine
+    from kvd.transfer.backends.peerchannel import Claim, channel_name, listen, serve_one
 
     pool = FdPool(FdPool.size_for([per_buf] * nbuf))
     handles = [msgspec.structs.replace(pool.alloc(per_buf)[1], fd=0) for _ in range(nbuf)]
     mem = import_engine(Importer(Path("/dev/shm")), handles, [], [pool.fd], os.getuid())
     engine = MooncakeEngine("127.0.0.1")
     mem.register(engine)
-    print(msgspec.json.encode({"pool": mem.export(host_identity()),
+    exported, fds = mem.export(host_identity(), channel_name(INSTANCE))
+    sock, me = listen(Path(folder), exported.channel), _identity(INSTANCE, secret)
+    mine = Claim(INSTANCE, "", engine.session_id)
+
+    def serve() -> None:
+        while True:
+            conn, _ = sock.accept()
+            with conn, contextlib.suppress(Exception):
+                serve_one(conn, me, mine, exported, fds)
+
+    threading.Thread(target=serve, daemon=True).start()
+    print(msgspec.json.encode({"pool": exported,
                                "session": engine.session_id}).decode(), flush=True)
     views = [np.ctypeslib.as_array((ctypes.c_uint8 * b.length).from_address(b.address))
              .reshape(-1, item) for b in mem.buffers]
@@ -66,10 +93,10 @@ def _child(nbuf: int, per_buf: int, item: int) -> None:
 
 
 class _Decode:
-    def __init__(self, nbuf: int, per_buf: int, item: int) -> None:
+    def __init__(self, nbuf: int, per_buf: int, item: int, folder: Path) -> None:
         self.proc = subprocess.Popen([sys.executable, __file__, "--child", str(nbuf),
-                                      str(per_buf), str(item)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
+                                      str(per_buf), str(item), str(folder), SECRET.hex()],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         info = msgspec.json.decode(self.proc.stdout.readline())
         self.pool = msgspec.convert(info["pool"], ExportedPool)
@@ -91,7 +118,7 @@ def run(console: Console, mib: int = 256, item_kib: int = 64, layers: int = 8,
         repeats: int = 3) -> dict[str, Any]:
     """Median GB/s of each path and the ratios local/mooncake (goal >= 5) and
     local/memcpy (goal >= 0.5); raises AssertionError if any run's bytes differ."""
-    from kvd.transfer.backends.local import LocalEngine
+    from kvd.transfer.backends.local import Channel, LocalEngine
     from kvd.transfer.backends.mooncake import MooncakeEngine
 
     item, nbuf = item_kib << 10, 2 * layers
@@ -103,11 +130,13 @@ def run(console: Console, mib: int = 256, item_kib: int = 64, layers: int = 8,
     dst_pages = rng.choice(pages, move, replace=False)
     src = rng.integers(0, 256, (nbuf, pages, item), dtype=np.uint8)
     expect = hashlib.sha256(b"".join(src[b][src_pages].tobytes() for b in range(nbuf)))
-    decode = _Decode(nbuf, per_buf, item)
-    local, mc = LocalEngine(), MooncakeEngine("127.0.0.1")
+    folder = Path(tempfile.mkdtemp(prefix="kvd-bench-peers-"))
+    decode = _Decode(nbuf, per_buf, item, folder)
+    local = LocalEngine(channel=Channel(folder, _identity("bench-prefill", SECRET)))
+    mc = MooncakeEngine("127.0.0.1")
     for eng in (local, mc):
         eng.register(src.ctypes.data, src.nbytes)
-    local.attach_peer(decode.session, decode.pool)
+    local.attach_peer(decode.session, decode.pool, INSTANCE)
     src_ptrs = src.ctypes.data + np.arange(nbuf, dtype=np.uint64) * np.uint64(per_buf)
     desc = plan_pages(src_ptrs, [b.address for b in decode.pool.buffers], [item] * nbuf,
                       [item] * nbuf, src_pages, dst_pages)
@@ -156,7 +185,8 @@ def run(console: Console, mib: int = 256, item_kib: int = 64, layers: int = 8,
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 5 and sys.argv[1] == "--child":
-        _child(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+    if len(sys.argv) == 7 and sys.argv[1] == "--child":
+        _child(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5],
+               bytes.fromhex(sys.argv[6]))
     else:
         run(Console())

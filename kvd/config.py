@@ -45,7 +45,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from kvd.engine_rpc.socket_path import default_engine_socket
+from kvd.engine_rpc.socket_path import default_engine_socket, default_socket_dir
 from kvd.errors import ConfigError
 from kvd.filetrust import read_secret_file
 
@@ -110,6 +110,15 @@ class Settings(BaseSettings):
                          "local (prefill and decode daemons on one host copy directly), or "
                          "auto (local when a decode peer is on this host and its memory "
                          "can be imported, else mooncake)")
+    peer_channel_dir: Path = Field(
+        default_factory=lambda: default_socket_dir() / "peers",
+        json_schema_extra={"unit": "path"},
+        description="folder of the same-host peer channel sockets (local/auto backends: "
+                    "a decode passes its pool's descriptors there, proving itself); every "
+                    "daemon on a host uses the same one; kvd creates it 0750")
+    peer_channel_uid: int | None = _setting(
+        None, ge=0, help="uid a same-host peer daemon may run as besides kvd's own "
+                         "(SO_PEERCRED on the peer channel); default: kvd's own only")
     transfer_protocol: Literal["tcp", "rdma"] = _setting(
         "tcp", help="the Mooncake transport: tcp (any network, no setup) or rdma (needs an "
                     "RDMA NIC; see transfer_devices)")
@@ -703,7 +712,9 @@ def _toml_literal(value: Any) -> str:
 
 #: Settings whose default depends on the process: the line the template shows.
 _DEFAULT_RULES = {"engine_socket": '"/run/kvd/kvd.sock"    # default: this as root; other users: '
-                                   '$XDG_RUNTIME_DIR/kvd/kvd.sock (unset: /tmp/kvd-<uid>/kvd.sock)'}
+                                   '$XDG_RUNTIME_DIR/kvd/kvd.sock (unset: /tmp/kvd-<uid>/kvd.sock)',
+                  "peer_channel_dir": '"/run/kvd/peers"    # default: this as root; other users: '
+                                      '$XDG_RUNTIME_DIR/kvd/peers (unset: /tmp/kvd-<uid>/peers)'}
 
 
 def toml_template() -> str:

@@ -22,11 +22,13 @@ from kvd.bootstrap import client as signed_http
 from kvd.config import Settings
 from kvd.control.peers import ControlPlane, PeerSendError
 from kvd.errors import RegistrationError
+from kvd.hostid import host_identity
 from kvd.logs import fields
 from kvd.memory import EngineMemory, Importer, import_engine
 from kvd.metrics import RoomEvents
 from kvd.protocol import control
 from kvd.protocol.control import ControlMessage, KVArgsWire
+from kvd.protocol.memory import ExportedPool
 from kvd.protocol.rpc import RegisterKV
 from kvd.ranks import Ranks
 from kvd.security import Authenticator
@@ -104,6 +106,7 @@ class Core:
     clock: Callable[[], float] = time.monotonic
     outboxes: dict[str, Outbox] = field(default_factory=dict)
     ranks: Ranks | None = None  # the engine's position, resolved at its registration
+    peer_channel: str = ""  # this decode's peer channel socket name (S18), "" without one
 
     def position(self) -> Ranks:
         """This rank's resolved :class:`~kvd.ranks.Ranks`. Raises RegistrationError before
@@ -268,6 +271,18 @@ class Core:
             num_kv_heads=req.num_kv_heads, head_dim=req.head_dim, dtype_size=req.dtype_size,
             num_layers=req.num_layers, layer_start=req.layer_start, is_mla=req.is_mla,
             layout=req.layout, total_kv_heads=req.total_kv_heads, fused_kv=req.fused_kv)
+
+    def export(self) -> tuple[ExportedPool, list[int]] | None:
+        """The engine's memory for a same-host prefill's ``local`` backend, and the
+        descriptors the peer channel passes (this daemon's own, not dups); None before
+        an engine registered."""
+        mem = self.engine_memory
+        return None if mem is None else mem.export(host_identity(), self.peer_channel)
+
+    def export_snapshot(self) -> tuple[ExportedPool, list[int]] | None:
+        """:meth:`export` with dups of the descriptors, for the peer channel's thread."""
+        out = self.export()
+        return None if out is None else (out[0], [os.dup(fd) for fd in out[1]])
 
     def unregister_all(self) -> None:
         """Unregister the engine's buffers from the transfer engine (errors are logged)."""

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -129,6 +130,8 @@ class Daemon:
                          faults=FaultPlan.model_validate_json(s.fault_injection)
                          if s.fault_injection else None, clock=self.clock)
         self.side = make_side(s.role, self.core)
+        if s.transfer_backend != "mooncake":
+            self._peer_channel(auth, engine)
         self.ops = DaemonOps(self)
         if listen:
             await self._listen(auth)
@@ -200,6 +203,35 @@ class Daemon:
                         "%+.1fs off the host's", s.test_clock_offset)
         return Authenticator(secret, s.instance_id, s.auth_max_skew,
                              clock=_wall_clock(s.test_clock_offset))
+
+    def _peer_channel(self, auth: Authenticator, engine: TransferEngine) -> None:
+        """The same-host peer channel (case S18): a decode serves its pool's descriptors
+        there; a prefill's local backend fetches a decode's pool only from it."""
+        from kvd.transfer.backends.choice import AutoEngine
+        from kvd.transfer.backends.local import Channel
+        from kvd.transfer.backends.peerchannel import ChannelServer, Claim, Identity
+
+        assert self.core is not None
+        s, core = self.settings, self.core
+        uids = frozenset({os.geteuid()} | ({s.peer_channel_uid} if s.peer_channel_uid
+                                              is not None else set()))
+        me = Identity(s.instance_id, uids, auth.channel_mac)
+        if s.role == "prefill" and isinstance(engine, AutoEngine):
+            engine.local.channel = Channel(s.peer_channel_dir, me,
+                                           own_files=lambda: set(core.memory.host.files))
+        elif s.role == "decode":
+            mine = Claim(s.instance_id, core.control.endpoint, engine.session_id)
+            server = ChannelServer(s.peer_channel_dir, me, mine, core.export_snapshot)
+            try:
+                server.open()
+            except (OSError, KvdError) as exc:
+                if s.transfer_backend == "local":
+                    raise ConfigError(f"peer channel in {s.peer_channel_dir}: {exc}") from exc
+                log.warning("peer channel in %s: %s; same-host prefills copy through "
+                            "mooncake (no pool exported)", s.peer_channel_dir, exc)
+                return
+            core.peer_channel = server.name
+            core.spawn(server.run(), "peer-channel")
 
     def _make_engine(self) -> TransferEngine:
         s, hook = self.settings, None

@@ -33,7 +33,6 @@ from kvd.errors import (
     RegistrationError,
     RoomError,
 )
-from kvd.hostid import host_identity
 from kvd.logs import fields
 from kvd.membership.effects import (
     Close,
@@ -447,10 +446,11 @@ class DecodeSide(Side):
         if local is None or ranks is None:
             raise RegistrationError("the engine released its KV buffers")
         pool = None
-        mem = self.core.engine_memory
-        if self.core.settings.transfer_backend != "mooncake" and mem is not None:
-            # a same-host prefill may copy directly
-            pool = mem.export(host_identity())
+        exported = self.core.export()
+        if self.core.peer_channel and exported is not None:
+            # a same-host prefill may copy directly, fetching the descriptors from the
+            # peer channel (S18): the message names regions, never what to open
+            pool = exported[0]
         msg = control.RegisterRank(self.core.instance_id, self.core.control.endpoint,
                                    ranks.attn_tp_rank, ranks.attn_tp_size, local.wire, pool)
         if not await self.core.send(endpoint, msg, instance):  # sealed for that instance

@@ -221,7 +221,7 @@ class PrefillSide(Side):
         engine, session = self.core.engine, msg.kv_args.session_id
         old = self._sessions.get(msg.endpoint)
         if isinstance(engine, PeerAttach):
-            engine.attach_peer(session, msg.pool)
+            engine.attach_peer(session, msg.pool, msg.instance_id, msg.endpoint)
             if old is not None and old != session:
                 self.core.spawn(self._detach_later(old), f"detach-{old}")
         self._sessions[msg.endpoint] = session

@@ -125,6 +125,13 @@ class Authenticator:
         assert self._secret is not None
         return hmac.digest(self._secret, b"".join(parts), "sha256")
 
+    def channel_mac(self, *parts: bytes) -> bytes:
+        """HMAC-SHA256 of ``parts`` under the cluster secret, for the same-host peer
+        channel's challenge-response (:mod:`kvd.transfer.backends.peerchannel`, which
+        binds its own domain, nonces and instance ids into ``parts``); ``b""`` in
+        insecure mode (nothing to prove)."""
+        return self._mac(*parts) if self._secret is not None else b""
+
     # ---- control frames -----------------------------------------------------------------
 
     def seal(self, frame: bytes, to_instance: str, at: float | None = None) -> bytes:

@@ -5,7 +5,7 @@ One interface, :class:`Buffer`, per imported buffer whatever its handle kind
 ``device`` (``"cpu"`` or ``"cuda:N"``), ``host_addressable`` (may the CPU read it:
 nothing in kvd assumes so unless this says it), ``read``/``write`` (kvd's own accesses,
 SIGBUS-safe for host files: case S16), ``release()``. Importers by kind:
-``shm`` and ``fd`` and ``proc_fd`` -> :mod:`kvd.memory.host`, ``cuda_ipc`` ->
+``shm``, ``fd`` and ``passed_fd`` -> :mod:`kvd.memory.host`, ``cuda_ipc`` ->
 :mod:`kvd.memory.cuda` (the only module that imports the CUDA bindings, on first use).
 
 :class:`EngineMemory` holds one engine's registration and makes it transactional
@@ -27,15 +27,15 @@ from typing import Protocol
 
 from kvd.errors import HandleError, KvdError
 from kvd.memory import cuda as _cuda
-from kvd.memory.host import HostFiles, check_passed_fd, open_proc_fd, open_shm
+from kvd.memory.host import HostBuffer, HostFiles, check_passed_fd, open_shm
 from kvd.protocol.memory import (
     CudaIpcHandle,
     ExportedBuffer,
     ExportedPool,
     FdHandle,
     MemoryHandle,
+    PassedFdHandle,
     PeerHandle,
-    ProcFdHandle,
     ShmHandle,
 )
 from kvd.transfer.backends.base import TransferEngine
@@ -57,8 +57,6 @@ class Buffer(Protocol):
 
     @property
     def host_addressable(self) -> bool: ...
-
-    def export(self) -> PeerHandle: ...
 
     def read(self, offset: int, n: int) -> bytes:
         """``n`` bytes at ``offset``, without touching memory that may have gone (S16).
@@ -98,11 +96,15 @@ class Importer:
             return self.gpu.buffer(h)
         raise HandleError(f"unsupported buffer handle {type(h).__name__}")
 
-    def peer_buffer(self, h: PeerHandle) -> Buffer:
-        """Import a same-host peer daemon's exported handle; raises :class:`HandleError`."""
-        if isinstance(h, ProcFdHandle):
-            fd = open_proc_fd(h)
-            return self.host.buffer(fd, h.offset, h.length, f"pid {h.pid} fd {h.fd}")
+    def peer_buffer(self, h: PeerHandle, fds: Sequence[int] = ()) -> Buffer:
+        """Import a same-host peer daemon's exported handle; ``fds``: the descriptors its
+        peer channel passed (checked there; they stay owned by the caller). Raises
+        :class:`HandleError`."""
+        if isinstance(h, PassedFdHandle):
+            if not 0 <= h.file < len(fds):
+                raise HandleError(f"region names channel descriptor #{h.file} of {len(fds)}")
+            what = f"peer channel descriptor #{h.file}"
+            return self.host.buffer(os.dup(fds[h.file]), h.offset, h.length, what)
         if isinstance(h, CudaIpcHandle):
             return self.gpu.buffer(h)
         raise HandleError(f"unsupported peer handle {type(h).__name__}")
@@ -183,11 +185,23 @@ class EngineMemory:
         """Unmap / close everything (call :meth:`unregister` first)."""
         release_all(self.buffers)
 
-    def export(self, host_id: str) -> ExportedPool:
-        """This registration for a same-host peer daemon's ``local`` backend."""
-        return ExportedPool(host_id=host_id, buffers=[
-            ExportedBuffer(address=b.address, length=b.length, handle=b.export())
-            for b in self.buffers])
+    def export(self, host_id: str, channel: str = "") -> tuple[ExportedPool, list[int]]:
+        """This registration for a same-host peer daemon's ``local`` backend, and the
+        descriptors its peer channel passes (``PassedFdHandle.file`` indexes them; this
+        daemon's own, not dups: valid while the registration is). ``channel``: the
+        channel socket's name (case S18)."""
+        files: dict[int, int] = {}  # kept descriptor -> position
+        out: list[ExportedBuffer] = []
+        for b in self.buffers:
+            handle: PeerHandle
+            if isinstance(b, HostBuffer):
+                i = files.setdefault(b.file.fd, len(files))
+                handle = PassedFdHandle(i, b.offset, b.length)
+            else:
+                handle = b.export()  # type: ignore[attr-defined]
+            out.append(ExportedBuffer(address=b.address, length=b.length, handle=handle))
+        return (ExportedPool(host_id=host_id, buffers=out, channel=channel, pid=os.getpid()),
+                list(files))
 
 
 def import_engine(importer: Importer, kv: Sequence[MemoryHandle], aux: Sequence[MemoryHandle],

@@ -1,4 +1,5 @@
-"""Host memory the daemon maps: ``shm`` files by name, ``fd`` descriptors, peers' ``proc_fd``.
+"""Host memory the daemon maps: ``shm`` files by name, ``fd`` descriptors (the engine's,
+or a same-host peer daemon's ``passed_fd`` from its peer channel).
 
 Every file is opened ONCE and checked on the open descriptor (never by name
 after the fact: case S10):
@@ -13,8 +14,9 @@ after the fact: case S10):
   proof of access. On the descriptor: a regular file opened read-write; a memfd must be
   sealed against shrinking (``F_SEAL_SHRINK``; :class:`kvd.client.FdPool` does), since a
   file that shrinks under a mapping kills the mapper with ``SIGBUS``.
-* ``proc_fd`` (a peer daemon's export, same host): ``/proc/<pid>/fd/<n>`` in the same
-  pid namespace, and the reopened file must have the exported device and inode.
+* ``passed_fd`` (a peer daemon's export, same host): received over the authenticated
+  peer channel (:mod:`kvd.transfer.backends.peerchannel`) and checked as an ``fd``
+  descriptor plus its size; never opened by a name, pid or number (case S18).
 
 kvd's own reads and writes of engine memory (aux slots over the control plane) go
 through the kept descriptor (``pread``/``pwrite``, :meth:`HostBuffer.read` and
@@ -28,7 +30,7 @@ Files are mapped whole with ``mmap`` (``MAP_SHARED``; not
 ``multiprocessing.shared_memory``, whose resource tracker would unlink the engine's
 pool when kvd exits on Python < 3.13) and shared by every buffer inside them (keyed
 by device and inode). The descriptor stays open while a buffer uses the file, so that
-a same-host peer can import it (:meth:`HostBuffer.export`).
+a same-host peer can be passed it (:meth:`kvd.memory.EngineMemory.export`).
 """
 
 from __future__ import annotations
@@ -44,15 +46,6 @@ from pathlib import Path, PurePosixPath
 import numpy as np
 
 from kvd.errors import HandleError
-from kvd.protocol.memory import ProcFdHandle
-
-
-def pid_namespace() -> str:
-    """This process's pid namespace (``pid:[4026531836]``), or "" if unknown."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
 
 
 @dataclass
@@ -97,12 +90,6 @@ class HostBuffer:
     @property
     def host_addressable(self) -> bool:
         return True
-
-    def export(self) -> ProcFdHandle:
-        """How a process on this host (same pid namespace, same uid) maps this buffer."""
-        return ProcFdHandle(pid=os.getpid(), fd=self.file.fd, st_dev=self.file.dev,
-                            st_ino=self.file.ino, offset=self.offset, length=self.length,
-                            pid_ns=pid_namespace())
 
     def read(self, offset: int, n: int) -> bytes:
         """``n`` bytes at ``offset`` of this buffer, read through the file's descriptor
@@ -290,22 +277,3 @@ def _is_memfd(fd: int) -> bool:
         return os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
     except OSError:
         return False
-
-
-def open_proc_fd(h: ProcFdHandle) -> int:
-    """Reopen a same-host peer's exported descriptor; raises :class:`HandleError` unless it
-    is in this pid namespace and still the exported file (device and inode)."""
-    if h.pid_ns and h.pid_ns != pid_namespace():
-        raise HandleError(f"pid {h.pid} lives in another pid namespace ({h.pid_ns})")
-    if h.pid == os.getpid():
-        raise HandleError("a proc_fd handle may not name this process's own memory")
-    try:
-        fd = os.open(f"/proc/{h.pid}/fd/{h.fd}", os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        raise HandleError(f"cannot open descriptor {h.fd} of pid {h.pid}: {exc.strerror} "
-                          f"(both daemons must run as one user in one pid namespace)") from exc
-    st = os.fstat(fd)
-    if (st.st_dev, st.st_ino) != (h.st_dev, h.st_ino) or not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise HandleError(f"descriptor {h.fd} of pid {h.pid} is no longer the exported file")
-    return fd

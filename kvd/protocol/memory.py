@@ -20,9 +20,10 @@ same union as KV buffers.
 Daemon to daemon (the ``local`` transfer backend, both daemons on one host):
 :class:`ExportedPool` lists a daemon's registered buffers -- their address in
 the exporting daemon and a handle another process on the same host can import:
-:class:`ProcFdHandle` for host memory (the exporter's open descriptor, named by
-pid and number and pinned by device and inode) or :class:`CudaIpcHandle`.
-It rides in the control plane's ``RegisterRank`` message.
+:class:`PassedFdHandle` for host memory (a region of a descriptor the exporter
+passes over its authenticated peer channel: never a path, pid or descriptor number
+to open, case S18) or :class:`CudaIpcHandle`. It rides in the control plane's
+``RegisterRank`` message.
 
 This module imports nothing from kvd: it is a leaf, so every layer can read
 these types without an import cycle.
@@ -77,26 +78,22 @@ class CudaIpcHandle(msgspec.Struct, tag="cuda_ipc", tag_field="kind", frozen=Tru
     device: int = 0
 
 
-class ProcFdHandle(msgspec.Struct, tag="proc_fd", tag_field="kind", frozen=True):
-    """Daemon to daemon on one host: descriptor ``fd`` of process ``pid``, reopened by the
-    importer as ``/proc/<pid>/fd/<fd>``; ``st_dev``/``st_ino`` pin the file (a reused pid
-    or descriptor number is refused), ``pid_ns`` names the pid namespace the pid lives
-    in (``readlink /proc/self/ns/pid``). ``offset``/``length`` in bytes."""
+class PassedFdHandle(msgspec.Struct, tag="passed_fd", frozen=True, tag_field="kind"):
+    """Daemon to daemon on one host: ``[offset, offset + length)`` bytes of the ``file``-th
+    descriptor the exporter passes over its peer channel (``SCM_RIGHTS``, case S18;
+    :mod:`kvd.transfer.backends.peerchannel`). It names no path, pid or descriptor
+    number: only a position in what the authenticated channel hands over."""
 
-    pid: int
-    fd: int
-    st_dev: int
-    st_ino: int
+    file: int
     offset: int
     length: int
-    pid_ns: str = ""
 
 
 #: What an engine may register (RegisterKV).
 MemoryHandle: TypeAlias = ShmHandle | FdHandle | CudaIpcHandle
 
 #: What a daemon may export to another daemon on its host.
-PeerHandle: TypeAlias = ProcFdHandle | CudaIpcHandle
+PeerHandle: TypeAlias = PassedFdHandle | CudaIpcHandle
 
 
 class ExportedBuffer(msgspec.Struct, frozen=True):
@@ -112,9 +109,14 @@ class ExportedBuffer(msgspec.Struct, frozen=True):
 class ExportedPool(msgspec.Struct, frozen=True):
     """A daemon's registered memory, for the ``local`` backend of a peer on the same host.
 
-    ``host_id`` (:func:`kvd.hostid.host_identity`) proves the host; ``buffers`` are
-    the KV buffers then the aux buffers, in ``KVArgsWire`` order.
+    ``host_id`` (:func:`kvd.hostid.host_identity`) says which host; ``channel`` is the
+    NAME of the exporter's peer channel socket (joined to the importer's own
+    ``peer_channel_dir``) and ``pid`` the exporting daemon's pid, which the channel's
+    ``SO_PEERCRED`` must show (checked, never opened); ``buffers`` are the KV buffers then
+    the aux buffers, in ``KVArgsWire`` order.
     """
 
     host_id: str
     buffers: list[ExportedBuffer]
+    channel: str = ""
+    pid: int = 0

@@ -16,11 +16,11 @@ from kvd.transfer.backends.base import TransferEngine
 
 
 def importable_kinds() -> frozenset[str]:
-    """Peer handle kinds this process can import: ``proc_fd`` always, ``cuda_ipc`` when a
+    """Peer handle kinds this process can import: ``passed_fd`` always, ``cuda_ipc`` when a
     CUDA device is usable."""
     from kvd.memory.cuda import device_count
 
-    return frozenset({"proc_fd", "cuda_ipc"} if device_count() else {"proc_fd"})
+    return frozenset({"passed_fd", "cuda_ipc"} if device_count() else {"passed_fd"})
 
 
 def make_engine(s: Settings, submit_hook: Callable[[str, int, int], int | None] | None = None

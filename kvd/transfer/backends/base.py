@@ -144,10 +144,12 @@ class StartWrite(Protocol):
 class PeerAttach(Protocol):
     """Backends that can write into a same-host peer's imported memory."""
 
-    def attach_peer(self, address: str, pool: ExportedPool | None) -> str:
-        """Import ``pool`` for peer ``address``; returns the backend that will carry its
-        writes (``"local"`` or ``"mooncake"``). Raises HandleError if a ``local``-only
-        backend cannot import it (or got no pool)."""
+    def attach_peer(self, address: str, pool: ExportedPool | None,
+                    peer_instance: str = "", peer_endpoint: str = "") -> str:
+        """Import ``pool`` for peer ``address`` (daemon ``peer_instance`` at control
+        endpoint ``peer_endpoint``, which its peer channel must prove: case S18); returns
+        the backend that will carry its writes (``"local"`` or ``"mooncake"``). Raises
+        HandleError if a ``local``-only backend cannot import it (or got no pool)."""
         ...
 
     def detach_peer(self, address: str) -> None:

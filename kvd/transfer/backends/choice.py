@@ -3,9 +3,10 @@
 :func:`choose_backend` (settings ``transfer_backend``): ``mooncake`` and ``local`` are
 what they say; ``auto`` is ``local`` when the peer exported its pool, from this very
 host (:func:`kvd.hostid.same_host`), and every buffer is of a kind this daemon can
-import (``proc_fd`` always; ``cuda_ipc`` where CUDA works), else ``mooncake``. The
-import itself may still fail (another pid namespace or user): :class:`AutoEngine`
-then falls back to ``mooncake`` for that peer and logs why.
+import (``passed_fd`` always; ``cuda_ipc`` where CUDA works), else ``mooncake``. The
+import itself may still fail (the peer channel refused: another user, pid namespace or
+mount namespace, a wrong proof, a bad descriptor; case S18): :class:`AutoEngine` then
+falls back to ``mooncake`` for that peer and logs why; ``local`` refuses the pairing.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kvd.transfer.plan import Descriptors
 log = logging.getLogger(__name__)
 
 Choice = Literal["local", "mooncake"]
-KIND_TAGS = {"ProcFdHandle": "proc_fd", "CudaIpcHandle": "cuda_ipc"}
+KIND_TAGS = {"PassedFdHandle": "passed_fd", "CudaIpcHandle": "cuda_ipc"}
 
 
 def choose_backend(setting: str, host_id: str, pool: ExportedPool | None,
@@ -79,15 +80,16 @@ class AutoEngine:
         self.local.unregister(addr)
         self.mooncake.unregister(addr)
 
-    def attach_peer(self, address: str, pool: ExportedPool | None) -> Choice:
+    def attach_peer(self, address: str, pool: ExportedPool | None,
+                    peer_instance: str = "", peer_endpoint: str = "") -> Choice:
         choice, why = choose_backend(self.setting, self.local.host_id, pool, self.importable)
         if choice == "local" and pool is not None:
             try:
-                self.local.attach_peer(address, pool)
+                self.local.attach_peer(address, pool, peer_instance, peer_endpoint)
             except HandleError as exc:
                 if self.setting == "local":
                     raise
-                choice, why = "mooncake", f"import failed: {exc}"
+                choice, why = "mooncake", f"local import refused, falling back: {exc}"
         self.routes[address] = choice
         log.info("peer %s: %s backend (%s)", address, choice, why)
         return choice

@@ -1,8 +1,9 @@
 """The ``local`` transfer backend: both daemons on one host, bytes copied directly.
 
 The decode daemon exports its registered buffers (:class:`~kvd.protocol.memory.
-ExportedPool`: host memory as its open descriptors, GPU memory as CUDA IPC handles);
-the prefill daemon imports them once per peer (:meth:`LocalEngine.attach_peer`) and
+ExportedPool`: host memory as regions of descriptors that only its authenticated peer
+channel passes (:mod:`.peerchannel`, case S18), GPU memory as CUDA IPC handles); the
+prefill daemon imports them once per peer (:meth:`LocalEngine.attach_peer`) and
 then "writes" by copying page runs: ``ctypes.memmove`` (releases the GIL) for host
 memory, ``cudaMemcpyAsync`` on a stream (:class:`kvd.memory.cuda.CudaCopier`, peer
 access enabled) when either side is GPU memory. Same rules as over the wire:
@@ -25,6 +26,7 @@ import ctypes
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +35,14 @@ import numpy as np
 from kvd.errors import BoundsError, HandleError, KvdError, TransportError
 from kvd.hostid import host_identity, same_host
 from kvd.memory import Buffer, Importer, import_all, release_all
-from kvd.protocol.memory import ExportedPool
+from kvd.protocol.memory import CudaIpcHandle, ExportedPool
+from kvd.transfer.backends.peerchannel import (
+    Claim,
+    Identity,
+    check_not_own,
+    close_all,
+    fetch_pool,
+)
 from kvd.transfer.plan import U64, Descriptors
 
 log = logging.getLogger(__name__)
@@ -75,6 +84,18 @@ class _Table:
         return safe
 
 
+@dataclass(frozen=True)
+class Channel:
+    """How this daemon reaches same-host peers' channels: its ``folder``
+    (``peer_channel_dir``) and who it is there."""
+
+    folder: Path
+    me: Identity
+    timeout: float = 5.0
+    #: ``(st_dev, st_ino)`` of this daemon's own engine files: never a peer's
+    own_files: Callable[[], set[tuple[int, int]]] = set
+
+
 @dataclass
 class _Peer:
     buffers: list[Buffer]
@@ -86,8 +107,10 @@ class LocalEngine:
     handles (a fresh one by default); ``address`` defaults to
     ``local:<host identity>:<pid>``."""
 
-    def __init__(self, importer: Importer | None = None, address: str | None = None) -> None:
+    def __init__(self, importer: Importer | None = None, address: str | None = None,
+                 channel: Channel | None = None) -> None:
         self.importer = importer or Importer(shm_dir=Path("/nonexistent"))  # peers: no names
+        self.channel = channel
         self.host_id = host_identity()
         self._address = address or f"local:{self.host_id}:{os.getpid()}"
         self._own: dict[int, tuple[int, str]] = {}  # addr -> (length, device)
@@ -113,13 +136,30 @@ class LocalEngine:
                 raise TransportError(f"unregister({addr:#x}): not registered")
             self._own_table = None
 
-    def attach_peer(self, address: str, pool: ExportedPool) -> str:
-        """Import every buffer of ``pool`` (all or nothing). Raises HandleError when the
-        pool is from another host or a buffer cannot be imported here."""
+    def attach_peer(self, address: str, pool: ExportedPool, peer_instance: str = "",
+                    peer_endpoint: str = "") -> str:
+        """Import every buffer of ``pool`` (all or nothing): host memory only as the
+        descriptors the peer's channel passes after proving it is daemon
+        ``peer_instance`` at control endpoint ``peer_endpoint`` with transfer session
+        ``address`` (:func:`~.peerchannel.fetch_pool`). Raises HandleError when
+        the pool is from another host, the channel refuses, or a buffer cannot be
+        imported here."""
         if not same_host(pool.host_id, self.host_id):
             raise HandleError(f"peer {address} is on another host ({pool.host_id})")
-        bufs = import_all(lambda b: self.importer.peer_buffer(b.handle),  # type: ignore[attr-defined]
-                          pool.buffers)
+        fds: list[int] = []
+        if any(not isinstance(b.handle, CudaIpcHandle) for b in pool.buffers):
+            if self.channel is None:
+                raise HandleError("no peer channel configured: host memory of a peer is "
+                                  "accepted only through it")
+            fds = fetch_pool(self.channel.folder, pool, self.channel.me,
+                             Claim(peer_instance, peer_endpoint, address), self.channel.timeout)
+        try:
+            if fds and self.channel is not None:
+                check_not_own(fds, self.channel.own_files())
+            bufs = import_all(lambda b: self.importer.peer_buffer(b.handle, fds),  # type: ignore[attr-defined]
+                              pool.buffers)
+        finally:
+            close_all(fds)
         try:
             table = _Table.of([b.address for b in pool.buffers], [b.length for b in pool.buffers],
                               [m.address for m in bufs], [m.device for m in bufs])

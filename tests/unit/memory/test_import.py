@@ -16,7 +16,7 @@ from kvd.client import FdPool, ShmPool
 from kvd.errors import CudaUnavailable, HandleError
 from kvd.memory import Importer, import_engine
 from kvd.memory import cuda as kcuda
-from kvd.protocol.memory import CudaIpcHandle, FdHandle, ProcFdHandle, ShmHandle
+from kvd.protocol.memory import CudaIpcHandle, FdHandle, PassedFdHandle, ShmHandle
 
 
 @pytest.fixture
@@ -151,16 +151,19 @@ def test_s07_overlapping_buffers_refused_and_released(shm: Path) -> None:
     assert imp.host.files == {}
 
 
-def test_proc_fd_import_of_own_pid_is_refused_and_identity_checked(shm: Path) -> None:
+def test_passed_fd_region_names_only_a_position_among_the_passed_descriptors(shm: Path
+                                                                           ) -> None:
     pool = ShmPool(4096, shm_dir=str(shm))
     fd = os.open(pool.path, os.O_RDWR)
-    st = os.fstat(fd)
     imp = Importer(shm)
     try:
-        with pytest.raises(HandleError, match="own memory"):
-            imp.peer_buffer(ProcFdHandle(os.getpid(), fd, st.st_dev, st.st_ino, 0, 64))
-        with pytest.raises(HandleError, match="pid namespace"):
-            imp.peer_buffer(ProcFdHandle(1, fd, st.st_dev, st.st_ino, 0, 64, "pid:[1]"))
+        with pytest.raises(HandleError, match="descriptor #1 of 1"):
+            imp.peer_buffer(PassedFdHandle(1, 0, 64), [fd])
+        with pytest.raises(HandleError, match="outside"):
+            imp.peer_buffer(PassedFdHandle(0, 4000, 4096), [fd])
+        buf = imp.peer_buffer(PassedFdHandle(0, 64, 64), [fd])
+        assert buf.length == 64
+        buf.release()
     finally:
         os.close(fd)
         pool.close()
