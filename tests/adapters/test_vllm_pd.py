@@ -182,8 +182,9 @@ def test_k35_a_client_leaving_during_prefill_leaves_nothing_pinned(cluster: PdCl
     body = json.dumps(chat_body(prompt, 64, stream=True, min_tokens=8)).encode()
     host, port = cluster.proxy_url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as conn:  # a raw client: it leaves
-        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: proxy\r\n"  # before any
-                     b"Content-Type: application/json\r\nContent-Length: "  # response byte
+        # leaves before any response byte; a loopback proxy wants a loopback Host (S20)
+        conn.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: " + host.encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: "
                      + str(len(body)).encode() + b"\r\n\r\n" + body)
         time.sleep(0.3)  # 0.3 s into the prefill leg
     def idle() -> bool:
