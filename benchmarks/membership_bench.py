@@ -139,14 +139,16 @@ def _closing(*things: Any) -> Iterator[list[Any]]:
 
 def _restart_bootstrap(work: Path, interval: float, wait_down: bool) -> dict[str, Any]:
     ports = {"zmq_port": _free_port(), "http_port": _free_port()}
-    p = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING", **ports)
-    d = start_daemon("decode", work, log_level="WARNING", heartbeat_interval=interval,
-                     heartbeat_max_failures=1, bootstrap_retry_budget=10.0,
-                     waiting_timeout=120.0)
-    pe, de, http, rooms = EngineStandIn(p.socket, seed=1), EngineStandIn(d.socket, seed=2), \
-        httpx.Client(timeout=10), _Rooms()
-    with _closing(d, de, http) as held:
-        held += [p, pe]
+    http, rooms = httpx.Client(timeout=10), _Rooms()
+    with _closing(http) as held:
+        p = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING", **ports)
+        held.append(p)
+        d = start_daemon("decode", work, log_level="WARNING", heartbeat_interval=interval,
+                         heartbeat_max_failures=1, bootstrap_retry_budget=10.0,
+                         waiting_timeout=120.0)
+        held.append(d)
+        pe, de = EngineStandIn(p.socket, seed=1), EngineStandIn(d.socket, seed=2)
+        held += [pe, de]
         rooms.first_success(pe, de, p.http_addr)
         _until(lambda: _peer_row(http, d, p.http_addr).get("last_heartbeat"), "D probed P")
         bound = Receiver(de.client, 1, p.http_addr)
@@ -205,12 +207,14 @@ def _restart_etcd(work: Path, ttl: float) -> dict[str, Any]:
     opts = {"discovery": "etcd", "etcd_endpoints": etcd.url, "etcd_prefix": prefix,
             "etcd_lease_ttl": ttl, "log_level": "WARNING"}
     try:
-        p = start_daemon("prefill", work, bootstrap_addr=name, zmq_port=zmq, **opts)
-        d = start_daemon("decode", work, waiting_timeout=120.0, **opts)
-        pe, de, rooms = EngineStandIn(p.socket, seed=1), EngineStandIn(d.socket, seed=2), \
-            _Rooms()
-        with _closing(d, de) as held:
-            held += [p, pe]
+        rooms = _Rooms()
+        with _closing() as held:
+            p = start_daemon("prefill", work, bootstrap_addr=name, zmq_port=zmq, **opts)
+            held.append(p)
+            d = start_daemon("decode", work, waiting_timeout=120.0, **opts)
+            held.append(d)
+            pe, de = EngineStandIn(p.socket, seed=1), EngineStandIn(d.socket, seed=2)
+            held += [pe, de]
             _until(lambda: _etcd_regs(etcd, prefix), "P registered in etcd")
             rooms.first_success(pe, de, name)
             bound = Receiver(de.client, 1, name)
