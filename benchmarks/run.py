@@ -18,13 +18,19 @@ flood: /health latency, heartbeat jitter and engine-RPC latency of a prefill kvd
   missed heartbeat; benchmarks/flood_bench.py).
 cancel: a fresh 1-page room's latency after N queued rooms of M MiB were aborted, vs the
   same room alone (goal <= 2x; benchmarks/cancel_bench.py, case K43).
+restart: a prefill kvd SIGKILLed and restarted on the same ports while a decode has a room
+  to it: from the new instance's registration to its first successful room, with bootstrap
+  discovery and with etcd, vs one heartbeat_interval (goal <= 100 ms; K37).
+deadaddr: a decode's CPU and /health p99 after one Many of 4 096 rooms naming dead
+  bootstrap addresses, vs the same window idle (goal: <= 2x idle + 0.1 CPU-s/s; K41;
+  both in benchmarks/membership_bench.py).
 issue14: every row of issue 14's table (P1, P1b, P4, P5, P6, P8) beside its baseline,
   ratio and goal (benchmarks/issue14.py); SGLang's connector rows need SGLang installed
   (`make bench` builds .venv-bench with it).
 All results are saved as one JSON file under benchmarks/results/.
 
 Usage: python benchmarks/run.py [--mib 256] [--repeats 3]
-       [--only issue14,transfer,plan,hetero,samehost,flood,cancel]
+       [--only issue14,transfer,plan,hetero,samehost,flood,cancel,restart,deadaddr]
 """
 
 from __future__ import annotations
@@ -262,11 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rooms", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", default="issue14,plan,hetero,samehost,flood,cancel")
+    ap.add_argument("--only", default="issue14,plan,hetero,samehost,flood,cancel,restart,deadaddr")
     ap.add_argument("--cancel-rooms", type=int, default=150, help="cancel: rooms aborted")
     ap.add_argument("--cancel-mib", type=int, default=32, help="cancel: MiB per room")
     ap.add_argument("--cancel-inflight-mib", type=int, default=None,
                     help="cancel: the prefill's inflight_bytes in MiB (default: kvd's)")
+    ap.add_argument("--restart-interval", type=float, default=5.0,
+                    help="restart: the decode's heartbeat_interval (the baseline), s")
+    ap.add_argument("--restart-ttl", type=float, default=2.0,
+                    help="restart: etcd_lease_ttl of the etcd variant, s")
+    ap.add_argument("--dead-addrs", type=int, default=4096,
+                    help="deadaddr: distinct dead bootstrap addresses in one Many")
+    ap.add_argument("--dead-seconds", type=float, default=5.0,
+                    help="deadaddr: seconds per CPU window")
     ap.add_argument("--flood-seconds", type=float, default=6.0, help="per flood phase")
     ap.add_argument("--rss-rooms", type=int, default=100_000,
                     help="P6: rooms created -> succeeded -> cleared (after the room "
@@ -314,6 +328,16 @@ def main(argv: list[str] | None = None) -> int:
         import flood_bench
 
         results["flood"] = flood_bench.run(console, args.flood_seconds)
+    if only & {"restart", "deadaddr"}:
+        sys.path.insert(0, str(Path(__file__).parent))
+        import membership_bench
+
+        if "restart" in only:
+            results["restart"] = membership_bench.bench_restart(
+                console, args.repeats, args.restart_interval, args.restart_ttl)
+        if "deadaddr" in only:
+            results["deadaddr"] = membership_bench.bench_deadaddr(
+                console, args.dead_addrs, args.dead_seconds)
     if "cancel" in only:
         sys.path.insert(0, str(Path(__file__).parent))
         import cancel_bench

@@ -87,3 +87,25 @@ def test_issue14_api_rows_run_in_every_placement() -> None:
         for field in ("trivial_rpc_p50_us", "echo_p50_us", "poll_many_1000_p50_us",
                       "send_idle_p50_us", "init_idle_p50_us"):
             assert where[field] > 0, (field, where)
+
+
+def test_membership_bench_rows_run_with_every_room_checked() -> None:
+    """Issue 19's rows (benchmarks/membership_bench.py) in a reduced form: each restart
+    variant's first successful room on the new instance is found (its bytes checked by
+    the bench) after a death each source saw, and 256 dead addresses fail every room
+    with /health answered throughout. Outcomes only: the timings are the bench's."""
+    stdout, r = _bench("--only", "restart,deadaddr", "--repeats", "1", "--restart-interval",
+                       "1", "--dead-addrs", "256", "--dead-seconds", "1")
+    assert "restart -> first successful room" in stdout and "dead bootstrap" in stdout
+    runs = r["restart"]["runs"]
+    for name in ("bootstrap_down_seen", "bootstrap_at_once"):
+        [run] = runs[name]
+        assert run["restart_to_first_room_s"] > 0
+        assert run["heartbeat_learned_restart_s"] >= 0
+    assert runs["bootstrap_down_seen"][0]["heartbeat_state_at_restart"] == "down"
+    [etcd] = runs["etcd"]
+    assert "skipped" in etcd or etcd["bound_room_failure"][0] == "peer"
+    dead = r["deadaddr"]
+    assert dead["rooms_failed"] == 256
+    assert all(w.get("health_failed", 0) == 0 for w in dead["windows"])
+    assert dead["tables_after"]["heartbeat_targets"] == 0

@@ -163,3 +163,98 @@ def test_k39_decodes_that_come_and_go_leave_no_socket_on_the_prefill(tmp_path: P
     finally:
         engine.close()
         p.stop()
+
+
+def _resources(pid: int) -> dict[str, int]:
+    """What a process holds: open FDs, threads, RSS bytes (/proc)."""
+    rss_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    return {"fds": len(os.listdir(f"/proc/{pid}/fd")),
+            "threads": len(os.listdir(f"/proc/{pid}/task")),
+            "rss": rss_pages * os.sysconf("SC_PAGE_SIZE")}
+
+
+SOAK_DECODES, SOAK_AT_ONCE = 32, 4
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_k39_soak_many_decodes_come_and_go_and_the_prefill_returns_to_baseline(
+        tmp_path: Path) -> None:
+    """K39 soak (issue 19): 32 decodes, 4 at a time, each serve a room (bytes checked) and
+    are SIGKILLed. Once all are forgotten (peer_ttl), the prefill's resources are back
+    to its baseline, taken after one warm-up decode came and went (Mooncake starts its
+    worker threads and the first session lazily; those stay by design):
+
+    * TCP sockets to other processes (kvd.netstat): <= baseline, none in CLOSE-WAIT;
+    * open FDs and threads: <= baseline + 4 (a leak of one per decode would be +32);
+    * RSS: <= baseline + 32 MiB (allocator slack, not a ratio: a per-decode leak of
+      ~1 MiB would show).
+
+    Issue 19 asks for 200; 32 fit the suite's time (two runs at 200 found the two
+    failures reported with issue 19: the stale segment named below, and, once, rooms
+    that hung in Transferring from the 34th decode on; 60 with the ranges passed).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvd.netstat import connections, listeners
+
+    def to_others(pid: int) -> list:
+        mine = connections(pid)
+        own = {c.port for c in mine} | {x.port for x in listeners(pid)}
+        return [c for c in mine if c.remote_port not in own]
+
+    p = start_daemon("prefill", tmp_path, serve_bootstrap=True, peer_ttl=1.0,
+                     log_level="WARNING")
+    engine = EngineStandIn(p.socket, seed=1)
+    pid = p.proc.pid
+
+    def one(i: int) -> None:
+        # a transfer port range of its own: a decode that comes back on a dead decode's
+        # transfer session name is written through the prefill's cached Mooncake segment
+        # of the dead one (refused: its data port differs) -- a separate case this soak
+        # found at 200 decodes, not the resources it checks
+        ports = f"{20000 + 8 * i}-{20000 + 8 * i + 7}"
+        d = start_daemon("decode", tmp_path, log_level="WARNING", transfer_port_range=ports)
+        try:
+            de = EngineStandIn(d.socket, seed=2)
+            try:
+                room = 3900 + i
+                send, recv = transfer_room(engine, de, p.http_addr, room, [i % 60], [i % 60],
+                                           chunk=1)
+                assert wait_rooms(de.client, [room], timeout=60) == [KVPoll.Success], \
+                    (d.ready["control_endpoint"], recv.failure(), send.poll(), send.failure())
+                assert de.pages_equal(engine, [i % 60], [i % 60])
+                engine.client.call(rpc.Clear(room=room))
+            finally:
+                de.close()
+        finally:
+            d.kill(signal.SIGKILL)
+            d.proc.wait(30)
+
+    def settled(base_sockets: int) -> bool:
+        return len(to_others(pid)) <= base_sockets and not peer_rows(p)
+
+    try:
+        one(0)  # warm-up
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and peer_rows(p):
+            time.sleep(0.2)
+        base_sockets, base = len(to_others(pid)), _resources(pid)
+        with ThreadPoolExecutor(SOAK_AT_ONCE) as pool:
+            list(pool.map(one, range(1, 1 + SOAK_DECODES)))
+        during = _resources(pid)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not settled(base_sockets):
+            time.sleep(0.2)
+        left, after = to_others(pid), _resources(pid)
+        print(f"K39 soak: baseline {base} sockets {base_sockets}; right after the "
+              f"decodes {during}; settled {after} sockets {len(left)}")
+        assert len(left) <= base_sockets, left
+        assert not any(c.state == "08" for c in left)  # no CLOSE-WAIT
+        assert peer_rows(p) == {}  # every decode forgotten
+        assert after["fds"] <= base["fds"] + 4, (base, after)
+        assert after["threads"] <= base["threads"] + 4, (base, after)
+        assert after["rss"] <= base["rss"] + (32 << 20), (base, after)
+    finally:
+        engine.close()
+        p.stop()
