@@ -46,11 +46,42 @@ def stop_pair(pair: PdPair) -> None:
 
 
 @pytest.fixture(scope="session")
-def pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdPair]:
+def shared_pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdPair]:
     """One P/D pair shared by the integration tests (creating engines is cheap, stopping not)."""
     pair = start_pair(tmp_path_factory.mktemp("pd"))
     yield pair
     stop_pair(pair)
+
+
+@pytest.fixture
+def pd_pair(shared_pd_pair: PdPair) -> Iterator[PdPair]:
+    """The shared pair, with every room a test left unfinished ended after it: a live room
+    holds its destination pages (K42), so one test's leftovers must not refuse the next
+    test's pages."""
+    yield shared_pd_pair
+    settle_rooms(shared_pd_pair)
+
+
+def settle_rooms(pair: PdPair, bound: float = 30.0) -> None:
+    """Abort every unfinished room on both daemons of ``pair`` and clear it once its pages
+    are releasable (at most ``bound`` s each); best effort, never raises."""
+    from kvd.client import Receiver, Sender
+
+    for daemon, engine, kind in ((pair.decode, pair.d_engine, Receiver),
+                                 (pair.prefill, pair.p_engine, Sender)):
+        try:
+            resp = signed("GET", f"http://{daemon.http_addr}/v1/rooms")
+            rows = resp.json() if resp.status_code == 200 else []
+        except Exception:  # a test that stopped a daemon: nothing to settle
+            continue
+        for row in rows:
+            room = kind.attach(engine.client, int(row["room"]))
+            try:
+                if row.get("state") not in ("Success", "Failed"):
+                    room.abort("test over")
+                room.clear(timeout=bound)
+            except Exception:  # the room ended meanwhile, or the engine went away
+                pass
 
 
 BACKENDS = ["mooncake", "local"]
