@@ -87,7 +87,7 @@ def start_daemon(role: str, workdir: str | Path | None = None, timeout: float = 
     """
     work = Path(workdir or tempfile.mkdtemp(prefix="kvd-"))
     work.mkdir(parents=True, exist_ok=True)
-    settings.setdefault("engine_socket", str(work / f"{role}-{os.getpid()}-{time.time_ns()}.sock"))
+    settings.setdefault("engine_socket", str(work / f"{role}-{secrets.token_hex(4)}.sock"))
     settings["role"] = role
     cfg = work / f"kvd-{role}-{time.time_ns()}.toml"
     cfg.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in settings.items()))
