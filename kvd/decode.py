@@ -197,6 +197,8 @@ class DecodeSide(Side):
                 EtcdClient(etcd_options(s)), s.etcd_prefix, s.bootstrap_retry_budget,
                 s.etcd_view_ttl, s.etcd_lease_ttl, self.on_discovery, core.clock)
         self.registered: dict[str, str] = {}  # prefill endpoint -> instance registered with
+        #: prefill endpoint -> when this rank last sent it a message (registered ones only)
+        self.last_sent: dict[str, float] = {}
         self.skewed: dict[str, tuple[str, float]] = {}  # endpoint -> (skew reason, when)
         self._registering: dict[tuple[str, str], asyncio.Future[None]] = {}
         st = core.settings
@@ -337,6 +339,7 @@ class DecodeSide(Side):
     def perform(self, eff: Effect) -> None:
         match eff:
             case Send():
+                self._sent_to(eff.to)
                 self.core.post(eff.to, eff.msg, self._on_send_fail(eff), eff.to_instance)
             case Resolve():
                 self.core.spawn(self._resolve(eff), f"resolve-{eff.room}")
@@ -430,8 +433,17 @@ class DecodeSide(Side):
 
     async def _ensure_registered(self, endpoint: str, instance: str) -> None:
         """Register this rank's KV args with prefill rank ``endpoint`` (its instance
-        ``instance``) once; concurrent rooms share the one message."""
-        if self.registered.get(endpoint) == instance:
+        ``instance``) once, and again when this rank sent it nothing for half of
+        ``peer_ttl``; concurrent rooms share the one message.
+
+        The prefill forgets a decode rank that sent it nothing for ``peer_ttl`` s (S08)
+        and drops its later messages unanswered (S13): a room whose pages went to a
+        registration the prefill had forgotten waited until ``waiting_timeout``. The
+        decode cannot see the prefill forget it, so it stops trusting a registration well
+        before then (it assumes the prefill's ``peer_ttl`` is no shorter than its own)."""
+        last = self.last_sent.get(endpoint)
+        if self.registered.get(endpoint) == instance and last is not None and \
+                self.core.clock() - last <= self.core.settings.peer_ttl / 2:
             return
         key = (endpoint, instance)
         fut = self._registering.get(key)
@@ -456,6 +468,13 @@ class DecodeSide(Side):
         if not await self.core.send(endpoint, msg, instance):  # sealed for that instance
             raise PeerUnreachable(f"cannot reach prefill rank {endpoint}")
         self.registered[endpoint] = instance
+        self.last_sent[endpoint] = self.core.clock()
+
+    def _sent_to(self, endpoint: str) -> None:
+        """Note a message to prefill rank ``endpoint`` (it keeps the registration alive
+        there, see :meth:`_ensure_registered`)."""
+        if endpoint in self.registered:
+            self.last_sent[endpoint] = self.core.clock()
 
     async def _abort_unknown(self, eff: AbortUnknown) -> None:
         """Tell the prefill ranks of a room this daemon does not know (K34)."""
@@ -468,6 +487,7 @@ class DecodeSide(Side):
                         extra=fields(room=eff.room, peer=eff.bootstrap_addr))
             return
         for t in targets:
+            self._sent_to(t.endpoint)
             self.core.post(t.endpoint, control.RoomAbort(
                 room=eff.room, inc=0, kind=eff.failure.kind.value, reason=eff.failure.reason,
                 endpoint=self.core.control.endpoint, instance_id=self.core.instance_id),
@@ -605,6 +625,7 @@ class DecodeSide(Side):
                 self.bootstrap.forget(r.key)
             case ResourceKind.REGISTRATION:
                 self.registered.pop(r.key, None)
+                self.last_sent.pop(r.key, None)
             case ResourceKind.SOCKET:
                 self.core.control.drop(r.key)
 
@@ -616,6 +637,7 @@ class DecodeSide(Side):
     def engine_registered(self, args: RankArgs) -> None:
         """New local buffers: register them again with every prefill rank."""
         self.registered.clear()
+        self.last_sent.clear()
         self.rooms.engine_registered(args.num_pages, args.num_aux_slots,
                                      tuple(int(n) for n in args.aux_item_lens))
 

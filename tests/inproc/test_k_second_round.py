@@ -433,3 +433,24 @@ async def test_k21_a_prefill_restart_before_any_heartbeat_fails_rooms_from_the_s
     await settle(cluster)
     assert await de.status(142) == SUCCESS
     assert same_pages(de, pe2, [5], [3])
+
+
+async def test_k16_a_room_after_the_prefill_forgot_an_idle_decode_is_not_left_waiting(
+        cluster: Cluster) -> None:
+    """P forgets a decode rank idle for ``peer_ttl`` (S08) and drops its later messages
+    unanswered (S13); D, whose own heartbeat round has not forgotten P yet, must not trust
+    its registration then: the next room registers again and succeeds, instead of waiting
+    in WaitingForInput until ``waiting_timeout`` (its pages dropped as ``unregistered``)."""
+    p, d, pe, de = await pair(cluster, p_opts={"peer_ttl": 30.0}, d_opts={"peer_ttl": 30.0})
+    await de.receiver(190, [1], p.http_addr)
+    await pe.sender(190, [3])
+    await settle(cluster)
+    assert await de.status(190) == SUCCESS
+    await cluster.advance(31.0)  # P's sweep forgets D; D's heartbeat round has not run
+    assert d.endpoint not in p.side.rooms.peers
+    await de.receiver(191, [2], p.http_addr)
+    await pe.sender(191, [4])
+    await settle(cluster)
+    assert p.side.rooms.dropped["unregistered"] == 0
+    assert await de.status(191) == SUCCESS
+    assert same_pages(de, pe, [4], [2])
