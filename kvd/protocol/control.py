@@ -13,8 +13,8 @@ Bounds (case S19): every field has a bound (:data:`MAX_ROOM_PAGES`, :data:`MAX_B
 :data:`MAX_AUX_BUFFERS`, :data:`MAX_AUX_ITEM`, :data:`MAX_TEXT`, :data:`MAX_NAME`),
 checked when a frame is decoded; :func:`max_frame` is the largest frame a real message
 can need, derived from them, and the control socket refuses anything larger before it
-is read (ZMQ ``MAXMSGSIZE``). Reasons longer than :data:`MAX_TEXT` are clipped when
-encoded.
+is read (ZMQ ``MAXMSGSIZE``). A reason is cut to the one reason bound,
+:data:`kvd.text.MAX_REASON_BYTES`, when encoded (:func:`clipped`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import msgspec
 from kvd.errors import ProtocolError
 from kvd.protocol import codec
 from kvd.protocol.memory import CUDA_IPC_HANDLE_BYTES, CudaIpcHandle, ExportedBuffer, ExportedPool
-from kvd.text import clean
+from kvd.text import MAX_REASON_BYTES, bound, clean
 
 #: Most pages one RoomPages may name (a 1M-page room: 1M tokens at page size 1).
 MAX_ROOM_PAGES = 1 << 20
@@ -37,8 +37,11 @@ MAX_BUFFERS = 4096
 #: (``aux_transport = "control"``; SGLang's largest aux item is a hidden state).
 MAX_AUX_BUFFERS = 32
 MAX_AUX_ITEM = 128 << 10
-#: Longest reason text (bytes of UTF-8 at most 4 per character: characters here).
-MAX_TEXT = 4096
+#: Longest reason text on the wire (characters). The one bound is
+#: :data:`kvd.text.MAX_REASON_BYTES` (UTF-8 bytes): a sender cuts a reason to it with
+#: :func:`kvd.text.bound`, so it is at most that many characters too; a receiver refuses
+#: longer (malformed) and cleans what it takes with :func:`kvd.text.clean`.
+MAX_TEXT = MAX_REASON_BYTES
 #: Longest name: endpoints, instance ids, transfer sessions, failure kinds.
 MAX_NAME = 256
 
@@ -211,9 +214,13 @@ _decoder: msgspec.msgpack.Decoder[Frame] = msgspec.msgpack.Decoder(Frame)
 
 
 def clipped(msg: ControlMessage) -> ControlMessage:
-    """``msg`` with its reason cut to :data:`MAX_TEXT` characters (a peer refuses longer)."""
-    if isinstance(msg, RoomStatus | RoomAbort) and len(msg.reason) > MAX_TEXT:
-        return msgspec.structs.replace(msg, reason=msg.reason[:MAX_TEXT - 3] + "...")
+    """``msg`` with its reason cut by :func:`kvd.text.bound` to
+    :data:`~kvd.text.MAX_REASON_BYTES` bytes of UTF-8, the cut said (a peer refuses a
+    reason past :data:`MAX_TEXT` characters as malformed). Other messages unchanged."""
+    if isinstance(msg, RoomStatus | RoomAbort):
+        reason = bound(msg.reason)
+        if reason is not msg.reason:
+            return msgspec.structs.replace(msg, reason=reason)
     return msg
 
 

@@ -231,3 +231,16 @@ def test_a_long_reason_is_clipped_when_encoded_so_that_the_peer_takes_it() -> No
     batch = control.decode_many(control.encode_many([msg, msg]))
     assert all(len(m.reason.encode()) <= control.MAX_TEXT  # type: ignore[union-attr]
                for m in batch)
+
+
+def test_s21_one_reason_bound_on_the_wire_and_in_every_sink() -> None:
+    from kvd.text import MAX_REASON_BYTES, clean
+    assert control.MAX_TEXT == MAX_REASON_BYTES
+    # multibyte text: what is sent is what the receiver keeps (cut once, by one rule)
+    msg = control.RoomAbort(room=1, inc=2, kind="aborted", reason="\u00e9" * 5_000,
+                            endpoint="tcp://a:1", instance_id="x")
+    sent = control.clipped(msg)
+    assert isinstance(sent, control.RoomAbort)
+    assert len(sent.reason.encode()) <= MAX_REASON_BYTES and sent.reason == clean(msg.reason)
+    out = control.decode(control.encode(msg))
+    assert isinstance(out, control.RoomAbort) and out.reason == sent.reason
