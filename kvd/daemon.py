@@ -36,6 +36,7 @@ from kvd.engine_rpc.server import LATER, Connection, EngineRpcServer
 from kvd.errors import ConfigError, KvdError, ProtocolError, RegistrationError, RoomError
 from kvd.memory import Importer
 from kvd.protocol import control, rpc
+from kvd.protocol.release import ReleaseAnswer, ReleaseRequest
 from kvd.ranks import PAIRS, Ranks, resolve
 from kvd.security import Authenticator
 from kvd.side import Side, make_side
@@ -167,7 +168,7 @@ class Daemon:
         return create_app(self.health, self.table if with_route else None, self.ops,
                           auth=self.core.auth, on_auth_failure=self._http_auth_failed,
                           docs=s.http_docs, loopback=is_loopback(s.http_host),
-                          body_timeout=s.http_body_timeout)
+                          body_timeout=s.http_body_timeout, release=self.release_rooms)
 
     async def _start_bootstrap_listener(self, auth: Authenticator) -> None:
         """/route (and /health) on their own listener: bootstrap_host:bootstrap_port."""
@@ -175,12 +176,17 @@ class Daemon:
         host = s.bootstrap_host or s.http_host
         app = create_app(self.health, self.table, None, auth=auth,
                          on_auth_failure=self._http_auth_failed, loopback=is_loopback(host),
-                         body_timeout=s.http_body_timeout)
+                         body_timeout=s.http_body_timeout, release=self.release_rooms)
         self.bootstrap_server = HttpServer(app, bind_socket(host, s.bootstrap_port or 0),
                                            self.http_guard)
         await self.bootstrap_server.start()
         if s.bootstrap_addr is None:
             s.bootstrap_addr = join_hostport(host.strip("[]"), self.bootstrap_server.port)
+
+    def release_rooms(self, req: ReleaseRequest) -> ReleaseAnswer:
+        """``POST /v1/rooms/release`` (K45/K46): the side's answer."""
+        assert self.side is not None
+        return self.side.release(req)
 
     def _http_auth_failed(self, exc: Exception) -> None:
         if self.core is not None:

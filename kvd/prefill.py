@@ -25,12 +25,14 @@ from kvd.errors import (
     KvdError,
     LayoutError,
     RegistrationError,
+    RoomError,
     TransportError,
     WriteCancelled,
 )
 from kvd.logs import fields
 from kvd.protocol import control, rpc
 from kvd.protocol.codec import unpack_indices
+from kvd.protocol.release import DIGEST_BYTES, ReleaseAnswer, ReleaseOutcome, ReleaseRequest
 from kvd.rooms.effects import CancelWrites, Effect, Report, Write, WriteDest
 from kvd.rooms.sender import Limits, RankPosition, SenderRooms
 from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
@@ -88,7 +90,10 @@ class PrefillSide(Side):
         now = self.core.clock()
         match call:
             case rpc.SenderCreate():
-                effects = self.rooms.create(call.room, now)
+                if call.release_digest and len(call.release_digest) != DIGEST_BYTES:
+                    raise RoomError(f"room {call.room}: release_digest must be "
+                                    f"{DIGEST_BYTES} bytes, got {len(call.release_digest)}")
+                effects = self.rooms.create(call.room, now, call.release_digest)
                 self.core.events.room_started(self.role, call.room)
             case rpc.SenderInit():
                 effects = self.rooms.init(call.room, call.num_pages, call.aux_index, now)
@@ -139,6 +144,20 @@ class PrefillSide(Side):
 
     def clear(self, room: int) -> None:
         self.run(self.rooms.clear(room, self.core.clock()))
+
+    def release(self, req: ReleaseRequest) -> ReleaseAnswer:
+        """``POST /v1/rooms/release``: each room of ``req`` ended if ``req.token`` is its
+        opener's (:meth:`SenderRooms.release`); one answer per room, never an error for
+        one room's refusal."""
+        now, answers = self.core.clock(), {}
+        for room in dict.fromkeys(req.rooms):
+            outcome, effects = self.rooms.release(room, req.token, req.reason, now)
+            self.run(effects)
+            answers[str(room)] = outcome.value
+            if outcome is not ReleaseOutcome.RELEASED:
+                log.info("release of room %d: %s", room, outcome.value,
+                         extra=fields(room=room))
+        return ReleaseAnswer(rooms=answers)
 
     def unfinished(self) -> list[int]:
         return [k for k, r in self.rooms.rooms.items() if not r.done]

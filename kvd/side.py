@@ -25,6 +25,7 @@ from kvd.core import Core
 from kvd.errors import ProtocolError, RoomError
 from kvd.logs import fields
 from kvd.protocol import control, rpc
+from kvd.protocol.release import ReleaseAnswer, ReleaseRequest
 from kvd.rooms.effects import Effect, Ended, ForgetPeer, Wake
 from kvd.rooms.state import UNKNOWN_ROOM, KVPoll, RoomFailure, Timeouts
 from kvd.schemas import Peer, Room
@@ -92,6 +93,11 @@ class Side(abc.ABC):
     @abc.abstractmethod
     def clear(self, room: int) -> None:
         """The engine forgets ``room`` (RoomError while its pages are not releasable)."""
+
+    def release(self, req: ReleaseRequest) -> ReleaseAnswer:
+        """``POST /v1/rooms/release``: the opener ends its rooms (K45/K46). Only a prefill
+        holds rooms an opener can end: RoomError elsewhere (the HTTP answer's 404)."""
+        raise RoomError(f"rooms are released on the prefill kvd, this one is {self.role}")
 
     def poll(self, rooms: Iterable[int]) -> rpc.PollResult:
         """Statuses of many rooms in one answer (unknown rooms: ``UNKNOWN_ROOM``,

@@ -11,6 +11,7 @@ the Host header).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -19,7 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvd.bootstrap.guard import RequestGuard
+from kvd.bootstrap.guard import RELEASE_PATH, RequestGuard
+from kvd.bootstrap.ratelimit import TokenBucket
 from kvd.bootstrap.table import (
     BootstrapTable,
     Conflict,
@@ -29,7 +31,8 @@ from kvd.bootstrap.table import (
     PrefillRegistration,
     RankInfo,
 )
-from kvd.errors import AuthError
+from kvd.errors import AuthError, RoomError
+from kvd.protocol.release import ReleaseAnswer, ReleaseError, ReleaseRequest, parse_request
 from kvd.schemas import Readiness, Room, Status
 from kvd.security import Authenticator
 
@@ -49,7 +52,9 @@ def create_app(health: Callable[[], dict[str, Any]], table: BootstrapTable | Non
                ops: Ops | None = None, auth: Authenticator | None = None,
                on_auth_failure: Callable[[AuthError], None] | None = None,
                docs: bool = False, loopback: bool = False,
-               body_timeout: float = 10.0) -> FastAPI:
+               body_timeout: float = 10.0,
+               release: Callable[[ReleaseRequest], ReleaseAnswer] | None = None,
+               clock: Callable[[], float] = time.monotonic) -> FastAPI:
     """Build the app. ``health()`` returns the /health JSON; ``table`` enables /route;
     ``ops`` enables /ready, /metrics, /v1/status and /v1/rooms; ``docs`` (setting
     ``http_docs``) enables /docs and /redoc, whose pages load scripts from a CDN.
@@ -75,11 +80,33 @@ def create_app(health: Callable[[], dict[str, Any]], table: BootstrapTable | Non
     async def get_health() -> dict[str, Any]:
         return health()
 
+    if release is not None:
+        _add_release_api(app, release, clock)
     if ops is not None:
         _add_ops_api(app, ops)
     if table is not None:
         _add_route_api(app, table, health)
     return app
+
+
+def _add_release_api(app: FastAPI, release: Callable[[ReleaseRequest], ReleaseAnswer],
+                     clock: Callable[[], float]) -> None:
+    bucket = TokenBucket()
+
+    @app.post(RELEASE_PATH, include_in_schema=False)
+    async def post_release(request: Request) -> Response:
+        if not bucket.take(clock()):
+            return JSONResponse({"error": "too many releases: retry later"}, status_code=429,
+                                headers={"Retry-After": "1"})
+        try:
+            req = parse_request(await request.body())
+        except ReleaseError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        try:
+            answer = release(req)
+        except RoomError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=404)
+        return JSONResponse({"rooms": answer.rooms})
 
 
 def _add_ops_api(app: FastAPI, ops: Ops) -> None:

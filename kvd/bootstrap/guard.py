@@ -33,12 +33,15 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvd.errors import AuthError, Skewed
+from kvd.protocol.release import RELEASE_BODY_LIMIT
 from kvd.security import CLOCK_HEADER, HEADER, INSTANCE_HEADER, Authenticator
 
 log = logging.getLogger(__name__)
 
 #: Paths served without the secret (GET only). Clients do not sign requests to these.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+#: The release route (rooms ended by their opener's token, K45/K46).
+RELEASE_PATH = "/v1/rooms/release"
 #: Largest ``PUT /route`` body (bytes). An SGLang registration is a few hundred bytes.
 ROUTE_BODY_LIMIT = 64 << 10
 
@@ -54,10 +57,13 @@ class RoutePolicy:
 OPEN = RoutePolicy(auth=False, max_body=0)
 SIGNED = RoutePolicy(auth=True, max_body=0)
 
-#: Per (method, path); anything not listed is :data:`SIGNED` with no body.
+#: Per (method, path); anything not listed is :data:`SIGNED` with no body. A release
+#: (K45/K46) is not signed with the cluster secret: the room's own release token is its
+#: authority (:mod:`kvd.protocol.release`; any secret holder could end any room, S11).
 DEFAULT_POLICIES: Mapping[tuple[str, str], RoutePolicy] = {
     **{("GET", p): OPEN for p in OPEN_PATHS},
     ("PUT", "/route"): RoutePolicy(auth=True, max_body=ROUTE_BODY_LIMIT),
+    ("POST", RELEASE_PATH): RoutePolicy(auth=False, max_body=RELEASE_BODY_LIMIT),
 }
 
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})

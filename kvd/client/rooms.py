@@ -145,16 +145,20 @@ class _Room:
 
 
 class Sender(_Room):
-    """Prefill side of room ``room``. Raises RoomError if the room is already active."""
+    """Prefill side of room ``room``. Raises RoomError if the room is already active.
+
+    ``release_digest``: :func:`kvd.protocol.release.token_digest` of the opener's release
+    token (32 bytes), so that the opener can end the room if no decode will claim it
+    (K45/K46); empty: only the engine and the room's decode ranks can end it."""
 
     num_pages = 0  # pages announced by init(); a handle from attach() starts at 0
     sent = 0
 
-    def __init__(self, client: KvdClient, room: int) -> None:
+    def __init__(self, client: KvdClient, room: int, release_digest: bytes = b"") -> None:
         super().__init__(client, room)
         self.num_pages = 0
         self.sent = 0
-        client.call(rpc.SenderCreate(room=room))
+        client.call(rpc.SenderCreate(room=room, release_digest=release_digest))
 
     def init(self, num_pages: int, aux_index: int) -> None:
         """Announce the room's total page count and its aux slot."""

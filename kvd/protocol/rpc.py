@@ -64,7 +64,11 @@ class RegisterKV(msgspec.Struct, tag="register_kv", frozen=True):
 
 
 class SenderCreate(msgspec.Struct, tag="sender_create", frozen=True):
+    """``release_digest``: SHA-256 of the opener's release token (32 bytes; empty: the
+    room cannot be released by token, K45/K46, :mod:`kvd.protocol.release`)."""
+
     room: int
+    release_digest: bytes = b""
 
 
 class SenderInit(msgspec.Struct, tag="sender_init", frozen=True):

@@ -20,9 +20,14 @@ request, and the engine aborts the request: a prefill aborted mid-prompt hands n
 off and frees its blocks; a decode aborted while its KV is in flight aborts the room in
 kvd (the adapter names the prefill's bootstrap address, so the abort reaches the prefill
 even before its room exists, K34). A streamed decode leg is closed when the client goes.
-A client that leaves between the legs (the prefill handed its KV off, no decode has the
-request yet) gets a one-token "release" decode leg in the background, so the room ends
-now instead of at kvd's bootstrap timeout.
+Rooms nobody will claim (K45, K46): each attempt's prefill leg carries a fresh release
+token (the prefill's kvd keeps its digest per room). When the proxy knows no decode will
+claim an attempt's rooms -- the decode refused the request (4xx), the decode leg failed
+and is retried with fresh rooms, no attempt succeeded, or the client left before a
+decode answered -- it ends every room of the attempt with ``POST /v1/rooms/release`` to
+the prefill's bootstrap address, in the background (retrying rooms the prefill does not
+know yet for up to ``RELEASE_PATIENCE`` s): the prefill frees their KV at once instead
+of at kvd's bootstrap timeout. A room that already ended is left as it is.
 
 Health: every ``health_interval`` s each server's ``GET /health``; ``max_failures``
 failed probes or requests in a row take a server out of the choice until a probe
@@ -31,7 +36,8 @@ succeeds. ``GET /health`` answers 200 while each role has a healthy server.
 Metrics (``GET /metrics``, the proxy's own registry): ``kvd_proxy_requests_total
 {outcome}``, ``kvd_proxy_attempts_total{role,outcome}``, ``kvd_proxy_leg_seconds{role}``,
 ``kvd_proxy_outstanding{role,server}``, ``kvd_proxy_server_healthy{role,server}``,
-``kvd_proxy_refused_total{reason}`` (requests refused by :mod:`kvd.proxy.guard`).
+``kvd_proxy_refused_total{reason}`` (requests refused by :mod:`kvd.proxy.guard`),
+``kvd_proxy_releases_total{outcome}`` (rooms ended on a prefill, K45/K46).
 
 Limits (S20): every request passes :class:`kvd.proxy.guard.ProxyGuard` (body cap, body
 deadline, optional bearer token) before this app reads a byte of it. Nothing the proxy
@@ -58,8 +64,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from kvd.bootstrap.guard import RELEASE_PATH
+from kvd.protocol.release import new_token
 from kvd.proxy.guard import DEFAULT_MAX_BODY, ProxyGuard, read_token_file
-from kvd.proxy.legs import LegError, decode_body, new_room, prefill_body, transfer_params
+from kvd.proxy.legs import (
+    LegError,
+    decode_body,
+    new_room,
+    prefill_body,
+    release_of,
+    transfer_params,
+)
 from kvd.proxy.pool import NoServer, Pool, Server
 
 log = logging.getLogger("kvd.proxy")
@@ -91,6 +106,19 @@ class ProxyConfig:
     expose_servers: bool = False
 
 
+#: Seconds a release keeps asking about rooms the prefill does not know yet.
+RELEASE_PATIENCE = 10.0
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One prefill hand-off: its transfer params (None: nothing handed off) and the
+    release token bound to its rooms (K45/K46)."""
+
+    params: dict[str, Any] | None
+    token: str
+
+
 class Retry(Exception):
     """An attempt failed in a way another attempt may not: ``fresh_room`` says whether
     the prefill leg must run again (False: the decode never saw the request)."""
@@ -118,6 +146,9 @@ class Metrics:
                                  ["role", "server"], registry=r)
         self.healthy = Gauge("kvd_proxy_server_healthy", "1 while a server takes requests",
                              ["role", "server"], registry=r)
+        self.releases = Counter("kvd_proxy_releases", "Rooms the proxy ended on a prefill, "
+                                "by outcome (released, ended, refused, unknown, "
+                                "unreachable)", ["outcome"], registry=r)
         self.refused = Counter("kvd_proxy_refused", "Requests refused before forwarding "
                                "(bad_host, unauthenticated, body_timeout, body_too_large)",
                                ["reason"], registry=r)
@@ -186,71 +217,113 @@ class Proxy:
 
     async def _attempts(self, path: str, body: dict[str, Any]) -> Response:
         tried: dict[str, set[str]] = {"prefill": set(), "decode": set()}
-        params: dict[str, Any] | None = None
-        have_params = False
+        attempt: Attempt | None = None  # the prefill's hand-off no decode took yet
         last = "no attempt"
-        for _ in range(self.config.retries + 1):
-            try:
-                if not have_params:
-                    answer = await self._prefill(path, body, tried["prefill"])
-                    if isinstance(answer, Response):
-                        self.metrics.requests.labels("client_error").inc()
-                        return answer
-                    params, have_params = answer, True
+        try:
+            for _ in range(self.config.retries + 1):
                 try:
-                    response = await self._decode(path, body, params, tried["decode"])
-                except asyncio.CancelledError:
-                    if params is not None and not tried["decode"]:
-                        self._release(path, body, params)
-                    raise
-                if not isinstance(response, StreamingResponse):  # a stream counts at its end
-                    self.metrics.requests.labels(
-                        "ok" if response.status_code < 400 else "client_error").inc()
-                return response
-            except Retry as exc:
-                last = str(exc)
-                have_params = have_params and not exc.fresh_room
-                log.warning("attempt failed at %s (%s); retrying%s", exc.url, exc,
-                            "" if have_params else " with a fresh room")
-            except NoServer as exc:
-                last = str(exc)
-                break
+                    if attempt is None:
+                        answer = await self._prefill(path, body, tried["prefill"])
+                        if isinstance(answer, Response):
+                            self.metrics.requests.labels("client_error").inc()
+                            return answer
+                        attempt = answer
+                    response = await self._decode(path, body, attempt.params, tried["decode"])
+                    if 400 <= response.status_code < 500:  # refused: nobody claims the rooms
+                        self._end(attempt, f"the decode refused the request "
+                                           f"({response.status_code})")
+                    attempt = None  # the decode has it (or refused it: ended above)
+                    if not isinstance(response, StreamingResponse):  # a stream: at its end
+                        self.metrics.requests.labels(
+                            "ok" if response.status_code < 400 else "client_error").inc()
+                    return response
+                except Retry as exc:
+                    last = str(exc)
+                    if exc.fresh_room and attempt is not None:  # this hand-off is abandoned
+                        self._end(attempt, f"the attempt failed ({exc}); retried")
+                        attempt = None
+                    log.warning("attempt failed at %s (%s); retrying%s", exc.url, exc,
+                                "" if attempt is not None else " with a fresh room")
+                except NoServer as exc:
+                    last = str(exc)
+                    break
+        except asyncio.CancelledError:  # the client left: whatever was handed off ends
+            if attempt is not None:
+                self._end(attempt, "the client left")
+            raise
+        if attempt is not None:
+            self._end(attempt, f"no attempt succeeded: {last}")
         self.metrics.requests.labels("failed").inc()
         return _error(502, f"no attempt succeeded: {last}", "proxy_error")
 
-    def _release(self, path: str, body: dict[str, Any], params: dict[str, Any]) -> None:
-        """The client left after the prefill handed its KV off but before any decode got
-        the request: nothing would ever claim the room, and the prefill would hold its
-        blocks until kvd's bootstrap timeout. A one-token decode leg in the background
-        takes the KV and lets both sides free it."""
-        leg = {k: v for k, v in decode_body(body, params).items() if k not in ("stream",
-                                                                              "stream_options")}
-        leg.update(max_tokens=1, min_tokens=0)  # n stays: each sample claims its room
-        leg.pop("max_completion_tokens", None)
-        server = self.pools["decode"].choose()
-
-        async def release() -> None:
-            with contextlib.suppress(httpx.HTTPError):
-                await self.client.post(f"{server.url}{path}", json=leg)
-
-        task = asyncio.create_task(release(), name="proxy-release")
+    def _end(self, attempt: Attempt, reason: str) -> None:
+        """End the attempt's rooms on the prefill with its release token, in the
+        background (K45, K46): the proxy is the party that knows no decode will claim
+        them, so the prefill frees their KV now instead of at kvd's bootstrap timeout."""
+        target = release_of(attempt.params, attempt.token, reason)
+        if target is None:
+            return
+        task = asyncio.create_task(self._release(*target), name="proxy-release")
         self._releases.add(task)
         task.add_done_callback(self._releases.discard)
-        self.metrics.attempts.labels("decode", "release").inc()
+
+    async def _release(self, addr: str, release: dict[str, Any]) -> None:
+        """POST the release until every room has an outcome other than ``unknown`` (the
+        prefill engine creates its rooms a step after it answered) or
+        :data:`RELEASE_PATIENCE` s passed; each room's outcome is counted once."""
+        url, delay = f"http://{addr}{RELEASE_PATH}", 0.02
+        deadline = time.monotonic() + RELEASE_PATIENCE
+        pending = list(release["rooms"])
+        while pending:
+            outcomes = await self._release_once(url, {**release, "rooms": pending})
+            if outcomes is None:
+                self.metrics.releases.labels("unreachable").inc(len(pending))
+                return
+            for room in list(pending):
+                outcome = outcomes.get(str(room), "unknown")
+                if outcome != "unknown":
+                    pending.remove(room)
+                    self.metrics.releases.labels(outcome).inc()
+            if pending and time.monotonic() + delay > deadline:
+                self.metrics.releases.labels("unknown").inc(len(pending))
+                log.warning("release: rooms %s unknown at %s after %.0f s", pending, addr,
+                            RELEASE_PATIENCE)
+                return
+            if pending:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _release_once(self, url: str, release: dict[str, Any]) -> dict[str, str] | None:
+        """One release request: each room's outcome, or None if it was not answered."""
+        try:
+            r = await self.client.post(url, json=release, timeout=10.0)
+            if r.status_code == 429:
+                return {}
+            answer = r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError) as exc:
+            log.warning("release at %s failed: %s", url, type(exc).__name__)
+            return None
+        rooms = answer.get("rooms") if isinstance(answer, dict) else None
+        if not isinstance(rooms, dict):
+            log.warning("release at %s answered %d", url, r.status_code)
+            return None
+        return {str(k): str(v) for k, v in rooms.items()}
 
     async def _prefill(self, path: str, body: dict[str, Any],
-                       tried: set[str]) -> dict[str, Any] | Response | None:
-        """The prefill leg: its transfer params (None: it handed nothing off), or the
-        engine's 4xx answer for the client. Raises Retry."""
+                       tried: set[str]) -> Attempt | Response:
+        """The prefill leg: the attempt (its transfer params, None if it handed nothing
+        off, and its release token), or the engine's 4xx answer for the client. Raises
+        Retry."""
         server = self.pools["prefill"].choose(tried)
         tried.add(server.url)
-        leg = prefill_body(body, new_room())
+        token = new_token()
+        leg = prefill_body(body, new_room(), token)
         r = await self._leg("prefill", server, lambda: self.client.post(
             f"{server.url}{path}", json=leg))
         if r.status_code >= 400:
             return _forward(r, r.content)
         try:
-            return transfer_params(r.json())
+            return Attempt(transfer_params(r.json()), token)
         except ValueError as exc:
             raise Retry(f"{self.name('prefill', server)} answered no JSON: {exc}",
                         url=server.url) from exc

@@ -28,6 +28,9 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
   ended it (every ending goes through one place): the daemon drops the write's
   parts not started yet, so the write returns (and ``quiesced`` is reported) once
   what was already in flight returned, not when the transfer queue drained (K43).
+* **Release by the opener.** A room created with a release digest ends when its
+  opener presents the token (K45, K46): the same ending as an abort; without the token
+  (any other holder of the cluster secret included, S11) nothing changes.
 * **Termination.** Every non-terminal room has a deadline (:class:`Timeouts`);
   :meth:`SenderRooms.tick` fails it when passed, whatever happened to the tasks
   that perform its effects (K32).
@@ -53,6 +56,7 @@ from kvd.control.routing import resolve_targets
 from kvd.errors import LayoutError, RegistrationError, RoomError
 from kvd.protocol import control
 from kvd.protocol.codec import unpack_indices
+from kvd.protocol.release import ReleaseOutcome, token_matches
 from kvd.rooms.effects import (
     CancelWrites,
     Effect,
@@ -148,6 +152,7 @@ class SenderRoom:
     nbytes: int = 0
     seconds: float = 0.0
     src_pages: list[Pages] = field(default_factory=list)  # every chunk's, for K42
+    release_digest: bytes = b""  # the opener's release token, hashed (K45/K46); b"": none
 
     @property
     def done(self) -> bool:
@@ -254,8 +259,10 @@ class SenderRooms:
 
     # ---- engine events ----------------------------------------------------------------
 
-    def create(self, room: int, now: float) -> list[Effect]:
-        """``Sender(room)``: a new attempt. Raises RoomError if the room is in flight."""
+    def create(self, room: int, now: float, release_digest: bytes = b"") -> list[Effect]:
+        """``Sender(room)``: a new attempt, bound to its opener's ``release_digest``
+        (:func:`kvd.protocol.release.token_digest`, 32 bytes; empty: no release by token).
+        Raises RoomError if the room is in flight."""
         old = self.rooms.get(room)
         if old is not None and not old.done:
             raise RoomError(f"room {room} already active on this prefill rank")
@@ -263,7 +270,8 @@ class SenderRooms:
         if old is not None:
             self._retire(old, now)
         self._attempts += 1
-        r = SenderRoom(room, self._attempts, created=now, since=now)
+        r = SenderRoom(room, self._attempts, created=now, since=now,
+                       release_digest=release_digest)
         self.rooms[room] = r
         for early in self.early.pop(room) or []:  # already answered when it arrived
             self._fail(r, early.failure, now, out)
@@ -323,6 +331,28 @@ class SenderRooms:
                                   f"room {room} aborted on prefill ({r.peers}): {reason}", ORIGIN)
             self._fail(r, failure, now, out)
         return out
+
+    def release(self, room: int, token: str, reason: str,
+                now: float) -> tuple[ReleaseOutcome, list[Effect]]:
+        """The room's opener ends it (K45, K46): only with the token whose digest the
+        engine bound to this attempt at :meth:`create` (constant-time compare). A match on
+        an unfinished room fails it as an abort would (queued writes cancelled, every
+        destination told, K43); an ended room, a wrong or missing token and an unknown
+        room change nothing (:class:`ReleaseOutcome` says which). A replayed release
+        finds the room ended; a new attempt of the room has its own digest."""
+        r = self.rooms.get(room)
+        if r is None:
+            return ReleaseOutcome.UNKNOWN, []
+        if not token_matches(token, r.release_digest):
+            return ReleaseOutcome.REFUSED, []
+        if r.done:
+            return ReleaseOutcome.ENDED, []
+        out: list[Effect] = []
+        why = f": {reason}" if reason else ""
+        failure = RoomFailure(FailureKind.ABORTED, f"room {room} released by its opener on "
+                              f"prefill ({r.peers}){why}", ORIGIN)
+        self._fail(r, failure, now, out)
+        return ReleaseOutcome.RELEASED, out
 
     def clear(self, room: int, now: float) -> list[Effect]:
         """Forget a room (an unfinished one is aborted first). A write in flight keeps

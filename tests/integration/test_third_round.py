@@ -131,3 +131,34 @@ def test_k44_a_decode_pool_registered_again_gets_no_write_of_an_old_room(
         b[20:28] = kv[20:28]
     assert all(np.array_equal(kv, b) for kv, b in zip(d.kv, after, strict=True)), \
         "a write of the old room landed in the pool registered anew"
+
+
+def test_k46_a_room_whose_decode_died_is_ended_by_its_opener_token(
+        tmp_path: Path, stack: Cleanup) -> None:
+    """Real daemons: P's room R (created with a release digest) was given pages by D, then
+    D is SIGKILLed, so no decode will claim R. A wrong token is refused (R untouched);
+    the opener's token ends R at once (Failed, aborted); a replay finds it ended."""
+    import httpx
+
+    from kvd.protocol.release import new_token, token_digest
+
+    pd = pair(stack, tmp_path)
+    token = new_token()
+    s = Sender(pd.p_engine.client, 460, token_digest(token))
+    s.init(1, 0)
+    Receiver(pd.d_engine.client, 460, pd.bootstrap).init([3], 0)
+    until(lambda: s.poll() == KVPoll.WaitingForInput, "R bound to D")
+    pd.decode.proc.send_signal(signal.SIGKILL)
+    url = f"http://{pd.bootstrap}/v1/rooms/release"
+
+    def release(tok: str) -> str:
+        r = httpx.post(url, json={"rooms": [460], "token": tok}, timeout=10)
+        assert r.status_code == 200, r.text
+        return str(r.json()["rooms"]["460"])
+
+    assert release(new_token()) == "refused"
+    assert s.poll() == KVPoll.WaitingForInput
+    assert release(token) == "released"
+    assert s.poll() == KVPoll.Failed and s.failure()[0] == "aborted"
+    assert release(token) == "ended"
+    s.clear()

@@ -82,6 +82,7 @@ from kvd.adapters.vllm.spec import (
     pages_for,
     prefill_reply,
     register_kv,
+    release_digest_of,
     room_of,
     sample_rooms,
 )
@@ -124,6 +125,7 @@ class SendTask:
     req_id: str
     rooms: tuple[int, ...]
     block_ids: list[int]
+    release_digest: bytes = b""  # the proxy's release token, hashed (K45/K46)
 
 
 @dataclass(frozen=True)
@@ -447,7 +449,8 @@ class _Scheduler:
             log.warning("request %s: %s; no KV hand-off", request.request_id, exc)
             return False, None
         pages = [int(b) for b in block_ids[:n]]
-        self.meta.sends.append(SendTask(request.request_id, tuple(rooms), pages))
+        self.meta.sends.append(SendTask(request.request_id, tuple(rooms), pages,
+                                        release_digest_of(params)))
         return True, prefill_reply(rooms, self.config.bootstrap_addr, pages, self.engine_id,
                                    self.tp_size, request.num_prompt_tokens, self.dp_rank)
 
@@ -613,7 +616,7 @@ class _Worker:
                          kind="engine")
 
     def _send(self, room: int, task: SendTask) -> Sender:
-        sender = Sender(self.client, room)
+        sender = Sender(self.client, room, task.release_digest)
         try:
             sender.init(len(task.block_ids), 0)
             sender.send(task.block_ids, is_last=True)

@@ -19,6 +19,11 @@ and the proxy forwards it unchanged to the decode engine, whose connector receiv
 room's pages from the prefill instance through kvd. ``bootstrap_addr`` is the prefill
 instance's kvd bootstrap server (SGLang's ``/route`` API), as SGLang routers pass it.
 
+Release (K45, K46): the proxy also puts a fresh ``release_token`` in the prefill leg's
+params; the connector binds its digest (:func:`release_digest_of`) to every room of the
+request, so the proxy can end rooms no decode will claim (``POST /v1/rooms/release`` to
+``bootstrap_addr``, :mod:`kvd.protocol.release`). The reply does not carry the token.
+
 Samples (K33): a decode request with ``n > 1`` is ``n`` child requests in vLLM, each of
 which loads the prompt's KV. Each needs its own room: the prefill sends the same pages
 as rooms :func:`sample_rooms` ``(R, n)`` (``R`` first) and lists them in
@@ -52,6 +57,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvd.protocol.memory import MemoryHandle
+from kvd.protocol.release import ReleaseError, check_token, token_digest
 from kvd.protocol.rpc import EngineRanks, RegisterKV
 
 ROOM_LIMIT = 2**63
@@ -186,6 +192,18 @@ def prefill_reply(rooms: list[int], bootstrap_addr: str, block_ids: Iterable[int
             "remote_block_ids": [int(b) for b in block_ids], "remote_engine_id": engine_id,
             "prefill_tp_size": tp_size, "prefill_dp_rank": dp_rank,
             "num_prompt_tokens": num_prompt_tokens}
+
+
+def release_digest_of(params: Mapping[str, Any]) -> bytes:
+    """The digest of the request's ``release_token`` (the proxy's, K45/K46), which kvd
+    binds to each of the request's rooms; ``b""`` when there is none or it is malformed
+    (the rooms then end only by the decode or the bootstrap deadline). The token never
+    goes into :func:`prefill_reply`: only its opener and this engine see it."""
+    token = params.get("release_token")
+    try:
+        return token_digest(check_token(token)) if token is not None else b""
+    except ReleaseError:
+        return b""
 
 
 def num_samples(params: Mapping[str, Any]) -> int:

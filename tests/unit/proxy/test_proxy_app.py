@@ -11,7 +11,7 @@ import httpx
 import pytest
 from starlette.requests import Request
 
-from kvd.proxy.app import Proxy, ProxyConfig, make_app
+from kvd.proxy.app import Attempt, Proxy, ProxyConfig, make_app
 
 Handler = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
@@ -282,14 +282,112 @@ def test_cli_refuses_urls_without_a_scheme(cli_args: list[str]) -> None:
 
 
 async def test_k35_a_client_leaving_between_the_legs_releases_the_room() -> None:
-    """The prefill handed its KV off, the client left before any decode got the request:
-    a one-token decode leg with the same params claims every room in the background."""
+    """The prefill handed its KV off, the client left before any decode answered: the
+    attempt's rooms are ended on the prefill with the attempt's release token."""
     engines = Engines()
     proxy: Proxy = proxy_app(engines).state.proxy
-    params = {"do_remote_prefill": True, "bootstrap_room": 7, "bootstrap_rooms": [7, 8]}
-    proxy._release("/v1/completions", {"prompt": "x", "n": 2, "stream": True,
-                                       "max_tokens": 99, "min_tokens": 50}, params)
+    params = {"do_remote_prefill": True, "bootstrap_room": 7, "bootstrap_rooms": [7, 8],
+              "bootstrap_addr": "k0:1"}
+    proxy._end(Attempt(params, "t" * 43), "the client left")
     await asyncio.gather(*proxy._releases)
-    (host, leg), = engines.legs("d")
-    assert host == "d0" and leg["kv_transfer_params"] == params
-    assert (leg["max_tokens"], leg["min_tokens"], leg["n"]) == (1, 0, 2) and "stream" not in leg
+    (host, body), = releases(engines)
+    assert host == "k0" and body == {"rooms": [7, 8], "token": "t" * 43,
+                                     "reason": "the client left"}
+
+
+def releases(engines: Engines) -> list[tuple[str, dict[str, Any]]]:
+    return [(h, b) for h, path, b in engines.seen if path == "/v1/rooms/release"]
+
+
+def handing_off(engines: Engines) -> None:
+    """Fake prefills answer like the vLLM connector: two rooms and a bootstrap address;
+    fake kvds at k0 answer every release."""
+    async def prefill(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        kv = json.loads(request.content)["kv_transfer_params"]
+        return httpx.Response(200, json={"kv_transfer_params": {
+            "do_remote_prefill": True, "bootstrap_room": kv["bootstrap_room"],
+            "bootstrap_rooms": [kv["bootstrap_room"], 5], "bootstrap_addr": "k0:1"}})
+
+    async def kvd(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        return httpx.Response(200, json={"rooms": {str(r): "released" for r in body["rooms"]}})
+
+    engines.behaviour.update({"p0": prefill, "p1": prefill, "k0": kvd})
+
+
+async def test_k45_a_refused_request_releases_every_room_with_its_token() -> None:
+    engines = Engines()
+    handing_off(engines)
+
+    async def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": "n > 1 at temperature 0"})
+
+    engines.behaviour["d0"] = refuse
+    app = proxy_app(engines)
+    r = await post(app, {"model": "m", "prompt": "hi", "n": 2, "temperature": 0})
+    assert r.status_code == 400
+    await asyncio.gather(*app.state.proxy._releases)
+    (_, p), = engines.legs("p")
+    token = p["kv_transfer_params"]["release_token"]
+    (_, rel), = releases(engines)
+    assert rel["rooms"] == [p["kv_transfer_params"]["bootstrap_room"], 5]
+    assert rel["token"] == token and len(token) >= 22
+    (_, d), = engines.legs("d")
+    assert "release_token" not in json.dumps(d)  # the decode never sees the token
+
+
+async def test_k45_a_successful_request_releases_nothing() -> None:
+    engines = Engines()
+    handing_off(engines)
+    app = proxy_app(engines)
+    assert (await post(app, {"model": "m", "prompt": "hi"})).status_code == 200
+    await asyncio.gather(*app.state.proxy._releases)
+    assert releases(engines) == []
+
+
+async def test_k46_a_retried_attempt_never_leaves_its_rooms_behind() -> None:
+    """The decode fails after taking the request (its kvd died): each abandoned attempt's
+    rooms are released with that attempt's own token before/while the next one runs."""
+    engines = Engines()
+    handing_off(engines)
+
+    async def broken(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, json={"error": "kvd gone"})
+
+    engines.behaviour["d0"] = broken
+    app = proxy_app(engines, prefill=2, retries=2)
+    r = await post(app, {"model": "m", "prompt": "hi"})
+    assert r.status_code == 502
+    await asyncio.gather(*app.state.proxy._releases)
+    tokens = [b["kv_transfer_params"]["release_token"] for _, b in engines.legs("p")]
+    rooms = [b["kv_transfer_params"]["bootstrap_room"] for _, b in engines.legs("p")]
+    assert len(tokens) == 3 and len(set(tokens)) == 3
+    got = sorted((b["token"], b["rooms"][0]) for _, b in releases(engines))
+    assert got == sorted(zip(tokens, rooms, strict=True))
+    assert metric_value(app, 'kvd_proxy_releases_total{outcome="released"}') == 6.0
+
+
+async def test_k46_rooms_the_prefill_does_not_know_yet_are_asked_again() -> None:
+    engines = Engines()
+    calls: list[list[int]] = []
+
+    async def late(request: httpx.Request) -> httpx.Response:
+        rooms = json.loads(request.content)["rooms"]
+        calls.append(rooms)
+        outcome = "unknown" if len(calls) == 1 else "released"
+        return httpx.Response(200, json={"rooms": {str(r): outcome for r in rooms}})
+
+    engines.behaviour["k0"] = late
+    proxy: Proxy = proxy_app(engines).state.proxy
+    proxy._end(Attempt({"bootstrap_rooms": [1, 2], "bootstrap_addr": "k0:1"}, "t" * 43), "x")
+    await asyncio.gather(*proxy._releases)
+    assert calls == [[1, 2], [1, 2]]
+
+
+def metric_value(app: Any, series: str) -> float:
+    for line in app.state.proxy.metrics.render().decode().splitlines():
+        if line.startswith(series + " "):
+            return float(line.split()[-1])
+    return 0.0
