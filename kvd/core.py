@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import msgspec
 
 from kvd.bootstrap import client as signed_http
 from kvd.config import Settings
@@ -26,8 +27,8 @@ from kvd.hostid import host_identity
 from kvd.logs import fields
 from kvd.memory import EngineMemory, Importer, import_engine
 from kvd.metrics import RoomEvents
-from kvd.protocol import control
-from kvd.protocol.control import ControlMessage, KVArgsWire
+from kvd.protocol import codec, control
+from kvd.protocol.control import Compat, ControlMessage, KVArgsWire
 from kvd.protocol.memory import ExportedPool
 from kvd.protocol.rpc import RegisterKV
 from kvd.ranks import Ranks
@@ -270,7 +271,9 @@ class Core:
             aux_item_lens=list(req.aux_item_lens), page_size=req.page_size,
             num_kv_heads=req.num_kv_heads, head_dim=req.head_dim, dtype_size=req.dtype_size,
             num_layers=req.num_layers, layer_start=req.layer_start, is_mla=req.is_mla,
-            layout=req.layout, total_kv_heads=req.total_kv_heads, fused_kv=req.fused_kv)
+            layout=req.layout, total_kv_heads=req.total_kv_heads, fused_kv=req.fused_kv,
+            compat=msgspec.structs.replace(req.compat or Compat(), wire_version=codec.VERSION,
+                                           page_size=req.page_size))
 
     def export(self) -> tuple[ExportedPool, list[int]] | None:
         """The engine's memory for a same-host prefill's ``local`` backend, and the

@@ -39,6 +39,7 @@ from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
 from kvd.side import RoomView, Side, Snapshot, not_available, skew_reason
 from kvd.transfer.backends.base import CancelToken, PeerAttach
+from kvd.transfer.compat import check_compat
 from kvd.transfer.kvargs import RankArgs
 from kvd.transfer.layout import PairPlan, RankLayout, check_coverage, check_pair
 from kvd.transfer.plan import Descriptors, check_plan_bounds, plan_aux
@@ -208,6 +209,7 @@ class PrefillSide(Side):
             layout = RankLayout.from_wire(msg.kv_args, msg.attn_tp_rank, msg.attn_tp_size)
             num_pages, num_slots = args.num_pages, args.num_aux_slots
             local = self._local()
+            check_compat(local.wire.compat, msg.kv_args.compat)
             check_pair(self._local_layout(), layout)
             ranks = self.core.position()
             check_coverage(self._local_layout(), layout, ranks.pp_rank, ranks.pp_size)

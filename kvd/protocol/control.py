@@ -57,6 +57,29 @@ InstanceId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{0,64}$")]
 Endpoint = Annotated[str, msgspec.Meta(pattern=r"^[!-~]{0,256}$")]
 
 
+class Compat(msgspec.Struct, frozen=True):
+    """A rank's compatibility fingerprint (issue 22 item 5; like vLLM's compat hash):
+    what must be equal on both ends of a pair for the bytes moved to mean the same thing.
+
+    Set by the engine (``RegisterKV.compat``; ``""``: the engine does not say): ``model_id``
+    (model name or checkpoint hash), ``kv_dtype`` (e.g. ``"bfloat16"``, ``"fp8_e4m3"``),
+    ``scale_layout`` (KV quantisation scales: ``"none"``, ``"per_tensor"``, ...),
+    ``layer_types`` (one letter per layer, e.g. ``"AAAL"``: full attention, linear),
+    ``spec_config`` (speculative decoding: draft model and depth, ``""`` none). Set by the
+    daemon: ``wire_version`` (:data:`kvd.protocol.codec.VERSION`) and ``page_size``
+    (tokens per page). ``page_size`` is informational, not in the fingerprint: pairs may
+    differ in it (and in TP), and the planner checks those (:mod:`kvd.transfer.compat`).
+    """
+
+    model_id: Name = ""
+    kv_dtype: Name = ""
+    scale_layout: Name = ""
+    layer_types: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    spec_config: Name = ""
+    wire_version: int = 0
+    page_size: int = 0
+
+
 class KVArgsWire(msgspec.Struct, frozen=True):
     """A rank's KV args as its peers see them.
 
@@ -85,6 +108,7 @@ class KVArgsWire(msgspec.Struct, frozen=True):
     layout: Name = "NHD"
     total_kv_heads: int = 0     # KV heads of the model; 0: num_kv_heads * attn_tp_size
     fused_kv: bool = False      # MHA, one buffer per layer: a head's K and V side by side
+    compat: Compat | None = None  # the fingerprint (None: a peer that sends none)
 
 
 class RegisterRank(msgspec.Struct, tag="register_rank", frozen=True):

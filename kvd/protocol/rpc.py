@@ -15,6 +15,7 @@ import msgspec
 from kvd import errors
 from kvd.errors import ProtocolError
 from kvd.protocol import codec
+from kvd.protocol.control import Compat
 from kvd.protocol.memory import CudaIpcHandle, FdHandle, MemoryHandle, ShmHandle
 from kvd.text import clean
 
@@ -61,6 +62,7 @@ class RegisterKV(msgspec.Struct, tag="register_kv", frozen=True):
     engine_id: str = ""         # the same engine after a reconnect keeps its rooms
     ranks: EngineRanks | None = None
     fused_kv: bool = False
+    compat: Compat | None = None  # the engine's fingerprint fields (wire_version: kvd's)
 
 
 class SenderCreate(msgspec.Struct, tag="sender_create", frozen=True):

@@ -23,12 +23,14 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from kvd.client import KvdClient, KVPoll, Receiver, RegisterKV, Sender, ShmPool
+from kvd.protocol.control import Compat
 from kvd.refengine.model import RefModel
 
 AUX_ITEM_LEN = 16
@@ -66,7 +68,9 @@ class PagedKVPool:
             kv_buffers=[h for _, h in bufs], kv_item_lens=[self.item_len] * n,
             aux_buffers=[aux_handle], aux_item_lens=[AUX_ITEM_LEN], page_size=page_size,
             num_kv_heads=self.nh, head_dim=model.head_dim, dtype_size=4, num_layers=self.nl,
-            layer_start=self.l0, total_kv_heads=model.num_kv_heads)
+            layer_start=self.l0, total_kv_heads=model.num_kv_heads,
+            compat=Compat(model_id=Path(model.gguf_path).name, kv_dtype="float32",
+                          scale_layout="none", layer_types="A" * model.num_layers))
         self.rng = np.random.default_rng(seed)
         self.free = set(range(num_pages))
         self.free_aux = set(range(aux_slots))

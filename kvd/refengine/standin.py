@@ -16,6 +16,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd.client import FdPool, KvdClient, KVPoll, Receiver, RegisterKV, Sender, ShmPool, poll_many
+from kvd.protocol.control import Compat
 
 
 class StandInPool:
@@ -140,7 +141,8 @@ class ShardPool:
     def __init__(self, spec: ModelSpec, tp_rank: int = 0, tp_size: int = 1,
                  layer_start: int = 0, num_layers: int | None = None,
                  source: npt.NDArray[np.uint16] | None = None, seed: int = 0,
-                 item_len_scale: float = 1.0, shm_dir: str = "/dev/shm") -> None:
+                 item_len_scale: float = 1.0, shm_dir: str = "/dev/shm",
+                 compat: Compat | None = None) -> None:
         from kvd.transfer.layout import rank_heads
 
         self.spec, self.tp_rank, self.tp_size = spec, tp_rank, tp_size
@@ -167,7 +169,7 @@ class ShardPool:
             aux_buffers=[aux_handle], aux_item_lens=[spec.aux_item_len],
             page_size=spec.page_size, num_kv_heads=self.nh, head_dim=spec.head_dim,
             dtype_size=2, num_layers=self.num_layers, layer_start=layer_start,
-            is_mla=spec.is_mla, layout=spec.layout, total_kv_heads=total)
+            is_mla=spec.is_mla, layout=spec.layout, total_kv_heads=total, compat=compat)
 
     def _layer_kind(self, i: int) -> tuple[int, int]:
         """Buffer index -> (absolute layer, kind): K of every layer, then V (MHA)."""

@@ -47,10 +47,12 @@ from kvd.transfer.plan import (
     _u64,
     as_pages,
     check_distinct,
+    interval_diff,
     page_runs,
     plan_pages,
     prove_plan,
 )
+from kvd.transfer.retile import Chunk, Side, retile_expected, retile_plan
 
 LAYOUTS = ("NHD", "HND")
 _U64_MAX = 2**64 - 1
@@ -239,7 +241,7 @@ def _structure_problems(r: RankLayout) -> list[str]:
     return problems
 
 
-def check_pair(src: RankLayout, dst: RankLayout) -> None:
+def check_pair(src: RankLayout, dst: RankLayout, retile: bool = False) -> None:
     """Refuse a (prefill ``src``, decode ``dst``) pair that cannot be planned.
 
     Checks, all reported at once: one attention-TP size divides the other
@@ -252,21 +254,27 @@ def check_pair(src: RankLayout, dst: RankLayout) -> None:
     ``page_size * heads * head_dim * dtype_size`` on each side, MLA equal on
     both sides.
 
+    ``retile``: the page sizes may differ (the pair is then planned in tokens,
+    :meth:`PairPlan.plan_tokens`); item lengths are checked with each side's own page
+    size (MLA: equal bytes per token).
+
     Raises :class:`RegistrationError` naming both values, e.g.
     ``"kv item len mismatch 8192 vs 4096 in layer 0 ..."``.
     """
-    problems = _pair_problems(src, dst)
+    problems = _pair_problems(src, dst, retile)
     if problems:
         raise RegistrationError("incompatible KV layouts (prefill vs decode): "
                                 + "; ".join(problems))
 
 
-def _pair_problems(src: RankLayout, dst: RankLayout) -> list[str]:
+def _pair_problems(src: RankLayout, dst: RankLayout, retile: bool = False) -> list[str]:
     problems = []
     if max(src.tp_size, dst.tp_size) % min(src.tp_size, dst.tp_size):
         problems.append(f"attention TP sizes {src.tp_size} vs {dst.tp_size}: "
                         f"neither divides the other")
-    names = ["page_size", "head_dim", "dtype_size", "is_mla", "layout", "fused_kv"]
+    names = ["head_dim", "dtype_size", "is_mla", "layout", "fused_kv"]
+    if not retile:
+        names.insert(0, "page_size")
     if not (src.is_mla or dst.is_mla):
         names.append("total_kv_heads")
     problems += [f"{n} {getattr(src, n)} vs {getattr(dst, n)}" for n in names
@@ -297,12 +305,14 @@ def _item_len_problems(src: RankLayout, dst: RankLayout) -> list[str]:
     layers = np.arange(src.layer_start, src.layer_end, dtype=np.int64)
     s_items = src.item_lens[src.buffer_index(layers)]
     d_items = dst.item_lens[dst.buffer_index(layers)]
-    if src.is_mla:
+    if src.is_mla and src.page_size == dst.page_size:
         s_exp, d_exp = s_items, s_items
+    elif src.is_mla:  # re-tiled: equal bytes per token, whole tokens per page
+        s_exp = s_items - s_items % U64(src.page_size)
+        d_exp = s_exp // U64(src.page_size) * U64(dst.page_size)
     else:
-        per_head = src.page_size * src.head_bytes
-        s_exp = np.full_like(s_items, per_head * src.num_kv_heads)
-        d_exp = np.full_like(d_items, per_head * dst.num_kv_heads)
+        s_exp = np.full_like(s_items, src.page_size * src.head_bytes * src.num_kv_heads)
+        d_exp = np.full_like(d_items, dst.page_size * src.head_bytes * dst.num_kv_heads)
     bad = np.flatnonzero((s_items != s_exp) | (d_items != d_exp))
     if bad.size == 0:
         return []
@@ -379,9 +389,10 @@ class PairPlan:
     d_item: Addrs
 
     @staticmethod
-    def of(src: RankLayout, dst: RankLayout) -> PairPlan:
-        """Raises :class:`RegistrationError` as :func:`check_pair`."""
-        check_pair(src, dst)
+    def of(src: RankLayout, dst: RankLayout, retile: bool = False) -> PairPlan:
+        """Raises :class:`RegistrationError` as :func:`check_pair` (``retile``: the page
+        sizes may differ; such a pair is planned with :meth:`plan_tokens` only)."""
+        check_pair(src, dst, retile)
         s_off, d_off, n_heads = head_overlap(src, dst)
         layers = np.arange(src.layer_start, src.layer_end, dtype=np.int64)
         sb, db = src.buffer_index(layers), dst.buffer_index(layers)
@@ -404,6 +415,105 @@ class PairPlan:
         dummies). The PP rule -- only the last stage has outputs -- is the caller's."""
         return self.n_heads > 0 and self.d_off == 0
 
+    @property
+    def retiled(self) -> bool:
+        """Do the two ranks' page sizes differ (planned in tokens, :meth:`plan_tokens`)?"""
+        return self.src.page_size != self.dst.page_size
+
+    @cached_property
+    def _retile_sides(self) -> tuple[Side, Side, Addrs, bool, bool]:
+        """``(src side, dst side, per_token bytes [B], token_major, per_slot)`` for
+        :mod:`kvd.transfer.retile`."""
+        src, dst, hb = self.src, self.dst, self.src.head_bytes
+        nb = self.sb.size
+        if self.whole_pages and (src.is_mla or src.layout == "NHD"):
+            s_tok, d_tok = self.s_item // U64(src.page_size), self.d_item // U64(dst.page_size)
+            zero = np.zeros(1, dtype=U64)
+            return (Side(self.s_ptr, self.s_item, s_tok, zero, src.page_size, self.sb),
+                    Side(self.d_ptr, self.d_item, d_tok, zero, dst.page_size, self.db),
+                    s_tok, True, False)
+        heads = np.arange(self.n_heads, dtype=U64)
+        if src.layout == "HND":  # [page][head][token][dim]: a head's run per piece
+            s_in = (heads + U64(self.s_off)) * U64(src.page_size * hb)
+            d_in = (heads + U64(self.d_off)) * U64(dst.page_size * hb)
+            one = np.full(nb, hb, dtype=U64)
+            return (Side(self.s_ptr, self.s_item, one, s_in, src.page_size, self.sb),
+                    Side(self.d_ptr, self.d_item, one, d_in, dst.page_size, self.db),
+                    one, False, False)
+        s_in = np.array([self.s_off * hb], dtype=U64)  # NHD head slice: per token slot
+        d_in = np.array([self.d_off * hb], dtype=U64)
+        return (Side(self.s_ptr, self.s_item, np.full(nb, src.num_kv_heads * hb, dtype=U64),
+                     s_in, src.page_size, self.sb),
+                Side(self.d_ptr, self.d_item, np.full(nb, dst.num_kv_heads * hb, dtype=U64),
+                     d_in, dst.page_size, self.db),
+                np.full(nb, self.n_heads * hb, dtype=U64), False, True)
+
+    def plan_tokens(self, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike, lo: int,
+                    hi: int, src_first: int = 0, dst_first: int = 0) -> Descriptors:
+        """Descriptors moving room tokens ``[lo, hi)`` (token positions) for any two page
+        sizes (:mod:`kvd.transfer.retile`): token ``t`` is read from prefill page
+        ``src_pages[t // Ps - src_first]`` slot ``t % Ps`` and written to decode page
+        ``dst_pages[t // Pd - dst_first]`` slot ``t % Pd``. ``src_first`` is the chunk's
+        ``first_page`` in SENDER pages (``src_pages[0]`` is that room page), ``dst_first``
+        the first room page ``dst_pages`` names, in DECODE pages. A chunk of sender pages
+        ``[f, f + n)`` of a room of ``T`` tokens is ``lo = f * Ps``, ``hi = min((f + n) *
+        Ps, T)``. Aux is planned apart (:func:`~kvd.transfer.plan.plan_aux`).
+
+        Raises :class:`LayoutError` when the tokens fall outside the named pages or an
+        address would wrap past 2**64.
+        """
+        sp = as_pages(src_pages, "source page indices")
+        dp = as_pages(dst_pages, "destination page indices")
+        if self.n_heads == 0 or hi <= lo:
+            Chunk(sp, dp, lo, hi, src_first, dst_first).check(self.src.page_size,
+                                                              self.dst.page_size)
+            return Descriptors.empty()
+        s_top, d_top = self._tops
+        _check_no_wrap(self.s_ptr, self.s_item, sp, "source", s_top)
+        _check_no_wrap(self.d_ptr, self.d_item, dp, "destination", d_top)
+        s, d, per_token, token_major, per_slot = self._retile_sides
+        return retile_plan(s, d, per_token, Chunk(sp, dp, lo, hi, src_first, dst_first),
+                           token_major, per_slot)
+
+    def prove_tokens(self, desc: Descriptors, dst_pages: npt.ArrayLike, lo: int, hi: int,
+                     dst_first: int = 0, aux: tuple[Addrs, Addrs, int] | None = None,
+                     what: str = "plan") -> None:
+        """Prove ``desc`` (a :meth:`plan_tokens` plan, aux after KV) writes every decode byte
+        of tokens ``[lo, hi)`` this source owes exactly once (its head share, every
+        layer it holds) and nothing outside the room's decode pages ``dst_pages``; the
+        expected ranges come from the decode pages alone (:func:`retile_expected`).
+
+        Raises :class:`PlanRefused` (``uncovered``/``doubled``/``outside``), also when a
+        decode page is named twice (K42); :class:`LayoutError` as :meth:`plan_tokens`.
+        """
+        dp = as_pages(dst_pages, "destination page indices")
+        check_distinct(dp, "destination")
+        aux_iv = None
+        if aux is not None:
+            ptrs, lens, index = aux
+            aux_iv = (ptrs + U64(index) * lens, lens)
+        if self.n_heads == 0:
+            e_dst = e_len = np.zeros(0, dtype=U64)
+        else:
+            chunk = Chunk(dp, dp, lo, hi, dst_first, dst_first)
+            chunk.check(self.dst.page_size, self.dst.page_size)
+            _, d, per_token, _, per_slot = self._retile_sides
+            e_dst, e_len = retile_expected(d, per_token, chunk, per_slot)
+        if aux_iv is not None:
+            e_dst, e_len = np.concatenate([e_dst, aux_iv[0]]), np.concatenate([e_len, aux_iv[1]])
+        diff = interval_diff(desc.dst, desc.length, e_dst, e_len)
+        if diff is None:
+            return
+        kind, a, b = diff
+        where = Tiling(self.d_ptr, self.d_item, self.db, dp[:0], dp[:0],
+                       np.zeros(1, dtype=U64), None, aux_iv, self.dst.buffer_name).where(a)
+        verb = {"uncovered": "is written by no descriptor", "doubled": "is written twice",
+                "outside": "is written but the decode does not read it from this source"}[kind]
+        raise PlanRefused(f"{what}: plan refused: destination bytes [{a:#x}, +{b - a}) "
+                          f"({where}) {verb} (plan covers {desc.nbytes} bytes, the decode "
+                          f"reads {int(e_len.sum(dtype=U64))} from this source, tokens "
+                          f"[{lo}, {hi}))", kind, a, b)
+
     @cached_property
     def _slice(self) -> tuple[Addrs, int]:
         """``(inner, slot)``: byte offsets in a decode page and bytes of each interval of
@@ -422,8 +532,8 @@ class PairPlan:
         if np.unique(self.db).size != self.db.size:
             raise PlanRefused("plan refused: two source layers map to one decode buffer",
                               "doubled")
-        if self.whole_pages or self.n_heads == 0:
-            return
+        if self.whole_pages or self.n_heads == 0 or self.retiled:
+            return  # re-tiled slices: inside a slot/page by construction (_retile_sides)
         inner, slot = self._slice
         gaps_ok = inner.size < 2 or bool((np.diff(inner) >= U64(slot)).all())
         page = int(self.d_item.min()) if self.d_item.size else 0
