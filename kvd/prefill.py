@@ -31,7 +31,7 @@ from kvd.errors import (
 from kvd.logs import fields
 from kvd.protocol import control, rpc
 from kvd.protocol.codec import unpack_indices
-from kvd.rooms.effects import CancelWrites, Effect, Report, Write, WriteDest
+from kvd.rooms.effects import CancelWrites, Effect, Report, StateRef, Write, WriteDest
 from kvd.rooms.sender import Limits, RankPosition, SenderRooms
 from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
@@ -40,6 +40,7 @@ from kvd.transfer.backends.base import CancelToken, PeerAttach
 from kvd.transfer.kvargs import RankArgs
 from kvd.transfer.layout import PairPlan, RankLayout, check_coverage, check_pair
 from kvd.transfer.plan import Descriptors, check_plan_bounds, plan_aux
+from kvd.transfer.state import StatePairPlan, plan_room_state, state_layout
 
 log = logging.getLogger("kvd.prefill")
 
@@ -50,6 +51,7 @@ class PeerPlan:
 
     args: RankArgs
     layout: RankLayout
+    state: StatePairPlan | None = None  # hybrid models: state slots and window pages
 
 
 class PrefillSide(Side):
@@ -91,7 +93,8 @@ class PrefillSide(Side):
                 effects = self.rooms.create(call.room, now)
                 self.core.events.room_started(self.role, call.room)
             case rpc.SenderInit():
-                effects = self.rooms.init(call.room, call.num_pages, call.aux_index, now)
+                effects = self.rooms.init(call.room, call.num_pages, call.aux_index, now,
+                                          _state_ref(call))
             case rpc.SenderSend():
                 pages = unpack_indices(call.pages)
                 send = call  # a bad chunk fails the room (its peers hear it), then raises
@@ -193,13 +196,28 @@ class PrefillSide(Side):
             ranks = self.core.position()
             check_coverage(self._local_layout(), layout, ranks.pp_rank, ranks.pp_size)
             _check_aux(local.wire, msg.kv_args)
+            state = self._state_pair(msg)
             self._attach(msg)
-            plan = PeerPlan(args, layout)
+            plan = PeerPlan(args, layout, state)
         except KvdError as exc:
             rejected = RoomFailure(FailureKind.REGISTRATION, f"decode rank {msg.endpoint} "
                                    f"refused: {exc}", self.role)
             log.warning("refused decode rank %s: %s", msg.endpoint, exc)
         return self.rooms.on_register(msg, num_pages, num_slots, rejected, plan, now)
+
+    def _state_pair(self, msg: control.RegisterRank) -> StatePairPlan | None:
+        """The pair's state planning constants (None: neither side registered state);
+        RegistrationError, with one reason, when only one side did or they differ."""
+        r = self.core.position()
+        mine = state_layout(self._local().wire, r.attn_tp_rank, r.attn_tp_size)
+        peer = state_layout(msg.kv_args, msg.attn_tp_rank, msg.attn_tp_size)
+        if mine is None and peer is None:
+            return None
+        if mine is None or peer is None:
+            who = "decode" if mine is None else "prefill"
+            raise RegistrationError(f"incompatible state layouts (prefill vs decode): only "
+                                    f"the {who} registers state buffers (a hybrid model)")
+        return StatePairPlan.of(mine, peer)
 
     def _check_session(self, msg: control.RegisterRank) -> None:
         """A decode rank's transfer address must be its own (S11): never this rank's own
@@ -353,8 +371,15 @@ class PrefillSide(Side):
             desc = desc.concat(plan_aux(local.aux_ptrs, peer.args.aux_ptrs, local.aux_item_lens,
                                         eff.aux_index, d.aux_index))
             aux = (peer.args.aux_ptrs, peer.args.aux_item_lens, d.aux_index)
+        what = f"room {eff.room} to {d.endpoint}"
         check_plan_bounds(desc, local.regions, peer.args.regions, f"room {eff.room}")
-        pair.prove(desc, src_pages, d.dst_pages, aux, f"room {eff.room} to {d.endpoint}")
+        pair.prove(desc, src_pages, d.dst_pages, aux, what)
+        if eff.is_last and peer.state is not None:  # hybrid caches move with the last chunk
+            mine, theirs = eff.state or StateRef(), d.state or StateRef()
+            extra = plan_room_state(peer.state, mine.index, theirs.index, mine.window,
+                                    theirs.window, what)
+            check_plan_bounds(extra, local.regions, peer.args.regions, f"room {eff.room}")
+            desc = desc.concat(extra)
         return desc
 
     def _pair(self, endpoint: str, peer: PeerPlan) -> PairPlan:
@@ -593,3 +618,10 @@ def _check_aux(local: control.KVArgsWire, peer: control.KVArgsWire) -> None:
     if local.aux_item_lens != peer.aux_item_lens:
         raise RegistrationError(f"aux item lens mismatch {local.aux_item_lens} vs "
                                 f"{peer.aux_item_lens}")
+
+
+def _state_ref(call: rpc.SenderInit) -> StateRef | None:
+    """The room's state slot and window pages as the engine named them (None: neither)."""
+    if call.state_index < 0 and not call.window_pages:
+        return None
+    return StateRef(call.state_index, unpack_indices(call.window_pages))

@@ -41,6 +41,7 @@ from functools import cached_property
 import numpy as np
 
 from kvd.errors import LayoutError, RegistrationError
+from kvd.protocol.control import KVArgsWire
 from kvd.transfer.layout import PairPlan, RankLayout, prefill_targets, rank_heads
 from kvd.transfer.plan import U64, Addrs, Descriptors, PlanRefused, interval_diff
 
@@ -145,6 +146,40 @@ class StateLayout:
         ptrs = np.array([b.ptr for b in self.buffers], dtype=U64)
         lens = np.array([b.length for b in self.buffers], dtype=U64)
         return ptrs, lens, STATE_ID_BASE + np.arange(len(self.buffers), dtype=np.int64)
+
+
+def state_layout(wire: KVArgsWire, tp_rank: int, tp_size: int) -> StateLayout | None:
+    """The :class:`StateLayout` of the rank that sent ``wire`` (None: it registered no state
+    and no window pool) at attention TP ``tp_rank``/``tp_size``. Its stage is the paged KV's
+    PP stage: layers from ``wire.layer_start`` for as many model layers as hold one full-
+    attention layer per paged KV layer, window and state layers between them included.
+
+    Raises :class:`RegistrationError` like the constructor (and ``RankLayout``'s for the
+    window pool).
+    """
+    if wire.state is None:
+        return None
+    spec, ptrs, lens = wire.state.spec, wire.state.ptrs, wire.state.lens
+    n = len(spec.buffers)
+    if len(ptrs) < n or len(lens) < n:
+        raise RegistrationError(f"invalid state layout: {len(ptrs)} state pointers for {n} "
+                                f"state buffers")
+    bufs = tuple(StateBuffer(b.layer, b.kind, int(p), int(m), b.slot_bytes, b.dtype, b.heads,
+                             b.total_heads) for b, p, m in zip(spec.buffers, ptrs, lens,
+                                                                strict=False))
+    types = tuple(spec.layer_types)
+    start, end = spec.stage_start, len(types) if spec.stage_end < 0 else spec.stage_end
+    window = None
+    if spec.window is not None:
+        w = spec.window
+        window = RankLayout(kv_ptrs=np.asarray(ptrs[n:], dtype=U64),
+                            item_lens=np.asarray(w.item_lens, dtype=U64),
+                            page_size=wire.page_size, num_kv_heads=w.num_kv_heads,
+                            total_kv_heads=w.total_kv_heads or w.num_kv_heads * tp_size,
+                            head_dim=w.head_dim, dtype_size=w.dtype_size,
+                            num_layers=w.num_layers, layer_start=w.layer_start, is_mla=False,
+                            layout=w.layout, tp_rank=tp_rank, tp_size=tp_size)
+    return StateLayout(bufs, types, start, end, tp_rank, tp_size, window, spec.window_tokens)
 
 
 def _layout_problems(s: StateLayout) -> list[str]:
@@ -407,3 +442,42 @@ def prove_state_sources_tile(dst: StateLayout, sources: list[StateLayout]) -> No
             raise PlanRefused(f"state plan refused: decode layer {b.layer} state {b.kind!r} "
                               f"head {first + h} is written by {int(c[h])} prefill sources, "
                               f"not 1", kind)
+
+
+def _shift_ids(desc: Descriptors, src_base: int, dst_base: int) -> Descriptors:
+    """``desc`` with its span buffer ids moved into the state id range (window buffers
+    follow a rank's state buffers: ``STATE_ID_BASE + len(buffers) + b``)."""
+    if desc.span_bufs is None:
+        return desc
+    s, d = desc.span_bufs
+    return Descriptors(desc.src, desc.dst, desc.length, desc.spans,
+                       (s + src_base, d + dst_base))
+
+
+def plan_room_state(pair: StatePairPlan, src_index: int, dst_index: int,
+                    src_window: np.ndarray, dst_window: np.ndarray,
+                    what: str = "plan") -> Descriptors:
+    """Everything of a room's hybrid caches this source writes, proved: its head slice of
+    every state buffer from slot ``src_index`` into slot ``dst_index`` (:meth:`StatePairPlan.
+    prove`), then its share of the window pages ``src_window`` -> ``dst_window`` (int64
+    ``[P]`` each; :func:`check_window_pages`, then ``PairPlan.prove``). Buffer ids are the
+    ranks' region ids (state buffers from :data:`STATE_ID_BASE`, window buffers after them).
+
+    Raises :class:`LayoutError` when a room of a pair with state buffers names no state
+    index on a side, or with window layers names window pages on neither side while the
+    other does; :class:`PlanRefused` as the proofs.
+    """
+    out = Descriptors.empty()
+    if pair.src.buffers or pair.dst.buffers:
+        if src_index < 0 or dst_index < 0:
+            raise LayoutError(f"{what}: the model has state layers but the room names no "
+                              f"state index (prefill {src_index}, decode {dst_index})")
+        out = pair.plan(src_index, dst_index)
+        pair.prove(out, dst_index, what)
+    if pair.window is None:
+        return out
+    check_window_pages(pair.src, pair.window.src.page_size, src_window, dst_window)
+    win = pair.window.plan(src_window, dst_window)
+    pair.window.prove(win, src_window, dst_window, None, what)
+    return out.concat(_shift_ids(win, STATE_ID_BASE + len(pair.src.buffers),
+                                 STATE_ID_BASE + len(pair.dst.buffers)))
