@@ -16,8 +16,14 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd.client import RegisterKV, ShmPool
-from kvd.protocol.control import StateBufSpec, StateSpec, WindowSpec
+from kvd.protocol.control import LayerType, StateBufSpec, StateSpec, WindowSpec
 from kvd.transfer.layout import rank_heads
+
+
+def _layer_type(name: str) -> LayerType:
+    if name not in ("full", "window", "state"):
+        raise ValueError(f"unknown layer type {name!r}")
+    return name  # type: ignore[return-value]
 
 
 def _kinds() -> dict[str, tuple[int, int]]:
@@ -103,7 +109,7 @@ class HybridShard:
             page_size=spec.page_size, num_kv_heads=self.nh, head_dim=spec.head_dim,
             dtype_size=2, num_layers=n_full, total_kv_heads=total,
             state=StateSpec(
-                layer_types=list(spec.layer_types),
+                layer_types=[_layer_type(t) for t in spec.layer_types],
                 buffers=[StateBufSpec(layer, kind, slot[(layer, kind)], "uint8",
                                       self.state_shape[(layer, kind)][1],
                                       spec.state_kinds[kind][0])

@@ -219,8 +219,12 @@ def hybrid_registration() -> control.RegisterRank:
     """A decode rank of a hybrid model at every bound: 4096 KV buffers, 4096 aux buffers,
     MAX_STATE_BUFFERS state buffers and MAX_WINDOW_BUFFERS window buffers, all exported on
     CUDA IPC handles with the longest names."""
-    from kvd.protocol.memory import CUDA_IPC_HANDLE_BYTES, CudaIpcHandle, ExportedBuffer, \
-        ExportedPool
+    from kvd.protocol.memory import (
+        CUDA_IPC_HANDLE_BYTES,
+        CudaIpcHandle,
+        ExportedBuffer,
+        ExportedPool,
+    )
     name, top, big = "n" * control.MAX_NAME, 2**64 - 1, 2**31
     ints = [top] * control.MAX_BUFFERS
     n_state, n_win = control.MAX_STATE_BUFFERS, control.MAX_WINDOW_BUFFERS
