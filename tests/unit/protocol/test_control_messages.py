@@ -165,7 +165,7 @@ def test_bad_magic_and_version_refused() -> None:
 @given(msgs=st.lists(control_messages, min_size=1, max_size=20))
 def test_batch_round_trips_messages_in_order(msgs: list[control.ControlMessage]) -> None:
     frame = control.encode_many(msgs)
-    assert frame[3] == codec.VERSION == 5
+    assert frame[3] == codec.VERSION == 6
     assert control.decode_many(frame) == msgs
 
 
