@@ -142,3 +142,94 @@ async def test_i22_window_pages_must_be_whole_int32_indices(cluster: Cluster) ->
     with pytest.raises(RoomError, match="window pages"):
         await de.call(rpc.ReceiverInit(room=10, dst_pages=pack_indices([1]), aux_index=0,
                                        state_index=0, window_pages=b"\x01\x02"))
+
+
+# ---- the hybrid reference model, PD vs colocated --------------------------------------
+
+def model_spec() -> HybridSpec:
+    from kvd.refengine import hybridmodel as hm
+    return HybridSpec(layer_types=hm.LAYER_TYPES, total_kv_heads=hm.HEADS,
+                      head_dim=hm.HEAD_DIM * 2,  # the stand-in counts 2-byte units: float32
+                      page_size=4, num_pages=16, window_pages=16, window_tokens=hm.WINDOW,
+                      state_slots=4,
+                      state_kinds={"conv": (hm.HEADS, (hm.CONV - 1) * hm.HEAD_DIM * 4),
+                                   "ssm": (hm.HEADS, hm.HEAD_DIM * hm.HEAD_DIM * 4)})
+
+
+def as_truth(spec: HybridSpec, caches, slot: int) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
+    """The prefill's pools' contents: prompt pages 0.. of KV and window, state in ``slot``."""
+    def paged(a: np.ndarray, pages: int) -> np.ndarray:
+        n, _, t, h, d = a.shape
+        out = np.zeros((n, 2, pages * spec.page_size, h, d), np.float32)
+        out[:, :, :t] = a
+        return out.reshape(n, 2, pages, spec.page_size, h, d).view(np.uint8)
+
+    truth = {"kv": paged(caches.kv, spec.num_pages),
+             "window": paged(caches.window, spec.window_pages)}
+    for (layer, kind), a in caches.state.items():
+        heads, hb = spec.state_kinds[kind]
+        arr = np.zeros((spec.state_slots, heads, hb), np.uint8)
+        arr[slot] = np.ascontiguousarray(a).view(np.uint8).reshape(heads, hb)
+        truth[f"state:{layer}:{kind}"] = arr
+    return truth
+
+
+def gather(spec: HybridSpec, shards: list[HybridShard], pages: list[int], wpages: list[int],
+           w_first: int, slot: int, length: int):  # type: ignore[no-untyped-def]
+    """The decode's caches, read back from its TP ranks' pools (heads concatenated)."""
+    from kvd.refengine import hybridmodel as hm
+    c = hm.HybridModel(0).empty()
+
+    def read(bufs: list[np.ndarray], sel: list[int], nh: int, tokens: slice) -> np.ndarray:
+        n = len(bufs) // 2
+        out = np.stack([np.stack([bufs[k * n + j].reshape(-1, spec.page_size, nh, spec.head_dim
+                                                          * 2)[sel] for k in (0, 1)])
+                        for j in range(n)])
+        return out.view(np.float32).reshape(n, 2, -1, nh, hm.HEAD_DIM)[:, :, tokens]
+
+    c.kv = np.concatenate([read(s.kv, pages, s.nh, slice(0, length)) for s in shards], axis=3)
+    c.window = np.concatenate([read(s.window, wpages, s.nh, slice(0, length - w_first))
+                               for s in shards], axis=3)
+    for key, a in c.state.items():
+        parts = [s.state[key][slot].view(np.float32).reshape(s.state_shape[key][1],
+                                                              *a.shape[1:]) for s in shards]
+        c.state[key] = np.ascontiguousarray(np.concatenate(parts, axis=0))
+    c.length = length
+    return c
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (1, 2), (2, 1)])
+async def test_i22_hybrid_model_pd_is_token_exact_against_colocated(
+        cluster: Cluster, prefill_tp: int, decode_tp: int) -> None:
+    from kvd.refengine.hybridmodel import HybridModel
+    model, spec = HybridModel(5), model_spec()
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, 97, 13)]
+    want = model.generate_reference(prompt, 16)
+    first, caches = model.prefill(prompt)
+    truth = as_truth(spec, caches, slot=1)
+    n_pages = -(-len(prompt) // spec.page_size)
+    w0 = (len(prompt) - spec.window_tokens) // spec.page_size  # first page of the window
+    src, dst = list(range(n_pages)), [9, 2, 14, 5][:n_pages]
+    s_win, d_win = list(range(w0, n_pages)), [11, 3, 7][:n_pages - w0]
+    ps = [await cluster.node("prefill", attn_tp_size=prefill_tp, attn_tp_rank=0)]
+    ps += [await cluster.node("prefill", bootstrap=ps[0], attn_tp_size=prefill_tp,
+                              attn_tp_rank=r) for r in range(1, prefill_tp)]
+    pes = [await hybrid(p, spec, r, prefill_tp, source=truth, seed=r + 1)
+           for r, p in enumerate(ps)]
+    ds = [await cluster.node("decode", attn_tp_size=decode_tp, attn_tp_rank=r)
+          for r in range(decode_tp)]
+    des = [await hybrid(d, spec, r, decode_tp, seed=20 + r) for r, d in enumerate(ds)]
+    for de in des:
+        await de.call(rpc.ReceiverCreate(room=30, bootstrap_addr=ps[0].http_addr))
+        await de.call(rpc.ReceiverInit(room=30, dst_pages=pack_indices(dst), aux_index=0,
+                                       state_index=2, window_pages=pack_indices(d_win)))
+    for pe in pes:
+        await pe.call(rpc.SenderCreate(room=30))
+        await pe.call(rpc.SenderInit(room=30, num_pages=n_pages, aux_index=0, state_index=1,
+                                     window_pages=pack_indices(s_win)))
+        await pe.send(30, src, chunks=2)
+    await settle(cluster)
+    assert [await de.status(30) for de in des] == [SUCCESS] * decode_tp
+    got = gather(spec, [de.pool for de in des], dst, d_win, w0 * spec.page_size, 2,  # type: ignore[misc]
+                 len(prompt))
+    assert model.decode(got, first, 16) == want
