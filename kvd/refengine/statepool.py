@@ -101,7 +101,7 @@ class HybridShard:
         self.state = {k: v.reshape(spec.state_slots, -1) for k, (v, _) in
                       zip(self.state_keys, st, strict=True)}
         if source is not None:
-            self._fill(source)
+            self.fill(source)
         total = spec.total_kv_heads
         self.registration = RegisterKV(
             kv_buffers=[h for _, h in kv], kv_item_lens=[item] * 2 * n_full,
@@ -135,7 +135,9 @@ class HybridShard:
         return np.ascontiguousarray(g[f"state:{key[0]}:{key[1]}"][index, first:first + n]
                                     ).ravel()
 
-    def _fill(self, g: dict[str, npt.NDArray[np.uint8]]) -> None:
+    def fill(self, g: dict[str, npt.NDArray[np.uint8]]) -> None:
+        """Write this rank's shard of truth ``g`` (:meth:`HybridSpec.truth` form) into
+        every page and slot of its pools."""
         for b, v in enumerate(self.kv):
             v[:] = self._paged(g["kv"], b, len(self.kv) // 2).ravel()
         for b, v in enumerate(self.window):

@@ -146,61 +146,10 @@ async def test_i22_window_pages_must_be_whole_int32_indices(cluster: Cluster) ->
 
 # ---- the hybrid reference model, PD vs colocated --------------------------------------
 
-def model_spec() -> HybridSpec:
-    from kvd.refengine import hybridmodel as hm
-    return HybridSpec(layer_types=hm.LAYER_TYPES, total_kv_heads=hm.HEADS,
-                      head_dim=hm.HEAD_DIM * 2,  # the stand-in counts 2-byte units: float32
-                      page_size=4, num_pages=16, window_pages=16, window_tokens=hm.WINDOW,
-                      state_slots=4,
-                      state_kinds={"conv": (hm.HEADS, (hm.CONV - 1) * hm.HEAD_DIM * 4),
-                                   "ssm": (hm.HEADS, hm.HEAD_DIM * hm.HEAD_DIM * 4)})
-
-
-def as_truth(spec: HybridSpec, caches, slot: int) -> dict[str, np.ndarray]:  # type: ignore[no-untyped-def]
-    """The prefill's pools' contents: prompt pages 0.. of KV and window, state in ``slot``."""
-    def paged(a: np.ndarray, pages: int) -> np.ndarray:
-        n, _, t, h, d = a.shape
-        out = np.zeros((n, 2, pages * spec.page_size, h, d), np.float32)
-        out[:, :, :t] = a
-        return out.reshape(n, 2, pages, spec.page_size, h, d).view(np.uint8)
-
-    truth = {"kv": paged(caches.kv, spec.num_pages),
-             "window": paged(caches.window, spec.window_pages)}
-    for (layer, kind), a in caches.state.items():
-        heads, hb = spec.state_kinds[kind]
-        arr = np.zeros((spec.state_slots, heads, hb), np.uint8)
-        arr[slot] = np.ascontiguousarray(a).view(np.uint8).reshape(heads, hb)
-        truth[f"state:{layer}:{kind}"] = arr
-    return truth
-
-
-def gather(spec: HybridSpec, shards: list[HybridShard], pages: list[int], wpages: list[int],
-           w_first: int, slot: int, length: int):  # type: ignore[no-untyped-def]
-    """The decode's caches, read back from its TP ranks' pools (heads concatenated)."""
-    from kvd.refengine import hybridmodel as hm
-    c = hm.HybridModel(0).empty()
-
-    def read(bufs: list[np.ndarray], sel: list[int], nh: int, tokens: slice) -> np.ndarray:
-        n = len(bufs) // 2
-        out = np.stack([np.stack([bufs[k * n + j].reshape(-1, spec.page_size, nh, spec.head_dim
-                                                          * 2)[sel] for k in (0, 1)])
-                        for j in range(n)])
-        return out.view(np.float32).reshape(n, 2, -1, nh, hm.HEAD_DIM)[:, :, tokens]
-
-    c.kv = np.concatenate([read(s.kv, pages, s.nh, slice(0, length)) for s in shards], axis=3)
-    c.window = np.concatenate([read(s.window, wpages, s.nh, slice(0, length - w_first))
-                               for s in shards], axis=3)
-    for key, a in c.state.items():
-        parts = [s.state[key][slot].view(np.float32).reshape(s.state_shape[key][1],
-                                                              *a.shape[1:]) for s in shards]
-        c.state[key] = np.ascontiguousarray(np.concatenate(parts, axis=0))
-    c.length = length
-    return c
-
-
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (1, 2), (2, 1)])
 async def test_i22_hybrid_model_pd_is_token_exact_against_colocated(
         cluster: Cluster, prefill_tp: int, decode_tp: int) -> None:
+    from kvd.refengine.hybriddemo import as_truth, gather, model_spec
     from kvd.refengine.hybridmodel import HybridModel
     model, spec = HybridModel(5), model_spec()
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, 97, 13)]

@@ -62,3 +62,18 @@ def test_i22_state_slot_moves_tp1_to_tp2_over_mooncake_bytes_exact(tmp_path: Pat
     finally:
         for r in ranks:
             r.close()
+
+
+def test_i22_hybrid_model_demo_rows_are_token_exact_tp1_to_tp2() -> None:
+    """The demo's hybrid rows: the seeded hybrid model PD over real daemons and Mooncake,
+    prefill TP 1 -> decode TP 2, every completion equal to the colocated one."""
+    import io
+
+    from rich.console import Console
+
+    from kvd.refengine.hybriddemo import run_hybrid_rows
+
+    out = io.StringIO()
+    assert run_hybrid_rows(Console(file=out, width=160), 1, 2, n_prompts=2) == 0, \
+        out.getvalue()
+    assert out.getvalue().count("yes") == 2
