@@ -40,7 +40,12 @@ from kvd.transfer.backends.base import CancelToken, PeerAttach
 from kvd.transfer.kvargs import RankArgs
 from kvd.transfer.layout import PairPlan, RankLayout, check_coverage, check_pair
 from kvd.transfer.plan import Descriptors, check_plan_bounds, plan_aux
-from kvd.transfer.state import StatePairPlan, plan_room_state, state_layout
+from kvd.transfer.state import (
+    StatePairPlan,
+    check_state_coverage,
+    plan_room_state,
+    state_layout,
+)
 
 log = logging.getLogger("kvd.prefill")
 
@@ -217,7 +222,9 @@ class PrefillSide(Side):
             who = "decode" if mine is None else "prefill"
             raise RegistrationError(f"incompatible state layouts (prefill vs decode): only "
                                     f"the {who} registers state buffers (a hybrid model)")
-        return StatePairPlan.of(mine, peer)
+        pair = StatePairPlan.of(mine, peer)
+        check_state_coverage(mine, peer, r.pp_rank, r.pp_size)
+        return pair
 
     def _check_session(self, msg: control.RegisterRank) -> None:
         """A decode rank's transfer address must be its own (S11): never this rank's own

@@ -282,6 +282,22 @@ def _state_pair_problem(src: StateLayout, dst: StateLayout) -> str | None:
     return None
 
 
+def check_state_coverage(src: StateLayout, dst: StateLayout, pp_rank: int,
+                         pp_size: int) -> None:
+    """Refuse a pair where decode model layers at this stage's edge are written by no
+    prefill stage (the state counterpart of :func:`~kvd.transfer.layout.check_coverage`):
+    the first stage must start at the decode's first layer, the last end at its last.
+    Raises :class:`RegistrationError` naming the uncovered layers."""
+    problems = []
+    if pp_rank == 0 and src.layer_start != dst.layer_start:
+        problems.append(f"decode layers [{dst.layer_start}, {src.layer_start})")
+    if pp_rank == pp_size - 1 and src.layer_end != dst.layer_end:
+        problems.append(f"decode layers [{src.layer_end}, {dst.layer_end})")
+    if problems:
+        raise RegistrationError("state layer coverage: " + " and ".join(problems) +
+                                " are written by no prefill stage")
+
+
 def _overlap(s_first: int, s_n: int, d_first: int, d_n: int) -> tuple[int, int, int]:
     lo, hi = max(s_first, d_first), min(s_first + s_n, d_first + d_n)
     return (lo - s_first, lo - d_first, hi - lo) if hi > lo else (0, 0, 0)

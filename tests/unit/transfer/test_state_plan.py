@@ -239,3 +239,44 @@ def test_i22_window_pages_beyond_the_window_are_refused() -> None:
     check_window_pages(w, 16, np.arange(4), np.arange(4))
     with pytest.raises(PlanRefused, match="touches at most 4"):
         check_window_pages(w, 16, np.arange(5), np.arange(5))
+
+
+@settings(max_examples=100, deadline=None)
+@given(worlds(), st.integers(0, SLOTS - 1), st.data())
+def test_i22_mutated_state_plans_are_refused(w: World, index: int, data: st.DataObject) -> None:
+    """Any one descriptor dropped, repeated, moved by a byte, or made a byte longer: the
+    proof refuses the plan (nothing a decode reads is left unwritten, written twice, or
+    written outside the room's slot)."""
+    dst, _ = w.decode(0)
+    src, _ = w.prefill(0, 0)
+    pair = StatePairPlan.of(src, dst)
+    desc = pair.plan(index, index)
+    if len(desc) == 0:
+        return
+    k = data.draw(st.integers(0, len(desc) - 1))
+    how = data.draw(st.sampled_from(["drop", "repeat", "shift", "longer"]))
+    keep = np.ones(len(desc), bool)
+    d, n = desc.dst.copy(), desc.length.copy()
+    if how == "drop":
+        keep[k] = False
+    elif how == "shift":
+        d[k] += U64(1)
+    elif how == "longer":
+        n[k] += U64(1)
+    bad = Descriptors(desc.src[keep], d[keep], n[keep])
+    if how == "repeat":
+        bad = desc.concat(Descriptors(desc.src[k:k + 1], d[k:k + 1], n[k:k + 1]))
+    with pytest.raises(PlanRefused):
+        pair.prove(bad, index)
+
+
+def test_i22_state_coverage_refuses_a_stage_edge_nobody_writes() -> None:
+    from kvd.transfer.state import check_state_coverage
+    types = ("state", "full", "state")
+    buf = [StateBuffer(layer, "ssm", 64 + 256 * layer, 4 * 16, 16, "f32", 1, 1)
+           for layer in (0, 2)]
+    dst = StateLayout(tuple(buf), types, 0, 3, 0, 1)
+    late = StateLayout((buf[1],), types, 1, 3, 0, 1)
+    with pytest.raises(RegistrationError, match=r"decode layers \[0, 1\) are written by no"):
+        check_state_coverage(late, dst, 0, 2)
+    check_state_coverage(late, dst, 1, 2)  # the last stage: its end matches
