@@ -1,4 +1,5 @@
-"""Issue 22 item 1 on real processes: real daemons over real Mooncake (TCP) move a hybrid
+"""Issue 22 item 1 on real processes: real daemons over real Mooncake (TCP; and the same-host
+``local`` backend) move a hybrid
 model's room -- paged KV, a per-request state slot re-sharded from prefill TP 1 to decode
 TP 2, and its window pages -- and every decode rank's bytes equal the truth's."""
 
@@ -30,16 +31,20 @@ class Rank:
         self.daemon.stop()
 
 
-def test_i22_state_slot_moves_tp1_to_tp2_over_mooncake_bytes_exact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["mooncake", "local"])
+def test_i22_state_slot_moves_tp1_to_tp2_bytes_exact(tmp_path: Path, backend: str) -> None:
+    """``local``: the decode's state and window buffers travel in its exported pool."""
     spec = HybridSpec()
     truth = spec.truth(22)
     ranks: list[Rank] = []
+    opts = {"transfer_backend": backend}
+    if backend == "local":
+        opts["peer_channel_dir"] = str(tmp_path / "peers")
     try:
-        p = start_daemon("prefill", tmp_path, serve_bootstrap=True, transfer_backend="mooncake")
+        p = start_daemon("prefill", tmp_path, serve_bootstrap=True, **opts)
         ranks.append(Rank(p, HybridShard(spec, 0, 1, source=truth, seed=1)))
         for tp in (0, 1):
-            d = start_daemon("decode", tmp_path, attn_tp_size=2, attn_tp_rank=tp,
-                             transfer_backend="mooncake")
+            d = start_daemon("decode", tmp_path, attn_tp_size=2, attn_tp_rank=tp, **opts)
             ranks.append(Rank(d, HybridShard(spec, tp, 2, seed=10 + tp)))
         src, dst = np.array([3, 4, 5, 6]), np.array([20, 2, 9, 11])
         s_win, d_win = np.array([5, 6, 7]), np.array([0, 13, 4])
