@@ -311,8 +311,8 @@ def max_frame() -> int:
     4.75 MiB: a RegisterRank with every state field at its bound and an exported pool, for
     the same-host ``local`` backend, of 2 x :data:`MAX_BUFFERS` + :data:`MAX_STATE_BUFFERS` +
     :data:`MAX_WINDOW_BUFFERS` buffers -- KV and aux, state, window; a RoomPages of
-    :data:`MAX_ROOM_PAGES` pages and :data:`MAX_WINDOW_PAGES` window pages is 4.5 MiB): each message type encoded with
-    every field at its bound. The control socket's ``MAXMSGSIZE`` is
+    :data:`MAX_ROOM_PAGES` pages and :data:`MAX_WINDOW_PAGES` window pages is 4.5 MiB):
+    each message type encoded with every field at its bound. The control socket's ``MAXMSGSIZE`` is
     this plus the seal, and a Batch is split below it (S19). Computed once (~20 ms)."""
     name, text = "n" * MAX_NAME, "t" * MAX_TEXT
     ints = [2**64 - 1] * MAX_BUFFERS
