@@ -361,12 +361,13 @@ class PrefillSide(Side):
             raise next((e for e in errors if not isinstance(e, WriteCancelled)), errors[0])
 
     def _plan(self, eff: Write, d: WriteDest) -> Descriptors:
-        """Descriptors of one chunk (and, last chunk, the aux slot) to one destination,
-        every range checked against the buffer it was planned from, and proved to write
-        exactly this source's share of the decode's pages (PlanRefused: kind layout)."""
-        if d.is_dummy:
-            return Descriptors.empty()
+        """Descriptors of one chunk (and, last chunk, the aux slot and the room's hybrid
+        caches) to one destination, every range checked against the buffer it was planned
+        from, and proved to write exactly this source's share of the decode's pages
+        (PlanRefused: kind layout). An MLA dummy writes no KV, but its state heads."""
         peer: PeerPlan = d.peer
+        if d.is_dummy:
+            return self._plan_state(eff, d, peer, Descriptors.empty())
         local = self._local()
         pair, src_pages = self._pair(d.endpoint, peer), eff.src_pages[d.src_from:]
         desc = pair.plan(src_pages, d.dst_pages)
@@ -378,16 +379,21 @@ class PrefillSide(Side):
             desc = desc.concat(plan_aux(local.aux_ptrs, peer.args.aux_ptrs, local.aux_item_lens,
                                         eff.aux_index, d.aux_index))
             aux = (peer.args.aux_ptrs, peer.args.aux_item_lens, d.aux_index)
-        what = f"room {eff.room} to {d.endpoint}"
         check_plan_bounds(desc, local.regions, peer.args.regions, f"room {eff.room}")
-        pair.prove(desc, src_pages, d.dst_pages, aux, what)
-        if eff.is_last and peer.state is not None:  # hybrid caches move with the last chunk
-            mine, theirs = eff.state or StateRef(), d.state or StateRef()
-            extra = plan_room_state(peer.state, mine.index, theirs.index, mine.window,
-                                    theirs.window, what)
-            check_plan_bounds(extra, local.regions, peer.args.regions, f"room {eff.room}")
-            desc = desc.concat(extra)
-        return desc
+        pair.prove(desc, src_pages, d.dst_pages, aux, f"room {eff.room} to {d.endpoint}")
+        return self._plan_state(eff, d, peer, desc)
+
+    def _plan_state(self, eff: Write, d: WriteDest, peer: PeerPlan,
+                    desc: Descriptors) -> Descriptors:
+        """``desc`` followed, on the last chunk of a hybrid model's room, by its state slot
+        and window pages (planned, bounds-checked and proved: :func:`plan_room_state`)."""
+        if not eff.is_last or peer.state is None:
+            return desc
+        mine, theirs = eff.state or StateRef(), d.state or StateRef()
+        extra = plan_room_state(peer.state, mine.index, theirs.index, mine.window,
+                                theirs.window, f"room {eff.room} to {d.endpoint}")
+        check_plan_bounds(extra, self._local().regions, peer.args.regions, f"room {eff.room}")
+        return desc.concat(extra)
 
     def _pair(self, endpoint: str, peer: PeerPlan) -> PairPlan:
         """The pair's planning constants (kept while both layouts are the same objects)."""
