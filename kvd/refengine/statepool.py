@@ -69,18 +69,24 @@ class HybridSpec:
 
 
 class HybridShard:
-    """One engine rank's pools for a TP shard of a :class:`HybridSpec` (all layers: one PP
-    stage) and their registration. Prefill ranks are filled from ``source``
-    (:meth:`HybridSpec.truth`), decode ranks with noise (``seed``)."""
+    """One engine rank's pools for a TP shard of a :class:`HybridSpec`, PP stage ``stage``
+    (model layers ``[l0, l1)``, default all; it must hold a full-attention layer), and their
+    registration. Prefill ranks are filled from ``source`` (:meth:`HybridSpec.truth`),
+    decode ranks with noise (``seed``)."""
 
     def __init__(self, spec: HybridSpec, tp_rank: int = 0, tp_size: int = 1,
                  source: dict[str, npt.NDArray[np.uint8]] | None = None, seed: int = 0,
-                 shm_dir: str = "/dev/shm") -> None:
+                 shm_dir: str = "/dev/shm", stage: tuple[int, int] | None = None) -> None:
         self.spec, self.tp_rank, self.tp_size = spec, tp_rank, tp_size
+        l0, l1 = stage or (0, len(spec.layer_types))
+        types = spec.layer_types
+        self.full0, self.win0 = types[:l0].count("full"), types[:l0].count("window")
         self.h0, self.nh = rank_heads(tp_rank, tp_size, spec.total_kv_heads)
         item = spec.page_size * self.nh * spec.head_dim * 2
-        n_full, n_win = len(spec.layers("full")), len(spec.layers("window"))
-        self.state_keys = [(layer, kind) for layer in spec.layers("state")
+        n_full, n_win = types[l0:l1].count("full"), types[l0:l1].count("window")
+        if not n_full:
+            raise ValueError(f"stage [{l0}, {l1}) holds no full-attention layer")
+        self.state_keys = [(layer, kind) for layer in spec.layers("state") if l0 <= layer < l1
                            for kind in spec.state_kinds]
         self.state_shape = {k: rank_heads(tp_rank, tp_size, spec.state_kinds[k[1]][0])
                             for k in self.state_keys}
@@ -107,7 +113,7 @@ class HybridShard:
             kv_buffers=[h for _, h in kv], kv_item_lens=[item] * 2 * n_full,
             aux_buffers=[aux_handle], aux_item_lens=[spec.aux_item_len],
             page_size=spec.page_size, num_kv_heads=self.nh, head_dim=spec.head_dim,
-            dtype_size=2, num_layers=n_full, total_kv_heads=total,
+            dtype_size=2, num_layers=n_full, layer_start=self.full0, total_kv_heads=total,
             state=StateSpec(
                 layer_types=[_layer_type(t) for t in spec.layer_types],
                 buffers=[StateBufSpec(layer, kind, slot[(layer, kind)], "uint8",
@@ -115,15 +121,17 @@ class HybridShard:
                                       spec.state_kinds[kind][0])
                          for layer, kind in self.state_keys],
                 window=WindowSpec([item] * 2 * n_win, n_win, self.nh, spec.head_dim, 2,
-                                  total_kv_heads=total) if n_win else None,
-                window_tokens=spec.window_tokens if n_win else 0),
+                                  layer_start=self.win0, total_kv_heads=total)
+                if n_win else None,
+                window_tokens=spec.window_tokens if "window" in types else 0,
+                stage_start=l0, stage_end=l1),
             state_buffers=[*(h for _, h in st), *(h for _, h in win)])
 
     def _paged(self, g: npt.NDArray[np.uint8], b: int, n: int,
-               pages: npt.ArrayLike | None = None) -> npt.NDArray[np.uint8]:
-        """Buffer ``b`` (K of ``n`` layers, then V) of a paged truth, sharded to this rank's
-        heads: ``[pages, page bytes]``."""
-        x = g[b % n, b // n]
+               pages: npt.ArrayLike | None = None, first: int = 0) -> npt.NDArray[np.uint8]:
+        """Buffer ``b`` (K of ``n`` layers from layer ``first`` of the truth, then V) of a
+        paged truth, sharded to this rank's heads: ``[pages, page bytes]``."""
+        x = g[first + b % n, b // n]
         if pages is not None:
             x = x[np.asarray(pages)]
         x = x[:, :, self.h0:self.h0 + self.nh, :]
@@ -139,9 +147,9 @@ class HybridShard:
         """Write this rank's shard of truth ``g`` (:meth:`HybridSpec.truth` form) into
         every page and slot of its pools."""
         for b, v in enumerate(self.kv):
-            v[:] = self._paged(g["kv"], b, len(self.kv) // 2).ravel()
+            v[:] = self._paged(g["kv"], b, len(self.kv) // 2, first=self.full0).ravel()
         for b, v in enumerate(self.window):
-            v[:] = self._paged(g["window"], b, len(self.window) // 2).ravel()
+            v[:] = self._paged(g["window"], b, len(self.window) // 2, first=self.win0).ravel()
         for k, v in self.state.items():
             for i in range(self.spec.state_slots):
                 v[i] = self._slot(g, k, i)
@@ -155,11 +163,12 @@ class HybridShard:
         page = self.spec.page_size * self.nh * self.spec.head_dim * 2
         d, dw = np.asarray(dst_pages), np.asarray(dst_window)
         return {
-            "kv": all(np.array_equal(v.reshape(-1, page)[d], self._paged(g["kv"], b, n,
-                                                                         src_pages))
+            "kv": all(np.array_equal(v.reshape(-1, page)[d],
+                                     self._paged(g["kv"], b, n, src_pages, self.full0))
                       for b, v in enumerate(self.kv)),
             "window": all(np.array_equal(v.reshape(-1, page)[dw],
-                                         self._paged(g["window"], b, nw, src_window))
+                                         self._paged(g["window"], b, nw, src_window,
+                                                     self.win0))
                           for b, v in enumerate(self.window)),
             "state": all(np.array_equal(v[dst_state], self._slot(g, k, src_state))
                          for k, v in self.state.items())}

@@ -182,3 +182,27 @@ async def test_i22_hybrid_model_pd_is_token_exact_against_colocated(
     got = gather(spec, [de.pool for de in des], dst, d_win, w0 * spec.page_size, 2,  # type: ignore[misc]
                  len(prompt))
     assert model.decode(got, first, 16) == want
+
+
+@pytest.mark.parametrize("decode_tp", [1, 2])
+async def test_i22_prefill_pp2_stages_each_write_their_state_and_window_layers(
+        cluster: Cluster, decode_tp: int) -> None:
+    """Prefill PP 2 split after the state layer (stage 0: full + state, stage 1: window +
+    full), decode one stage: every part arrives byte for byte, from the stage holding it."""
+    truth = SPEC.truth(9)
+    s0 = await cluster.node("prefill", pp_size=2, pp_rank=0)
+    s1 = await cluster.node("prefill", bootstrap=s0, pp_size=2, pp_rank=1)
+    pes = [await hybrid(n, SPEC, source=truth, seed=k + 1, stage=st)
+           for k, (n, st) in enumerate([(s0, (0, 2)), (s1, (2, 4))])]
+    ds = [await cluster.node("decode", attn_tp_size=decode_tp, attn_tp_rank=r)
+          for r in range(decode_tp)]
+    des = [await hybrid(d, SPEC, r, decode_tp, seed=30 + r) for r, d in enumerate(ds)]
+    for de in des:
+        await recv_room(de, 40, s0.http_addr, state=0)
+    for pe in pes:
+        await send_room(pe, 40, state=2)
+    await settle(cluster)
+    for de in des:
+        assert await de.status(40) == SUCCESS, await de.failure(40)
+        got = de.pool.holds(truth, ROOM_PAGES, DST_PAGES, 2, 0, SRC_WIN, DST_WIN)  # type: ignore[attr-defined]
+        assert got == {"kv": True, "window": True, "state": True}
