@@ -28,7 +28,7 @@ from kvd.logs import fields
 from kvd.memory import EngineMemory, Importer, import_engine
 from kvd.metrics import RoomEvents
 from kvd.protocol import codec, control
-from kvd.protocol.control import Compat, ControlMessage, KVArgsWire
+from kvd.protocol.control import Compat, ControlMessage, KVArgsWire, StateWire
 from kvd.protocol.memory import ExportedPool
 from kvd.protocol.rpc import RegisterKV
 from kvd.ranks import Ranks
@@ -249,7 +249,8 @@ class Core:
         if self.local is not None:
             raise RegistrationError("an engine is already registered with this kvd")
         uid = os.getuid() if engine_uid is None else engine_uid
-        mem = import_engine(self.memory, req.kv_buffers, req.aux_buffers, fds, uid)
+        mem = import_engine(self.memory, req.kv_buffers, req.aux_buffers, fds, uid,
+                            req.state_buffers)
         try:
             args = RankArgs.of(self._wire(req, mem))
             mem.register(self.engine)
@@ -263,6 +264,9 @@ class Core:
         return args
 
     def _wire(self, req: RegisterKV, mem: EngineMemory) -> KVArgsWire:
+        if req.state is None and mem.state:
+            raise RegistrationError(f"{len(mem.state)} state buffers without a state spec "
+                                    f"(RegisterKV.state says what they hold)")
         return KVArgsWire(
             session_id=self.engine.session_id, kv_data_ptrs=[b.address for b in mem.kv],
             kv_data_lens=[b.length for b in mem.kv], kv_item_lens=list(req.kv_item_lens),
@@ -273,7 +277,9 @@ class Core:
             num_layers=req.num_layers, layer_start=req.layer_start, is_mla=req.is_mla,
             layout=req.layout, total_kv_heads=req.total_kv_heads, fused_kv=req.fused_kv,
             compat=msgspec.structs.replace(req.compat or Compat(), wire_version=codec.VERSION,
-                                           page_size=req.page_size))
+                                           page_size=req.page_size),
+            state=None if req.state is None else StateWire(
+                req.state, [b.address for b in mem.state], [b.length for b in mem.state]))
 
     def export(self) -> tuple[ExportedPool, list[int]] | None:
         """The engine's memory for a same-host prefill's ``local`` backend, and the

@@ -223,7 +223,8 @@ class DecodeSide(Side):
                 self.core.events.room_started(self.role, call.room, call.bootstrap_addr)
             case rpc.ReceiverInit():
                 effects = self.rooms.init(call.room, call.dst_pages, call.aux_index, now,
-                                          call.first_page)
+                                          call.first_page, call.state_index,
+                                          call.window_pages)
             case _:
                 raise not_available(call, self.role)
         self.run(effects)

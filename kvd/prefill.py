@@ -33,7 +33,7 @@ from kvd.logs import fields
 from kvd.protocol import control, rpc
 from kvd.protocol.codec import unpack_indices
 from kvd.protocol.release import DIGEST_BYTES, ReleaseAnswer, ReleaseOutcome, ReleaseRequest
-from kvd.rooms.effects import CancelWrites, Effect, Report, Write, WriteDest
+from kvd.rooms.effects import CancelWrites, Effect, Report, StateRef, Write, WriteDest
 from kvd.rooms.sender import Limits, RankPosition, SenderRooms
 from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
@@ -43,6 +43,12 @@ from kvd.transfer.compat import check_compat
 from kvd.transfer.kvargs import RankArgs
 from kvd.transfer.layout import PairPlan, RankLayout, check_coverage, check_pair
 from kvd.transfer.plan import Descriptors, check_plan_bounds, plan_aux
+from kvd.transfer.state import (
+    StatePairPlan,
+    check_state_coverage,
+    plan_room_state,
+    state_layout,
+)
 
 log = logging.getLogger("kvd.prefill")
 
@@ -53,6 +59,7 @@ class PeerPlan:
 
     args: RankArgs
     layout: RankLayout
+    state: StatePairPlan | None = None  # hybrid models: state slots and window pages
 
 
 class PrefillSide(Side):
@@ -97,7 +104,8 @@ class PrefillSide(Side):
                 effects = self.rooms.create(call.room, now, call.release_digest)
                 self.core.events.room_started(self.role, call.room)
             case rpc.SenderInit():
-                effects = self.rooms.init(call.room, call.num_pages, call.aux_index, now)
+                effects = self.rooms.init(call.room, call.num_pages, call.aux_index, now,
+                                          _state_ref(call))
             case rpc.SenderSend():
                 pages = unpack_indices(call.pages)
                 send = call  # a bad chunk fails the room (its peers hear it), then raises
@@ -214,13 +222,30 @@ class PrefillSide(Side):
             ranks = self.core.position()
             check_coverage(self._local_layout(), layout, ranks.pp_rank, ranks.pp_size)
             _check_aux(local.wire, msg.kv_args)
+            state = self._state_pair(msg)
             self._attach(msg)
-            plan = PeerPlan(args, layout)
+            plan = PeerPlan(args, layout, state)
         except KvdError as exc:
             rejected = RoomFailure(FailureKind.REGISTRATION, f"decode rank {msg.endpoint} "
                                    f"refused: {exc}", self.role)
             log.warning("refused decode rank %s: %s", msg.endpoint, exc)
         return self.rooms.on_register(msg, num_pages, num_slots, rejected, plan, now)
+
+    def _state_pair(self, msg: control.RegisterRank) -> StatePairPlan | None:
+        """The pair's state planning constants (None: neither side registered state);
+        RegistrationError, with one reason, when only one side did or they differ."""
+        r = self.core.position()
+        mine = state_layout(self._local().wire, r.attn_tp_rank, r.attn_tp_size)
+        peer = state_layout(msg.kv_args, msg.attn_tp_rank, msg.attn_tp_size)
+        if mine is None and peer is None:
+            return None
+        if mine is None or peer is None:
+            who = "decode" if mine is None else "prefill"
+            raise RegistrationError(f"incompatible state layouts (prefill vs decode): only "
+                                    f"the {who} registers state buffers (a hybrid model)")
+        pair = StatePairPlan.of(mine, peer)
+        check_state_coverage(mine, peer, r.pp_rank, r.pp_size)
+        return pair
 
     def _check_session(self, msg: control.RegisterRank) -> None:
         """A decode rank's transfer address must be its own (S11): never this rank's own
@@ -357,12 +382,13 @@ class PrefillSide(Side):
             raise next((e for e in errors if not isinstance(e, WriteCancelled)), errors[0])
 
     def _plan(self, eff: Write, d: WriteDest) -> Descriptors:
-        """Descriptors of one chunk (and, last chunk, the aux slot) to one destination,
-        every range checked against the buffer it was planned from, and proved to write
-        exactly this source's share of the decode's pages (PlanRefused: kind layout)."""
-        if d.is_dummy:
-            return Descriptors.empty()
+        """Descriptors of one chunk (and, last chunk, the aux slot and the room's hybrid
+        caches) to one destination, every range checked against the buffer it was planned
+        from, and proved to write exactly this source's share of the decode's pages
+        (PlanRefused: kind layout). An MLA dummy writes no KV, but its state heads."""
         peer: PeerPlan = d.peer
+        if d.is_dummy:
+            return self._plan_state(eff, d, peer, Descriptors.empty())
         local = self._local()
         pair, src_pages = self._pair(d.endpoint, peer), eff.src_pages[d.src_from:]
         desc = pair.plan(src_pages, d.dst_pages)
@@ -376,7 +402,19 @@ class PrefillSide(Side):
             aux = (peer.args.aux_ptrs, peer.args.aux_item_lens, d.aux_index)
         check_plan_bounds(desc, local.regions, peer.args.regions, f"room {eff.room}")
         pair.prove(desc, src_pages, d.dst_pages, aux, f"room {eff.room} to {d.endpoint}")
-        return desc
+        return self._plan_state(eff, d, peer, desc)
+
+    def _plan_state(self, eff: Write, d: WriteDest, peer: PeerPlan,
+                    desc: Descriptors) -> Descriptors:
+        """``desc`` followed, on the last chunk of a hybrid model's room, by its state slot
+        and window pages (planned, bounds-checked and proved: :func:`plan_room_state`)."""
+        if not eff.is_last or peer.state is None:
+            return desc
+        mine, theirs = eff.state or StateRef(), d.state or StateRef()
+        extra = plan_room_state(peer.state, mine.index, theirs.index, mine.window,
+                                theirs.window, f"room {eff.room} to {d.endpoint}")
+        check_plan_bounds(extra, self._local().regions, peer.args.regions, f"room {eff.room}")
+        return desc.concat(extra)
 
     def _pair(self, endpoint: str, peer: PeerPlan) -> PairPlan:
         """The pair's planning constants (kept while both layouts are the same objects)."""
@@ -614,3 +652,10 @@ def _check_aux(local: control.KVArgsWire, peer: control.KVArgsWire) -> None:
     if local.aux_item_lens != peer.aux_item_lens:
         raise RegistrationError(f"aux item lens mismatch {local.aux_item_lens} vs "
                                 f"{peer.aux_item_lens}")
+
+
+def _state_ref(call: rpc.SenderInit) -> StateRef | None:
+    """The room's state slot and window pages as the engine named them (None: neither)."""
+    if call.state_index < 0 and not call.window_pages:
+        return None
+    return StateRef(call.state_index, unpack_indices(call.window_pages))

@@ -182,11 +182,19 @@ def demo(
                               ] = 16,
     page_size: Annotated[int, typer.Option(min=1, help="tokens per KV page")] = 16,
     chunk_pages: Annotated[int, typer.Option(min=1, help="pages per prefill chunk")] = 4,
+    hybrid: Annotated[bool, typer.Option(help="also the hybrid model's rows (state slots and "
+                                              "window pages, prefill TP 1 -> decode TP 2)")
+                      ] = True,
 ) -> None:
     """Prefill on one engine, move KV through two kvd daemons, decode on another."""
-    from kvd.refengine.demo import run_demo
+    from kvd.refengine.demo import demo_console, run_demo
 
-    raise typer.Exit(run_demo(prompts, max_new_tokens, page_size, chunk_pages))
+    code = run_demo(prompts, max_new_tokens, page_size, chunk_pages)
+    if hybrid:
+        from kvd.refengine.hybriddemo import run_hybrid_rows
+
+        code |= run_hybrid_rows(demo_console(), max_new_tokens=max_new_tokens)
+    raise typer.Exit(code)
 
 
 @app.command()

@@ -160,11 +160,17 @@ class Sender(_Room):
         self.sent = 0
         client.call(rpc.SenderCreate(room=room, release_digest=release_digest))
 
-    def init(self, num_pages: int, aux_index: int) -> None:
-        """Announce the room's total page count and its aux slot."""
+    def init(self, num_pages: int, aux_index: int, state_index: int = -1,
+             window_pages: npt.ArrayLike | None = None) -> None:
+        """Announce the room's total page count and its aux slot; for a hybrid model also
+        its state slot (``state_index``) and the window pool's pages holding its last
+        ``window_tokens`` tokens (``window_pages``, int, 1-D). They move with the last
+        chunk."""
         self.num_pages = num_pages
+        win = b"" if window_pages is None else pack_indices(window_pages)
         self.client.call(rpc.SenderInit(room=self.room, num_pages=num_pages,
-                                        aux_index=aux_index))
+                                        aux_index=aux_index, state_index=state_index,
+                                        window_pages=win))
 
     def send(self, page_indices: npt.ArrayLike, is_last: bool | None = None) -> None:
         """Send one chunk of source page indices (int, 1-D).
@@ -193,12 +199,17 @@ class Receiver(_Room):
                                        dp_rank=dp_rank))
 
     def init(self, dst_page_indices: npt.ArrayLike, aux_index: int,
-             first_page: int = 0) -> None:
+             first_page: int = 0, state_index: int = -1,
+             window_pages: npt.ArrayLike | None = None) -> None:
         """Give the destination pages (int, 1-D) and the aux slot for this room.
 
         ``first_page``: how many of the room's leading pages this decode already holds
         (a local prefix-cache hit); ``dst_page_indices[0]`` receives room page
-        ``first_page``, and the prefill writes nothing before it."""
+        ``first_page``, and the prefill writes nothing before it. Hybrid models:
+        ``state_index``, the state slot receiving the room's state, and ``window_pages``
+        (int, 1-D), the window pool's pages receiving its window, in the prefill's order."""
+        win = b"" if window_pages is None else pack_indices(window_pages)
         self.client.call(rpc.ReceiverInit(room=self.room,
                                           dst_pages=pack_indices(dst_page_indices),
-                                          aux_index=aux_index, first_page=first_page))
+                                          aux_index=aux_index, first_page=first_page,
+                                          state_index=state_index, window_pages=win))

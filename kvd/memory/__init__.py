@@ -151,15 +151,17 @@ def check_disjoint(buffers: Sequence[Buffer]) -> None:
 
 @dataclass
 class EngineMemory:
-    """One engine's registered buffers: KV then aux, and what the transfer engine knows."""
+    """One engine's registered buffers: KV, aux, then state (state slots and the window
+    pool, hybrid models), and what the transfer engine knows."""
 
     kv: list[Buffer]
     aux: list[Buffer]
     registered: list[int] = field(default_factory=list)
+    state: list[Buffer] = field(default_factory=list)
 
     @property
     def buffers(self) -> list[Buffer]:
-        return [*self.kv, *self.aux]
+        return [*self.kv, *self.aux, *self.state]
 
     def register(self, engine: TransferEngine) -> None:
         """Register each buffer (not the files around them) with ``engine``; all or
@@ -205,16 +207,19 @@ class EngineMemory:
 
 
 def import_engine(importer: Importer, kv: Sequence[MemoryHandle], aux: Sequence[MemoryHandle],
-                  fds: Sequence[int], engine_uid: int) -> EngineMemory:
-    """Import an engine's KV and aux handles, all or nothing (S12), and refuse overlaps."""
+                  fds: Sequence[int], engine_uid: int,
+                  state: Sequence[MemoryHandle] = ()) -> EngineMemory:
+    """Import an engine's KV, aux and state handles, all or nothing (S12), and refuse
+    overlaps."""
     bufs = import_all(lambda h: importer.engine_buffer(h, fds, engine_uid),  # type: ignore[arg-type]
-                      [*kv, *aux])
+                      [*kv, *aux, *state])
     try:
         check_disjoint(bufs)
     except HandleError:
         release_all(bufs)
         raise
-    return EngineMemory(bufs[:len(kv)], bufs[len(kv):])
+    n = len(kv) + len(aux)
+    return EngineMemory(bufs[:len(kv)], bufs[len(kv):n], state=bufs[n:])
 
 
 def close_quietly(fds: Sequence[int]) -> None:

@@ -25,6 +25,11 @@ Version history:
       its current instance and the measured clock offset; every control field is bounded
       (pages, buffers, aux, text, names) and a frame is capped at the largest real message
       (``control.max_frame()``, S19). A v4 daemon would drop a ``Refused`` as malformed.
+  6 — hybrid models (state buffers, window layers): KVArgsWire carries ``state`` (a
+      ``StateWire``: layer types, state buffer shapes and window pool, with their memory)
+      and RegisterKV its ``StateSpec`` and ``state_buffers``; RoomPages, SenderInit and
+      ReceiverInit carry the room's ``state_index`` and ``window_pages``. A v5 prefill
+      would ignore them and report Success with the decode's state slot never written.
 
 Control frames travel inside an authentication seal versioned on its own
 (:data:`kvd.security.SEAL_VERSION`, checked before this frame is parsed):
@@ -45,7 +50,7 @@ import numpy.typing as npt
 from kvd.errors import ProtocolError
 
 MAGIC = b"KVD"
-VERSION = 5
+VERSION = 6
 HEADER_LEN = len(MAGIC) + 1
 #: Default upper bound on a frame (bytes); daemons pass their configured limit.
 DEFAULT_MAX_FRAME = 64 << 20

@@ -78,6 +78,75 @@ class Compat(msgspec.Struct, frozen=True):
     spec_config: Name = ""
     wire_version: int = 0
     page_size: int = 0
+#: Most state buffers (per-request state slots) a rank registers, and most layers a model
+#: names in ``StateSpec.layer_types``.
+MAX_STATE_BUFFERS = 1024
+MAX_LAYERS = 4096
+#: Most buffers of a window pool (K and V of 512 sliding-window layers).
+MAX_WINDOW_BUFFERS = 1024
+#: Most window pages a RoomPages names (a 128k-token window at page size 1).
+MAX_WINDOW_PAGES = 1 << 17
+
+
+#: A layer's type in ``StateSpec.layer_types``; a state buffer's kind and dtype names.
+LayerType = Literal["full", "window", "state"]
+ShortName = Annotated[str, msgspec.Meta(max_length=32)]
+
+
+class StateBufSpec(msgspec.Struct, frozen=True):
+    """One state buffer's shape (:class:`~kvd.transfer.state.StateBuffer` less its memory):
+    absolute ``layer``, ``kind`` (``"conv"``, ``"ssm"``, a conv section: pairs buffers
+    across ranks), ``slot_bytes`` (bytes of one slot on this rank, ``heads * head bytes``),
+    ``dtype`` (element type name, compared only), ``heads`` held by this rank and
+    ``total_heads`` of the model (split over attention TP like KV heads)."""
+
+    layer: int
+    kind: ShortName
+    slot_bytes: int
+    dtype: ShortName
+    heads: int
+    total_heads: int
+
+
+class WindowSpec(msgspec.Struct, frozen=True):
+    """A window (sliding-window attention) pool: paged like KV (K buffers of its layers, then
+    V), ``item_lens`` bytes per page of each, layers numbered in the window layers' own
+    index space from ``layer_start``; page size is the rank's ``page_size``."""
+
+    item_lens: Annotated[list[int], msgspec.Meta(max_length=MAX_WINDOW_BUFFERS)]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_size: int
+    layer_start: int = 0
+    total_kv_heads: int = 0
+    layout: Name = "NHD"
+
+
+class StateSpec(msgspec.Struct, frozen=True):
+    """What a hybrid rank keeps besides paged KV: ``layer_types`` (one of ``full``,
+    ``window``, ``state`` per model layer), its ``buffers`` (state slots of its stage's
+    state layers, in the order of their memory) and, with window layers, the ``window``
+    pool and ``window_tokens`` (tokens a window layer attends to). Memory is listed after
+    it: the state buffers, then the window pool's buffers. Layers are absolute model layers
+    (``layer_types`` lists all of them; the paged KV's layers are the ``full`` ones, numbered
+    in their own index space, the window pool's the ``window`` ones)."""
+
+    layer_types: Annotated[list[LayerType], msgspec.Meta(max_length=MAX_LAYERS)]
+    buffers: Annotated[list[StateBufSpec], msgspec.Meta(max_length=MAX_STATE_BUFFERS)]
+    window: WindowSpec | None = None
+    window_tokens: int = 0
+    stage_start: int = 0        # this PP stage's model layers [stage_start, stage_end)
+    stage_end: int = -1         # -1: to the model's last layer
+
+
+class StateWire(msgspec.Struct, frozen=True):
+    """A rank's :class:`StateSpec` with its memory as peers see it: ``ptrs``/``lens`` (u64
+    addresses and byte lengths) of the state buffers, then of the window buffers."""
+
+    spec: StateSpec
+    ptrs: Annotated[list[int], msgspec.Meta(max_length=MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS)]
+    lens: Annotated[list[int], msgspec.Meta(max_length=MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS)]
 
 
 class KVArgsWire(msgspec.Struct, frozen=True):
@@ -109,6 +178,7 @@ class KVArgsWire(msgspec.Struct, frozen=True):
     total_kv_heads: int = 0     # KV heads of the model; 0: num_kv_heads * attn_tp_size
     fused_kv: bool = False      # MHA, one buffer per layer: a head's K and V side by side
     compat: Compat | None = None  # the fingerprint (None: a peer that sends none)
+    state: StateWire | None = None  # hybrid models: state slots and window pool
 
 
 class RegisterRank(msgspec.Struct, tag="register_rank", frozen=True):
@@ -148,6 +218,8 @@ class RoomPages(msgspec.Struct, tag="room_pages", frozen=True):
     required_dst_info_num: int = 1
     is_dummy: bool = False
     first_page: int = 0
+    state_index: int = -1       # the room's state slot on this decode rank (-1: none)
+    window_pages: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_WINDOW_PAGES)] = b""
 
 
 class RoomStatus(msgspec.Struct, tag="room_status", frozen=True):
@@ -265,20 +337,32 @@ def encode_many(msgs: list[ControlMessage]) -> bytes:
 @functools.cache
 def max_frame() -> int:
     """The largest control frame a real message needs (bytes, without the seal; about
-    4.0 MiB: a RoomPages of :data:`MAX_ROOM_PAGES` pages): each message type encoded with
-    every field at its bound (a RegisterRank's exported pool, for the same-host ``local``
-    backend, at 2 x :data:`MAX_BUFFERS` buffers). The control socket's ``MAXMSGSIZE`` is
+    4.75 MiB: a RegisterRank with every state field at its bound and an exported pool, for
+    the same-host ``local`` backend, of 2 x :data:`MAX_BUFFERS` + :data:`MAX_STATE_BUFFERS` +
+    :data:`MAX_WINDOW_BUFFERS` buffers -- KV and aux, state, window; a RoomPages of
+    :data:`MAX_ROOM_PAGES` pages and :data:`MAX_WINDOW_PAGES` window pages is 4.5 MiB):
+    each message type encoded with every field at its bound. The control socket's ``MAXMSGSIZE`` is
     this plus the seal, and a Batch is split below it (S19). Computed once (~20 ms)."""
     name, text = "n" * MAX_NAME, "t" * MAX_TEXT
     ints = [2**64 - 1] * MAX_BUFFERS
-    args = KVArgsWire(name, ints, ints, ints, ints, ints, ints, 2**31, 2**31, 2**31, 2**31,
-                      2**31, 2**31, True, name, 2**31, True)
+    big, short = 2**31, "s" * 32
+    st_ints = [2**64 - 1] * (MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS)
+    state = StateWire(StateSpec(["window"] * MAX_LAYERS,
+                                [StateBufSpec(big, short, big, short, big, big)] *
+                                MAX_STATE_BUFFERS,
+                                WindowSpec(ints[:MAX_WINDOW_BUFFERS], big, big, big, big, big,
+                                           big, name), big, big, big),
+                      st_ints, st_ints)
+    compat = Compat(name, name, name, "A" * MAX_LAYERS, name, big, big)
+    args = KVArgsWire(name, ints, ints, ints, ints, ints, ints, big, big, big, big,
+                      big, big, True, name, big, True, compat, state)
     handle = CudaIpcHandle(b"h" * CUDA_IPC_HANDLE_BYTES, 2**64 - 1, 2**64 - 1, name, 2**31)
-    pool = ExportedPool(name, [ExportedBuffer(2**64 - 1, 2**64 - 1, handle)] * (2 * MAX_BUFFERS))
+    pool = ExportedPool(name, [ExportedBuffer(2**64 - 1, 2**64 - 1, handle)] * (
+        2 * MAX_BUFFERS + MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS))
     worst: list[ControlMessage] = [
         RegisterRank(name, name, 2**31, 2**31, args, pool),
         RoomPages(2**63, 2**64 - 1, name, name, b"\xff" * (4 * MAX_ROOM_PAGES), 2**31, 1e300,
-                  2**31, True, 2**31),
+                  2**31, True, 2**31, 2**31, b"\xff" * (4 * MAX_WINDOW_PAGES)),
         RoomStatus(2**63, 2**64 - 1, 4, name, text, name, name, True,
                    [b"a" * MAX_AUX_ITEM] * MAX_AUX_BUFFERS),
         RoomAbort(2**63, 2**64 - 1, name, text, name, name),

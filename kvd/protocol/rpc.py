@@ -15,7 +15,7 @@ import msgspec
 from kvd import errors
 from kvd.errors import ProtocolError
 from kvd.protocol import codec
-from kvd.protocol.control import Compat
+from kvd.protocol.control import Compat, StateSpec
 from kvd.protocol.memory import CudaIpcHandle, FdHandle, MemoryHandle, ShmHandle
 from kvd.text import clean
 
@@ -63,6 +63,8 @@ class RegisterKV(msgspec.Struct, tag="register_kv", frozen=True):
     ranks: EngineRanks | None = None
     fused_kv: bool = False
     compat: Compat | None = None  # the engine's fingerprint fields (wire_version: kvd's)
+    state: StateSpec | None = None  # hybrid models: what state_buffers hold
+    state_buffers: list[MemoryHandle] = []  # state slots, then the window pool's buffers
 
 
 class SenderCreate(msgspec.Struct, tag="sender_create", frozen=True):
@@ -74,9 +76,14 @@ class SenderCreate(msgspec.Struct, tag="sender_create", frozen=True):
 
 
 class SenderInit(msgspec.Struct, tag="sender_init", frozen=True):
+    """``state_index``: the room's state slot (-1: none); ``window_pages`` (int32 LE
+    bytes): the window pool's pages holding the room's last ``window_tokens`` tokens."""
+
     room: int
     num_pages: int
     aux_index: int
+    state_index: int = -1
+    window_pages: bytes = b""
 
 
 class SenderSend(msgspec.Struct, tag="sender_send", frozen=True):
@@ -103,6 +110,8 @@ class ReceiverInit(msgspec.Struct, tag="receiver_init", frozen=True):
     dst_pages: bytes
     aux_index: int
     first_page: int = 0
+    state_index: int = -1       # the room's state slot here (-1: none)
+    window_pages: bytes = b""   # window pool pages (int32 LE) receiving the window
 
 
 class Poll(msgspec.Struct, tag="poll", frozen=True):
@@ -289,9 +298,11 @@ def number_fds(call: Call) -> tuple[Call, list[int]]:
         return out
 
     kv, aux = renumber(call.kv_buffers), renumber(call.aux_buffers)
+    state = renumber(call.state_buffers)
     if not fds:
         return call, []
-    return msgspec.structs.replace(call, kv_buffers=kv, aux_buffers=aux), fds
+    return msgspec.structs.replace(call, kv_buffers=kv, aux_buffers=aux,
+                                   state_buffers=state), fds
 
 
 def check_fd_indices(call: Call, received: int) -> None:
@@ -299,7 +310,7 @@ def check_fd_indices(call: Call, received: int) -> None:
     names one of the ``received`` descriptors that came with it."""
     if not isinstance(call, RegisterKV):
         return
-    for h in (*call.kv_buffers, *call.aux_buffers):
+    for h in (*call.kv_buffers, *call.aux_buffers, *call.state_buffers):
         if isinstance(h, FdHandle) and not 0 <= h.fd < received:
             raise ProtocolError(f"fd handle names descriptor #{h.fd} but the request carried "
                                 f"{received} (send them with SCM_RIGHTS: KvdClient does)")

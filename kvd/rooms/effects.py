@@ -9,8 +9,10 @@ result of an old incarnation is recognised and cannot decide a newer one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvd.protocol.control import ControlMessage
 from kvd.rooms.state import KVPoll, RoomFailure
@@ -50,6 +52,24 @@ class Report:
     aux_index: int | None = None
 
 
+def _no_pages() -> Pages:
+    return np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class StateRef:
+    """Where a room's hybrid caches are on one side: ``index``, its state slot (-1: none)
+    and ``window``, int64 window-pool pages holding its last window of tokens (the room
+    names them: :mod:`kvd.transfer.state`). They move with the room's last chunk."""
+
+    index: int = -1
+    window: Pages = field(default_factory=_no_pages)
+
+    @property
+    def empty(self) -> bool:
+        return self.index < 0 and self.window.size == 0
+
+
 @dataclass(frozen=True)
 class WriteDest:
     """One destination of a chunk: its pages (``dst_pages``, int64 page indices, one per
@@ -64,6 +84,7 @@ class WriteDest:
     is_dummy: bool
     peer: Any
     src_from: int = 0
+    state: StateRef | None = None  # the decode's state slot / window pages (last chunk)
 
 
 @dataclass(frozen=True)
@@ -82,6 +103,7 @@ class Write:
     is_last: bool
     aux_index: int | None
     deadline: float
+    state: StateRef | None = None  # the prefill's state slot / window pages (last chunk)
 
 
 @dataclass(frozen=True)

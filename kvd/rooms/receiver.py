@@ -83,6 +83,8 @@ class ReceiverRoom:
     pages: Pages | None = None                         # dst_pages unpacked (int64)
     aux_index: int = 0
     first_page: int = 0
+    state_index: int = -1                              # hybrid models: the state slot
+    window_pages: bytes = b""                          # and window pages (int32 LE)
     targets: tuple[Target, ...] | None = None
     sent: set[str] = field(default_factory=set)        # RoomPages handed to a send
     successes: set[str] = field(default_factory=set)
@@ -183,7 +185,8 @@ class ReceiverRooms:
         return [Resolve(room, r.inc, bootstrap_addr, dp_rank)]
 
     def init(self, room: int, dst_pages: bytes, aux_index: int, now: float,
-             first_page: int = 0) -> list[Effect]:
+             first_page: int = 0, state_index: int = -1,
+             window_pages: bytes = b"") -> list[Effect]:
         """``receiver.init``: destination pages (int32 LE bytes), aux slot, and the first
         room page they receive (``first_page``: the pages before it are already here).
         Raises RoomError for an unknown room, a second init, an index out of range, a page
@@ -204,12 +207,16 @@ class ReceiverRooms:
                             f"[0, {self.num_aux_slots})")
         if r.dst_pages is not None:
             raise RoomError(f"room {room}: init called twice")
+        if len(window_pages) % 4 or len(window_pages) > 4 * control.MAX_WINDOW_PAGES:
+            raise RoomError(f"room {room}: window pages must be at most "
+                            f"{control.MAX_WINDOW_PAGES} int32 indices")
         try:
             check_distinct(pages, f"room {room} destination")
         except LayoutError as exc:
             raise RoomError(str(exc)) from exc
         self._claim(r, pages, now)
         r.dst_pages, r.pages, r.aux_index, r.first_page = dst_pages, pages, aux_index, first_page
+        r.state_index, r.window_pages = state_index, window_pages
         out: list[Effect] = []
         self._send_pages(r, now, out)
         return out
@@ -526,7 +533,8 @@ class ReceiverRooms:
                                     instance_id=self.instance, dst_pages=r.dst_pages,
                                     aux_index=r.aux_index, write_within=deadline - now,
                                     required_dst_info_num=t.required, is_dummy=t.is_dummy,
-                                    first_page=r.first_page)
+                                    first_page=r.first_page, state_index=r.state_index,
+                                    window_pages=r.window_pages)
             r.sent.add(t.endpoint)
             out.append(Send(t.endpoint, t.instance, msg, r.room, r.inc))
 

@@ -63,6 +63,7 @@ from kvd.rooms.effects import (
     Ended,
     ForgetPeer,
     Report,
+    StateRef,
     Wake,
     Write,
     WriteDest,
@@ -129,6 +130,7 @@ class Dest:
     is_dummy: bool
     write_deadline: float
     first: int = 0
+    state: StateRef | None = None
 
 
 @dataclass
@@ -153,6 +155,7 @@ class SenderRoom:
     seconds: float = 0.0
     src_pages: list[Pages] = field(default_factory=list)  # every chunk's, for K42
     release_digest: bytes = b""  # the opener's release token, hashed (K45/K46); b"": none
+    state: StateRef | None = None  # hybrid models: the room's state slot and window pages
 
     @property
     def done(self) -> bool:
@@ -279,10 +282,13 @@ class SenderRooms:
             self._bind(r, p.msg, p.pages, now, out, arrived=p.at)
         return out
 
-    def init(self, room: int, num_pages: int, aux_index: int, now: float) -> list[Effect]:
+    def init(self, room: int, num_pages: int, aux_index: int, now: float,
+             state: StateRef | None = None) -> list[Effect]:
         """``sender.init``: the room's total pages and its aux slot (validated against the
-        local pool). Raises RoomError for an unknown room or an index out of range."""
+        local pool), and (hybrid models) its state slot and window pages, which move with
+        the last chunk. Raises RoomError for an unknown room or an index out of range."""
         r = self._room(room)
+        r.state = None if state is None or state.empty else state
         if not 0 <= num_pages <= self.num_pages:
             raise RoomError(f"room {room}: num_pages {num_pages} outside [0, {self.num_pages}]")
         if self.num_aux_slots and not 0 <= aux_index < self.num_aux_slots:
@@ -652,8 +658,10 @@ class SenderRooms:
             out.append(self._answer(peer, msg, problem, now))
             self._fail(r, problem, now, out)
             return
+        state = StateRef(msg.state_index, unpack_indices(msg.window_pages))
         r.dests[msg.endpoint] = Dest(peer, msg.inc, pages, msg.aux_index, msg.is_dummy,
-                                     write_deadline, msg.first_page)
+                                     write_deadline, msg.first_page,
+                                     None if state.empty else state)
         r.required = msg.required_dst_info_num
         if len(r.dests) >= r.required and r.status == KVPoll.Bootstrapping:
             self._advance(r, KVPoll.WaitingForInput, now)
@@ -670,6 +678,9 @@ class SenderRooms:
         if msg.first_page < 0:
             return RoomFailure(FailureKind.LAYOUT, f"room {room}: first_page "
                                f"{msg.first_page} < 0", ORIGIN)
+        if len(msg.window_pages) % 4:
+            return RoomFailure(FailureKind.LAYOUT, f"room {room}: malformed window pages "
+                               f"({len(msg.window_pages)} bytes)", ORIGIN)
         if msg.required_dst_info_num < 1:
             return RoomFailure(FailureKind.LAYOUT, f"room {room}: required_dst_info_num "
                                f"{msg.required_dst_info_num} < 1", ORIGIN)
@@ -720,7 +731,8 @@ class SenderRooms:
             r.last_sent = True
             r.chunks.clear()  # nothing after the last chunk is ever written
         out.append(Write(r.room, r.attempt, pages, tuple(dests), is_last,
-                         r.aux_index if is_last else None, deadline))
+                         r.aux_index if is_last else None, deadline,
+                         r.state if is_last else None))
 
     @staticmethod
     def _chunk_dest(r: SenderRoom, d: Dest, endpoint: str, n: int,
@@ -736,7 +748,7 @@ class SenderRooms:
                 is_last and hi != d.first + d.pages.size)):
             return None
         return WriteDest(endpoint, dst, d.aux_index, d.is_dummy, d.peer.payload,
-                         min(lo - r.offset, n))
+                         min(lo - r.offset, n), d.state if is_last else None)
 
     # ---- internals: endings -----------------------------------------------------------
 

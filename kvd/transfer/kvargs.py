@@ -9,6 +9,7 @@ import numpy as np
 from kvd.errors import LayoutError, RegistrationError
 from kvd.protocol.control import KVArgsWire
 from kvd.transfer.plan import Addrs, Regions, _u64, aux_ids
+from kvd.transfer.state import STATE_ID_BASE
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,12 @@ class RankArgs:
                 wire.kv_data_ptrs, wire.kv_data_lens, wire.kv_item_lens))
             aux_ptrs, aux_lens, aux_items = (_u64(x) for x in (
                 wire.aux_data_ptrs, wire.aux_data_lens, wire.aux_item_lens))
-            regions = Regions.of(np.concatenate([kv_ptrs, aux_ptrs]),
-                                 np.concatenate([kv_lens, aux_lens]),
+            st_ptrs, st_lens = _state_memory(wire)
+            regions = Regions.of(np.concatenate([kv_ptrs, aux_ptrs, st_ptrs]),
+                                 np.concatenate([kv_lens, aux_lens, st_lens]),
                                  np.concatenate([np.arange(kv_ptrs.size, dtype=np.int64),
-                                                 aux_ids(aux_ptrs.size)]))
+                                                 aux_ids(aux_ptrs.size),
+                                                 STATE_ID_BASE + np.arange(st_ptrs.size)]))
         except LayoutError as exc:
             raise RegistrationError(f"invalid KV args: {exc}") from exc
         num_pages = int((kv_lens // kv_items).min()) if kv_ptrs.size else 0
@@ -54,6 +57,21 @@ class RankArgs:
             raise RegistrationError(f"invalid KV args: aux buffer {b} ({int(aux_lens[b])} bytes)"
                                     f" is shorter than one aux item ({int(aux_items[b])} bytes)")
         return RankArgs(wire, kv_ptrs, kv_items, aux_ptrs, aux_items, num_pages, slots, regions)
+
+
+def _state_memory(w: KVArgsWire) -> tuple[Addrs, Addrs]:
+    """``(ptrs, lens)`` uint64 of the state buffers then window buffers (ids from
+    :data:`~kvd.transfer.state.STATE_ID_BASE`); RegistrationError when the lists do not
+    match the spec (the shapes themselves are :class:`~kvd.transfer.state.StateLayout`'s)."""
+    if w.state is None:
+        return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.uint64)
+    spec = w.state.spec
+    want = len(spec.buffers) + (0 if spec.window is None else len(spec.window.item_lens))
+    if not len(w.state.ptrs) == len(w.state.lens) == want:
+        raise RegistrationError(f"invalid KV args: {len(w.state.ptrs)} state pointers and "
+                                f"{len(w.state.lens)} lengths for {len(spec.buffers)} state "
+                                f"buffers and the window pool ({want} in all)")
+    return _u64(w.state.ptrs), _u64(w.state.lens)
 
 
 def _check_lists(w: KVArgsWire) -> None:

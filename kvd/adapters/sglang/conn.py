@@ -285,7 +285,7 @@ class KvdKVSender(BaseKVSender):
     def send(self, kv_indices: npt.NDArray[np.int32], state_indices: list[Any] | None = None,
              num_kv_tokens: int | None = None) -> None:
         if state_indices:
-            self._fail("kvd does not move state buffers (Mamba/SWA/DSA) yet")
+            self._fail("the SGLang adapter does not pass state indices (Mamba/SWA/DSA) yet")
             return
         self._call("send", np.asarray(kv_indices))
 

@@ -11,7 +11,9 @@ any other (a memfd, an unlinked file) is passed as a descriptor (``fd`` handle, 
 and ``head_dim`` from the item length.
 
 Not supported (refused with the reason): draft KV buffers (speculative decoding),
-state buffers (Mamba/SWA/DSA pools) and device (GPU) pointers.
+state buffers (Mamba/SWA/DSA pools) and device (GPU) pointers. kvd itself moves state
+slots and window pages (``RegisterKV.state``, docs/transfer.md); this adapter does not yet
+describe SGLang's state pools (their per-layer shapes and head-split axes) in those terms.
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ def registration(args: Any, is_mla: bool, maps: list[Mapping],
     ``fds``; the caller keeps them open while kvd uses the memory. None: names only."""
     problems = _unsupported(args)
     if problems:
-        raise KVArgsError("kvd cannot move " + " and ".join(problems) + " yet")
+        raise KVArgsError("the SGLang adapter cannot register " + " and ".join(problems) +
+                          " yet")
     ptrs, lens = list(args.kv_data_ptrs), list(args.kv_data_lens)
     items = [int(n) for n in args.kv_item_lens]
     per_layer = 1 if is_mla else 2

@@ -165,7 +165,7 @@ def test_bad_magic_and_version_refused() -> None:
 @given(msgs=st.lists(control_messages, min_size=1, max_size=20))
 def test_batch_round_trips_messages_in_order(msgs: list[control.ControlMessage]) -> None:
     frame = control.encode_many(msgs)
-    assert frame[3] == codec.VERSION == 5
+    assert frame[3] == codec.VERSION == 6
     assert control.decode_many(frame) == msgs
 
 
@@ -198,15 +198,48 @@ def test_oversized_or_nested_batch_is_refused() -> None:
 # ---- bounds and the frame cap (case S19) --------------------------------------------------
 
 def test_s19_max_frame_holds_the_largest_real_message_and_not_much_more() -> None:
-    """The cap is derived from the field bounds: a RoomPages at MAX_ROOM_PAGES pages fits,
-    and the cap is within a few KiB of it (not the 64 MiB frames S19 was flooded with)."""
+    """The cap is derived from the field bounds: a RoomPages at MAX_ROOM_PAGES pages (and
+    MAX_WINDOW_PAGES window pages) fits, and so does a RegisterRank of a hybrid rank with
+    every buffer list at its bound; the cap is within a few KiB of the larger (not the
+    64 MiB frames S19 was flooded with)."""
     biggest = control.RoomPages(room=2**63 - 1, inc=2**64 - 1, endpoint="e" * control.MAX_NAME,
                                 instance_id="i" * 64,  # an instance id's longest (S21)
                                 dst_pages=b"\xff" * (4 * control.MAX_ROOM_PAGES),
-                                aux_index=2**31, write_within=1e9)
+                                aux_index=2**31, write_within=1e9, state_index=2**31,
+                                window_pages=b"\xff" * (4 * control.MAX_WINDOW_PAGES))
     frame = control.encode(biggest)
-    assert len(frame) <= control.max_frame() < len(frame) + (64 << 10)
+    register = control.encode(hybrid_registration())
+    assert len(frame) <= control.max_frame() < max(len(frame), len(register)) + (64 << 10)
+    assert len(register) <= control.max_frame()
     assert control.decode(frame) == biggest
+    assert control.decode(register) == hybrid_registration()
+
+
+def hybrid_registration() -> control.RegisterRank:
+    """A decode rank of a hybrid model at every bound: 4096 KV buffers, 4096 aux buffers,
+    MAX_STATE_BUFFERS state buffers and MAX_WINDOW_BUFFERS window buffers, all exported on
+    CUDA IPC handles with the longest names."""
+    from kvd.protocol.memory import (
+        CUDA_IPC_HANDLE_BYTES,
+        CudaIpcHandle,
+        ExportedBuffer,
+        ExportedPool,
+    )
+    name, top, big = "n" * control.MAX_NAME, 2**64 - 1, 2**31
+    ints = [top] * control.MAX_BUFFERS
+    n_state, n_win = control.MAX_STATE_BUFFERS, control.MAX_WINDOW_BUFFERS
+    spec = control.StateSpec(["state"] * control.MAX_LAYERS,
+                             [control.StateBufSpec(big, "k" * 32, big, "d" * 32, big, big)] *
+                             n_state, control.WindowSpec([top] * n_win, big, big, big, big, big,
+                                                         big, name), big, big, big)
+    args = control.KVArgsWire(name, ints, ints, ints, ints, ints, ints, big, big, big, big, big,
+                              big, True, name, big, True,
+                              control.StateWire(spec, [top] * (n_state + n_win),
+                                                [top] * (n_state + n_win)))
+    handle = CudaIpcHandle(b"h" * CUDA_IPC_HANDLE_BYTES, top, top, name, big)
+    pool = ExportedPool(name, [ExportedBuffer(top, top, handle)] * (
+        2 * control.MAX_BUFFERS + n_state + n_win))
+    return control.RegisterRank("i" * 64, "e" * 256, big, big, args, pool)
 
 
 @pytest.mark.parametrize("field,value", [

@@ -492,3 +492,21 @@ def test_a_refusal_naming_a_new_instance_fails_only_rooms_bound_to_the_old_one()
     assert d.rooms[R + 1].status == KVPoll.WaitingForInput and old != "new"
     assert state(d, 1.0) == (KVPoll.Failed, False)  # its pages went out: not yet releasable
     assert d.peer_refused(P0, None, failure, 2.0) and d.rooms[R + 1].status == KVPoll.Failed
+
+
+def test_i22_room_pages_carry_the_state_slot_and_window_pages_to_every_prefill_rank() -> None:
+    d = receiver()
+    d.create(R, BOOT, None, 0.0)
+    d.init(R, DST, 1, 0.0, 0, state_index=3, window_pages=pack_indices([4, 9]))
+    sends = of(d.resolved(R, 1, targets(P0, P1), 0.0), Send)
+    msgs = [s.msg for s in sends]
+    assert len(msgs) == 2 and all(isinstance(m, control.RoomPages) for m in msgs)
+    assert all(m.state_index == 3 and list(unpack_indices(m.window_pages)) == [4, 9]
+               for m in msgs)  # type: ignore[union-attr]
+
+
+def test_i22_init_refuses_window_pages_that_are_not_int32_indices() -> None:
+    d = receiver()
+    d.create(R, BOOT, None, 0.0)
+    with pytest.raises(RoomError, match="window pages"):
+        d.init(R, DST, 1, 0.0, 0, state_index=0, window_pages=b"\x01")

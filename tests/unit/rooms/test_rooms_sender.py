@@ -862,3 +862,32 @@ def test_k44_a_decode_registering_another_pool_ends_rooms_bound_to_the_old_one()
     assert status(s) == KVPoll.Failed and s.rooms[R].failure.kind == FailureKind.PEER
     assert "another KV pool" in s.rooms[R].failure.reason
     assert not of(s.write_done(R, w.attempt, None, 0, 0.1, 2.0), Write)
+
+
+def test_i22_state_slot_and_window_pages_ride_the_last_chunk_only() -> None:
+    """Both sides' state index and window pages reach the write of the last chunk (and no
+    earlier one); a malformed window page list fails the room with kind layout."""
+    from msgspec.structs import replace
+
+    from kvd.protocol.codec import pack_indices
+    from kvd.rooms.effects import StateRef
+
+    s = sender()
+    registered(s, 0.0)
+    s.create(R, 0.0)
+    s.init(R, 3, 1, 0.0, StateRef(2, pages(5, 6)))
+    msg = replace(room_pages(R, 1, (0, 1, 2)), state_index=3,
+                              window_pages=pack_indices(pages(7, 8)))
+    assert s.on_pages(msg, 0.0) == []
+    w1 = one(s.send(R, pages(10, 11), False, 1.0), Write)
+    assert w1.state is None and w1.dests[0].state is None
+    s.send(R, pages(12), True, 1.5)
+    w2 = one(s.write_done(R, w1.attempt, None, 100, 0.1, 2.0), Write)
+    assert w2.state is not None and (w2.state.index, list(w2.state.window)) == (2, [5, 6])
+    d = w2.dests[0].state
+    assert d is not None and (d.index, list(d.window)) == (3, [7, 8])
+    s.create(R + 1, 3.0)
+    bad = replace(room_pages(R + 1, 2, (3,)), window_pages=b"\x01\x02\x03")
+    out = s.on_pages(bad, 3.0)
+    assert status(s, R + 1) == KVPoll.Failed
+    assert any("malformed window pages" in str(e) for e in out)
