@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import fcntl
 import mmap
 import os
 import time
@@ -30,6 +32,24 @@ from kvd.protocol.table import SlotMap, StatusTable, table_bytes
 from kvd.rooms.state import TERMINAL
 
 Poll = Callable[[list[int]], rpc.PollResult]
+
+#: ``F_SEAL_FUTURE_WRITE`` (Linux 5.1, not in Python's fcntl module before 3.12): no new
+#: writable mapping and no ``write`` after it, while kvd's own mapping stays writable.
+F_SEAL_FUTURE_WRITE = 0x0010
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def seal(fd: int) -> None:
+    """Seal the table's memfd once kvd mapped it: it can neither shrink (no SIGBUS in
+    kvd's writer) nor grow, and an engine holding the descriptor cannot map it writable
+    or write it (where the kernel has ``F_SEAL_FUTURE_WRITE``; older ones get the size
+    seals only). A table is a view either way: kvd never reads it."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS | F_SEAL_FUTURE_WRITE)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
 
 
 class TableWriter:
@@ -43,10 +63,11 @@ class TableWriter:
                  clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.poll, self.clock_ns = poll, clock_ns
         self.size = table_bytes(nslots)
-        self.fd = os.memfd_create("kvd-status", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("kvd-status", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, self.size)
             self.map = mmap.mmap(self.fd, self.size)
+            seal(self.fd)
         except OSError:
             os.close(self.fd)
             raise
