@@ -336,9 +336,9 @@ class Settings(BaseSettings):
         True, help="share a room status table with the engine (a memfd both map): its "
                    "polls read statuses without a syscall; off: every poll is an RPC")
     status_table_slots: int = _setting(
-        1 << 16, ge=1, le=1 << 22, unit="slots",
-        help="slots of the shared status table (a power of two; 16 bytes each); a room "
-             "whose slot another live room holds is polled over the socket")
+        1 << 18, ge=2, le=1 << 22, unit="slots",
+        help="slots of the shared status table (a power of two; 16 bytes each, in buckets "
+             "of two); a room whose bucket other live rooms fill is polled over the socket")
     engine_reconnect_grace: float = _setting(
         10.0, ge=0, unit="s", help="an engine whose connection dropped keeps its registration "
                                    "and rooms this long, waiting for it to reconnect")

@@ -63,13 +63,17 @@ def test_a_tracked_room_reads_back_what_poll_says_and_settles(writer: TableWrite
     assert view.read_one(3) == (-1, True) and 3 not in writer.held
 
 
-def test_a_room_whose_slot_a_known_room_holds_stays_out(writer: TableWriter) -> None:
+def test_a_room_whose_bucket_known_rooms_fill_stays_out(writer: TableWriter) -> None:
     side = writer.side  # type: ignore[attr-defined]
-    side.rooms[1] = side.rooms[17] = (2, False)  # 17 & 15 == 1
-    writer.track(1)
-    writer.track(17)
+    side.rooms[1] = side.rooms[9] = side.rooms[17] = (2, False)  # one bucket of 8
+    for room in (1, 9, 17):
+        writer.track(room)
     view = _engine_view(writer)
-    assert view.read_one(1) == (2, False) and view.read_one(17) is None
+    assert view.read_one(1) == view.read_one(9) == (2, False) and view.read_one(17) is None
+    del side.rooms[9]  # forgotten: its slot is free again
+    writer.sweep()
+    writer.track(17)
+    assert view.read_one(17) == (2, False) and view.read_one(1) == (2, False)
 
 
 def test_a_closed_table_is_not_fresh(writer: TableWriter) -> None:

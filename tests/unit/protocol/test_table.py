@@ -26,7 +26,7 @@ def ids(*rooms: int) -> np.ndarray:
 
 
 @given(room=ROOMS, status=STATUSES, releasable=st.booleans(),
-       nslots=st.sampled_from([1, 2, 16, 1024]))
+       nslots=st.sampled_from([2, 4, 16, 1024]))
 def test_a_published_room_reads_back_its_status(room: int, status: int, releasable: bool,
                                                 nslots: int) -> None:
     tab = new(nslots)
@@ -40,10 +40,22 @@ def test_a_published_room_reads_back_its_status(room: int, status: int, releasab
 @given(room=ROOMS, other=ROOMS, status=STATUSES)
 def test_a_slot_holding_another_room_is_a_miss(room: int, other: int, status: int) -> None:
     tab = new(16)
-    slot = tab.slot_of(room)
-    tab.write(slot, other, pack(status, True))
+    for slot in tab.bucket(room):
+        tab.write(slot, other, pack(status, True))
     assert tab.read(ids(room))[2][0] == (other == room)
     assert (tab.read_one(room) is not None) == (other == room)
+
+
+@given(room=ROOMS, status=STATUSES, releasable=st.booleans(), way=st.integers(0, 1))
+def test_a_room_is_read_from_whichever_slot_of_its_bucket_holds_it(
+        room: int, status: int, releasable: bool, way: int) -> None:
+    tab = new(16)
+    slots = tab.bucket(room)
+    tab.write(slots[1 - way], room ^ 1 << 40, pack(2, False))  # a neighbour
+    tab.write(slots[way], room, pack(status, releasable))
+    statuses, free, hit = tab.read(ids(room))
+    assert hit[0] and (int(statuses[0]), bool(free[0])) == (status, releasable)
+    assert tab.read_one(room) == (status, releasable)
 
 
 def test_an_empty_table_answers_nothing_not_even_room_zero() -> None:
@@ -112,14 +124,15 @@ def test_many_rooms_read_in_one_gather_as_one_by_one(rooms: list[int],
 
 def test_open_reads_back_a_created_table() -> None:
     buf = bytearray(table_bytes(8))
-    StatusTable.create(buf, 8).write(3, 3, pack(4, True))
+    made = StatusTable.create(buf, 8)
+    made.write(made.slot_of(3) + 1, 3, pack(4, True))
     tab = StatusTable.open(buf)
     assert tab.nslots == 8 and tab.read(ids(3))[0][0] == 4
 
 
 @pytest.mark.parametrize(("word", "value"), [
-    (0, 0), (0, t.MAGIC + 1), (1, t.VERSION + 1), (2, 0), (2, 3), (2, t.MAX_SLOTS * 2),
-    (2, 1024)])  # 1024 slots do not fit the 8-slot buffer
+    (0, 0), (0, t.MAGIC + 1), (1, t.VERSION + 1), (2, 0), (2, 1), (2, 3),
+    (2, t.MAX_SLOTS * 2), (2, 1024)])  # 1024 slots do not fit the 8-slot buffer
 def test_open_refuses_a_header_that_does_not_check_out(word: int, value: int) -> None:
     buf = bytearray(table_bytes(8))
     StatusTable.create(buf, 8)
@@ -143,7 +156,7 @@ def test_open_refuses_a_buffer_shorter_than_the_header() -> None:
         StatusTable.open(bytearray(16))
 
 
-@pytest.mark.parametrize("nslots", [0, 3, 6, t.MAX_SLOTS * 2])
+@pytest.mark.parametrize("nslots", [0, 1, 3, 6, t.MAX_SLOTS * 2])
 def test_a_table_has_a_power_of_two_of_slots(nslots: int) -> None:
     with pytest.raises(ValueError, match="power of two"):
         table_bytes(nslots)
@@ -175,14 +188,15 @@ class SlotMachine(RuleBasedStateMachine):
 
     @rule(room=st.integers(0, 15))
     def place(self, room: int) -> None:
-        slot = self.map.table.slot_of(room)
-        other = self.map.holder.get(slot)
+        had = self.map.holds(room)
+        others = [self.map.holder.get(s) for s in self.map.table.bucket(room)]
+        free = [o for o in others if o is None or o not in self.map.known]
         took = self.map.place(room)
-        assert took == (other is None or other == room or other not in self.map.known)
-        if took and other != room:
+        assert took == (had or bool(free))
+        if took and not had:
             self.last.pop(room, None)  # a fresh slot: nothing published for it yet
-            if other is not None:
-                self.last.pop(other, None)
+            if free[0] is not None:
+                self.last.pop(free[0], None)  # evicted: no longer answered
 
     @rule(room=st.integers(0, 15), status=STATUSES, releasable=st.booleans())
     def publish(self, room: int, status: int, releasable: bool) -> None:
@@ -192,7 +206,12 @@ class SlotMachine(RuleBasedStateMachine):
 
     @invariant()
     def reads_match(self) -> None:
+        together = self.map.table.read(ids(*range(16)))  # both ways, one gather each
         for room in range(16):
+            alone = self.map.table.read_one(room)
+            assert (alone is not None) == bool(together[2][room])
+            if alone is not None:
+                assert alone == (int(together[0][room]), bool(together[1][room]))
             statuses, free, hit = self.map.table.read(ids(room))
             if self.map.holds(room) and room in self.last:
                 assert hit[0] and (int(statuses[0]), bool(free[0])) == self.last[room]
@@ -201,8 +220,9 @@ class SlotMachine(RuleBasedStateMachine):
 
     @invariant()
     def one_known_room_per_slot(self) -> None:
-        slots = [self.map.table.slot_of(r) for r in self.map.known]
+        slots = [self.map.where[r] for r in self.map.known]
         assert len(slots) == len(set(slots))
+        assert all(self.map.holder[s] == r for r, s in self.map.where.items())
 
 
 TestSlotMachine = SlotMachine.TestCase
