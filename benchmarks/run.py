@@ -27,10 +27,13 @@ deadaddr: a decode's CPU and /health p99 after one Many of 4 096 rooms naming de
 issue14: every row of issue 14's table (P1, P1b, P4, P5, P6, P8) beside its baseline,
   ratio and goal (benchmarks/issue14.py); SGLang's connector rows need SGLang installed
   (`make bench` builds .venv-bench with it).
+channel: issue 21's P5 rows with the shared status table: poll of 1 000 rooms and of one
+  room through the table vs the socket's Poll, send/init (still the socket) on an idle
+  pair; rows keyed by id with value, baseline, ratio, goal, met (benchmarks/channel_bench.py).
 All results are saved as one JSON file under benchmarks/results/.
 
 Usage: python benchmarks/run.py [--mib 256] [--repeats 3]
-       [--only issue14,transfer,plan,hetero,samehost,flood,cancel,restart,deadaddr]
+       [--only issue14,channel,transfer,plan,hetero,samehost,flood,cancel,restart,deadaddr]
 """
 
 from __future__ import annotations
@@ -268,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rooms", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", default="issue14,plan,hetero,samehost,flood,cancel,restart,deadaddr")
+    ap.add_argument("--only", default="issue14,channel,plan,hetero,samehost,flood,cancel,"
+                                      "restart,deadaddr")
     ap.add_argument("--cancel-rooms", type=int, default=150, help="cancel: rooms aborted")
     ap.add_argument("--cancel-mib", type=int, default=32, help="cancel: MiB per room")
     ap.add_argument("--cancel-inflight-mib", type=int, default=None,
@@ -308,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     if "issue14" in only:
         results["issue14"], ok14 = _bench_issue14(console, args)
         ok &= ok14
+    if "channel" in only:
+        results["channel"] = _bench_channel(console, args)
     if "transfer" in only:
         results["transfer"], ok = _bench_transfer(console, args)
     if "plan" in only:
@@ -349,6 +355,21 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(results, indent=2, default=str))
     console.print(f"saved {out}")
     return 0 if ok else 1
+
+
+def _bench_channel(console: Console, args: Any) -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import channel_bench
+
+    out = channel_bench.measure(max(args.repeats, 3), args.api_rooms)
+    table = Table(title="issue 21 P5: the engine channel (medians, us)")
+    for col in ("id", "measure", "value", "baseline", "ratio", "goal", "met"):
+        table.add_column(col)
+    for key, r in out["rows"].items():
+        table.add_row(key, r["measure"], f"{r['value']:.1f}", f"{r['baseline']:.1f}",
+                      f"{r['ratio']:.3f}x", r["goal"], "yes" if r["met"] else "NO")
+    console.print(table)
+    return out
 
 
 def _bench_issue14(console: Console, args: Any) -> tuple[dict[str, Any], bool]:

@@ -332,6 +332,13 @@ class Settings(BaseSettings):
     peer_ttl: float = _setting(
         600.0, gt=0, unit="s", help="a peer with no message and no room for this long is "
                                     "forgotten (its registration, socket and heartbeats)")
+    engine_channel: bool = _setting(
+        True, help="share a room status table with the engine (a memfd both map): its "
+                   "polls read statuses without a syscall; off: every poll is an RPC")
+    status_table_slots: int = _setting(
+        1 << 18, ge=2, le=1 << 22, unit="slots",
+        help="slots of the shared status table (a power of two; 16 bytes each, in buckets "
+             "of two); a room whose bucket other live rooms fill is polled over the socket")
     engine_reconnect_grace: float = _setting(
         10.0, ge=0, unit="s", help="an engine whose connection dropped keeps its registration "
                                    "and rooms this long, waiting for it to reconnect")
@@ -350,6 +357,13 @@ class Settings(BaseSettings):
     def _port_range(cls, v: str | None) -> str | None:
         if v is not None:
             parse_port_range(v)  # ValueError -> reported with the other problems
+        return v
+
+    @field_validator("status_table_slots")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"must be a power of two, got {v}")
         return v
 
     @field_validator("etcd_prefix")

@@ -108,6 +108,9 @@ class Core:
     outboxes: dict[str, Outbox] = field(default_factory=dict)
     ranks: Ranks | None = None  # the engine's position, resolved at its registration
     peer_channel: str = ""  # this decode's peer channel socket name (S18), "" without one
+    # called after room state may have changed (effects performed): the status table's
+    # writer re-publishes (kvd.engine_rpc.channel); a no-op without one
+    on_change: Callable[[], None] = field(default=lambda: None)
 
     def position(self) -> Ranks:
         """This rank's resolved :class:`~kvd.ranks.Ranks`. Raises RegistrationError before

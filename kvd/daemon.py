@@ -32,8 +32,9 @@ from kvd.config import Settings, read_secret
 from kvd.control.inbound import Answer, Misaddressed
 from kvd.control.peers import ControlPlane, PeerSendError
 from kvd.core import Core, http_client
+from kvd.engine_rpc.channel import TableWriter
 from kvd.engine_rpc.server import LATER, Connection, EngineRpcServer
-from kvd.errors import ConfigError, KvdError, ProtocolError, RegistrationError, RoomError
+from kvd.errors import ConfigError, KvdError, ProtocolError, RegistrationError, RoomError, RpcError
 from kvd.memory import Importer
 from kvd.protocol import control, rpc
 from kvd.protocol.release import ReleaseAnswer, ReleaseRequest
@@ -97,6 +98,7 @@ class Daemon:
         self._release: asyncio.TimerHandle | None = None
         self._releasing: asyncio.Task[None] | None = None
         self._stopped = False
+        self.status_table: TableWriter | None = None  # the engine channel's (issue 21)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -131,6 +133,9 @@ class Daemon:
                          faults=FaultPlan.model_validate_json(s.fault_injection)
                          if s.fault_injection else None, clock=self.clock)
         self.side = make_side(s.role, self.core)
+        if s.engine_channel:
+            self.status_table = TableWriter(self.side.poll, s.status_table_slots)
+            self.core.on_change = self.status_table.touch
         if s.transfer_backend != "mooncake":
             self._peer_channel(auth, engine)
         self.ops = DaemonOps(self)
@@ -300,6 +305,9 @@ class Daemon:
         core.control.close()
         core.unregister_all()
         core.memory.close()
+        if self.status_table is not None:
+            self.status_table.close()
+            self.status_table = None
         log.info("kvd stopped")
 
     # ---- loops --------------------------------------------------------------------------
@@ -317,6 +325,7 @@ class Daemon:
             with logs.log_context(**logs.message_context(msg)):
                 try:
                     self.side.on_control(msg)
+                    self.core.on_change()
                 except Exception:  # a bug must not stop the control plane (K31)
                     self.core.counters.loop_errors += 1
                     log.exception("control message %s failed", type(msg).__name__)
@@ -343,10 +352,17 @@ class Daemon:
         while True:
             await asyncio.sleep(interval)
             try:
-                self.side.tick()
+                self.sweep()
             except Exception:
                 self.core.counters.loop_errors += 1
                 log.exception("sweep failed (the loop goes on)")
+
+    def sweep(self) -> None:
+        """One sweep: the side's deadlines, then the status table re-published."""
+        assert self.side is not None
+        self.side.tick()
+        if self.status_table is not None:
+            self.status_table.sweep()
 
     # ---- engine RPC ---------------------------------------------------------------------
 
@@ -377,18 +393,39 @@ class Daemon:
                 return side.poll(call.rooms)
             case rpc.Info():
                 return self.health()
+            case rpc.Many():
+                return self._many(call, conn)
+            case rpc.OpenTable():
+                return self._open_table(conn)
+        try:
+            return self._room_call(call)
+        finally:  # a refused call may have changed the room too (RoomError.effects)
+            if self.status_table is not None:
+                self.status_table.track(call.room)
+
+    def _room_call(self, call: rpc.Call) -> Any:
+        """An engine call on one room (create, init, send, abort, clear)."""
+        assert self.side is not None
+        side = self.side
+        match call:
             case rpc.Abort():
                 side.abort(call.room, call.reason, call.bootstrap_addr, call.dp_rank)
                 return None
             case rpc.Clear():
                 side.clear(call.room)
                 return None
-            case rpc.Many():
-                return self._many(call, conn)
         if self.draining and isinstance(call, rpc.SenderCreate | rpc.ReceiverCreate):
             raise RoomError(f"room {call.room}: kvd is draining (shutting down); "
                             f"no new rooms")
         return side.call(call)
+
+    def _open_table(self, conn: Connection) -> rpc.TableResult:
+        """The status table's memfd rides with the reply (``conn.reply_fds``)."""
+        if self.status_table is None:
+            raise RpcError("this kvd runs with engine_channel off: poll over the socket",
+                           "RpcError")
+        conn.reply_fds = [self.status_table.fd]
+        return rpc.TableResult(nslots=self.status_table.nslots, size=self.status_table.size)
 
     def _many(self, many: rpc.Many, conn: Connection) -> rpc.ManyResult:
         """Each call of ``many`` in order, as :meth:`dispatch_now` answers it alone; a

@@ -215,6 +215,7 @@ class Side(abc.ABC):
                     self.forget_peer(eff.endpoint)
                 case _:
                     self.perform(eff)
+        self.core.on_change()
 
     def forget_peer(self, endpoint: str) -> None:
         """A peer the machine forgot: drop what is held for it outside the machine (its

@@ -2,7 +2,7 @@
 :func:`kvd.client.cuda.cuda_ipc_handle`, imported lazily)."""
 
 from kvd.client.pool import FdPool, ShmPool
-from kvd.client.rooms import Receiver, Sender, poll_many, wait_many
+from kvd.client.rooms import Receiver, Sender, poll_array, poll_many, wait_many
 from kvd.client.rpc import KvdClient
 from kvd.errors import KVTransferError
 from kvd.protocol.memory import CudaIpcHandle, FdHandle, MemoryHandle, ShmHandle
@@ -11,4 +11,4 @@ from kvd.rooms import UNKNOWN_ROOM, KVPoll
 
 __all__ = ["UNKNOWN_ROOM", "CudaIpcHandle", "FdHandle", "FdPool", "KVPoll", "KVTransferError",
            "KvdClient", "MemoryHandle", "Receiver", "RegisterKV", "Sender", "ShmHandle",
-           "ShmPool", "poll_many", "wait_many"]
+           "ShmPool", "poll_array", "poll_many", "wait_many"]

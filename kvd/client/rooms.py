@@ -39,13 +39,44 @@ def _not_a_status(value: object) -> ProtocolError:
                          f"values or UNKNOWN_ROOM")
 
 
+def poll_array(client: KvdClient, rooms: npt.ArrayLike) -> npt.NDArray[np.int8]:
+    """KVPoll values (int8, one per room; ``UNKNOWN_ROOM`` = -1) of ``rooms`` (64-bit
+    unsigned ids, 1-D), read from kvd's status table without a syscall where it answers,
+    and in ONE ``Poll`` RPC for the rest (every room when there is no table).
+
+    What :func:`poll_many` answers, as an array; the same failure rules.
+    """
+    ids = np.asarray(rooms, dtype=np.uint64).reshape(-1)
+    read = client.read_table(ids)
+    if read is None:
+        return np.asarray(_poll_socket(client, ids.tolist()), dtype=np.int8)
+    statuses, _, hit = read
+    if hit.all():
+        return statuses
+    miss = np.flatnonzero(~hit)
+    statuses[miss] = _poll_socket(client, ids[miss].tolist())
+    return statuses
+
+
+def _poll_socket(client: KvdClient, rooms: list[int]) -> list[int]:
+    try:
+        result: rpc.PollResult = client.call(rpc.Poll(rooms=rooms))
+    except KvdUnreachable:
+        return [int(KVPoll.Failed)] * len(rooms)
+    _statuses(result.statuses)  # each one checked
+    return result.statuses
+
+
 def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
-    """KVPoll of many rooms in ONE RPC; a room kvd does not know gives ``UNKNOWN_ROOM`` (-1).
+    """KVPoll of many rooms in ONE RPC (none where kvd's status table answers them all:
+    :func:`poll_array`); a room kvd does not know gives ``UNKNOWN_ROOM`` (-1).
 
     If kvd cannot be reached every room reads ``Failed`` ("kvd unreachable"): an engine
     never hangs on a dead daemon. A malformed answer (a value that is no status, not one
     status per room) raises :class:`~kvd.errors.ProtocolError`.
     """
+    if client.table is not None:
+        return _statuses(poll_array(client, rooms).tolist())
     try:
         result: rpc.PollResult = client.call(rpc.Poll(rooms=list(rooms)))
     except KvdUnreachable:
@@ -90,7 +121,11 @@ class _Room:
 
     def poll(self) -> KVPoll | int:
         """Current KVPoll of this room (``UNKNOWN_ROOM`` once cleared; ``Failed`` for good
-        once kvd was unreachable — a restarted kvd does not know the room)."""
+        once kvd was unreachable — a restarted kvd does not know the room). Read from
+        kvd's status table when it answers (no syscall)."""
+        view = None if self.lost else self.client.read_table_one(self.room)
+        if view is not None:
+            return _status(view[0])
         result = self._call(rpc.Poll(rooms=[self.room]))
         return KVPoll.Failed if result is None else _status(result.statuses[0])
 
@@ -103,6 +138,9 @@ class _Room:
 
     def releasable(self) -> bool:
         """May the engine reuse this room's pages? (Always True on prefill.)"""
+        view = None if self.lost else self.client.read_table_one(self.room)
+        if view is not None:
+            return view[1]
         result = self._call(rpc.Poll(rooms=[self.room]))
         return result is None or self.room in result.releasable
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import secrets
 import socket
@@ -14,11 +15,14 @@ import typing
 from typing import Any
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from kvd.client.peer import EXPECTED_UID_ENV, check_peer, parse_expected_uid, trust_for
 from kvd.engine_rpc.socket_path import default_engine_socket
 from kvd.errors import KvdError, KvdUnreachable, ProtocolError
 from kvd.protocol import rpc
+from kvd.protocol.table import DEFAULT_STALE_NS, StatusTable
 
 
 def _error_from_reply(reply: rpc.Reply | rpc.RawReply) -> Exception:
@@ -28,7 +32,7 @@ def _error_from_reply(reply: rpc.Reply | rpc.RawReply) -> Exception:
 #: Typed results of the calls that have one (the others answer None or a dict).
 RESULT_TYPES: dict[type, type] = {rpc.Poll: rpc.PollResult, rpc.Wait: rpc.PollResult,
                                   rpc.RegisterKV: rpc.RegisterResult,
-                                  rpc.Many: rpc.ManyResult}
+                                  rpc.Many: rpc.ManyResult, rpc.OpenTable: rpc.TableResult}
 _DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {
     t: msgspec.msgpack.Decoder(t, strict=False) for t in set(RESULT_TYPES.values())}
 _ANY = msgspec.msgpack.Decoder()
@@ -72,10 +76,17 @@ class KvdClient:
     :class:`~kvd.errors.UntrustedDaemon` and nothing is sent. ``path`` defaults to
     :func:`~kvd.engine_rpc.socket_path.default_engine_socket` (the daemon's default).
     Raises ValueError for a bad ``timeout`` or ``expected_uid``.
+
+    With ``use_table`` (the default), each registration also maps kvd's room status
+    table (:mod:`kvd.protocol.table`, when kvd serves one): :meth:`read_table` then
+    answers polls without a syscall. The table is dropped with the connection (a
+    restarted kvd has a new one, mapped at the re-registration) and ignored once its
+    writer has not beaten for ``stale_ns`` (a kvd that died without a word).
     """
 
     def __init__(self, path: str | None = None, timeout: float = 30.0,
-                 expected_uid: int | None = None) -> None:
+                 expected_uid: int | None = None, use_table: bool = True,
+                 stale_ns: int = DEFAULT_STALE_NS) -> None:
         if not 0 <= timeout <= MAX_TIMEOUT:  # NaN too; a bad one would fail every call
             raise ValueError(f"timeout must be in [0, {MAX_TIMEOUT:g}] seconds, got {timeout}")
         if path is None:
@@ -93,6 +104,9 @@ class KvdClient:
         self._rbuf = bytearray()
         self.reconnects = 0
         self._interrupted: socket.socket | None = None
+        self.use_table, self.stale_ns = use_table, stale_ns
+        self.table: StatusTable | None = None
+        self._table_map: mmap.mmap | None = None
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -130,7 +144,53 @@ class KvdClient:
             result = self._exchange(call, kind)
             if isinstance(call, rpc.RegisterKV):
                 self._registration, self._replay = call, False
+                self._open_table()
         return result
+
+    def read_table(self, rooms: npt.NDArray[np.uint64]) -> tuple[
+            npt.NDArray[np.int8], npt.NDArray[np.bool_], npt.NDArray[np.bool_]] | None:
+        """``(statuses, releasable, hit)`` of ``rooms`` (uint64, 1-D) from kvd's status
+        table, no syscall (:meth:`StatusTable.read`); None when there is no fresh table
+        (none mapped, closed, or its writer silent for ``stale_ns``): ask the socket."""
+        table = self.table
+        if table is None or not table.fresh(time.monotonic_ns(), self.stale_ns):
+            return None
+        return table.read(rooms)
+
+    def read_table_one(self, room: int) -> tuple[int, bool] | None:
+        """``(status, releasable)`` of one room from the status table, or None: ask the
+        socket (no fresh table, or the table does not answer this room)."""
+        table = self.table
+        if table is None or not table.fresh(time.monotonic_ns(), self.stale_ns):
+            return None
+        return table.read_one(room)
+
+    def _open_table(self) -> None:
+        """Map kvd's status table (after a registration; under the lock). A kvd without
+        one, or a table that does not check out, leaves polls on the socket."""
+        self._close_table()
+        if not self.use_table:
+            return
+        fds: list[int] = []
+        try:
+            result: rpc.TableResult = self._roundtrip(rpc.OpenTable(), rpc.TableResult, fds)
+            if len(fds) != 1:
+                raise ProtocolError(f"kvd sent {len(fds)} descriptors with its status table")
+            self._table_map = mmap.mmap(fds[0], result.size, prot=mmap.PROT_READ)
+            self.table = StatusTable.open(self._table_map)
+        except (KvdError, OSError, ValueError):
+            self._close_table()  # an older or channel-less kvd: the socket serves polls
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _close_table(self) -> None:
+        self.table = None
+        if self._table_map is not None:
+            with contextlib.suppress(BufferError):  # a reader's view alive: the GC unmaps
+                self._table_map.close()
+            self._table_map = None
 
     def call_many(self, calls: list[rpc.NowCall]) -> list[Any]:
         """Several calls in ONE round trip (:class:`~kvd.protocol.rpc.Many`), run in order
@@ -203,6 +263,7 @@ class KvdClient:
                     self._roundtrip(self._registration, None)
                     self.reconnects += 1
                     self._replay = False
+                    self._open_table()
                 return self._roundtrip(call, kind)
             except KvdUnreachable as exc:
                 cause = exc.__cause__
@@ -211,8 +272,10 @@ class KvdClient:
                     raise
         raise AssertionError("unreachable")
 
-    def _roundtrip(self, call: rpc.Call, kind: type | None) -> Any:
-        """One request and its reply; the result decoded as ``kind`` (None: plain)."""
+    def _roundtrip(self, call: rpc.Call, kind: type | None,
+                   fds_in: list[int] | None = None) -> Any:
+        """One request and its reply; the result decoded as ``kind`` (None: plain).
+        With ``fds_in``, descriptors that ride with the reply are appended to it."""
         self._next_id += 1
         req_id = self._next_id
         try:
@@ -224,7 +287,7 @@ class KvdClient:
                 sock.sendall(data[sent:])
             else:
                 sock.sendall(data)
-            reply = rpc.decode_raw_reply(self._read_frame(sock))
+            reply = rpc.decode_raw_reply(self._read_frame(sock, fds_in))
         except OSError as exc:
             self._drop()
             why = (f"no answer within {self.timeout:g}s" if exc.errno in _TIMED_OUT
@@ -250,14 +313,16 @@ class KvdClient:
         return result
 
     def _drop(self) -> None:
+        self._close_table()  # this daemon's table: a new connection may reach another
         if self._sock is not None:
             self._sock.close()
             self._sock = None
         self._rbuf.clear()
         self._replay = self._registration is not None
 
-    def _read_frame(self, sock: socket.socket) -> bytes:
-        """The next reply frame: usually ONE ``recv`` for header and body."""
+    def _read_frame(self, sock: socket.socket, fds_in: list[int] | None = None) -> bytes:
+        """The next reply frame: usually ONE ``recv`` for header and body (``recvmsg``
+        with ``fds_in``: descriptors are kept there)."""
         buf, size = self._rbuf, rpc.LENGTH.size
         while True:
             if len(buf) >= size:
@@ -266,7 +331,11 @@ class KvdClient:
                     frame = bytes(buf[size:size + length])
                     del buf[:size + length]
                     return frame
-            chunk = sock.recv(1 << 16)
+            if fds_in is None:
+                chunk = sock.recv(1 << 16)
+            else:
+                chunk, fds, _, _ = socket.recv_fds(sock, 1 << 16, rpc.MAX_FDS)
+                fds_in += fds
             if not chunk:
                 raise ConnectionError("kvd closed the connection")
             buf += chunk

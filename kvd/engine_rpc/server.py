@@ -108,6 +108,9 @@ class Connection:
         self.id = conn_id
         self.pid, self.uid = pid, uid
         self.fds: list[int] = []
+        #: descriptors the reply being built carries (``SCM_RIGHTS``); the call keeps
+        #: owning them (the kernel dups them into the engine)
+        self.reply_fds: list[int] = []
         self.on_close: list[Callable[[], None]] = []
 
 
@@ -185,7 +188,7 @@ class _Link:
                 self._later(frame)
                 return
             self._done_with_fds()
-            self._send(rpc.encode(reply))
+            self._send(rpc.encode(reply), self._take_reply_fds())
 
     def _later(self, frame: bytes) -> None:
         self.busy = True
@@ -200,9 +203,13 @@ class _Link:
         await self._write_all(rpc.encode(reply))
         self._resume()
 
-    def _send(self, data: bytes) -> None:
-        try:
-            sent = self.sock.send(data)
+    def _take_reply_fds(self) -> list[int]:
+        fds, self.conn.reply_fds = self.conn.reply_fds, []
+        return fds
+
+    def _send(self, data: bytes, fds: list[int] | None = None) -> None:
+        try:  # descriptors ride with the reply's first bytes
+            sent = socket.send_fds(self.sock, [data], fds) if fds else self.sock.send(data)
         except (BlockingIOError, InterruptedError):
             sent = 0
         except OSError:

@@ -152,6 +152,20 @@ class Info(msgspec.Struct, tag="info", frozen=True):
     pass
 
 
+class OpenTable(msgspec.Struct, tag="open_table", frozen=True):
+    """The engine asks for kvd's room status table (issue 21, :mod:`kvd.protocol.table`):
+    answered with :class:`TableResult`, the table's memfd riding with the reply
+    (``SCM_RIGHTS``). Refused (``RpcError``) when kvd runs with ``engine_channel`` off."""
+
+
+class TableResult(msgspec.Struct, frozen=True):
+    """Answer to :class:`OpenTable`: the table's slots and its size in bytes (the memfd
+    came with the reply)."""
+
+    nslots: int
+    size: int
+
+
 class Release(msgspec.Struct, tag="release", frozen=True):
     """The engine is leaving on purpose (``KvdClient.close``): fail its rooms and release
     its memory now, without the reconnect grace a dropped connection gets."""
@@ -200,7 +214,8 @@ class ManyResult(msgspec.Struct, frozen=True):
 
 
 Call: TypeAlias = (RegisterKV | SenderCreate | SenderInit | SenderSend | ReceiverCreate
-                   | ReceiverInit | Poll | Wait | Abort | Clear | Info | Release | Many)
+                   | ReceiverInit | Poll | Wait | Abort | Clear | Info | Release | Many
+                   | OpenTable)
 
 
 class Request(msgspec.Struct, frozen=True):

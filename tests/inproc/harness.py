@@ -266,8 +266,8 @@ class Node:
         return self.daemon.core
 
     def tick(self) -> None:
-        assert self.daemon.side is not None
-        self.daemon.side.tick()
+        """The daemon's sweep: deadlines, then its status table re-published."""
+        self.daemon.sweep()
 
     async def heartbeat(self) -> None:
         """One heartbeat round of a decode daemon."""

@@ -89,6 +89,19 @@ def test_issue14_api_rows_run_in_every_placement() -> None:
             assert where[field] > 0, (field, where)
 
 
+def test_channel_rows_report_value_baseline_ratio_goal_met() -> None:
+    """Issue 21's P5 rows in a reduced form: each row keyed by its id carries its value
+    beside the socket baseline measured in the same run, the ratio, the goal and whether
+    it is met (the bench itself checks that the table and the socket answer alike)."""
+    stdout, r = _bench("--only", "channel", "--repeats", "1", "--api-rooms", "3")
+    assert "engine channel" in stdout
+    rows = r["channel"]["rows"]
+    assert {"P5.poll_1000", "P5.poll_one", "P5.send", "P5.init"} <= set(rows)
+    for row in rows.values():
+        assert row["value"] > 0 and row["baseline"] > 0 and row["ratio"] > 0, row
+        assert row["goal"] and isinstance(row["met"], bool), row
+
+
 def test_membership_bench_rows_run_with_every_room_checked() -> None:
     """Issue 19's rows (benchmarks/membership_bench.py) in a reduced form: each restart
     variant's first successful room on the new instance is found (its bytes checked by

@@ -11,7 +11,7 @@ import httpx
 import numpy as np
 import pytest
 
-from kvd.client import KvdClient, KVPoll, Receiver, Sender, poll_many
+from kvd.client import KvdClient, KVPoll, Receiver, Sender, poll_array, poll_many
 from kvd.launch import start_daemon
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
 from tests.conftest import eventually_transfers, free_port, health, start_pair, stop_pair
@@ -97,8 +97,13 @@ def test_dead_kvd_reads_failed_and_client_reconnects_with_registration(tmp_path:
     try:
         r = Receiver(d.client, 1, pair.bootstrap)
         r.init([1], 0)
+        old_table = d.client.table
+        assert old_table is not None  # the engine reads statuses from kvd's table
         pair.decode.kill(signal.SIGKILL)
         pair.decode.proc.wait(5)
+        # the table's writer is silent: within its staleness bound the client asks the
+        # socket, which is gone (a table-less client reads Failed at once)
+        assert _poll_until(d.client, [1], {KVPoll.Failed}, 10.0) == [KVPoll.Failed]
         assert r.poll() == KVPoll.Failed
         assert "kvd unreachable" in r.failure_reason()
         assert poll_many(d.client, [1, 2]) == [KVPoll.Failed, KVPoll.Failed]
@@ -106,6 +111,8 @@ def test_dead_kvd_reads_failed_and_client_reconnects_with_registration(tmp_path:
         transfer_room(p, d, pair.bootstrap, 3, [2, 3], [4, 5], chunk=2)  # replays RegisterKV
         assert wait_rooms(d.client, [3]) == [KVPoll.Success]
         assert d.client.reconnects == 1
+        assert d.client.table is not None and d.client.table is not old_table  # the new kvd's
+        assert poll_many(d.client, [3]) == [KVPoll.Success]
         assert d.pages_equal(p, [2, 3], [4, 5])
     finally:
         stop_pair(pair)
@@ -182,4 +189,33 @@ def test_k19_frozen_or_dead_prefill_bounds_every_send(tmp_path: Path, fault: str
         pair.prefill.kill(signal.SIGCONT)
         h_engine.close()
         healthy.stop()
+        stop_pair(pair)
+
+
+def test_polls_read_the_status_table_without_a_round_trip(tmp_path: Path) -> None:
+    """Issue 21 step A over the real socket: the engine's client maps kvd's status table
+    at registration; a room moved end to end reads Success on both sides from the table
+    (no request sent), rooms the table does not answer are asked over the socket in one
+    Poll, and a client with ``use_table=False`` answers the same over the socket."""
+    pair = start_pair(tmp_path)
+    p, d = pair.p_engine, pair.d_engine
+    try:
+        assert p.client.table is not None and d.client.table is not None
+        transfer_room(p, d, pair.bootstrap, 7, [1, 2], [3, 4], chunk=1)
+        for eng in (p, d):
+            assert _poll_until(eng.client, [7], {KVPoll.Success}, 20.0) == [KVPoll.Success]
+            sent = eng.client._next_id
+            assert poll_many(eng.client, [7]) == [KVPoll.Success]
+            assert poll_array(eng.client, np.array([7], dtype=np.uint64)).tolist() == [4]
+            assert eng.client._next_id == sent  # no request: the table answered
+            assert poll_many(eng.client, [7, 12345]) == [KVPoll.Success, -1]
+            assert eng.client._next_id == sent + 1  # one Poll, for the unknown room only
+        plain = KvdClient(pair.decode.socket, use_table=False)
+        try:
+            assert plain.table is None
+            assert poll_many(plain, [7, 12345]) == [KVPoll.Success, -1]
+        finally:
+            plain.close()
+        assert d.pages_equal(p, [1, 2], [3, 4])
+    finally:
         stop_pair(pair)

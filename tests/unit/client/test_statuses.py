@@ -19,8 +19,16 @@ from tests.helpers.fake_kvd import FakeKvd
 class _Answers:
     """A client whose every call answers ``statuses``."""
 
+    table = None  # no status table: every poll asks
+
     def __init__(self, statuses: list[int]) -> None:
         self.statuses = statuses
+
+    def read_table(self, rooms: Any) -> None:
+        return None
+
+    def read_table_one(self, room: int) -> None:
+        return None
 
     def call(self, call: Any) -> rpc.PollResult:
         return rpc.PollResult(statuses=self.statuses, releasable=[])

@@ -44,6 +44,7 @@ CALLS = {
     "Clear": st.builds(rpc.Clear, room=I64),
     "Info": st.just(rpc.Info()),
     "Release": st.just(rpc.Release()),
+    "OpenTable": st.just(rpc.OpenTable()),
 }
 CALLS["Many"] = st.builds(rpc.Many, calls=st.lists(st.one_of(
     [CALLS[t.__name__] for t in get_args(rpc.NowCall)]), max_size=5))

@@ -1,0 +1,164 @@
+"""A single-producer single-consumer ring of records in shared memory (issue 21, step B:
+the layout only; nothing sends through it yet). PURE: numpy over a buffer.
+
+The engine will produce room calls into a submission ring and kvd its refusals into a
+completion ring; each side trusts nothing the other wrote. Layout (little-endian
+``uint64`` words, :data:`VERSION` 1)::
+
+    header   8 words: MAGIC, VERSION, capacity, record_bytes, head, tail, sleeping, 0
+    records  capacity x record_bytes: seq (u64), length (u32), 0 (u32), payload
+
+``capacity`` is a power of two; record ``seq`` lives at ``seq & (capacity - 1)``. The
+producer writes the payload and length, then the record's ``seq``, then ``head = seq +
+1``: a record is visible only once ``head`` passed it, so a producer that dies half way
+through a record leaves nothing the consumer reads (its half record is simply never
+published). The consumer reads ``head``, checks ``0 <= head - tail <= capacity``, and
+for each record checks ``seq == tail`` and ``length <= record_bytes - 16`` before it
+copies the payload out; anything else raises :class:`~kvd.errors.ProtocolError` (a
+corrupt or hostile producer: the caller fails that producer's work only). ``sleeping``
+is the consumer's "wake me" flag (the caller's eventfd protocol); ``tail`` is the
+consumer's, ``head`` the producer's, and each side writes only its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvd.errors import ProtocolError
+
+MAGIC = 0x6B76645F72696E67  # b"kvd_ring" read as a big-endian integer
+#: History: 1 -- first layout (issue 21).
+VERSION = 1
+HEADER_WORDS = 8
+WORD = 8
+RECORD_HEAD = 16  # seq + length + reserved
+#: Bounds a reader enforces on any header it opens.
+MAX_CAPACITY = 1 << 16
+MAX_RECORD_BYTES = 1 << 16
+_MAGIC, _VERSION, _CAPACITY, _RECORD, _HEAD, _TAIL, _SLEEPING = range(7)
+
+
+def ring_bytes(capacity: int, record_bytes: int) -> int:
+    """Bytes a ring takes; ValueError for a capacity that is no power of two in
+    ``[1, MAX_CAPACITY]`` or a record size not a multiple of 8 in ``(16, MAX_RECORD_BYTES]``."""
+    if not 1 <= capacity <= MAX_CAPACITY or capacity & (capacity - 1):
+        raise ValueError(f"ring capacity must be a power of two in [1, {MAX_CAPACITY}], "
+                         f"got {capacity}")
+    if not RECORD_HEAD < record_bytes <= MAX_RECORD_BYTES or record_bytes % WORD:
+        raise ValueError(f"record_bytes must be a multiple of 8 in ({RECORD_HEAD}, "
+                         f"{MAX_RECORD_BYTES}], got {record_bytes}")
+    return HEADER_WORDS * WORD + capacity * record_bytes
+
+
+class Ring:
+    """A ring over ``buf``: lay one out with :meth:`create`, open one with :meth:`open`
+    (header checked: ProtocolError). Producer: :meth:`push`; consumer: :meth:`pop`."""
+
+    def __init__(self, buf: object, capacity: int, record_bytes: int) -> None:
+        size = ring_bytes(capacity, record_bytes)
+        self.bytes = np.frombuffer(buf, dtype=np.uint8, count=size)  # type: ignore[call-overload]
+        self.header = self.bytes[:HEADER_WORDS * WORD].view("<u8")
+        self.capacity, self.record_bytes = capacity, record_bytes
+        self.max_payload = record_bytes - RECORD_HEAD
+
+    @classmethod
+    def create(cls, buf: object, capacity: int, record_bytes: int) -> Ring:
+        ring = cls(buf, capacity, record_bytes)
+        ring.bytes[:] = 0
+        ring.header[[_MAGIC, _VERSION, _CAPACITY, _RECORD]] = [MAGIC, VERSION, capacity,
+                                                               record_bytes]
+        return ring
+
+    @classmethod
+    def open(cls, buf: object) -> Ring:
+        """The ring in ``buf``; ProtocolError unless its header is this version's and its
+        sizes are within bounds and fit ``buf``."""
+        size = len(memoryview(buf))  # type: ignore[arg-type]
+        if size < HEADER_WORDS * WORD:
+            raise ProtocolError(f"ring of {size} bytes is shorter than its header")
+        head = np.frombuffer(buf, dtype="<u8", count=HEADER_WORDS)  # type: ignore[call-overload]
+        if int(head[_MAGIC]) != MAGIC or int(head[_VERSION]) != VERSION:
+            raise ProtocolError("not a version 1 kvd ring")
+        capacity, record = int(head[_CAPACITY]), int(head[_RECORD])
+        try:
+            need = ring_bytes(capacity, record)
+        except ValueError as exc:
+            raise ProtocolError(f"ring header: {exc}") from exc
+        if need > size:
+            raise ProtocolError(f"ring needs {need} bytes, the buffer has {size}")
+        return cls(buf, capacity, record)
+
+    def _at(self, seq: int) -> int:
+        return HEADER_WORDS * WORD + (seq & (self.capacity - 1)) * self.record_bytes
+
+    @property
+    def head(self) -> int:
+        return int(self.header[_HEAD])
+
+    @property
+    def tail(self) -> int:
+        return int(self.header[_TAIL])
+
+    @property
+    def sleeping(self) -> bool:
+        return bool(self.header[_SLEEPING])
+
+    @sleeping.setter
+    def sleeping(self, value: bool) -> None:
+        self.header[_SLEEPING] = int(value)
+
+    # ---- producer -------------------------------------------------------------------
+
+    def push(self, payload: bytes) -> int | None:
+        """Publish ``payload``; its seq, or None when the ring is full. ValueError for a
+        payload over ``max_payload`` bytes (send it another way)."""
+        if len(payload) > self.max_payload:
+            raise ValueError(f"a record carries at most {self.max_payload} bytes, got "
+                             f"{len(payload)}")
+        seq = self.head
+        if seq - self.tail >= self.capacity:
+            return None
+        self.write_record(seq, payload)
+        self.header[_HEAD] = seq + 1
+        return seq
+
+    def write_record(self, seq: int, payload: bytes) -> None:
+        """The record's bytes without publishing it (``head`` unchanged): what a producer
+        that dies half way leaves behind."""
+        at = self._at(seq)
+        rec = self.bytes[at:at + self.record_bytes]
+        rec[RECORD_HEAD:RECORD_HEAD + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+        rec[8:16].view("<u4")[:] = [len(payload), 0]
+        rec[:8].view("<u8")[0] = seq
+
+    # ---- consumer -------------------------------------------------------------------
+
+    def pending(self) -> int:
+        """Published records not yet consumed; ProtocolError if the header says more
+        than the ring holds (or fewer than none)."""
+        n = self.head - self.tail
+        if not 0 <= n <= self.capacity:
+            raise ProtocolError(f"ring head {self.head} and tail {self.tail} are "
+                                f"{n} records apart (capacity {self.capacity})")
+        return n
+
+    def pop(self) -> tuple[int, bytes] | None:
+        """The next published record ``(seq, payload)``, consumed; None when there is
+        none. ProtocolError for a corrupt record (wrong seq, length out of bounds) or
+        header; a corrupt record is not consumed."""
+        if not self.pending():
+            return None
+        seq = self.tail
+        at = self._at(seq)
+        rec = self.bytes[at:at + self.record_bytes]
+        got = int(rec[:8].view("<u8")[0])
+        length = int(rec[8:12].view("<u4")[0])
+        if got != seq:
+            raise ProtocolError(f"ring record {seq} carries seq {got}")
+        if length > self.max_payload:
+            raise ProtocolError(f"ring record {seq} says {length} bytes, at most "
+                                f"{self.max_payload}")
+        payload = rec[RECORD_HEAD:RECORD_HEAD + length].tobytes()
+        self.header[_TAIL] = seq + 1
+        return seq, payload
+

@@ -1,0 +1,276 @@
+"""The room status table both processes map (issue 21, step A). PURE: numpy over a buffer.
+
+kvd's loop is the table's only writer; the engine reads it with a numpy gather and no
+syscall, and falls back to the socket's ``Poll`` for every room the table does not answer.
+The table is a *view*: kvd never reads a decision from it.
+
+Layout (little-endian ``uint64`` words, :data:`VERSION` 1)::
+
+    header   8 words: MAGIC, VERSION, nslots, heartbeat_ns, closed, writer pid, 0, 0
+    slots    nslots x 2 words: head = gen << 32 | word, room
+
+``nslots`` is a power of two, at least :data:`WAYS`; slots form buckets of
+:data:`WAYS` consecutive slots, and room ``r`` may live only in a slot of bucket
+``r & (nslots / WAYS - 1)`` (a room whose bucket is full of other known rooms is
+simply not in the table). With random 64-bit ids and ``n`` live rooms in ``b``
+buckets, about ``n**3 / (6 * b**2)`` of them miss: 0.002 of 1 000 rooms in kvd's
+default 262 144-slot table, where one slot per room would miss about 2 of them.
+``word`` (the head's low 32 bits) packs ``code = status + 1`` (0 = ``UNKNOWN_ROOM``) in bits 0-7,
+``releasable`` in bit 8 and ``OCCUPIED`` in bit 9; ``gen`` is the high 32 bits.
+
+Per-slot seqlock: the writer makes ``gen`` odd (head rewritten, word kept), writes
+``room``, then writes the head with ``gen`` even again and the new word. A reader
+gathers the heads (h1), the rooms, the heads again (h2), and takes a slot only if
+``h1 == h2`` (so ``gen`` did not move: wrapping 2**31 writes between two loads of one
+poll is out of reach), ``gen`` is even, the slot is occupied and names the room asked:
+a torn slot or one reused by another room reads as a miss, never as a wrong status.
+The order of those loads and stores is the program order of the numpy copies below;
+x86-64 keeps loads ordered with loads and stores with stores (TSO), which is what the
+seqlock needs without fences. ``heartbeat_ns`` is the writer's ``CLOCK_MONOTONIC``
+(``time.monotonic_ns``, shared by every process on the host) at its last beat: a reader
+treats a table older than its ``stale_ns`` (or one marked ``closed``) as absent.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from kvd.errors import ProtocolError
+
+MAGIC = 0x6B76645F73746174  # b"kvd_stat" read as a big-endian integer
+#: History: 1 -- first layout (issue 21), one slot per room; 2 -- two-way buckets.
+VERSION = 2
+#: Slots a room may live in (its bucket).
+WAYS = 2
+HEADER_WORDS = 8
+SLOT_WORDS = 2
+WORD = 8  # bytes
+#: Most slots a table may have (2**24 slots = 512 MiB would be absurd; bounded for readers).
+MAX_SLOTS = 1 << 22
+#: A table whose writer has not beaten for this long is treated as absent (ns): how late,
+#: at most, an engine reading only the table learns that its kvd died without a word
+#: (SIGKILL); kvd beats at every sweep (0.1 s) and every publish.
+DEFAULT_STALE_NS = 1_000_000_000
+
+_H_MAGIC, _H_VERSION, _H_NSLOTS, _H_BEAT, _H_CLOSED, _H_PID = range(6)
+_HEAD, _ROOM = 0, 1
+CODE_MASK = 0xFF
+RELEASABLE = 1 << 8
+OCCUPIED = 1 << 9
+GEN_SHIFT = 32
+_GEN_ODD = 1 << GEN_SHIFT
+_LOW = (1 << GEN_SHIFT) - 1
+_HIT_MASK = np.uint64(_GEN_ODD | OCCUPIED)
+_OCCUPIED = np.uint64(OCCUPIED)
+_RELEASABLE = np.uint64(RELEASABLE)
+_ONE = np.uint64(1)
+_BUCKET_SHIFT = np.uint64((WAYS * SLOT_WORDS).bit_length() - 1)  # bucket -> its first word
+
+
+def table_bytes(nslots: int) -> int:
+    """Bytes a table of ``nslots`` slots takes. Raises ValueError for a bad ``nslots``."""
+    check_nslots(nslots)
+    return (HEADER_WORDS + SLOT_WORDS * nslots) * WORD
+
+
+def check_nslots(nslots: int) -> None:
+    """Raise ValueError unless ``nslots`` is a power of two in ``[WAYS, MAX_SLOTS]``."""
+    if not WAYS <= nslots <= MAX_SLOTS or nslots & (nslots - 1):
+        raise ValueError(f"a status table has a power of two of slots in [{WAYS}, "
+                         f"{MAX_SLOTS}], got {nslots}")
+
+
+def pack(status: int, releasable: bool) -> int:
+    """The occupied ``word`` of a room with KVPoll ``status`` (or -1: unknown)."""
+    if not -1 <= status <= 4:
+        raise ValueError(f"status {status} is none of KVPoll's values or UNKNOWN_ROOM")
+    return (status + 1) | (RELEASABLE if releasable else 0) | OCCUPIED
+
+
+class StatusTable:
+    """A status table over ``buf`` (a writable buffer: ``mmap`` or ``bytearray``).
+
+    Open an existing table with :meth:`open` (checks the header; raises ProtocolError) or
+    lay a new one out with :meth:`create`. Reads: :meth:`read`. Writes (kvd's loop only):
+    :meth:`write`, :meth:`beat`, :meth:`close`.
+    """
+
+    def __init__(self, words: npt.NDArray[np.uint64], nslots: int) -> None:
+        self.words = words
+        self.header = words[:HEADER_WORDS]
+        self.q = words.data.cast("B").cast("Q")  # the same words, read as Python ints
+        self.flat = words[HEADER_WORDS:HEADER_WORDS + SLOT_WORDS * nslots]
+        self.slots = self.flat.reshape(nslots, SLOT_WORDS)
+        self.nslots = nslots
+        self.nbuckets = nslots // WAYS
+        self.mask = np.uint64(self.nbuckets - 1)
+
+    @classmethod
+    def create(cls, buf: object, nslots: int, pid: int = 0) -> StatusTable:
+        """Lay out an empty table in ``buf`` (at least :func:`table_bytes` bytes)."""
+        size = table_bytes(nslots)
+        words = np.frombuffer(buf, dtype="<u8", count=size // WORD)  # type: ignore[call-overload]
+        words[:] = 0
+        words[[_H_MAGIC, _H_VERSION, _H_NSLOTS, _H_PID]] = [MAGIC, VERSION, nslots, pid]
+        return cls(words, nslots)
+
+    @classmethod
+    def open(cls, buf: object) -> StatusTable:
+        """The table in ``buf``; raises ProtocolError if its header is not one of this
+        version or its size does not fit ``buf``."""
+        size = len(memoryview(buf))  # type: ignore[arg-type]
+        if size < HEADER_WORDS * WORD:
+            raise ProtocolError(f"status table of {size} bytes is shorter than its header")
+        head = np.frombuffer(buf, dtype="<u8", count=HEADER_WORDS)  # type: ignore[call-overload]
+        if int(head[_H_MAGIC]) != MAGIC or int(head[_H_VERSION]) != VERSION:
+            raise ProtocolError(f"not a version {VERSION} status table (magic "
+                                f"{int(head[_H_MAGIC]):#x}, version {int(head[_H_VERSION])})")
+        nslots = int(head[_H_NSLOTS])
+        try:
+            need = table_bytes(nslots)
+        except ValueError as exc:
+            raise ProtocolError(f"status table header: {exc}") from exc
+        if need > size:
+            raise ProtocolError(f"status table of {nslots} slots needs {need} bytes, the "
+                                f"buffer has {size}")
+        words = np.frombuffer(buf, dtype="<u8", count=need // WORD)  # type: ignore[call-overload]
+        return cls(words, nslots)
+
+    # ---- the writer (kvd's loop) --------------------------------------------------------
+
+    def slot_of(self, room: int) -> int:
+        """The first slot of ``room``'s bucket."""
+        return (room & (self.nbuckets - 1)) * WAYS
+
+    def bucket(self, room: int) -> range:
+        """The slots ``room`` may live in."""
+        first = self.slot_of(room)
+        return range(first, first + WAYS)
+
+    def write(self, slot: int, room: int, word: int) -> None:
+        """Publish ``word`` (:func:`pack`, or 0: empty) for ``room`` in ``slot``."""
+        row = self.slots[slot]
+        head = int(row[_HEAD])  # gen even: only this writer makes it odd, only in here
+        gen = (head >> GEN_SHIFT) + 1  # odd: being written
+        row[_HEAD] = (gen & _LOW) << GEN_SHIFT | head & _LOW
+        row[_ROOM] = room
+        row[_HEAD] = ((gen + 1) & _LOW) << GEN_SHIFT | word  # even again
+
+    def beat(self, now_ns: int) -> None:
+        """The writer is alive at ``now_ns`` (``time.monotonic_ns``)."""
+        self.header[_H_BEAT] = now_ns
+
+    def close(self) -> None:
+        """The writer is gone for good: readers fall back to the socket at once."""
+        self.header[_H_CLOSED] = 1
+
+    # ---- readers -------------------------------------------------------------------------
+
+    def fresh(self, now_ns: int, stale_ns: int = DEFAULT_STALE_NS) -> bool:
+        """Whether the writer beat within ``stale_ns`` of ``now_ns`` and is not closed."""
+        q = self.q
+        return not q[_H_CLOSED] and now_ns - q[_H_BEAT] <= stale_ns
+
+    def read_one(self, room: int) -> tuple[int, bool] | None:
+        """``(status, releasable)`` of one room, or None where the table does not answer
+        it (as :meth:`read`, in plain Python: no array built for one room)."""
+        q, first = self.q, HEADER_WORDS + SLOT_WORDS * self.slot_of(room)
+        for at in range(first, first + WAYS * SLOT_WORDS, SLOT_WORDS):
+            head = q[at]
+            held = q[at + 1]
+            if head == q[at] and held == room and head & (_GEN_ODD | OCCUPIED) == OCCUPIED:
+                return (head & CODE_MASK) - 1, bool(head & RELEASABLE)
+        return None
+
+    def heads_of(self, rooms: npt.NDArray[np.uint64], way: int = 0) -> npt.NDArray[np.uint64]:
+        """Index in :attr:`flat` of the head of slot ``way`` of each room's bucket (uint64,
+        rooms' shape)."""
+        first = (rooms & self.mask) << _BUCKET_SHIFT
+        return first + np.uint64(way * SLOT_WORDS) if way else first
+
+    def read(self, rooms: npt.NDArray[np.uint64]) -> tuple[npt.NDArray[np.int8],
+                                                            npt.NDArray[np.bool_],
+                                                            npt.NDArray[np.bool_]]:
+        """``(statuses int8, releasable bool, hit bool)`` for ``rooms`` (uint64, 1-D).
+
+        Where ``hit`` is False the table does not answer that room (never in it, its slot
+        taken by another room, or being written): ask the socket. ``statuses`` there is
+        meaningless.
+        """
+        statuses, free, hit = self._read_way(rooms, 0)
+        for way in range(1, WAYS):  # the writer fills the first way first: few get here
+            if hit.all():
+                break
+            miss = np.flatnonzero(~hit)
+            s, f, h = self._read_way(rooms[miss], way)
+            statuses[miss], free[miss], hit[miss] = s, f, h
+        return statuses, free, hit
+
+    def _read_way(self, rooms: npt.NDArray[np.uint64], way: int) -> tuple[
+            npt.NDArray[np.int8], npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+        idx = self.heads_of(rooms, way)
+        flat = self.flat
+        heads = flat.take(idx)  # loads in this order: heads, rooms, heads again
+        held = flat.take(idx + _ONE)
+        return self.check(rooms, heads, held, flat.take(idx))
+
+    @staticmethod
+    def check(rooms: npt.NDArray[np.uint64], heads: npt.NDArray[np.uint64],
+              held: npt.NDArray[np.uint64], after: npt.NDArray[np.uint64]) -> tuple[
+                  npt.NDArray[np.int8], npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+        """The seqlock test of :meth:`read` for one slot per room: the slots' heads, their
+        rooms, and the heads loaded again after them (split out so a test can write
+        between the loads)."""
+        hit = heads == after
+        hit &= held == rooms
+        hit &= (heads & _HIT_MASK) == _OCCUPIED  # gen even, slot occupied
+        statuses = heads.astype(np.int8)  # the low byte: the code
+        statuses -= 1
+        return statuses, (heads & _RELEASABLE) != 0, hit
+
+
+class SlotMap:
+    """The writer's record of which room holds which slot (kvd's loop; no I/O).
+
+    A slot is free when empty or when its room reads as unknown (cleared, or forgotten
+    by kvd): :meth:`place` puts a room in a free slot of its bucket; a room whose bucket
+    is full of known rooms stays out of the table (its readers ask the socket). A room
+    holds at most one slot.
+    """
+
+    def __init__(self, table: StatusTable) -> None:
+        self.table = table
+        self.holder: dict[int, int] = {}  # slot -> room that holds it
+        self.where: dict[int, int] = {}  # room -> its slot
+        self.known: set[int] = set()  # rooms placed whose status is not unknown
+
+    def place(self, room: int) -> bool:
+        """Give ``room`` a slot of its bucket if it has none and one is free; whether it
+        holds one now."""
+        if room in self.where:
+            return True
+        for slot in self.table.bucket(room):
+            other = self.holder.get(slot)
+            if other is None or other not in self.known:
+                if other is not None:  # its (unknown) status is no longer answered
+                    del self.where[other]
+                self.table.write(slot, room, 0)
+                self.holder[slot], self.where[room] = room, slot
+                return True
+        return False
+
+    def holds(self, room: int) -> bool:
+        return room in self.where
+
+    def publish(self, room: int, status: int, releasable: bool) -> None:
+        """Write ``room``'s status if it holds a slot (``status`` -1: unknown, which
+        frees the slot for another room while still answering this one until then)."""
+        slot = self.where.get(room)
+        if slot is None:
+            return
+        self.table.write(slot, room, pack(status, releasable))
+        if status == -1:
+            self.known.discard(room)
+        else:
+            self.known.add(room)

@@ -1,0 +1,143 @@
+"""The shared-memory ring's layout (issue 21 step B, layout only): records in order,
+bounds, sequence checks, half-written records, and any bytes fuzzed into it."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvd.errors import ProtocolError
+from kvd.protocol import ring as r
+from kvd.protocol.ring import Ring, ring_bytes
+
+PAYLOADS = st.binary(max_size=48)
+
+
+def new(capacity: int = 4, record: int = 64) -> Ring:
+    return Ring.create(bytearray(ring_bytes(capacity, record)), capacity, record)
+
+
+class RingMachine(RuleBasedStateMachine):
+    """Pushes and pops against a deque: every record comes out once, in order, byte for
+    byte; a full ring refuses; the consumer sees what was published and nothing else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ring = new()
+        self.model: deque[tuple[int, bytes]] = deque()
+        self.next = 0
+
+    @rule(payload=PAYLOADS)
+    def push(self, payload: bytes) -> None:
+        seq = self.ring.push(payload)
+        if len(self.model) == self.ring.capacity:
+            assert seq is None
+            return
+        assert seq == self.next
+        self.model.append((seq, payload))
+        self.next += 1
+
+    @rule()
+    def pop(self) -> None:
+        got = self.ring.pop()
+        assert got == (self.model.popleft() if self.model else None)
+
+    @precondition(lambda self: len(self.model) < self.ring.capacity)
+    @rule(payload=PAYLOADS)
+    def half_write(self, payload: bytes) -> None:
+        """A producer that died after writing a record, before publishing it."""
+        self.ring.write_record(self.ring.head, payload)
+
+    @invariant()
+    def pending_matches(self) -> None:
+        assert self.ring.pending() == len(self.model)
+
+
+TestRingMachine = RingMachine.TestCase
+
+
+def test_a_payload_over_the_record_is_refused_by_the_producer() -> None:
+    ring = new(record=32)
+    assert ring.max_payload == 16
+    ring.push(b"x" * 16)
+    with pytest.raises(ValueError, match="at most 16"):
+        ring.push(b"x" * 17)
+
+
+def test_a_record_with_the_wrong_seq_is_corrupt_and_not_consumed() -> None:
+    ring = new()
+    ring.push(b"abc")
+    ring.bytes[r.HEADER_WORDS * r.WORD] ^= 1  # record 0 now says seq 1
+    with pytest.raises(ProtocolError, match="carries seq"):
+        ring.pop()
+    assert ring.tail == 0
+
+
+def test_a_record_claiming_more_than_it_holds_is_corrupt() -> None:
+    ring = new(record=32)
+    ring.push(b"abc")
+    at = r.HEADER_WORDS * r.WORD + 8
+    ring.bytes[at:at + 4].view("<u4")[0] = 17
+    with pytest.raises(ProtocolError, match="at most 16"):
+        ring.pop()
+
+
+@pytest.mark.parametrize("head", [5, 2**63, 2**64 - 1])
+def test_a_head_beyond_the_ring_is_corrupt(head: int) -> None:
+    ring = new()
+    ring.header[4] = head  # more published than the ring holds (or a wrapped value)
+    with pytest.raises(ProtocolError, match="apart"):
+        ring.pop()
+
+
+@pytest.mark.parametrize(("word", "value"), [(0, 0), (1, 2), (2, 3), (2, 0), (3, 12),
+                                             (3, 8), (2, 1 << 20), (3, 1 << 20)])
+def test_open_refuses_a_header_out_of_bounds(word: int, value: int) -> None:
+    buf = bytearray(ring_bytes(4, 64))
+    Ring.create(buf, 4, 64)
+    np.frombuffer(buf, dtype="<u8")[word] = value
+    with pytest.raises(ProtocolError):
+        Ring.open(buf)
+
+
+@settings(max_examples=300)
+@given(noise=st.binary(min_size=1, max_size=ring_bytes(4, 64)), at=st.integers(0, 319),
+       pushed=st.lists(PAYLOADS, max_size=4))
+def test_any_bytes_written_over_a_ring_read_as_records_or_protocol_errors(
+        noise: bytes, at: int, pushed: list[bytes]) -> None:
+    """A hostile producer may write anything anywhere in the ring, header included: the
+    consumer opens it or refuses it, and pops bounded payloads or raises ProtocolError
+    -- never another exception, never more records than the ring holds."""
+    buf = bytearray(ring_bytes(4, 64))
+    producer = Ring.create(buf, 4, 64)
+    for p in pushed:
+        producer.push(p)
+    end = min(len(buf), at + len(noise))
+    buf[at:end] = noise[:end - at]
+    try:
+        ring = Ring.open(buf)
+        for _ in range(ring.capacity + 1):
+            got = ring.pop()
+            if got is None:
+                break
+            assert len(got[1]) <= ring.max_payload
+    except ProtocolError:
+        pass
+
+
+def test_a_ring_reopened_by_the_consumer_reads_what_the_producer_wrote() -> None:
+    buf = bytearray(ring_bytes(8, 128))
+    producer = Ring.create(buf, 8, 128)
+    for i in range(8):
+        assert producer.push(bytes([i]) * i) == i
+    assert producer.push(b"full") is None
+    consumer = Ring.open(buf)
+    assert [consumer.pop() for _ in range(3)] == [(i, bytes([i]) * i) for i in range(3)]
+    assert producer.push(b"wraps") == 8
+    consumer.sleeping = True
+    assert producer.sleeping
