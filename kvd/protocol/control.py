@@ -355,7 +355,7 @@ def max_frame() -> int:
                       st_ints, st_ints)
     compat = Compat(name, name, name, "A" * MAX_LAYERS, name, big, big)
     args = KVArgsWire(name, ints, ints, ints, ints, ints, ints, big, big, big, big,
-                      big, big, True, name, big, True, compat, state)
+                      big, big, True, name, big, True, compat=compat, state=state)
     handle = CudaIpcHandle(b"h" * CUDA_IPC_HANDLE_BYTES, 2**64 - 1, 2**64 - 1, name, 2**31)
     pool = ExportedPool(name, [ExportedBuffer(2**64 - 1, 2**64 - 1, handle)] * (
         2 * MAX_BUFFERS + MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS))

@@ -202,6 +202,35 @@ def test_k35_a_client_leaving_during_prefill_leaves_nothing_pinned(cluster: PdCl
     assert after["choices"][0]["token_ids"]
 
 
+def _prefill_idle(cluster: PdCluster) -> bool:
+    """No prefill kvd holds an unfinished room and no prefill engine holds KV blocks."""
+    live = [s for k in cluster.kvd_p for s, n in health(k)["rooms"].items()
+            if n and s in ("Bootstrapping", "WaitingForInput", "Transferring")]
+    for e in cluster.prefill:  # a short local request: vLLM reports its KV usage at
+        httpx.post(f"{e.url}/v1/chat/completions",  # the end of the request's last step
+                   json=chat_body("Hi", 1), timeout=120).raise_for_status()
+    usage = sum(metric(e.url, "vllm:kv_cache_usage_perc") for e in cluster.prefill)
+    return not live and usage == 0.0
+
+
+@pytest.mark.timeout(600)
+def test_k45_a_refused_request_releases_every_room_it_opened(cluster: PdCluster) -> None:
+    """n=2 at temperature 0: the prefill hands off two rooms, the decode refuses (400);
+    the proxy ends both rooms with the attempt's release token, so the prefill's rooms
+    end and its KV is back to baseline within seconds, not at the bootstrap timeout."""
+    until(lambda: _prefill_idle(cluster), 60, "prefill idle before the test")
+    released = metric(cluster.proxy_url, "kvd_proxy_releases_total", outcome="released")
+    start = time.monotonic()
+    r = httpx.post(f"{cluster.proxy_url}/v1/chat/completions",
+                   json=chat_body(PROMPTS[0], 8, n=2, temperature=0.0), timeout=300)
+    assert r.status_code == 400, r.text
+    until(lambda: _prefill_idle(cluster), 30, "every room of the refused request ended")
+    print(f"K45: prefill KV back to baseline {time.monotonic() - start:.2f} s after the "
+          f"request was sent")
+    assert metric(cluster.proxy_url, "kvd_proxy_releases_total",
+                  outcome="released") == released + 2
+
+
 def test_decode_fails_cleanly_when_the_prefill_is_unreachable(cluster: PdCluster) -> None:
     """A receive from a bootstrap address nobody serves fails in kvd; the connector reports
     the load as failed (policy "fail": the request errors out) and the engine lives on."""

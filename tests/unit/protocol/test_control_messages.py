@@ -234,8 +234,10 @@ def hybrid_registration() -> control.RegisterRank:
                                                          big, name), big, big, big)
     args = control.KVArgsWire(name, ints, ints, ints, ints, ints, ints, big, big, big, big, big,
                               big, True, name, big, True,
-                              control.StateWire(spec, [top] * (n_state + n_win),
-                                                [top] * (n_state + n_win)))
+                              compat=control.Compat(name, name, name, "A" * control.MAX_LAYERS,
+                                                    name, big, big),
+                              state=control.StateWire(spec, [top] * (n_state + n_win),
+                                                      [top] * (n_state + n_win)))
     handle = CudaIpcHandle(b"h" * CUDA_IPC_HANDLE_BYTES, top, top, name, big)
     pool = ExportedPool(name, [ExportedBuffer(top, top, handle)] * (
         2 * control.MAX_BUFFERS + n_state + n_win))

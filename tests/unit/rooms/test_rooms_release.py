@@ -40,7 +40,8 @@ def test_k45_the_right_token_ends_an_unclaimed_room() -> None:
     assert "released by its opener" in p.failure.reason
 
 
-@pytest.mark.parametrize("token", ["x" * 43, TOKEN[:-1] + ("A" if TOKEN[-1] != "A" else "B")])
+@pytest.mark.parametrize("token", ["x" * 43, TOKEN[:-1] + ("A" if TOKEN[-1] != "A" else "B")],
+                         ids=["foreign", "one-char-off"])
 def test_k45_a_wrong_token_is_refused_and_the_room_untouched(token: str) -> None:
     s = opened()
     assert s.release(R, token, "", 1.0) == (ReleaseOutcome.REFUSED, [])
