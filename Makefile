@@ -33,7 +33,7 @@ lint: install
 	$(VENV)/bin/mypy kvd
 
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n 3
 
 test-fast: install
 	$(PY) -m pytest -m "not e2e and not slow"

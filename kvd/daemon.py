@@ -189,9 +189,14 @@ class Daemon:
             s.bootstrap_addr = join_hostport(host.strip("[]"), self.bootstrap_server.port)
 
     def release_rooms(self, req: ReleaseRequest) -> ReleaseAnswer:
-        """``POST /v1/rooms/release`` (K45/K46): the side's answer."""
+        """``POST /v1/rooms/release`` (K45/K46): the side's answer. The status table is
+        re-published before the answer goes out, so an engine reading it after the
+        opener heard ``released`` sees the room Failed (as after its own room call)."""
         assert self.side is not None
-        return self.side.release(req)
+        answer = self.side.release(req)
+        if self.status_table is not None:
+            self.status_table.flush()
+        return answer
 
     def _http_auth_failed(self, exc: Exception) -> None:
         if self.core is not None:
