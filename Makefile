@@ -36,7 +36,7 @@ test: lint
 	$(PY) -m pytest -n 3
 
 test-fast: install
-	$(PY) -m pytest -m "not e2e and not slow"
+	$(PY) -m pytest -n 3 -m "not e2e and not slow"
 
 # .venv-bench: kvd plus SGLang 0.5.23 (--no-deps: its requirements pin CUDA torch) and the
 # pure packages its disaggregation modules import, so its MooncakeKVManager runs as the
