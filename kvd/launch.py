@@ -83,7 +83,9 @@ def start_daemon(role: str, workdir: str | Path | None = None, timeout: float = 
     :class:`KvdError` if the daemon exits or is not ready in ``timeout`` s (the message
     carries the tail of its log). ``prefix`` wraps the command (e.g. ``ip netns exec NS``);
     ``pass_fds`` are descriptors the child inherits (e.g. a socket to pass the way systemd
-    socket activation does).
+    socket activation does). The engine socket defaults to ``<workdir>/<role>-<8 hex
+    digits>.sock``: short, because a Unix socket path is at most 107 bytes and test
+    runners' temp dirs are deep (pytest-xdist's ``popen-gwN``).
     """
     work = Path(workdir or tempfile.mkdtemp(prefix="kvd-"))
     work.mkdir(parents=True, exist_ok=True)
