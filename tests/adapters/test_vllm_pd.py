@@ -219,7 +219,10 @@ def test_k45_a_refused_request_releases_every_room_it_opened(cluster: PdCluster)
     the proxy ends both rooms with the attempt's release token, so the prefill's rooms
     end and its KV is back to baseline within seconds, not at the bootstrap timeout."""
     until(lambda: _prefill_idle(cluster), 60, "prefill idle before the test")
-    released = metric(cluster.proxy_url, "kvd_proxy_releases_total", outcome="released")
+    def count(outcome: str) -> float:
+        return metric(cluster.proxy_url, "kvd_proxy_releases_total", outcome=outcome)
+
+    before = {o: count(o) for o in ("released", "unknown", "unreachable", "refused")}
     start = time.monotonic()
     r = httpx.post(f"{cluster.proxy_url}/v1/chat/completions",
                    json=chat_body(PROMPTS[0], 8, n=2, temperature=0.0), timeout=300)
@@ -227,8 +230,12 @@ def test_k45_a_refused_request_releases_every_room_it_opened(cluster: PdCluster)
     until(lambda: _prefill_idle(cluster), 30, "every room of the refused request ended")
     print(f"K45: prefill KV back to baseline {time.monotonic() - start:.2f} s after the "
           f"request was sent")
-    assert metric(cluster.proxy_url, "kvd_proxy_releases_total",
-                  outcome="released") == released + 2
+    # the proof is the idle prefill above (no unfinished room, no KV held); the proxy
+    # ended at least one room itself (a sample room may have ended first: "ended") and
+    # none of its releases went astray
+    assert count("released") >= before["released"] + 1
+    assert {o: count(o) for o in ("unknown", "unreachable", "refused")} == {
+        o: before[o] for o in ("unknown", "unreachable", "refused")}
 
 
 def test_decode_fails_cleanly_when_the_prefill_is_unreachable(cluster: PdCluster) -> None:
