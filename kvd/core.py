@@ -21,6 +21,7 @@ import msgspec
 
 from kvd.bootstrap import client as signed_http
 from kvd.config import Settings
+from kvd.control.inbound import Answer, Misaddressed
 from kvd.control.peers import ControlPlane, PeerSendError
 from kvd.errors import RegistrationError
 from kvd.hostid import host_identity
@@ -158,6 +159,21 @@ class Core:
             log.warning("%s", exc, extra=fields(peer=endpoint))
             self.events.peer_error(endpoint, str(exc))
             return False
+
+    def refuse(self, m: Misaddressed) -> None:
+        """Answer an authentic message this daemon does not act on with a typed
+        :class:`~kvd.protocol.control.Refused` (the one refusal path: frames the seal
+        refused, and messages a room machine dropped, K16): rate-limited per peer and in
+        all, never larger than what it answers, never to a refusal
+        (:class:`~kvd.control.inbound.Refusals`); sent best effort, keeping no socket
+        open to a sender that is not a peer (:meth:`ControlPlane.send_once`)."""
+        answer = self.control.refusal(m)
+        if answer is not None:
+            self.spawn(self._send_refusal(answer), f"refuse-{answer.endpoint}")
+
+    async def _send_refusal(self, a: Answer) -> None:
+        with contextlib.suppress(PeerSendError):  # best effort: the sender may be gone
+            await self.control.send_once(a.endpoint, a.frame, a.instance, at=a.at)
 
     def post(self, endpoint: str, msg: ControlMessage,
              on_fail: Callable[[str], None] | None = None, instance: str | None = None) -> None:

@@ -10,7 +10,6 @@ cancels tasks, waits for in-flight writes, and unregisters memory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -29,8 +28,8 @@ from kvd.bootstrap.guard import is_loopback
 from kvd.bootstrap.server import ConnectionGuard, HttpLimits, HttpServer, bind_socket
 from kvd.bootstrap.table import BootstrapTable
 from kvd.config import Settings, read_secret
-from kvd.control.inbound import Answer, Misaddressed
-from kvd.control.peers import ControlPlane, PeerSendError
+from kvd.control.inbound import Misaddressed
+from kvd.control.peers import ControlPlane
 from kvd.core import Core, http_client
 from kvd.engine_rpc.channel import TableWriter
 from kvd.engine_rpc.server import LATER, Connection, EngineRpcServer
@@ -342,15 +341,7 @@ class Daemon:
             msg = m.message
             self.side.peer_refused(msg.endpoint, msg.instance_id, m.why, m.offset_s,
                                    self.settings.auth_max_skew)
-        answer = self.core.control.refusal(m)
-        if answer is None:
-            return
-        self.core.spawn(self._send_refusal(answer), f"refuse-{answer.endpoint}")
-
-    async def _send_refusal(self, a: Answer) -> None:
-        assert self.core is not None
-        with contextlib.suppress(PeerSendError):  # best effort: the sender may be gone
-            await self.core.control.send(a.endpoint, a.frame, a.instance, at=a.at)
+        self.core.refuse(m)
 
     async def _sweep_loop(self, interval: float) -> None:
         assert self.core is not None and self.side is not None

@@ -278,6 +278,8 @@ class DecodeSide(Side):
             now = self.core.clock()
             self.apply(self.members.control_seen(msg.endpoint, msg.instance_id, now))
             self.run(self.rooms.on_status(msg, now))
+        elif isinstance(msg, control.Refused) and msg.why in ("unregistered", "full"):
+            self._dropped_by(msg.endpoint, msg.instance_id, msg.why)
         elif isinstance(msg, control.Refused):
             self.peer_refused(msg.endpoint, msg.instance_id, msg.why, -msg.offset_s,
                               msg.window_s)
@@ -308,6 +310,49 @@ class DecodeSide(Side):
             self.skewed.pop(next(iter(self.skewed)))
         failure = RoomFailure(FailureKind.PEER, reason, self.role)
         self.run(self.rooms.peer_refused(endpoint, None, failure, now))
+
+    def _dropped_by(self, endpoint: str, instance: str, why: str) -> None:
+        """Prefill rank ``endpoint`` (instance ``instance``, authentic: the refusal is
+        sealed for this rank's instance) dropped a message of this rank (K16):
+
+        * ``unregistered``: it holds no registration of this rank (forgot it after
+          ``peer_ttl``, S08, or never got it): register again, then send the pages of
+          the unfinished rooms bound to that instance again;
+        * ``full``: it holds ``max_peers`` decode ranks and dropped this rank's
+          registration: the rooms bound to that instance fail now (kind
+          ``registration``), and the next room registers afresh.
+
+        Rooms bound to another instance at that endpoint are untouched (that refusal
+        says nothing of them); with none bound to it, nothing is done."""
+        now = self.core.clock()
+        bound = [r for r in self.rooms.rooms.values() if not r.done and any(
+            t.endpoint == endpoint and t.instance == instance for t in r.targets or ())]
+        if self.registered.get(endpoint) == instance:
+            del self.registered[endpoint]  # the prefill does not hold it: never trust it
+        if not bound:
+            return
+        if why == "full":
+            failure = RoomFailure(FailureKind.REGISTRATION, f"prefill rank {endpoint} "
+                                  f"refused this decode rank's registration: it holds "
+                                  f"max_peers decode ranks already", self.role)
+            log.warning("%s (%d rooms fail)", failure.reason, len(bound),
+                        extra=fields(peer=endpoint))
+            self.run(self.rooms.target_lost(endpoint, instance, failure, now))
+            return
+        log.info("prefill rank %s holds no registration of this rank: registering again "
+                 "and sending the pages of %d rooms again", endpoint, len(bound),
+                 extra=fields(peer=endpoint))
+        self.core.spawn(self._register_and_resend(endpoint, instance),
+                        f"reregister-{endpoint}")
+
+    async def _register_and_resend(self, endpoint: str, instance: str) -> None:
+        try:
+            await self._ensure_registered(endpoint, instance)
+        except KvdError as exc:  # the rooms' deadlines and the send failures still hold
+            log.warning("prefill rank %s: registering again failed: %s", endpoint, exc,
+                        extra=fields(peer=endpoint))
+            return
+        self.run(self.rooms.resend_to(endpoint, instance, self.core.clock()))
 
     async def _verify_rank(self, addr: str, endpoint: str,
                            keys: list[tuple[str, int, int, int]]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 from kvd.addr import http_url, parse_hostport
+from kvd.control.inbound import Misaddressed
 from kvd.core import Core
 from kvd.discovery.base import Registrar
 from kvd.errors import (
@@ -33,10 +34,11 @@ from kvd.logs import fields
 from kvd.protocol import control, rpc
 from kvd.protocol.codec import unpack_indices
 from kvd.protocol.release import DIGEST_BYTES, ReleaseAnswer, ReleaseOutcome, ReleaseRequest
-from kvd.rooms.effects import CancelWrites, Effect, Report, StateRef, Write, WriteDest
+from kvd.rooms.effects import CancelWrites, Effect, Refuse, Report, StateRef, Write, WriteDest
 from kvd.rooms.sender import Limits, RankPosition, SenderRooms
 from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
+from kvd.security import SEAL_OVERHEAD
 from kvd.side import RoomView, Side, Snapshot, not_available, skew_reason
 from kvd.transfer.backends.base import CancelToken, PeerAttach
 from kvd.transfer.compat import check_compat
@@ -303,6 +305,9 @@ class PrefillSide(Side):
                 queued = self._tokens.get((eff.room, eff.attempt))
                 if queued is not None:
                     queued.cancel()
+            case Refuse():  # a dropped message is answered (K16), like a misaddressed one
+                size = len(control.encode(eff.message)) + SEAL_OVERHEAD
+                self.core.refuse(Misaddressed(eff.message, eff.why, size=size))
             case _:
                 raise TypeError(f"prefill cannot perform {eff!r}")
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import typing
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -55,6 +56,9 @@ from kvd.protocol import control
 from kvd.security import SEAL_OVERHEAD, Authenticator, Buffer
 
 log = logging.getLogger(__name__)
+
+#: The reasons a :class:`~kvd.protocol.control.Refused` can give (its ``why``).
+REFUSED_WHY: frozenset[str] = frozenset(typing.get_args(control.RefusedWhy))
 
 
 @dataclass(frozen=True)
@@ -78,11 +82,13 @@ class Received:
 
 @dataclass(frozen=True)
 class Misaddressed:
-    """An authentic control message this daemon does not act on (``why``: ``instance`` or
-    ``clock_skew``, see :class:`Received`): counted (``misaddressed``, ``skewed`` in the
-    daemon's totals) and perhaps answered with a :class:`~kvd.protocol.control.Refused`
-    (:class:`Refusals`). ``sent_at``, ``offset_s`` (s) and ``size`` (bytes) as in
-    :class:`Received`."""
+    """An authentic control message this daemon does not act on, perhaps answered with a
+    :class:`~kvd.protocol.control.Refused` (:class:`Refusals`). ``why`` (one of
+    :data:`REFUSED_WHY`): ``instance`` or ``clock_skew`` when the seal refused it (see
+    :class:`Received`; counted as ``misaddressed``, ``skewed`` in the daemon's totals),
+    ``unregistered`` or ``full`` when a room machine dropped it (K16). ``sent_at``,
+    ``offset_s`` (s) and ``size`` (bytes) as in :class:`Received` (``sent_at`` 0: not
+    known, the answer is dated now)."""
 
     message: control.ControlMessage
     why: str = "instance"
@@ -150,12 +156,13 @@ class RefusalStats:
 @dataclass(frozen=True)
 class Answer:
     """A refusal to send: ``frame`` (encoded, unsealed) to ``endpoint``, sealed for
-    ``instance`` and dated ``at`` (the refused frame's seal time, in its sender's clock)."""
+    ``instance`` and dated ``at`` (the refused frame's seal time, in its sender's clock;
+    None: now, for a message a room machine dropped after it was admitted)."""
 
     endpoint: str
     instance: str
     frame: bytes
-    at: float
+    at: float | None
 
 
 class Refusals:
@@ -182,7 +189,7 @@ class Refusals:
         if isinstance(msg, control.Refused) or not msg.endpoint or not msg.instance_id:
             self.stats.unanswerable += 1
             return None
-        why: control.RefusedWhy = "clock_skew" if m.why == "clock_skew" else "instance"
+        why = typing.cast(control.RefusedWhy, m.why if m.why in REFUSED_WHY else "instance")
         refusal = control.Refused(why=why, endpoint=self.endpoint, instance_id=self.instance,
                                   offset_s=round(m.offset_s, 3),
                                   window_s=self.window_s if why == "clock_skew" else 0.0)
@@ -194,7 +201,7 @@ class Refusals:
             self.stats.limited += 1
             return None
         self.stats.sent += 1
-        return Answer(msg.endpoint, msg.instance_id, frame, m.sent_at)
+        return Answer(msg.endpoint, msg.instance_id, frame, m.sent_at or None)
 
 
 @dataclass

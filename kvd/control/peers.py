@@ -1,8 +1,9 @@
 """ZMQ control sockets: one ROUTER socket bound by each daemon, one DEALER per peer.
 
 All sockets are ``zmq.asyncio`` sockets owned by the daemon's loop. Sends are
-bounded: a high-water mark, ``linger=0`` and a send timeout, so a dead or
-frozen peer costs at most ``send_timeout`` seconds per message and never
+bounded: a high-water mark, ``IMMEDIATE`` (nothing queued for a peer that is not
+connected), a short linger on close (:data:`DROP_LINGER_S`) and a send timeout, so a
+dead or frozen peer costs at most ``send_timeout`` seconds per message and never
 blocks the loop.
 
 Every frame is sealed for its recipient's instance id (case S09): the one the
@@ -55,6 +56,11 @@ MAX_KNOWN_PEERS = 4096
 #: A connection must finish the ZMTP handshake within this many seconds (libzmq's
 #: default is 30 s): idle half-open connections do not hold file descriptors long.
 HANDSHAKE_S = 5.0
+#: A socket this daemon closes keeps what it already accepted for at most this long
+#: (s, ZMQ_LINGER) so that a frame counted as sent is not thrown away by our own close;
+#: with ``IMMEDIATE`` nothing is queued to a peer that is not connected, so a dead peer's
+#: socket closes at once. Shutdown closes with no linger.
+DROP_LINGER_S = 0.5
 
 
 class Addressing:
@@ -130,7 +136,7 @@ class Addressing:
         self._offsets.pop(endpoint, None)
         self.drop(endpoint)
 
-    def drop(self, endpoint: str) -> None:
+    def drop(self, endpoint: str, linger_s: float = DROP_LINGER_S) -> None:
         """Close whatever carries frames to ``endpoint`` (nothing here)."""
 
     def instance_of(self, endpoint: str) -> str | None:
@@ -227,14 +233,17 @@ class ControlPlane(Addressing):
     def _socket(self, endpoint: str) -> zmq.asyncio.Socket:
         sock = self._push.get(endpoint)
         if sock is None:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, self.hwm)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            if "[" in endpoint:
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(endpoint)
-            self._push[endpoint] = sock
+            sock = self._push[endpoint] = self._new_socket(endpoint)
+        return sock
+
+    def _new_socket(self, endpoint: str) -> zmq.asyncio.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self.hwm)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        if "[" in endpoint:
+            sock.setsockopt(zmq.IPV6, 1)
+        sock.connect(endpoint)
         return sock
 
     async def send(self, endpoint: str, frame: bytes, instance: str | None = None,
@@ -254,16 +263,37 @@ class ControlPlane(Addressing):
             raise PeerSendError(f"control send to {endpoint} failed: "
                                 f"{exc or f'timed out after {self.send_timeout:.1f}s'}") from exc
 
-    def drop(self, endpoint: str) -> None:
-        """Close the socket to ``endpoint`` (it is re-created on the next send)."""
+    async def send_once(self, endpoint: str, frame: bytes, instance: str | None = None,
+                        at: float | None = None) -> None:
+        """:meth:`send` to an endpoint that need not be a peer (a refusal's recipient):
+        over the peer's socket when one is open (in order with the rest), else over a
+        socket of its own, closed once the frame left (lingering at most
+        :data:`DROP_LINGER_S`), so answering a stranger keeps nothing open (K39, S08).
+        Raises as :meth:`send`."""
+        if endpoint in self._push:
+            await self.send(endpoint, frame, instance, at)
+            return
+        frame = self.seal(endpoint, frame, instance, at)
+        sock = self._new_socket(endpoint)
+        try:
+            await asyncio.wait_for(sock.send(frame, copy=False), self.send_timeout)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            raise PeerSendError(f"control send to {endpoint} failed: "
+                                f"{exc or f'timed out after {self.send_timeout:.1f}s'}") from exc
+        finally:
+            sock.close(linger=int(DROP_LINGER_S * 1000))
+
+    def drop(self, endpoint: str, linger_s: float = DROP_LINGER_S) -> None:
+        """Close the socket to ``endpoint`` (it is re-created on the next send); frames it
+        already accepted may still leave for ``linger_s`` seconds."""
         sock = self._push.pop(endpoint, None)
         if sock is not None:
-            sock.close(linger=0)
+            sock.close(linger=int(linger_s * 1000))
 
     def close(self) -> None:
-        """Close every socket and the context."""
+        """Close every socket (no linger) and the context."""
         for ep in list(self._push):
-            self.drop(ep)
+            self.drop(ep, linger_s=0.0)
         if self._pull is not None:
             self._pull.close(linger=0)
         self.ctx.term()

@@ -268,7 +268,7 @@ class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):
 
 
 #: Why a daemon refused an authentic frame (:class:`Refused`).
-RefusedWhy: TypeAlias = Literal["instance", "clock_skew"]
+RefusedWhy: TypeAlias = Literal["instance", "clock_skew", "unregistered", "full"]
 
 
 class Refused(msgspec.Struct, tag="refused", frozen=True, omit_defaults=True):
@@ -278,7 +278,17 @@ class Refused(msgspec.Struct, tag="refused", frozen=True, omit_defaults=True):
     * ``instance``: it was sealed for a previous instance of this daemon (a restart since
       the sender looked it up, case S09): the sender re-resolves this peer at once;
     * ``clock_skew``: it was sealed outside this daemon's freshness window (``window_s``,
-      s): the sender's clock minus this daemon's was ``offset_s`` seconds (case K40).
+      s): the sender's clock minus this daemon's was ``offset_s`` seconds (case K40);
+    * ``unregistered`` (prefill to decode): a room message from a decode rank this prefill
+      does not hold a registration of (never registered, forgotten after ``peer_ttl``, or
+      registered as another instance, S08/S13): the decode registers again and sends the
+      pages of its rooms bound to this instance again;
+    * ``full`` (prefill to decode): a registration dropped because this prefill holds
+      ``max_peers`` decode ranks: the decode fails the rooms bound to this instance now
+      (kind ``registration``) instead of waiting for their deadline.
+
+    Every dropped authentic message is answered (rate-limited), so no room waits for a
+    deadline because a message was dropped in silence (K16's kind).
 
     A refusal is sealed at the refused frame's own time (the sender's clock), is never
     larger than the frame it answers, is rate-limited per peer, and is never answered.

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from kvd.protocol.control import ControlMessage
+from kvd.protocol.control import ControlMessage, RefusedWhy
 from kvd.rooms.state import KVPoll, RoomFailure
 from kvd.transfer.plan import Pages
 
@@ -158,6 +158,17 @@ class ForgetPeer:
 
 
 @dataclass(frozen=True)
+class Refuse:
+    """Prefill: answer ``message`` (authentic, from decode rank ``message.endpoint``) with
+    a typed refusal saying why the machine dropped it (``unregistered``: no registration
+    of that instance is held; ``full``: ``max_peers`` decode ranks are held), so its
+    rooms act now instead of waiting for a deadline (K16). The daemon rate-limits it."""
+
+    message: ControlMessage
+    why: RefusedWhy
+
+
+@dataclass(frozen=True)
 class Ended:
     """A room reached Success or Failed (for metrics and logs; emitted once per
     incarnation). ``nbytes``/``seconds``: bytes moved and time inside writes."""
@@ -178,4 +189,4 @@ class Wake:
 
 
 Effect = (Send | Report | Write | CancelWrites | Resolve | AbortUnknown | WriteAux | ForgetPeer
-          | Ended | Wake)
+          | Refuse | Ended | Wake)

@@ -415,6 +415,27 @@ class ReceiverRooms:
                 self._fail(r, failure, now, out)
         return out
 
+    def resend_to(self, endpoint: str, instance: str, now: float) -> list[Effect]:
+        """Prefill rank ``endpoint`` (``instance``) dropped this rank's messages because it
+        held no registration of it (a typed ``unregistered`` refusal, K16): once the
+        daemon registered again, the pages of every unfinished room bound to that
+        instance are sent again (the prefill takes a repeated page message of a room
+        it already bound as a duplicate). Rooms past their deadline fail instead."""
+        out: list[Effect] = []
+        for r in list(self.rooms.values()):
+            if r.done or not any(t.endpoint == endpoint and t.instance == instance
+                                 for t in r.targets or ()) or endpoint not in r.sent:
+                continue
+            if self._overdue(r, now, out):
+                continue
+            deadline = r.deadline(self.timeouts)
+            assert deadline is not None and r.dst_pages is not None
+            for t in r.targets or ():
+                if t.endpoint == endpoint:
+                    out.append(Send(t.endpoint, t.instance, self._pages_msg(r, t, deadline, now),
+                                    r.room, r.inc))
+        return out
+
     def peer_refused(self, endpoint: str, instance: str | None, failure: RoomFailure,
                      now: float) -> list[Effect]:
         """Prefill rank ``endpoint`` refused this daemon's frames (a typed refusal, or
@@ -529,14 +550,19 @@ class ReceiverRooms:
         assert deadline is not None
         r.write_deadline = deadline
         for t in r.targets:
-            msg = control.RoomPages(room=r.room, inc=r.inc, endpoint=self.endpoint,
-                                    instance_id=self.instance, dst_pages=r.dst_pages,
-                                    aux_index=r.aux_index, write_within=deadline - now,
-                                    required_dst_info_num=t.required, is_dummy=t.is_dummy,
-                                    first_page=r.first_page, state_index=r.state_index,
-                                    window_pages=r.window_pages)
             r.sent.add(t.endpoint)
-            out.append(Send(t.endpoint, t.instance, msg, r.room, r.inc))
+            out.append(Send(t.endpoint, t.instance, self._pages_msg(r, t, deadline, now),
+                            r.room, r.inc))
+
+    def _pages_msg(self, r: ReceiverRoom, t: Target, deadline: float,
+                   now: float) -> control.RoomPages:
+        assert r.dst_pages is not None
+        return control.RoomPages(room=r.room, inc=r.inc, endpoint=self.endpoint,
+                                 instance_id=self.instance, dst_pages=r.dst_pages,
+                                 aux_index=r.aux_index, write_within=deadline - now,
+                                 required_dst_info_num=t.required, is_dummy=t.is_dummy,
+                                 first_page=r.first_page, state_index=r.state_index,
+                                 window_pages=r.window_pages)
 
     def _confirm(self, r: ReceiverRoom, endpoint: str, now: float, out: list[Effect]) -> None:
         was = r.releasable(now, self.timeouts)

@@ -62,6 +62,7 @@ from kvd.rooms.effects import (
     Effect,
     Ended,
     ForgetPeer,
+    Refuse,
     Report,
     StateRef,
     Wake,
@@ -258,6 +259,9 @@ class SenderRooms:
         self.words: Bounded[int, dict[Incarnation, Word]] = Bounded(self.timeouts.tombstone,
                                                                     self.limits.tombstones)
         self.dropped: Counter[str] = Counter()  # stale / unbound / unregistered messages
+        # decode ranks forgotten after peer_ttl (endpoint -> instance), for peer_ttl: only
+        # they are told they are unregistered (a stranger is dropped unanswered, S13)
+        self.former: Bounded[str, str] = Bounded(self.limits.peer_ttl, self.limits.max_peers)
         self._attempts = 0
 
     # ---- engine events ----------------------------------------------------------------
@@ -377,11 +381,13 @@ class SenderRooms:
         """A decode rank's KV args, already checked by the daemon (``rejected`` says why
         not). A new instance at a known endpoint is a restart: rooms bound to the old
         instance fail and are never written again (K28). Past ``max_peers`` live peers
-        the registration is dropped (counted)."""
+        the registration is dropped (counted) and answered ``full`` (:class:`Refuse`)."""
         out: list[Effect] = []
+        self.former.pop(msg.endpoint)
         old = self.peers.get(msg.endpoint)
         if old is None and len(self.peers) >= self.limits.max_peers:
             self.dropped["max_peers"] += 1
+            out.append(Refuse(msg, "full"))  # its rooms fail now, not at a deadline (K16)
             return out
         if old is not None and old.instance != msg.instance_id:
             self._peer_restarted(old, now, out)
@@ -405,7 +411,7 @@ class SenderRooms:
     def on_pages(self, msg: control.RoomPages, now: float) -> list[Effect]:
         """Destination pages of room ``msg.room`` on decode rank ``msg.endpoint``."""
         out: list[Effect] = []
-        peer = self._peer(msg.endpoint, msg.instance_id, now)
+        peer = self._peer(msg, now, out)
         if peer is None:
             return out
         try:
@@ -427,7 +433,7 @@ class SenderRooms:
     def on_abort(self, msg: control.RoomAbort, now: float) -> list[Effect]:
         """A decode rank ends the room (its incarnation ``msg.inc``; 0 means any)."""
         out: list[Effect] = []
-        peer = self._peer(msg.endpoint, msg.instance_id, now)
+        peer = self._peer(msg, now, out)
         if peer is None:
             return out
         failure = RoomFailure(FailureKind.parse(msg.kind), msg.reason, "decode")
@@ -504,6 +510,7 @@ class SenderRooms:
         self.early.expire(now)
         self.tombstones.expire(now)
         self.words.expire(now)
+        self.former.expire(now)
         self._forget_idle_peers(now, out)
         return out
 
@@ -532,14 +539,20 @@ class SenderRooms:
             raise RoomError(f"unknown room {room} on this prefill rank")
         return r
 
-    def _peer(self, endpoint: str, instance: str, now: float) -> DecodePeer | None:
-        """The registered peer that sent a message, or None (dropped, counted)."""
-        peer = self.peers.get(endpoint)
-        if peer is None:
-            self.dropped["unregistered"] += 1
-            return None
-        if peer.instance != instance:
-            self.dropped["stale_instance"] += 1
+    def _peer(self, msg: control.RoomPages | control.RoomAbort, now: float,
+              out: list[Effect]) -> DecodePeer | None:
+        """The registered peer that sent ``msg``, or None: dropped (counted) and, when
+        the sender is a decode rank this rank forgot after ``peer_ttl`` (S08) or another
+        instance at a registered peer's endpoint, answered ``unregistered``
+        (:class:`Refuse`), so the decode registers again and its rooms go on instead of
+        waiting for their deadline (K16). The refusal is sealed for the sender's
+        instance: only it acts on it. An endpoint that never registered gets no answer
+        (this rank connects to no endpoint a room message names, S13)."""
+        peer = self.peers.get(msg.endpoint)
+        if peer is None or peer.instance != msg.instance_id:
+            self.dropped["unregistered" if peer is None else "stale_instance"] += 1
+            if peer is not None or self.former.get(msg.endpoint) == msg.instance_id:
+                out.append(Refuse(msg, "unregistered"))
             return None
         peer.last_seen = now
         return peer
@@ -902,4 +915,5 @@ class SenderRooms:
             if endpoint not in bound and now - peer.last_seen > self.limits.peer_ttl and \
                     endpoint not in self.pending_by_peer:
                 del self.peers[endpoint]
+                self.former.put(endpoint, peer.instance, now)
                 out.append(ForgetPeer(endpoint))

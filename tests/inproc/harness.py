@@ -145,7 +145,11 @@ class LocalControl(Addressing):
         else:
             peer.queue.put_nowait(item)
 
-    def drop(self, endpoint: str) -> None:
+    async def send_once(self, endpoint: str, frame: bytes, instance: str | None = None,
+                        at: float | None = None) -> None:
+        await self.send(endpoint, frame, instance, at)
+
+    def drop(self, endpoint: str, linger_s: float = 0.0) -> None:
         self._push.pop(endpoint, None)
 
     def close(self) -> None:

@@ -454,3 +454,49 @@ async def test_k16_a_room_after_the_prefill_forgot_an_idle_decode_is_not_left_wa
     assert p.side.rooms.dropped["unregistered"] == 0
     assert await de.status(191) == SUCCESS
     assert same_pages(de, pe, [4], [2])
+
+
+async def test_k16_pages_a_prefill_dropped_unregistered_are_sent_again(
+        cluster: Cluster) -> None:
+    """P forgets D after its ``peer_ttl`` (30 s) while D still trusts its registration (its
+    own ``peer_ttl`` is 600 s): D's pages for the next room are dropped as
+    ``unregistered`` -- and answered (K16): D registers again and sends them again, so
+    the room succeeds byte-exact with no time passing, instead of waiting in
+    WaitingForInput for ``waiting_timeout``."""
+    p, d, pe, de = await pair(cluster, p_opts={"peer_ttl": 30.0}, d_opts={"peer_ttl": 600.0})
+    await de.receiver(195, [1], p.http_addr)
+    await pe.sender(195, [3])
+    await settle(cluster)
+    assert await de.status(195) == SUCCESS
+    await cluster.advance(31.0)  # P's sweep forgets D; D would trust it for 300 s more
+    assert d.endpoint not in p.side.rooms.peers
+    refused = p.core.totals()["refusals_sent"]
+    await de.receiver(196, [2], p.http_addr)
+    await pe.sender(196, [4])
+    await settle(cluster)  # no time passes: no deadline decided it
+    assert p.side.rooms.dropped["unregistered"] == 1  # its pages were dropped once ...
+    assert p.core.totals()["refusals_sent"] == refused + 1  # ... and answered
+    assert await de.status(196) == SUCCESS
+    assert same_pages(de, pe, [4], [2])
+
+
+async def test_k16_a_prefill_at_max_peers_fails_the_refused_decodes_rooms_at_once(
+        cluster: Cluster) -> None:
+    """P holds at most one decode rank (``max_peers``): D1's room succeeds; D2's
+    registration is dropped and answered ``full`` (K16), so D2's room fails at once with
+    kind registration naming max_peers, not at its deadline; P keeps nothing of D2."""
+    p = await cluster.node("prefill", max_peers=1)
+    d1, d2 = await cluster.node("decode"), await cluster.node("decode")
+    pe, de1, de2 = await p.engine(seed=1), await d1.engine(seed=2), await d2.engine(seed=3)
+    await de1.receiver(197, [1], p.http_addr)
+    await pe.sender(197, [3])
+    await settle(cluster)
+    assert await de1.status(197) == SUCCESS
+    await de2.receiver(198, [2], p.http_addr)
+    await pe.sender(198, [4], send=False)
+    await settle(cluster)  # no time passes
+    assert await de2.status(198) == FAILED
+    kind, reason = await de2.failure(198)
+    assert kind == "registration" and "max_peers" in reason, reason
+    assert p.side.rooms.dropped["max_peers"] >= 1
+    assert set(p.side.rooms.peers) == {d1.endpoint}

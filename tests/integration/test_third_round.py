@@ -1,5 +1,5 @@
-"""Third-round cases (K43, K44) on real daemon processes over the real Mooncake TCP
-transport on loopback. The same cases run deterministically in
+"""Third-round cases (K16's dropped messages, K43, K44, K46) on real daemon processes
+over the real Mooncake TCP transport on loopback. The same cases run deterministically in
 ``tests/inproc/test_k_third_round.py``; here they show what only real processes can:
 the pump's window in the real engine, a frozen destination (SIGSTOP) holding it, bytes
 compared byte for byte. No wall-clock thresholds: "poll until, within a generous bound".
@@ -18,6 +18,8 @@ from tests.conftest import health
 from tests.integration.test_second_round import (
     BOUND,
     Cleanup,
+    daemon,
+    engine,
     pair,
     snapshot,
     until,
@@ -162,3 +164,25 @@ def test_k46_a_room_whose_decode_died_is_ended_by_its_opener_token(
     assert s.poll() == KVPoll.Failed and s.failure()[0] == "aborted"
     assert release(token) == "ended"
     s.clear()
+
+
+def test_k16_a_decode_refused_at_max_peers_has_its_room_failed_not_left_waiting(
+        tmp_path: Path, stack: Cleanup) -> None:
+    """Real daemons: P holds one decode rank (``max_peers`` 1). D1's room succeeds
+    byte-exact; D2's registration is dropped and answered ``full``, so D2's room fails
+    with kind registration naming max_peers -- long before its 300 s waiting timeout --
+    and P opened no control socket to D2 that it keeps (the refusal's own closes)."""
+    p = daemon(stack, "prefill", tmp_path, serve_bootstrap=True, max_peers=1)
+    d1 = daemon(stack, "decode", tmp_path)
+    d2 = daemon(stack, "decode", tmp_path, waiting_timeout=300.0)
+    pe, de1 = engine(stack, p, seed=1), engine(stack, d1, seed=2)
+    de2 = engine(stack, d2, seed=3)
+    transfer_room(pe, de1, p.http_addr, 1600, [1], [2], chunk=1)
+    assert wait_rooms(de1.client, [1600], timeout=BOUND) == [KVPoll.Success]
+    assert de1.pages_equal(pe, [1], [2])
+    _s2, r2 = transfer_room(pe, de2, p.http_addr, 1601, [3], [4], chunk=1)
+    until(lambda: r2.poll() == KVPoll.Failed, "D2's room failed on P's refusal")
+    kind, reason = r2.failure()
+    assert kind == "registration" and "max_peers" in reason, reason
+    assert health(p)["tables"]["peers"] == 1
+    until(lambda: health(p)["tables"]["control_sockets"] == 1, "P keeps D1's socket only")

@@ -252,6 +252,23 @@ def test_k32_send_failure_fails_room_at_once() -> None:
     assert state(d, 1.0) == (KVPoll.Failed, True)
 
 
+def test_k16_resend_to_sends_the_pages_again_to_that_instance_only() -> None:
+    """After an ``unregistered`` refusal and a new registration the daemon asks the
+    machine to send the room's pages again: only to the rank (and instance) that
+    dropped them, with the same pages and a write bound that shrank with time."""
+    d, sends = waiting(P0, P1)
+    first = next(s for s in sends if s.to == P0)
+    again = of(d.resend_to(P0, "p-a", 1.0), Send)
+    assert [(s.to, s.to_instance, s.room, s.inc) for s in again] == [(P0, "p-a", R, 1)]
+    msg, was = again[0].msg, first.msg
+    assert isinstance(msg, control.RoomPages) and isinstance(was, control.RoomPages)
+    assert (msg.dst_pages, msg.aux_index) == (was.dst_pages, was.aux_index)
+    assert msg.write_within == pytest.approx(was.write_within - 1.0)
+    assert d.resend_to(P0, "p-other", 1.0) == []  # another instance: not bound to it
+    d.abort(R, "engine abort", 1.5)
+    assert of(d.resend_to(P0, "p-a", 2.0), Send) == []  # an ended room is not sent again
+
+
 def test_peer_lost_fails_the_rooms_of_that_prefill_only() -> None:
     d = receiver()
     d.create(1, BOOT, None, 0.0)

@@ -27,7 +27,7 @@ from roomkit import (
 )
 
 from kvd.errors import RoomError
-from kvd.rooms.effects import CancelWrites, Ended, ForgetPeer, Report, Wake, Write
+from kvd.rooms.effects import CancelWrites, Ended, ForgetPeer, Refuse, Report, Wake, Write
 from kvd.rooms.sender import Limits, SenderRooms
 from kvd.rooms.state import FailureKind, KVPoll, RoomFailure
 
@@ -206,14 +206,33 @@ def test_malformed_page_indices_answered_not_raised() -> None:
 
 
 def test_messages_from_unregistered_or_stale_instance_dropped() -> None:
+    """Dropped and counted. Another instance at a registered endpoint is answered
+    ``unregistered`` (K16: the refusal is sealed for that instance, only it acts on it);
+    an endpoint that never registered is not (S13: nothing connects to it)."""
     s = sender()
     registered(s)
     s.create(R, 0.0)
     assert s.on_pages(room_pages(R, 1, endpoint=D1), 1.0) == []
-    assert s.on_pages(room_pages(R, 1, instance="d-old"), 1.0) == []
-    assert s.on_abort(room_abort(R, 1, instance="d-old"), 1.0) == []
+    stale = [room_pages(R, 1, instance="d-old"), room_abort(R, 1, instance="d-old")]
+    assert [s.on_pages(stale[0], 1.0), s.on_abort(stale[1], 1.0)] == [
+        [Refuse(m, "unregistered")] for m in stale]
     assert s.dropped == {"unregistered": 1, "stale_instance": 2}
     assert status(s) == KVPoll.Bootstrapping and not s.rooms[R].dests
+
+
+def test_k16_a_forgotten_decode_is_told_it_is_unregistered() -> None:
+    """A decode rank forgotten after ``peer_ttl`` (S08) that sends pages again is
+    answered ``unregistered`` (it registers again and resends, K16) -- that instance
+    only, and only for ``peer_ttl`` after it was forgotten."""
+    s = sender(limits=Limits(peer_ttl=10.0))
+    registered(s)
+    assert of(s.tick(11.0), ForgetPeer) == [ForgetPeer(D0)]
+    msg = room_pages(R, 1)
+    assert s.on_pages(msg, 12.0) == [Refuse(msg, "unregistered")]
+    assert s.on_pages(room_pages(R, 1, instance="d-other"), 12.0) == []
+    s.tick(22.0)  # remembered for peer_ttl only
+    assert s.on_pages(msg, 22.0) == []
+    assert s.dropped["unregistered"] == 3
 
 
 # ---- the chunk pump -------------------------------------------------------------------------
@@ -623,10 +642,13 @@ def test_idle_peer_forgotten_after_peer_ttl() -> None:
     assert not s.peers
 
 
-def test_max_peers_drops_new_registration() -> None:
+def test_k16_max_peers_drops_new_registration_and_says_so() -> None:
+    """Past ``max_peers`` a registration is dropped, and answered ``full`` so the decode's
+    rooms fail now instead of at their deadline (K16)."""
     s = sender(limits=Limits(max_peers=1))
     registered(s)
-    registered(s, endpoint=D1, instance="d1-a")
+    msg = register(D1, "d1-a")
+    assert s.on_register(msg, POOL, AUX, None, "plan", 0.0) == [Refuse(msg, "full")]
     assert set(s.peers) == {D0} and s.dropped["max_peers"] == 1
     assert s.on_register(register(D0, "d-a"), POOL, AUX, None, None, 1.0) == []
 

@@ -72,6 +72,7 @@ from kvd.rooms.effects import (
     Effect,
     Ended,
     ForgetPeer,
+    Refuse,
     Report,
     Resolve,
     Send,
@@ -258,6 +259,9 @@ class RoomsWorld(RuleBasedStateMachine):
                     self._cancel_write(p, e)
                 case Ended() | Wake() | ForgetPeer():
                     pass
+                case Refuse():  # a dropped message is answered (K16): only the dropped kinds
+                    assert isinstance(e.message, control.RoomPages | control.RoomAbort
+                                      | control.RegisterRank), e
                 case _:
                     raise AssertionError(f"the prefill machine emitted {e!r}")
 
