@@ -288,6 +288,8 @@ def fetch_pool(folder: Path, pool: ExportedPool, me: Identity, claim: Claim,
         close_all(fds)
         if isinstance(exc, HandleError):
             raise
+        if isinstance(exc, BrokenPipeError | ConnectionResetError):  # the server hung up
+            raise HandleError(f"the peer channel {path} closed: {exc}") from None
         raise HandleError(f"peer channel {path}: {exc}") from None
     finally:
         sock.close()
