@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 
 class Ops(Protocol):
-    """What the operations endpoints read (:class:`kvd.status.DaemonOps`)."""
+    """What the operations endpoints read (:class:`kvd.daemon.status.DaemonOps`)."""
 
     def readiness(self) -> Readiness: ...
     def status(self, failures: int = 20) -> Status: ...

@@ -9,7 +9,7 @@
 
 No module here does I/O, reads a clock or creates a task: events come in as
 method calls with ``now`` (monotonic seconds) as an argument, effects go out
-as values. The daemon (:mod:`kvd.prefill`, :mod:`kvd.decode`) performs them.
+as values. The daemon (:mod:`kvd.daemon.prefill`, :mod:`kvd.daemon.decode`) performs them.
 Only :mod:`kvd.rooms.state` is imported here, so that the engine client can
 use ``KVPoll`` without pulling in the machines.
 """

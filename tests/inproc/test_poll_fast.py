@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvd.side import Side
+from kvd.daemon.side import Side
 from tests.inproc.harness import Cluster, settle
 
 

@@ -10,10 +10,10 @@ import asyncio
 import contextlib
 from typing import Any
 
+from kvd.daemon.side import Side
 from kvd.errors import KvdError
 from kvd.protocol import rpc
 from kvd.rooms import UNKNOWN_ROOM, KVPoll
-from kvd.side import Side
 from tests.inproc.harness import Cluster, Node, settle
 
 FAILED, SUCCESS = int(KVPoll.Failed), int(KVPoll.Success)

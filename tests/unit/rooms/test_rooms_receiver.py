@@ -440,7 +440,7 @@ def test_k28_two_instances_of_a_decode_number_incarnations_apart() -> None:
 
 
 def test_k44_engine_released_aborts_then_keeps_rooms_until_quiet() -> None:
-    """The rule kvd/decode.py runs: abort every unfinished room (its targets told), refuse
+    """The rule kvd/daemon/decode.py runs: abort every unfinished room (its targets told), refuse
     new rooms, keep the rooms until nothing can land in the pool (the target confirmed
     quiescence, or the write bound plus the release margin passed), then forget them;
     the instance stays (it is the daemon's, K28), incarnations keep counting."""

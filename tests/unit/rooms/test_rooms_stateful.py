@@ -239,7 +239,7 @@ class RoomsWorld(RuleBasedStateMachine):
         m.num_pages, m.num_aux_slots = D_POOL, AUX_SLOTS
         return DRank(tp_rank, tp_size, endpoint, instance, m, Pool(f"{instance}/0"), rejected)
 
-    # ---- performing effects (what kvd/prefill.py and kvd/decode.py do) -------------------
+    # ---- performing effects (what kvd/daemon/prefill.py and kvd/daemon/decode.py do) ------
 
     def run_p(self, p: PRank, effects: list[Effect]) -> None:
         for e in effects:
@@ -590,7 +590,7 @@ class RoomsWorld(RuleBasedStateMachine):
         self._settle()
 
     def _p_engine_disconnect(self, p: PRank) -> None:
-        """kvd/prefill.py engine_released: abort, wait for its own writes, clear."""
+        """kvd/daemon/prefill.py engine_released: abort, wait for its own writes, clear."""
         for room in [x for x, r in p.machine.rooms.items() if not r.done]:
             self.run_p(p, p.machine.abort(room, "engine disconnected", self.now))
         for w in [w for w in self.writes if w.p is p]:
@@ -600,7 +600,7 @@ class RoomsWorld(RuleBasedStateMachine):
         p.eng.clear()
 
     def _d_engine_disconnect(self, d: DRank) -> None:
-        """The decode engine goes and comes back (kvd/decode.py engine_released, then
+        """The decode engine goes and comes back (kvd/daemon/decode.py engine_released, then
         engine_registered, K44): the machine aborts its rooms; the pool is unregistered,
         and a new one registered under the same instance, only once the machine is quiet
         (:meth:`_finish_release`)."""

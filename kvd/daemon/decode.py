@@ -22,7 +22,8 @@ from kvd.addr import http_url, join_hostport, parse_hostport
 from kvd.bootstrap.table import ParallelInfo, RankInfo
 from kvd.control.routing import Target as RouteTarget
 from kvd.control.routing import resolve_targets
-from kvd.core import Core
+from kvd.daemon.core import Core
+from kvd.daemon.side import RoomView, Side, Snapshot, not_available, skew_reason
 from kvd.discovery.base import Lookups
 from kvd.discovery.events import PeerDeleted, PeerEvent, PeerPut
 from kvd.errors import (
@@ -52,7 +53,6 @@ from kvd.rooms.receiver import ReceiverRooms, Target
 from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
 from kvd.security import CLOCK_HEADER
-from kvd.side import RoomView, Side, Snapshot, not_available, skew_reason
 from kvd.transfer.kvargs import RankArgs
 
 log = logging.getLogger("kvd.decode")

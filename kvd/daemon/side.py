@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvd.core import Core
+from kvd.daemon.core import Core
 from kvd.errors import ProtocolError, RoomError
 from kvd.logs import fields
 from kvd.protocol import control, rpc
@@ -63,8 +63,8 @@ class RoomView:
 
 
 class Side(abc.ABC):
-    """A daemon's role. Subclasses: :class:`kvd.prefill.PrefillSide`,
-    :class:`kvd.decode.DecodeSide`."""
+    """A daemon's role. Subclasses: :class:`kvd.daemon.prefill.PrefillSide`,
+    :class:`kvd.daemon.decode.DecodeSide`."""
 
     role: ClassVar[str]
 
@@ -273,8 +273,8 @@ def not_available(call: rpc.Call, role: str) -> RoomError:
 
 def make_side(role: str, core: Core) -> Side:
     """The side for ``role`` (``prefill`` or ``decode``)."""
-    from kvd.decode import DecodeSide
-    from kvd.prefill import PrefillSide
+    from kvd.daemon.decode import DecodeSide
+    from kvd.daemon.prefill import PrefillSide
 
     sides: dict[str, type[Side]] = {"prefill": PrefillSide, "decode": DecodeSide}
     return sides[role](core)

@@ -1,7 +1,7 @@
 """What ``/ready``, ``/v1/status``, ``/v1/rooms`` and ``/metrics`` report, read from a daemon.
 
 :class:`DaemonOps` builds the REST schemas (:mod:`kvd.schemas`) from the core
-and the side's :meth:`~kvd.side.Side.snapshot` — never from a side's tables.
+and the side's :meth:`~kvd.daemon.side.Side.snapshot` — never from a side's tables.
 It runs on the daemon's loop (the HTTP handlers and the metrics scrape are
 coroutines on that loop), so it reads without locks.
 
@@ -17,14 +17,14 @@ import time
 from typing import TYPE_CHECKING
 
 from kvd import __version__
+from kvd.daemon.side import Snapshot
 from kvd.metrics import StateSample
 from kvd.schemas import FailureRow, Peer, Readiness, Room, Status
-from kvd.side import Snapshot
 from kvd.transfer.backends import handshake_counts
 
 if TYPE_CHECKING:
-    from kvd.core import Core
     from kvd.daemon import Daemon
+    from kvd.daemon.core import Core
 
 
 class DaemonOps:

@@ -19,7 +19,8 @@ import httpx
 
 from kvd.addr import http_url, parse_hostport
 from kvd.control.inbound import Misaddressed
-from kvd.core import Core
+from kvd.daemon.core import Core
+from kvd.daemon.side import RoomView, Side, Snapshot, not_available, skew_reason
 from kvd.discovery.base import Registrar
 from kvd.errors import (
     ConfigError,
@@ -39,7 +40,6 @@ from kvd.rooms.sender import Limits, RankPosition, SenderRooms
 from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
 from kvd.security import SEAL_OVERHEAD
-from kvd.side import RoomView, Side, Snapshot, not_available, skew_reason
 from kvd.transfer.backends.base import CancelToken, PeerAttach
 from kvd.transfer.compat import check_compat
 from kvd.transfer.kvargs import RankArgs

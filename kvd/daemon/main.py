@@ -30,7 +30,9 @@ from kvd.bootstrap.table import BootstrapTable
 from kvd.config import Settings, read_secret
 from kvd.control.inbound import Misaddressed
 from kvd.control.peers import ControlPlane
-from kvd.core import Core, http_client
+from kvd.daemon.core import Core, http_client
+from kvd.daemon.side import Side, make_side
+from kvd.daemon.status import DaemonOps
 from kvd.engine_rpc.channel import TableWriter
 from kvd.engine_rpc.server import LATER, Connection, EngineRpcServer
 from kvd.errors import ConfigError, KvdError, ProtocolError, RegistrationError, RoomError, RpcError
@@ -39,8 +41,6 @@ from kvd.protocol import control, rpc
 from kvd.protocol.release import ReleaseAnswer, ReleaseRequest
 from kvd.ranks import PAIRS, Ranks, resolve
 from kvd.security import Authenticator
-from kvd.side import Side, make_side
-from kvd.status import DaemonOps
 from kvd.transfer.backends import make_engine
 from kvd.transfer.backends.base import TransferEngine
 from kvd.transfer.executor import TransferExecutor
