@@ -30,6 +30,7 @@ from kvd.errors import (
     WriteCancelled,
 )
 from kvd.logs import fields
+from kvd.membership.machine import skew_reason
 from kvd.protocol import control, rpc
 from kvd.protocol.codec import unpack_indices
 from kvd.protocol.release import DIGEST_BYTES, ReleaseAnswer, ReleaseOutcome, ReleaseRequest
@@ -37,7 +38,7 @@ from kvd.rooms.effects import CancelWrites, Effect, Report, StateRef, Write, Wri
 from kvd.rooms.sender import Limits, RankPosition, SenderRooms
 from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
-from kvd.side import RoomView, Side, Snapshot, not_available, skew_reason
+from kvd.side import RoomView, Side, Snapshot, not_available
 from kvd.transfer.backends.base import CancelToken, PeerAttach
 from kvd.transfer.compat import check_compat
 from kvd.transfer.kvargs import RankArgs
