@@ -296,8 +296,8 @@ class Members:
             return []
         out: list[Effect] = [FailRooms(addr, FailureKind.PEER,
                                        f"prefill {addr} {rank} at {old} restarted (instance "
-                                       f"{previous} -> {instance}, seen by "
-                                       f"{Source.WATCH.value})", keep=instance, endpoint=old)]
+                                       f"{previous} -> {instance})", keep=instance,
+                                       endpoint=old)]
         self._release_one(p, Resource(ResourceKind.REGISTRATION, old), out)
         if old != endpoint:
             self._release_one(p, Resource(ResourceKind.SOCKET, old), out)
@@ -330,7 +330,8 @@ class Members:
         it: its own measurement younger than ``fresh_for`` s and beyond ``max_skew``
         confirms it now; otherwise the claim waits for :meth:`clock_measured`, and a
         :class:`Measure` is asked (at most one per peer per ``down_retry`` s, so a flood
-        of claims costs one request per second). Fails nothing else (K40)."""
+        of claims costs one request per second; a claim inside that waits for the next
+        heartbeat round's). Fails nothing else (K40)."""
         out: list[Effect] = []
         for addr in sorted(self._by_endpoint.get(endpoint, ())):
             p = self.peers[addr]
@@ -466,7 +467,9 @@ class Members:
         targets: peers with a live room first, then idle ones that are up (their death
         closes what is held for them before ``peer_ttl``), the longest unprobed first.
         An idle peer that is down is kept (so its rooms fail at once, K19) but not
-        probed: a room's lookup is its probe (:meth:`lookup`)."""
+        probed: a room's lookup is its probe (:meth:`lookup`). A peer with clock-skew
+        claims still unjudged gets a :class:`Measure` (:meth:`clock_claimed` asks at
+        most one per ``down_retry`` s)."""
         out: list[Effect] = []
         for addr in live:
             self.used(addr, now)
@@ -481,6 +484,10 @@ class Members:
         for p in due[:self.limits.max_probes]:
             p.last_probe = now
             out.append(Probe(p.addr))
+        for p in self.peers.values():  # claims that came while a Measure was recent
+            if p.claims and (p.asked is None or now - p.asked >= self.limits.down_retry):
+                p.asked = now
+                out.append(Measure(p.addr))
         return out
 
     def forget(self, addr: str) -> list[Effect]:
