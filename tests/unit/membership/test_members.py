@@ -241,7 +241,7 @@ def test_k40_a_skew_the_own_measurement_confirms_fails_the_rooms_at_that_rank() 
     assert m.clock_measured(A, 0.5, 4.0) == [] and m.skewed(A, [EP0], 4.1) is None  # synced
 
 
-def test_item3_a_refusal_not_confirmed_leaves_the_registration_and_the_rooms() -> None:
+def test_s11_a_refusal_not_confirmed_leaves_the_registration_and_the_rooms() -> None:
     m = members()
     resolved(m, endpoints=(EP0, EP1))
     out = m.refused(EP1, "forged", 1.0)
