@@ -35,6 +35,9 @@ class ResourceKind(enum.Enum):
 
 @dataclass(frozen=True, order=True)
 class Resource:
+    """One thing held for peers: ``kind`` and its ``key`` (a bootstrap address for
+    ``LOOKUP``, a rank's control endpoint otherwise)."""
+
     kind: ResourceKind
     key: str
 

@@ -221,12 +221,15 @@ class Members:
 
     def heartbeat_answered(self, addr: str, instance: str | None, epoch: int | None,
                            now: float) -> list[Effect]:
+        """A ``/health`` answer of ``addr`` (``now``: monotonic s); see :meth:`seen`."""
         return self.seen(addr, Source.HEARTBEAT, instance, now, epoch)
 
     def route_answered(self, addr: str, instance: str | None, now: float) -> list[Effect]:
+        """A fresh ``/route`` answer of ``addr`` naming ``instance`` (K37); :meth:`seen`."""
         return self.seen(addr, Source.ROUTE, instance, now)
 
     def watch_put(self, addr: str, instance: str, now: float) -> list[Effect]:
+        """A discovery source says ``addr`` is alive as ``instance``; :meth:`seen`."""
         return self.seen(addr, Source.WATCH, instance, now)
 
     def rank_seen(self, endpoint: str, instance: str, source: Source,
@@ -270,9 +273,12 @@ class Members:
         return out
 
     def control_seen(self, endpoint: str, instance: str, now: float) -> list[Effect]:
+        """An authentic control message from rank ``endpoint``; :meth:`rank_seen` (S11)."""
         return self.rank_seen(endpoint, instance, Source.CONTROL, now)
 
     def refused(self, endpoint: str, instance: str, now: float) -> list[Effect]:
+        """A ``Refused(instance)`` from rank ``endpoint``: a claim, :meth:`rank_seen`
+        (S11); the registration is dropped only by :meth:`rank_verified`."""
         return self.rank_seen(endpoint, instance, Source.REFUSAL, now)
 
     def rank_put(self, addr: str, endpoint: str, instance: str, now: float,
@@ -491,6 +497,8 @@ class Members:
         return out
 
     def forget(self, addr: str) -> list[Effect]:
+        """End ``addr``'s entry now: ``Close`` for what only it held, then ``Forget``
+        (K31, K39)."""
         p = self.peers.get(addr)
         out: list[Effect] = []
         if p is not None:
@@ -503,5 +511,6 @@ class Members:
         out.append(Forget(p.addr))
 
     def table_sizes(self) -> dict[str, int]:
+        """Counts for ``/health`` and leak checks: peers tracked, peers down (K41)."""
         return {"peers": len(self.peers),
                 "peers_down": sum(p.down for p in self.peers.values())}
