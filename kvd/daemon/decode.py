@@ -23,9 +23,9 @@ from kvd.bootstrap.table import ParallelInfo, RankInfo
 from kvd.control.routing import Target as RouteTarget
 from kvd.control.routing import resolve_targets
 from kvd.daemon.core import Core
-from kvd.daemon.side import RoomView, Side, Snapshot, not_available, skew_reason
+from kvd.daemon.side import RoomView, Side, Snapshot, not_available
 from kvd.discovery.base import Lookups
-from kvd.discovery.events import PeerDeleted, PeerEvent, PeerPut
+from kvd.discovery.events import PeerEvent, PeerPut
 from kvd.errors import (
     BootstrapError,
     ClockSkew,
@@ -39,13 +39,14 @@ from kvd.membership.effects import (
     Close,
     FailRooms,
     Forget,
+    Measure,
     Probe,
     Resource,
     ResourceKind,
     Verify,
 )
 from kvd.membership.effects import Effect as MemberEffect
-from kvd.membership.machine import Limits, Members
+from kvd.membership.machine import Limits, Members, skew_reason
 from kvd.membership.machine import Peer as Member
 from kvd.protocol import control, rpc
 from kvd.rooms.effects import AbortUnknown, Effect, Resolve, Send, WriteAux
@@ -56,12 +57,6 @@ from kvd.security import CLOCK_HEADER
 from kvd.transfer.kvargs import RankArgs
 
 log = logging.getLogger("kvd.decode")
-
-#: How long a prefill rank that refused this daemon's frames for clock skew fails new
-#: rooms at once (s); after that a room tries again (and is refused again if still off).
-SKEW_MEMORY_S = 10.0
-#: Prefill ranks remembered as skewed (oldest forgotten first).
-MAX_SKEWED = 1024
 
 
 class BootstrapClient:
@@ -199,14 +194,13 @@ class DecodeSide(Side):
         self.registered: dict[str, str] = {}  # prefill endpoint -> instance registered with
         #: prefill endpoint -> when this rank last sent it a message (registered ones only)
         self.last_sent: dict[str, float] = {}
-        self.skewed: dict[str, tuple[str, float]] = {}  # endpoint -> (skew reason, when)
         self._registering: dict[tuple[str, str], asyncio.Future[None]] = {}
         st = core.settings
         self.members = Members(Limits(
             max_failures=st.heartbeat_max_failures, peer_ttl=st.peer_ttl,
             fresh_for=st.heartbeat_interval,
             max_probes=max(1, int(st.heartbeat_max_probes_per_s * st.heartbeat_interval)),
-            down_retry=min(1.0, st.heartbeat_interval)))
+            down_retry=min(1.0, st.heartbeat_interval), max_skew=st.auth_max_skew))
         self.last_round_probes = 0
 
     # ---- engine calls -----------------------------------------------------------------
@@ -290,26 +284,27 @@ class DecodeSide(Side):
 
     def peer_refused(self, endpoint: str, instance: str, why: str, offset_s: float,
                      window_s: float) -> None:
-        """A signed refusal from prefill rank ``endpoint`` (kvd/control/inbound.py).
-        ``instance``: the rank says it restarted. Sealed with the cluster secret, so a
-        claim: the membership machine drops the cached lookup and has the rank looked up
-        again (``Verify``); a fresh answer naming the new instance fails the rooms bound to
-        the old one (kind ``peer``), so a forged refusal ends no room (S11).
-        ``clock_skew``: every room bound to it fails naming the offset, and rooms resolved
-        to it fail at once for :data:`SKEW_MEMORY_S` (its refusals are rate-limited: later
-        ones may not come)."""
+        """A signed refusal from prefill rank ``endpoint`` (kvd/control/inbound.py), or a
+        frame of it sealed outside the window (``clock_skew``, kvd/daemon.py). Sealed with
+        the cluster secret every member holds, so a claim, translated for the membership
+        machine, which decides (S11):
+
+        * ``instance`` (the rank says it restarted): ``Verify``; only a fresh lookup naming
+          the new instance fails the rooms bound to the old one (kind ``peer``) and drops
+          the registration (``rank_verified``);
+        * ``clock_skew`` (``offset_s``: the claimed offset, s; ``window_s``: the claimed
+          window, s; both logged, neither believed): rooms fail only on this side's own
+          measurement of the peer's clock beyond ``auth_max_skew`` (``clock_claimed``,
+          ``Measure``, K40).
+
+        A refusal the machine does not confirm leaves the registration and the rooms."""
         now = self.core.clock()
-        self.registered.pop(endpoint, None)
-        if why != "clock_skew":
-            self.apply(self.members.refused(endpoint, instance, now))
+        if why == "clock_skew":
+            log.info("prefill rank %s: clock skew claimed (%+.1fs, window %.0fs); measuring "
+                     "its clock", endpoint, offset_s, window_s, extra=fields(peer=endpoint))
+            self.apply(self.members.clock_claimed(endpoint, now))
             return
-        reason = skew_reason(f"prefill rank {endpoint}", offset_s,
-                             window_s or self.core.settings.auth_max_skew)
-        self.skewed[endpoint] = (reason, now)
-        while len(self.skewed) > MAX_SKEWED:
-            self.skewed.pop(next(iter(self.skewed)))
-        failure = RoomFailure(FailureKind.PEER, reason, self.role)
-        self.run(self.rooms.peer_refused(endpoint, None, failure, now))
+        self.apply(self.members.refused(endpoint, instance, now))
 
     def _dropped_by(self, endpoint: str, instance: str, why: str) -> None:
         """Prefill rank ``endpoint`` (instance ``instance``, authentic: the refusal is
@@ -371,15 +366,6 @@ class DecodeSide(Side):
             self.apply(self.members.rank_verified(addr, endpoint_of(info),
                                                   info.instance_id or "", self.core.clock()))
 
-    def _skew_refused(self, targets: list[Target]) -> str | None:
-        """The skew reason of a target that refused this daemon's frames lately, if any."""
-        now = self.core.clock()
-        for t in targets:
-            known = self.skewed.get(t.endpoint)
-            if known is not None and now - known[1] < SKEW_MEMORY_S:
-                return known[0]
-        return None
-
     # ---- effects ----------------------------------------------------------------------
 
     def perform(self, eff: Effect) -> None:
@@ -417,7 +403,8 @@ class DecodeSide(Side):
         try:
             targets, via = await self._current_targets(eff.room, eff.bootstrap_addr,
                                                        eff.dp_rank)
-            skew = self._skew_refused(targets)
+            skew = self.members.skewed(eff.bootstrap_addr, (t.endpoint for t in targets),
+                                       self.core.clock())
             failure = None if skew is None else RoomFailure(
                 FailureKind.PEER, f"room {eff.room}: {skew}", self.role)
         except KvdError as exc:
@@ -564,24 +551,18 @@ class DecodeSide(Side):
             self.core.spawn(self.etcd.run(), "etcd-watch")
 
     def on_discovery(self, ev: PeerEvent) -> None:
-        """A watch event: a rank that left etcd (lease expired, deregistered) or came back
-        as another instance fails the rooms resolved to the instance that is gone, and
-        drops what was kept for it (registration; the socket of an endpoint gone)."""
-        if isinstance(ev, PeerPut) and ev.previous is None:
-            return  # a new rank, or the same instance re-registered (etcd came back)
-        instance = ev.previous if isinstance(ev, PeerPut) else ev.instance
-        endpoint = ev.previous_endpoint if isinstance(ev, PeerPut) else ev.endpoint
-        assert instance is not None and endpoint is not None
-        what = (f"restarted (instance {instance} -> {ev.instance})" if isinstance(ev, PeerPut)
-                else f"left discovery (instance {instance}: lease expired or deregistered)")
-        failure = RoomFailure(FailureKind.PEER, f"prefill {ev.addr} rank dp {ev.rank.dp} tp "
-                              f"{ev.rank.tp} pp {ev.rank.pp} at {endpoint} {what}", self.role)
-        log.warning("%s", failure.reason, extra=fields(peer=ev.addr))
-        self.run(self.rooms.target_lost(endpoint, instance, failure, self.core.clock()))
-        if self.registered.get(endpoint) == instance:
-            del self.registered[endpoint]
-        if isinstance(ev, PeerDeleted) or ev.endpoint != endpoint:
-            self.core.control.drop(endpoint)
+        """A watch event, translated for the membership machine (``rank_put`` /
+        ``rank_deleted``), which decides: a rank that left etcd (lease expired,
+        deregistered) or came back as another instance fails the rooms bound to the
+        instance that is gone and drops what was kept for it (registration; the socket of
+        an endpoint gone). This side performs the effects."""
+        now, rank = self.core.clock(), f"rank dp {ev.rank.dp} tp {ev.rank.tp} pp {ev.rank.pp}"
+        if isinstance(ev, PeerPut):
+            self.apply(self.members.rank_put(ev.addr, ev.endpoint, ev.instance, now,
+                                             ev.previous, ev.previous_endpoint, rank))
+        else:
+            self.apply(self.members.rank_deleted(ev.addr, ev.endpoint, ev.instance, now,
+                                                 rank))
 
     async def heartbeat_round(self) -> None:
         """One round of the membership machine's probes (peers with a live room first,
@@ -607,19 +588,13 @@ class DecodeSide(Side):
             self._missed(addr, f"{type(exc).__name__}: {exc}")
 
     async def probe(self, addr: str) -> None:
-        """One heartbeat of ``addr``'s ``/health`` (bounded by the heartbeat interval)."""
-        s = self.core.settings
+        """One heartbeat of ``addr``'s ``/health`` (bounded by the heartbeat interval); an
+        answer naming the peer's clock also measures it (:meth:`_health`)."""
         if addr not in self.members.peers:
             return
-        try:
-            resp = await self.core.http("GET", http_url(addr, "/health"),
-                                        limit_s=min(s.http_timeout, s.heartbeat_interval))
-            data = resp.json() if resp.status_code == 200 else None
-            error = "" if resp.status_code == 200 else f"HTTP {resp.status_code}"
-        except (httpx.HTTPError, ValueError) as exc:
-            data, error = None, f"{type(exc).__name__}"
-        if not isinstance(data, dict):
-            self._missed(addr, error or "malformed /health answer")
+        data, error, offset = await self._health(addr)
+        if data is None:
+            self._missed(addr, error)
             return
         p = self.members.peers.get(addr)
         if p is not None and p.down:
@@ -629,6 +604,40 @@ class DecodeSide(Side):
         self.apply(self.members.heartbeat_answered(
             addr, instance if isinstance(instance, str) else None,
             epoch if isinstance(epoch, int) else None, self.core.clock()))
+        if offset is not None:
+            self.apply(self.members.clock_measured(addr, offset, self.core.clock()))
+
+    async def measure(self, addr: str) -> None:
+        """The answer to :class:`~kvd.membership.effects.Measure`: read ``addr``'s clock
+        once. Unanswered, nothing is fed back (no heartbeat miss: with etcd discovery the
+        name may not listen); the claims wait for the next measurement."""
+        _, error, offset = await self._health(addr)
+        if offset is None:
+            log.info("prefill %s: clock not measured (%s); a claimed skew fails nothing",
+                     addr, error or "no clock_s in /health", extra=fields(peer=addr))
+            return
+        self.apply(self.members.clock_measured(addr, offset, self.core.clock()))
+
+    async def _health(self, addr: str) -> tuple[dict[str, Any] | None, str, float | None]:
+        """``GET /health`` of ``addr`` (bounded by the heartbeat interval): the answer
+        (None when there is none: the error says why), and ``addr``'s clock minus this
+        daemon's wall clock (s; its ``clock_s`` against the request's midpoint, so the
+        error is at most half the round trip; None without ``clock_s``)."""
+        s, wall = self.core.settings, self.core.auth.clock
+        sent = wall()
+        try:
+            resp = await self.core.http("GET", http_url(addr, "/health"),
+                                        limit_s=min(s.http_timeout, s.heartbeat_interval))
+            data = resp.json() if resp.status_code == 200 else None
+            error = "" if resp.status_code == 200 else f"HTTP {resp.status_code}"
+        except (httpx.HTTPError, ValueError) as exc:
+            data, error = None, f"{type(exc).__name__}"
+        if not isinstance(data, dict):
+            return None, error or "malformed /health answer", None
+        clock = data.get("clock_s")
+        if not isinstance(clock, int | float) or isinstance(clock, bool):
+            return data, "", None
+        return data, "", float(clock) - (sent + wall()) / 2
 
     def _missed(self, addr: str, error: str) -> None:
         if addr not in self.members.peers:
@@ -652,6 +661,8 @@ class DecodeSide(Side):
                             if k[0] == eff.addr and endpoint_of(info) == eff.endpoint]
                     self.core.spawn(self._verify_rank(eff.addr, eff.endpoint, keys),
                                     f"verify-{eff.endpoint}")
+                case Measure():
+                    self.core.spawn(self.measure(eff.addr), f"measure-{eff.addr}")
                 case Close():
                     self._close(eff.resource)
                 case FailRooms():

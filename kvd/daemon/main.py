@@ -533,12 +533,15 @@ class Daemon:
     # ---- status -------------------------------------------------------------------------
 
     def health(self) -> dict[str, Any]:
-        """Liveness JSON: role, instance id, uptime (s), room counts, totals."""
+        """Liveness JSON: role, instance id, uptime (s), wall clock (``clock_s``, s since the
+        epoch, as seals are dated), room counts, totals."""
         core, side = self.core, self.side
         by_state, tables = side.summary() if side is not None else ({}, {})
         return {"status": "ok", "role": self.settings.role,
                 "instance_id": self.settings.instance_id,
                 "uptime_s": round(time.time() - self.started_at, 3),
+                # the wall clock seals are dated by: a decode measures its offset (K40)
+                "clock_s": round(core.auth.clock() if core else time.time(), 3),
                 "engine_registered": bool(core and core.local),
                 "draining": self.draining,
                 "bootstrap_epoch": self.table.epoch if self.table is not None else None,

@@ -20,7 +20,7 @@ import httpx
 from kvd.addr import http_url, parse_hostport
 from kvd.control.inbound import Misaddressed
 from kvd.daemon.core import Core
-from kvd.daemon.side import RoomView, Side, Snapshot, not_available, skew_reason
+from kvd.daemon.side import RoomView, Side, Snapshot, not_available
 from kvd.discovery.base import Registrar
 from kvd.errors import (
     ConfigError,
@@ -32,6 +32,7 @@ from kvd.errors import (
     WriteCancelled,
 )
 from kvd.logs import fields
+from kvd.membership.machine import skew_reason
 from kvd.protocol import control, rpc
 from kvd.protocol.codec import unpack_indices
 from kvd.protocol.release import DIGEST_BYTES, ReleaseAnswer, ReleaseOutcome, ReleaseRequest

@@ -258,14 +258,6 @@ class Side(abc.ABC):
         return max(found, key=lambda e: e[1] or 0.0) if found else ("", None)
 
 
-def skew_reason(peer: str, offset_s: float, window_s: float) -> str:
-    """The failure reason of a room lost to clock skew, naming the measured offset."""
-    side = "ahead of" if offset_s > 0 else "behind"
-    return (f"clock skew: {peer}'s clock is {abs(offset_s):.1f}s {side} this daemon's, "
-            f"beyond the {window_s:.0f}s freshness window (auth_max_skew), so their signed "
-            f"messages are refused; synchronise the hosts' clocks (NTP)")
-
-
 def not_available(call: rpc.Call, role: str) -> RoomError:
     """The error for an engine call the other role serves."""
     return RoomError(f"{type(call).__name__} is not available on a {role} kvd")

@@ -12,7 +12,8 @@ which deletes the key at once.
 Decode (:class:`EtcdLookups`): reads every prefill rank of the cluster's prefix, then
 watches the prefix from the revision read. Each change becomes a typed
 :data:`~kvd.discovery.events.PeerEvent` handed to ``on_event`` (the decode side fails
-the rooms bound to a rank that died or restarted). While etcd is unreachable, lookups
+the membership machine, through ``DecodeSide.on_discovery``, fails the rooms bound to a
+rank that died or restarted). While etcd is unreachable, lookups
 answer from the last view for ``etcd_view_ttl`` s and then fail naming the reason; on
 reconnect the prefix is read again, so what changed meanwhile (a lease that expired)
 is delivered as events too -- a key missing from that read only after one lease TTL
@@ -68,9 +69,14 @@ class EtcdRegistrar:
 
     @property
     def registered(self) -> bool:
+        """Is the registration in etcd now, as far as this rank can tell (a put under a
+        lease confirmed less than a TTL ago)?"""
         return self.keeper.registered(self.clock())
 
     def set_registration(self, registration: dict[str, Any]) -> None:
+        """What to register (``PUT /route``'s body); a changed value is put again under
+        the same lease. Raises KeyError/ValueError for a body without its rank fields,
+        ValueError for an instance name that is no key segment."""
         rank = RankKey(int(registration["attn_dp_rank"]), int(registration["attn_tp_rank"]),
                        int(registration["pp_rank"]))
         value = json.dumps(registration, sort_keys=True).encode()
@@ -136,6 +142,8 @@ class EtcdRegistrar:
             await asyncio.sleep(delay)
 
     async def deregister(self) -> None:
+        """Revoke the lease (deletes the key at once); bounded by one request timeout
+        (s), best effort: otherwise the lease expires after its TTL."""
         lease, self.key = self.keeper.lease, None  # key None: run() registers no more
         if lease is None:
             return
@@ -172,6 +180,7 @@ class EtcdLookups:
 
     @property
     def info(self) -> dict[str, ParallelInfo]:
+        """Parallel info per instance name, from its newest registration (for status)."""
         out: dict[str, ParallelInfo] = {}
         for (addr, _), e in sorted(self.view.entries.items(), key=lambda kv: kv[1].revision):
             out[addr] = e.parallel_info()  # the newest registration's sizes win
@@ -179,6 +188,7 @@ class EtcdLookups:
 
     @property
     def ranks(self) -> dict[tuple[str, int, int, int], RankInfo]:
+        """Every rank in the view per (name, tp, dp, pp) (for status)."""
         return {(a, r.tp, r.dp, r.pp): e.rank_info() for (a, r), e in self.view.entries.items()}
 
     async def parallel_info(self, addr: str, retry: bool = True,
@@ -193,6 +203,9 @@ class EtcdLookups:
         return (await self._wait(addr, "any rank", newest)).parallel_info()
 
     async def rank(self, addr: str, t: Target) -> RankInfo:
+        """Where rank ``t`` of ``addr`` listens, from the view; waits up to ``budget`` s
+        for it (NotReady), DiscoveryUnavailable once the view is older than
+        ``view_ttl`` s."""
         key = RankKey(t.dp_group, t.tp_rank, t.pp_rank)
         entry = await self._wait(addr, f"rank dp {key.dp} tp {key.tp} pp {key.pp}",
                                  lambda: self.view.instance(addr).get(key))
@@ -205,6 +218,8 @@ class EtcdLookups:
         return all((t.endpoint, t.instance) in now for t in targets)
 
     def forget(self, addr: str) -> set[str]:
+        """Nothing cached to drop (the view follows the store); the endpoints of
+        ``addr``'s ranks."""
         return {e.endpoint for e in self.view.instance(addr).values()}
 
     async def _wait(self, addr: str, what: str, find: Callable[[], Entry | None]) -> Entry:

@@ -83,6 +83,7 @@ class EtcdClient:
         self._token: str | None = None
 
     async def aclose(self) -> None:
+        """Close the connection pool."""
         await self.http.aclose()
 
     @property

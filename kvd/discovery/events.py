@@ -38,6 +38,7 @@ class Entry:
 
     @property
     def instance(self) -> str:
+        """The rank's instance id ("" if the registration names none)."""
         return self.reg.instance_id or ""
 
     @property
@@ -46,10 +47,12 @@ class Entry:
         return f"tcp://{join_hostport(self.reg.rank_ip.strip('[]'), self.reg.rank_port)}"
 
     def rank_info(self) -> RankInfo:
+        """The rank as a ``/route`` rank answer would name it."""
         return RankInfo(rank_ip=self.reg.rank_ip, rank_port=self.reg.rank_port,
                         instance_id=self.reg.instance_id)
 
     def parallel_info(self) -> ParallelInfo:
+        """The instance's sizes (page size in tokens) as a ``/route`` answer names them."""
         r = self.reg
         return ParallelInfo(prefill_attn_tp_size=r.attn_tp_size, prefill_dp_size=r.attn_dp_size,
                             prefill_pp_size=r.pp_size, prefill_page_size=r.page_size)

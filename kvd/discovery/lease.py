@@ -32,10 +32,13 @@ class Backoff:
         return d
 
     def reset(self) -> None:
+        """Start again from ``base`` (after a success)."""
         self._next = 0.0
 
 
 class Step(Enum):
+    """What a registration task does next (:meth:`Keeper.next`)."""
+
     GRANT = "grant"          # ask etcd for a lease of ``ttl`` s
     PUT = "put"              # put the registration under the lease
     KEEPALIVE = "keepalive"  # renew the lease
@@ -44,6 +47,8 @@ class Step(Enum):
 
 @dataclass(frozen=True)
 class Action:
+    """A :class:`Step` and when to take it (monotonic s)."""
+
     step: Step
     at: float  # when (monotonic s); for WAIT: when to ask again
 
@@ -75,6 +80,8 @@ class Keeper:
         return self.lease is not None and self.put_ok and now < self.last_ok + self.ttl
 
     def next(self, now: float) -> Action:
+        """The next step at ``now`` (monotonic s): renew every ``ttl / 3`` s; grant again
+        once ``ttl`` s passed without a confirmation (etcd dropped the lease)."""
         if now < self.retry_at:
             return Action(Step.WAIT, self.retry_at)
         if self.lease is not None and now >= self.last_ok + self.ttl:
@@ -87,15 +94,18 @@ class Keeper:
         return Action(Step.KEEPALIVE, now) if now >= due else Action(Step.WAIT, due)
 
     def granted(self, lease: int, ttl: float, now: float) -> None:
+        """etcd granted ``lease`` for ``ttl`` s (at least 1 s kept) at ``now``."""
         self.lease, self.put_ok, self.last_ok = lease, False, now
         self.ttl = max(ttl, 1.0)  # etcd may raise a TTL to its minimum
         self._ok()
 
     def put_done(self, now: float) -> None:
+        """The registration was put under the lease at ``now`` (s)."""
         self.put_ok, self.last_ok = True, now
         self._ok()
 
     def renewed(self, now: float) -> None:
+        """etcd confirmed the lease alive at ``now`` (s)."""
         self.last_ok = now
         self._ok()
 
@@ -130,9 +140,12 @@ class Freshness:
     last_error: str = ""
 
     def up(self) -> None:
+        """etcd answered: the view is current."""
         self.synced, self.down_since, self.last_error = True, None, ""
 
     def down(self, now: float, error: str) -> None:
+        """etcd did not answer at ``now`` (monotonic s; the first miss starts the
+        ``ttl`` s the view may still serve); ``error``: why, for the failure reason."""
         if self.down_since is None:
             self.down_since = now
         self.last_error = error

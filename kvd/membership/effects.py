@@ -21,7 +21,7 @@ class Source(enum.Enum):
     ROUTE = "route"           # a /route answer (parallel info names the instance)
     CONTROL = "control"       # a control message from one of the peer's ranks
     REFUSAL = "refusal"       # a rank refused a frame and named its current instance
-    WATCH = "watch"           # a discovery watch (put: alive as X; delete: gone)
+    WATCH = "watch"           # a discovery watch (put: rank alive as X; delete: gone)
     LEASE = "lease"           # a discovery lease expired
 
 
@@ -35,6 +35,9 @@ class ResourceKind(enum.Enum):
 
 @dataclass(frozen=True, order=True)
 class Resource:
+    """One thing held for peers: ``kind`` and its ``key`` (a bootstrap address for
+    ``LOOKUP``, a rank's control endpoint otherwise)."""
+
     kind: ResourceKind
     key: str
 
@@ -56,6 +59,18 @@ class Verify:
 
     addr: str
     endpoint: str
+
+
+@dataclass(frozen=True)
+class Measure:
+    """A rank of ``addr`` claimed that its clock and this side's are further apart than
+    the freshness window (a ``clock_skew`` refusal, or a frame sealed outside the
+    window: both dated by whoever sealed them with the cluster secret, so a claim).
+    Read ``addr``'s clock once (``GET /health``, its ``clock_s``) and answer with
+    ``clock_measured``; only a measurement beyond the window fails rooms (K40, S11).
+    An unanswered measurement is no heartbeat miss."""
+
+    addr: str
 
 
 @dataclass(frozen=True)
@@ -101,4 +116,4 @@ class Lookup:
     refuse: bool = False
 
 
-Effect = Probe | Verify | Close | FailRooms | Forget
+Effect = Probe | Verify | Measure | Close | FailRooms | Forget

@@ -25,6 +25,21 @@ Rules this module guarantees (tested in ``tests/unit/membership``):
 * **Ownership.** Each :class:`Resource` (cached lookup, registration, control socket)
   is held by peers; :class:`Close` is emitted when the last holder lets it go. A
   forgotten peer holds nothing (K31, K39).
+* **Watch events are facts about one rank** (:meth:`rank_put`, :meth:`rank_deleted`,
+  from an etcd watch: etcd's own record, not a claim). A rank replaced by another
+  instance fails the rooms bound to the old one (kind ``peer``) and drops its
+  registration; a rank gone fails its rooms, drops its registration and closes its
+  socket (an endpoint nobody serves any more). Nothing else decides this (K37, K39).
+* **Clock skew is measured, not believed** (K40, S11). A skew refusal or a frame
+  sealed outside the window is dated by whoever holds the cluster secret, so it is
+  a claim (:meth:`clock_claimed`). Only this side's own measurement of the peer's
+  clock (``clock_s`` of its ``/health``, against this side's wall clock, fed as
+  :meth:`clock_measured`) beyond ``max_skew`` fails the rooms at that rank (kind
+  ``peer``, the measured offset named) and drops the registration; otherwise the
+  machine asks for a measurement (:class:`Measure`) and fails nothing until one
+  confirms. A confirmed skew fails new rooms at that rank at once for
+  ``skew_memory`` s (:meth:`skewed`: its refusals are rate-limited, later ones may
+  not come), or until a measurement within the window.
 * **Bounded work.** A peer with no live room is forgotten at once when nothing ever
   answered for it, otherwise after ``peer_ttl``; one heartbeat round probes at most
   ``max_probes`` peers, those with a live room first, never an idle one that is down
@@ -45,6 +60,7 @@ from kvd.membership.effects import (
     FailRooms,
     Forget,
     Lookup,
+    Measure,
     Probe,
     Resource,
     ResourceKind,
@@ -62,6 +78,16 @@ class Fact:
     source: Source
     at: float
     instance: str | None
+
+
+@dataclass(frozen=True)
+class Clock:
+    """This side's own measurement of a peer's wall clock: the peer's minus this side's
+    (``offset``, s; the half round trip of the request is the error) at ``at``
+    (monotonic s)."""
+
+    offset: float
+    at: float
 
 
 @dataclass
@@ -82,6 +108,10 @@ class Peer:
     fact: Fact | None = None       # newest liveness fact, any source
     ranks: dict[str, str] = field(default_factory=dict)  # control endpoint -> instance
     held: set[Resource] = field(default_factory=set)
+    clock: Clock | None = None     # own newest measurement of its clock
+    asked: float | None = None     # when a Measure was last emitted
+    claims: set[str] = field(default_factory=set)  # endpoints that claimed skew, unjudged
+    skewed: dict[str, tuple[str, float]] = field(default_factory=dict)  # ep -> (reason, at)
 
     @property
     def heartbeat(self) -> str:
@@ -101,7 +131,20 @@ class Limits:
     peer_ttl: float = 600.0
     fresh_for: float = 5.0         # heartbeat_interval
     max_probes: int = 500          # per heartbeat round
-    down_retry: float = 1.0        # while down, one lookup try per this many seconds
+    down_retry: float = 1.0        # while down, one lookup try per this many seconds;
+    #                                also at most one Measure per peer per this many s
+    max_skew: float = 30.0         # auth_max_skew: the freshness window (s, K40)
+    skew_memory: float = 10.0      # a confirmed skew fails new rooms at once this long
+
+
+def skew_reason(peer: str, offset_s: float, window_s: float) -> str:
+    """The failure reason of a room lost to clock skew, naming ``peer``'s clock minus
+    this daemon's (``offset_s``, s) and the freshness window (``window_s``, s,
+    ``auth_max_skew``), K40."""
+    side = "ahead of" if offset_s > 0 else "behind"
+    return (f"clock skew: {peer}'s clock is {abs(offset_s):.1f}s {side} this daemon's, "
+            f"beyond the {window_s:.0f}s freshness window (auth_max_skew), so their signed "
+            f"messages are refused; synchronise the hosts' clocks (NTP)")
 
 
 class Members:
@@ -178,12 +221,15 @@ class Members:
 
     def heartbeat_answered(self, addr: str, instance: str | None, epoch: int | None,
                            now: float) -> list[Effect]:
+        """A ``/health`` answer of ``addr`` (``now``: monotonic s); see :meth:`seen`."""
         return self.seen(addr, Source.HEARTBEAT, instance, now, epoch)
 
     def route_answered(self, addr: str, instance: str | None, now: float) -> list[Effect]:
+        """A fresh ``/route`` answer of ``addr`` naming ``instance`` (K37); :meth:`seen`."""
         return self.seen(addr, Source.ROUTE, instance, now)
 
     def watch_put(self, addr: str, instance: str, now: float) -> list[Effect]:
+        """A discovery source says ``addr`` is alive as ``instance``; :meth:`seen`."""
         return self.seen(addr, Source.WATCH, instance, now)
 
     def rank_seen(self, endpoint: str, instance: str, source: Source,
@@ -227,10 +273,125 @@ class Members:
         return out
 
     def control_seen(self, endpoint: str, instance: str, now: float) -> list[Effect]:
+        """An authentic control message from rank ``endpoint``; :meth:`rank_seen` (S11)."""
         return self.rank_seen(endpoint, instance, Source.CONTROL, now)
 
     def refused(self, endpoint: str, instance: str, now: float) -> list[Effect]:
+        """A ``Refused(instance)`` from rank ``endpoint``: a claim, :meth:`rank_seen`
+        (S11); the registration is dropped only by :meth:`rank_verified`."""
         return self.rank_seen(endpoint, instance, Source.REFUSAL, now)
+
+    def rank_put(self, addr: str, endpoint: str, instance: str, now: float,
+                 previous: str | None = None, previous_endpoint: str | None = None,
+                 rank: str = "rank") -> list[Effect]:
+        """A discovery watch put: rank ``rank`` (a label for reasons, e.g. ``rank dp 0 tp
+        1 pp 0``) of ``addr`` is ``instance`` at control ``endpoint``; ``previous`` /
+        ``previous_endpoint``: the instance and endpoint it replaced (None: a new key, or
+        the same instance re-registered after etcd came back). A replacement fails the
+        rooms at the old endpoint bound to another instance than ``instance`` (kind
+        ``peer``), drops the registration made there and, when the rank moved, closes
+        the old endpoint's socket. Nothing happens for a rank this side holds nothing
+        for, or already knows as ``instance`` (a :class:`Verify` answer came first)."""
+        p = self.peers.get(addr)
+        if p is None:
+            return []
+        p.fact = Fact(Source.WATCH, now, p.instance)
+        old = previous_endpoint or endpoint
+        known = p.ranks.get(old)
+        if previous is None or previous == instance or known is None or known == instance:
+            return []
+        out: list[Effect] = [FailRooms(addr, FailureKind.PEER,
+                                       f"prefill {addr} {rank} at {old} restarted (instance "
+                                       f"{previous} -> {instance})", keep=instance,
+                                       endpoint=old)]
+        self._release_one(p, Resource(ResourceKind.REGISTRATION, old), out)
+        if old != endpoint:
+            self._release_one(p, Resource(ResourceKind.SOCKET, old), out)
+        else:
+            p.ranks[old] = instance
+        return out
+
+    def rank_deleted(self, addr: str, endpoint: str, instance: str, now: float,
+                     rank: str = "rank") -> list[Effect]:
+        """A discovery watch delete: rank ``rank`` of ``addr``, last ``instance`` at
+        ``endpoint``, left (its lease expired, or it deregistered). Its rooms fail (kind
+        ``peer``), its registration is dropped and its socket closed (unless another peer
+        still holds it). The other ranks of ``addr`` are untouched (K38)."""
+        p = self.peers.get(addr)
+        if p is None or endpoint not in p.ranks:
+            return []
+        p.fact = Fact(Source.WATCH, now, p.instance)
+        out: list[Effect] = [FailRooms(addr, FailureKind.PEER,
+                                       f"prefill {addr} {rank} at {endpoint} left discovery "
+                                       f"(instance {instance}: lease expired or "
+                                       f"deregistered)", endpoint=endpoint)]
+        self._release_one(p, Resource(ResourceKind.REGISTRATION, endpoint), out)
+        self._release_one(p, Resource(ResourceKind.SOCKET, endpoint), out)
+        return out
+
+    def clock_claimed(self, endpoint: str, now: float) -> list[Effect]:
+        """Rank ``endpoint`` and this side cannot read each other's frames for clock skew,
+        as claimed by a ``clock_skew`` refusal or by a frame sealed outside the window
+        (either is dated by its sealer: a claim, S11). For each peer holding a socket to
+        it: its own measurement younger than ``fresh_for`` s and beyond ``max_skew``
+        confirms it now; otherwise the claim waits for :meth:`clock_measured`, and a
+        :class:`Measure` is asked (at most one per peer per ``down_retry`` s, so a flood
+        of claims costs one request per second; a claim inside that waits for the next
+        heartbeat round's). Fails nothing else (K40)."""
+        out: list[Effect] = []
+        for addr in sorted(self._by_endpoint.get(endpoint, ())):
+            p = self.peers[addr]
+            if endpoint not in p.ranks:
+                continue
+            c = p.clock
+            if c is not None and now - c.at <= self.limits.fresh_for and self._beyond(c):
+                self._skew_confirmed(p, endpoint, c, now, out)
+                continue
+            p.claims.add(endpoint)
+            if p.asked is None or now - p.asked >= self.limits.down_retry:
+                p.asked = now
+                out.append(Measure(addr))
+        return out
+
+    def clock_measured(self, addr: str, offset: float, now: float) -> list[Effect]:
+        """This side read ``addr``'s clock: it is ``offset`` s off this side's (its minus
+        ours; from a heartbeat or the answer to :class:`Measure`). Beyond ``max_skew``:
+        the claims waiting for it are confirmed (their rooms fail, kind ``peer``, the
+        offset named; their registrations are dropped). Within: they are contradicted
+        and dropped, failing nothing, and the skew memory of ``addr`` ends."""
+        p = self.peers.get(addr)
+        if p is None:
+            return []
+        c = p.clock = Clock(offset, now)
+        claims, p.claims = p.claims, set()
+        out: list[Effect] = []
+        if not self._beyond(c):
+            p.skewed.clear()
+            return out
+        for endpoint in sorted(claims):
+            if endpoint in p.ranks:
+                self._skew_confirmed(p, endpoint, c, now, out)
+        return out
+
+    def skewed(self, addr: str, endpoints: Iterable[str], now: float) -> str | None:
+        """The reason a room of ``addr`` resolved to ``endpoints`` fails at once: one of
+        them had its skew confirmed less than ``skew_memory`` s ago. None otherwise."""
+        p = self.peers.get(addr)
+        for endpoint in endpoints if p is not None else ():
+            known = p.skewed.get(endpoint) if p is not None else None
+            if known is not None and now - known[1] < self.limits.skew_memory:
+                return known[0]
+        return None
+
+    def _beyond(self, c: Clock) -> bool:
+        return abs(c.offset) > self.limits.max_skew
+
+    def _skew_confirmed(self, p: Peer, endpoint: str, c: Clock, now: float,
+                        out: list[Effect]) -> None:
+        reason = skew_reason(f"prefill rank {endpoint}", c.offset, self.limits.max_skew)
+        p.skewed[endpoint] = (reason, now)
+        out.append(FailRooms(p.addr, FailureKind.PEER, reason, endpoint=endpoint))
+        self._release_one(p, Resource(ResourceKind.REGISTRATION, endpoint), out)
 
     def heartbeat_missed(self, addr: str, error: str, now: float) -> list[Effect]:
         """One heartbeat of ``addr`` went unanswered (``error``: why)."""
@@ -312,7 +473,9 @@ class Members:
         targets: peers with a live room first, then idle ones that are up (their death
         closes what is held for them before ``peer_ttl``), the longest unprobed first.
         An idle peer that is down is kept (so its rooms fail at once, K19) but not
-        probed: a room's lookup is its probe (:meth:`lookup`)."""
+        probed: a room's lookup is its probe (:meth:`lookup`). A peer with clock-skew
+        claims still unjudged gets a :class:`Measure` (:meth:`clock_claimed` asks at
+        most one per ``down_retry`` s)."""
         out: list[Effect] = []
         for addr in live:
             self.used(addr, now)
@@ -327,9 +490,15 @@ class Members:
         for p in due[:self.limits.max_probes]:
             p.last_probe = now
             out.append(Probe(p.addr))
+        for p in self.peers.values():  # claims that came while a Measure was recent
+            if p.claims and (p.asked is None or now - p.asked >= self.limits.down_retry):
+                p.asked = now
+                out.append(Measure(p.addr))
         return out
 
     def forget(self, addr: str) -> list[Effect]:
+        """End ``addr``'s entry now: ``Close`` for what only it held, then ``Forget``
+        (K31, K39)."""
         p = self.peers.get(addr)
         out: list[Effect] = []
         if p is not None:
@@ -342,5 +511,6 @@ class Members:
         out.append(Forget(p.addr))
 
     def table_sizes(self) -> dict[str, int]:
+        """Counts for ``/health`` and leak checks: peers tracked, peers down (K41)."""
         return {"peers": len(self.peers),
                 "peers_down": sum(p.down for p in self.peers.values())}

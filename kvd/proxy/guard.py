@@ -85,7 +85,8 @@ def bearer_matches(header: str | None, token: bytes) -> bool:
 class ProxyGuard:
     """ASGI middleware enforcing host, token, body cap and body deadline (see the module
     docstring). ``token`` None: no authentication. ``max_body`` bytes, ``body_timeout``
-    seconds; ``on_refusal`` is told each refusal's status."""
+    seconds; ``on_refusal`` is told each refusal's status (400, 401, 408 or 413). Raises
+    nothing to the server: every refusal is answered (S20)."""
 
     def __init__(self, app: ASGIApp, token: bytes | None = None,
                  max_body: int = DEFAULT_MAX_BODY, body_timeout: float = 10.0,

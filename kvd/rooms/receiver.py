@@ -404,7 +404,7 @@ class ReceiverRooms:
     def target_lost(self, endpoint: str, instance: str, failure: RoomFailure,
                     now: float) -> list[Effect]:
         """Fail every unfinished room resolved to prefill rank ``endpoint`` as
-        ``instance`` (discovery saw it die or be replaced). Rooms resolved to another
+        ``instance`` (it refused this rank's registration: K16). Rooms resolved to another
         instance at the same endpoint, and rooms not resolved yet, are untouched: a
         room that resolves after the change is known never fails because of the old
         instance."""
@@ -434,22 +434,6 @@ class ReceiverRooms:
                 if t.endpoint == endpoint:
                     out.append(Send(t.endpoint, t.instance, self._pages_msg(r, t, deadline, now),
                                     r.room, r.inc))
-        return out
-
-    def peer_refused(self, endpoint: str, instance: str | None, failure: RoomFailure,
-                     now: float) -> list[Effect]:
-        """Prefill rank ``endpoint`` refused this daemon's frames (a typed refusal, or
-        frames that cannot be trusted: clock skew): every unfinished room with a target
-        there fails now, not at its deadline; with ``instance`` (it is that instance now)
-        only rooms bound to another instance of it (what it refused was sealed for one
-        that is gone: rooms bound to the new one are untouched, K37). As with
-        :meth:`peer_lost`, pages that reached it stay held until it confirms or the
-        release bound passes."""
-        out: list[Effect] = []
-        for r in list(self.rooms.values()):
-            if not r.done and any(t.endpoint == endpoint and t.instance != instance
-                                  for t in r.targets or ()):
-                self._fail(r, failure, now, out)
         return out
 
     # ---- time and reads ---------------------------------------------------------------

@@ -173,3 +173,65 @@ async def test_k39_a_forgotten_decode_leaves_nothing_on_the_prefill(cluster: Clu
     assert not side.rooms.peers and not side._registrations and not side._sessions
     assert not side._pairs and not p.core.outboxes
     assert all(ctl.instance_of(ep) is None and ctl.clock_offset(ep) is None for ep in gone)
+
+
+def forge(d, refusal: control.Refused) -> None:
+    """A holder of the cluster secret (not P) seals ``refusal`` naming P and sends it to D
+    (dated now: inside D's window, so D reads it as an authentic refusal)."""
+    frame = Authenticator(SECRET.encode()).seal(control.encode(refusal), d.core.instance_id)
+    d.core.control.queue.put_nowait((b"attacker", frame))
+
+
+async def test_s11_a_forged_skew_refusal_fails_no_room_and_a_real_skew_still_does(
+        cluster: Cluster) -> None:
+    """Any holder of the secret can seal ``Refused(clock_skew)`` naming P. D does not
+    believe it: it reads P's clock itself (``/health`` ``clock_s``), finds it in sync,
+    and fails nothing -- the room bound to P and the registration with P stay, and the
+    room then succeeds. A real skew (D's clock jumps an hour) is confirmed by D's own
+    measurement: the room fails with kind peer, naming the measured offset."""
+    p, d, pe, de = await pair(cluster)
+    await de.receiver(430, [0], p.http_addr)
+    await pe.sender(430, [1], send=False)
+    await settle(cluster)
+    registered = d.side.registered.get(p.endpoint)
+    assert registered == p.core.instance_id
+    forge(d, control.Refused(why="clock_skew", endpoint=p.endpoint,
+                             instance_id=p.core.instance_id, offset_s=-HOUR, window_s=30.0))
+    await settle(cluster)
+    clock = d.side.members.peers[p.http_addr].clock
+    assert clock is not None and abs(clock.offset) < 5  # D measured P itself
+    assert await de.status(430) != FAILED
+    assert d.side.registered.get(p.endpoint) == registered  # no re-registration churn
+    await pe.send(430, [1])
+    await settle(cluster)
+    assert await de.status(430) == SUCCESS and same_pages(de, pe, [1], [0])
+
+    await cluster.advance(2.0)  # past the one-measurement-per-second bound (down_retry)
+    skew(d, HOUR)  # a real skew: P refuses D's frames, D's own reading agrees
+    await de.receiver(431, [2], p.http_addr)
+    await pe.sender(431, [3], send=False)
+    await settle(cluster)
+    assert await de.status(431) == FAILED
+    kind, reason = await de.failure(431)
+    assert kind == "peer" and f"prefill rank {p.endpoint}'s clock is 3600.0s behind" in reason
+
+
+async def test_s11_a_forged_instance_refusal_leaves_the_registration_and_the_rooms(
+        cluster: Cluster) -> None:
+    """A refusal naming an instance P never had is a claim: D looks P's rank up again,
+    the lookup names the instance D knows, and nothing changes -- the room bound to P
+    goes on, the registration with P is kept (no re-registration per forged refusal)."""
+    p, d, pe, de = await pair(cluster)
+    await de.receiver(432, [0], p.http_addr)
+    await pe.sender(432, [1], send=False)
+    await settle(cluster)
+    registered = d.side.registered.get(p.endpoint)
+    for _ in range(3):
+        forge(d, control.Refused(why="instance", endpoint=p.endpoint,
+                                 instance_id="not-p-at-all"))
+    await settle(cluster)
+    assert d.side.registered.get(p.endpoint) == registered == p.core.instance_id
+    assert await de.status(432) != FAILED
+    await pe.send(432, [1])
+    await settle(cluster)
+    assert await de.status(432) == SUCCESS and same_pages(de, pe, [1], [0])

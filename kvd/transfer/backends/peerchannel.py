@@ -86,30 +86,44 @@ class Claim(msgspec.Struct, frozen=True):
     session: str
 
     def key(self) -> str:
+        """The claim as one string for the proofs (NUL-separated)."""
         return f"{self.instance}\0{self.endpoint}\0{self.session}"
 
 
 class Hello(msgspec.Struct, tag="hello", frozen=True):
+    """Step 2, prefill -> decode: the client's instance, whom it asks for, its nonce
+    (:data:`NONCE_BYTES` bytes)."""
+
     client: str
     server: Claim
     nonce: bytes
 
 
 class Challenge(msgspec.Struct, tag="challenge", frozen=True):
+    """Step 2, decode -> prefill: its nonce, the SHA-256 of the pool it serves (32
+    bytes) and its proof (HMAC-SHA256, empty without a secret)."""
+
     nonce: bytes
     pool_digest: bytes
     proof: bytes
 
 
 class Proof(msgspec.Struct, tag="proof", frozen=True):
+    """Step 3, prefill -> decode: the client's proof (HMAC-SHA256)."""
+
     proof: bytes
 
 
 class Files(msgspec.Struct, tag="files", frozen=True):
+    """Step 4, decode -> prefill: how many descriptors ride with it (``SCM_RIGHTS``, at
+    most :data:`MAX_FILES`)."""
+
     count: int
 
 
 class Refusal(msgspec.Struct, tag="refusal", frozen=True):
+    """Either side gives up: why (at most 500 characters sent)."""
+
     reason: str
 
 
@@ -199,6 +213,7 @@ def check_not_own(fds: Sequence[int], own: set[tuple[int, int]]) -> None:
 
 
 def encode(msg: Message) -> bytes:
+    """One channel message as msgpack (at most :data:`MAX_MESSAGE` bytes are read)."""
     return msgspec.msgpack.encode(msg)
 
 
@@ -333,6 +348,7 @@ def _show(c: Claim) -> str:
 
 
 def close_all(fds: Sequence[int]) -> None:
+    """Close every descriptor in ``fds``, ignoring ones already closed."""
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -385,6 +401,8 @@ class ChannelServer:
         self._pending: set[asyncio.Future[None]] = set()
 
     def open(self) -> None:
+        """Bind the listening socket (:func:`listen`; HandleError for an untrusted
+        folder, OSError from the bind)."""
         self.sock = listen(self.folder, self.name)
         self.sock.setblocking(False)
 
@@ -422,6 +440,7 @@ class ChannelServer:
             conn.close()
 
     def close(self) -> None:
+        """Stop listening and unlink the socket file (idempotent)."""
         if self.sock is not None:
             self.sock.close()
             self.sock = None

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvd.membership.effects import (
     Close,
     FailRooms,
     Forget,
     Lookup,
+    Measure,
     Probe,
     Resource,
     ResourceKind,
@@ -25,6 +28,20 @@ def members(**limits: float) -> Members:
     return Members(Limits(**{"max_failures": 2, "peer_ttl": 60.0, "fresh_for": 5.0,
                              "max_probes": 100, "down_retry": 0.5,
                              **limits}))  # type: ignore[arg-type]
+
+
+def of(out: list[object], kind: type) -> list[object]:
+    return [e for e in out if isinstance(e, kind)]
+
+
+def one(out: list[object], kind: type) -> Any:
+    found = of(out, kind)
+    assert len(found) == 1, out
+    return found[0]
+
+
+def closes(out: list[object]) -> list[Resource]:
+    return [e.resource for e in out if isinstance(e, Close)]
 
 
 def resolved(m: Members, addr: str = A, instance: str = "i1", now: float = 0.0,
@@ -159,3 +176,86 @@ def test_a_lease_expiry_or_watch_delete_is_a_loss() -> None:
     out = m.lost(A, Source.LEASE, "lease of 10.0.0.1:8998 expired", 1.0)
     assert out[0] == FailRooms(A, FailureKind.PEER, "lease of 10.0.0.1:8998 expired")
     assert m.peers[A].down and m.lost(A, Source.WATCH, "deleted", 2.0) == []
+
+
+# ---- discovery watch events (issue 19 item 5: the machine decides, the side performs) ----
+
+def test_k37_a_watch_put_replacing_a_rank_fails_its_old_rooms_and_drops_the_registration() -> None:
+    m = members()
+    resolved(m, endpoints=(EP0, EP1))
+    out = m.rank_put(A, EP1, "r2", 1.0, previous="i1", rank="rank dp 0 tp 1 pp 0")
+    fail = one(out, FailRooms)
+    assert (fail.kind, fail.keep, fail.endpoint) == (FailureKind.PEER, "r2", EP1)
+    assert "rank dp 0 tp 1 pp 0" in fail.reason and "i1 -> r2" in fail.reason
+    assert closes(out) == [Resource(ResourceKind.REGISTRATION, EP1)]  # socket kept: same port
+    assert m.rank_put(A, EP1, "r2", 1.1, previous="i1") == []  # known now: nothing twice
+    assert m.rank_put(A, EP0, "i1", 1.2) == []  # a re-registration of the same instance
+
+
+def test_k39_a_rank_moved_or_gone_closes_its_socket() -> None:
+    m = members()
+    resolved(m, endpoints=(EP0, EP1))
+    moved = m.rank_put(A, "tcp://10.0.0.1:17009", "r2", 1.0, previous="i1",
+                       previous_endpoint=EP1)
+    assert one(moved, FailRooms).endpoint == EP1
+    assert set(closes(moved)) == {Resource(ResourceKind.REGISTRATION, EP1),
+                                  Resource(ResourceKind.SOCKET, EP1)}
+    gone = m.rank_deleted(A, EP0, "i1", 2.0)
+    fail = one(gone, FailRooms)
+    assert (fail.kind, fail.keep, fail.endpoint) == (FailureKind.PEER, None, EP0)
+    assert "left discovery" in fail.reason
+    assert set(closes(gone)) == {Resource(ResourceKind.REGISTRATION, EP0),
+                                 Resource(ResourceKind.SOCKET, EP0)}
+    assert not m.peers[A].down  # one rank left, not the peer (K38)
+    assert m.rank_deleted(A, EP0, "i1", 2.1) == []  # nothing held there any more
+
+
+# ---- clock skew: measured, not believed (K40, S11) ----------------------------------------
+
+def test_s11_a_claimed_skew_the_own_measurement_contradicts_fails_no_room() -> None:
+    m = members(max_skew=30.0)
+    resolved(m, endpoints=(EP0, EP1))
+    assert m.clock_claimed(EP1, 1.0) == [Measure(A)]  # no own measurement yet: ask
+    assert m.clock_claimed(EP1, 1.1) == []  # asked moments ago: one request, not one each
+    assert m.clock_measured(A, 0.2, 1.2) == []  # in sync: the claim was forged
+    assert m.skewed(A, [EP1], 1.3) is None
+    assert m.clock_claimed(EP1, 2.0) == [Measure(A)]  # a recent in-sync reading is re-checked
+    assert m.clock_measured(A, -0.1, 2.1) == []
+    assert Resource(ResourceKind.REGISTRATION, EP1) in m.peers[A].held
+
+
+def test_k40_a_skew_the_own_measurement_confirms_fails_the_rooms_at_that_rank() -> None:
+    m = members(max_skew=30.0, skew_memory=10.0)
+    resolved(m, endpoints=(EP0, EP1))
+    assert m.clock_claimed(EP1, 1.0) == [Measure(A)]
+    out = m.clock_measured(A, -3600.0, 1.1)
+    fail = one(out, FailRooms)
+    assert (fail.kind, fail.endpoint, fail.keep) == (FailureKind.PEER, EP1, None)
+    assert "prefill rank " + EP1 in fail.reason and "3600.0s behind" in fail.reason
+    assert closes(out) == [Resource(ResourceKind.REGISTRATION, EP1)]  # registers again later
+    assert m.skewed(A, [EP0, EP1], 5.0) == fail.reason  # new rooms fail at once...
+    assert m.skewed(A, [EP0], 5.0) is None  # ...at that rank only
+    assert m.skewed(A, [EP1], 11.2) is None  # ...for skew_memory
+    again = m.clock_claimed(EP0, 3.0)  # a fresh measurement beyond the window: now
+    assert one(again, FailRooms).endpoint == EP0 and not of(again, Measure)
+    assert m.clock_measured(A, 0.5, 4.0) == [] and m.skewed(A, [EP0], 4.1) is None  # synced
+
+
+def test_s11_a_refusal_not_confirmed_leaves_the_registration_and_the_rooms() -> None:
+    m = members()
+    resolved(m, endpoints=(EP0, EP1))
+    out = m.refused(EP1, "forged", 1.0)
+    assert not of(out, FailRooms)
+    assert Resource(ResourceKind.REGISTRATION, EP1) not in closes(out)
+    assert m.rank_verified(A, EP1, "i1", 1.1) == []  # the lookup names the known instance
+    assert Resource(ResourceKind.REGISTRATION, EP1) in m.peers[A].held
+
+
+def test_k40_a_claim_inside_the_measure_bound_is_measured_by_the_next_round() -> None:
+    m = members(max_skew=30.0, down_retry=1.0)
+    resolved(m, endpoints=(EP0,))
+    assert m.clock_claimed(EP0, 1.0) == [Measure(A)]
+    assert m.clock_measured(A, 0.0, 1.1) == []  # contradicted
+    assert m.clock_claimed(EP0, 1.5) == []  # the clock jumped meanwhile: asked 0.5 s ago
+    assert Measure(A) in m.heartbeat_round(2.5, {A})
+    assert one(m.clock_measured(A, 3600.0, 2.6), FailRooms).endpoint == EP0

@@ -8,7 +8,9 @@ the current instance, or fails when the address is dead; a DP group may be missi
 rooms end, prefill instances restart at the same ports or at new ones (every rank gets a
 new instance), single ranks restart, addresses die and come back, heartbeat rounds run
 their probes against the world, control messages and refusals arrive from ranks,
-discovery watch puts/deletes and lease expiries arrive, time passes.
+discovery watch puts/deletes (of an address, and of one rank, with the instance it
+replaced) and lease expiries arrive, an address's clock jumps beyond the freshness
+window and back, ranks claim clock skew (truly or forged), time passes.
 
 The simulated decode performs the machine's effects: it opens resources as it holds
 them, closes them on ``Close``, fails rooms on ``FailRooms`` with the same rule as
@@ -22,7 +24,10 @@ Checked after every step:
     rank it targets at its current instance, never failed because of a restart;
 (c) a round probes at most ``max_probes`` peers, each tracked, never an idle one that
     is down, and no peer without a live room is kept when nothing ever answered for it;
-(d) once a fact naming the current instance arrived, the machine knows that instance.
+(d) once a fact naming the current instance arrived, the machine knows that instance;
+(e) a claimed skew the own measurement contradicts fails no room: every room failed
+    for skew was failed while the newest clock reading fed for its address was beyond
+    the window, and a room failed for skew only after a claim for its rank.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from kvd.membership.effects import (
     Close,
     FailRooms,
     Forget,
+    Measure,
     Probe,
     Resource,
     ResourceKind,
@@ -48,6 +54,7 @@ from kvd.membership.machine import Limits, Members
 ADDRS = ("a:1", "b:1", "c:1", "d:1")
 MAX_PROBES = 2
 SHARED = "tcp://shared:9"  # a rank endpoint both a:1 and b:1 name
+WINDOW = 30.0  # max_skew
 
 
 @dataclass
@@ -59,6 +66,7 @@ class Site:
     dp: int
     ports: int = 0
     alive: bool = True
+    clock: float = 0.0   # its clock minus the decode's (s)
     missing: set[int] = field(default_factory=set)   # DP groups deregistered
 
     def endpoint(self, dp: int) -> str:
@@ -81,7 +89,7 @@ class MembershipWorld(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.m = Members(Limits(max_failures=2, peer_ttl=30.0, fresh_for=5.0,
-                                max_probes=MAX_PROBES))
+                                max_probes=MAX_PROBES, max_skew=WINDOW))
         self.now = 0.0
         self.ids = itertools.count()
         self.sites = {a: Site(a, self._new(), dp=2 if a in ("a:1", "c:1") else 1)
@@ -92,6 +100,9 @@ class MembershipWorld(RuleBasedStateMachine):
         self.open: set[Resource] = set()
         self.rooms: list[Room] = []
         self.learned: dict[str, str] = {}  # addr -> instance a fact named last
+        self.measured: dict[str, float] = {}  # addr -> the clock reading fed last
+        self.claimed: set[str] = set()  # rank endpoints that claimed skew
+        self.etcd: dict[str, str] = {}  # rank endpoint -> instance the watch put last
 
     def _new(self) -> str:
         return f"i{next(self.ids)}"
@@ -105,6 +116,9 @@ class MembershipWorld(RuleBasedStateMachine):
                 assert e.resource in self.open, e
                 self.open.discard(e.resource)
             elif isinstance(e, FailRooms):
+                if e.reason.startswith("clock skew"):  # (e)
+                    assert abs(self.measured[e.addr]) > WINDOW, (e, self.measured)
+                    assert e.endpoint in self.claimed, e
                 for r in self.rooms:
                     if r.addr == e.addr and not r.done and self._hit(r, e):
                         r.done, r.failed = True, e.reason
@@ -112,7 +126,16 @@ class MembershipWorld(RuleBasedStateMachine):
                 assert e.addr not in self.m.peers
             elif isinstance(e, Probe):
                 probes.append(e)
+            elif isinstance(e, Measure):
+                self.measure(e.addr)
         return probes
+
+    def measure(self, addr: str) -> None:
+        """Read ``addr``'s clock, as a ``/health`` answer would (nothing when dead)."""
+        s = self.sites[addr]
+        if s.alive:
+            self.measured[addr] = s.clock
+            self.apply(self.m.clock_measured(addr, s.clock, self.now))
 
     @staticmethod
     def _hit(r: Room, e: FailRooms) -> bool:
@@ -206,6 +229,8 @@ class MembershipWorld(RuleBasedStateMachine):
                 self.apply(self.m.heartbeat_answered(p.addr, s.instance, len(s.missing),
                                                      self.now))
                 self.learned[p.addr] = s.instance
+                if p.addr in self.m.peers:
+                    self.measure(p.addr)
             else:
                 self.apply(self.m.heartbeat_missed(p.addr, "ConnectError", self.now))
 
@@ -226,6 +251,36 @@ class MembershipWorld(RuleBasedStateMachine):
             self.learned[addr] = s.instance
         elif not put and not s.alive:
             self.apply(self.m.lost(addr, Source.LEASE, f"lease of {addr} expired", self.now))
+
+    @rule(addr=st.sampled_from(ADDRS), put=st.booleans())
+    def rank_watch(self, addr: str, put: bool) -> None:
+        """A watch event for one rank: a put naming the instance it replaced, or (the
+        address dead) a delete."""
+        s = self.sites[addr]
+        ep = s.endpoint(s.dp - 1)
+        if put and s.alive:
+            prev = self.etcd.get(ep)
+            self.apply(self.m.rank_put(addr, ep, self.ranks[ep], self.now,
+                                       prev if prev != self.ranks[ep] else None))
+            self.etcd[ep] = self.ranks[ep]
+        elif not put and not s.alive:
+            self.apply(self.m.rank_deleted(addr, ep, self.etcd.pop(ep, self.ranks[ep]),
+                                           self.now))
+
+    @rule(addr=st.sampled_from(ADDRS), far=st.booleans())
+    def clock_jumps(self, addr: str, far: bool) -> None:
+        self.sites[addr].clock = 3600.0 if far else 0.5
+
+    @rule(addr=st.sampled_from(ADDRS), forged=st.booleans())
+    def skew_claimed(self, addr: str, forged: bool) -> None:
+        """A rank of ``addr`` claims skew: truly (its clock is off) or forged (by any
+        holder of the secret, whatever the clocks)."""
+        s = self.sites[addr]
+        if not forged and abs(s.clock) <= WINDOW:
+            return
+        ep = s.endpoint(s.dp - 1)
+        self.claimed.add(ep)
+        self.apply(self.m.clock_claimed(ep, self.now))
 
     @rule(dt=st.sampled_from([0.5, 3.0, 10.0, 40.0]))
     def time_passes(self, dt: float) -> None:

@@ -281,10 +281,11 @@ def test_peer_lost_fails_the_rooms_of_that_prefill_only() -> None:
     assert d.rooms[1].failure == f and len(of(out, Ended)) == 2
 
 
-def test_target_lost_fails_only_rooms_resolved_to_that_instance() -> None:
-    """A discovery event (lease expired, new instance put) fails the rooms bound to the
-    instance that is gone; a room resolved to the new instance at the same endpoint, or
-    not resolved yet, is untouched."""
+def test_peer_lost_at_one_endpoint_fails_only_rooms_bound_to_another_instance() -> None:
+    """One rank replaced (a watch put, a verified refusal: the membership machine's
+    ``FailRooms(endpoint=, keep=new)``) fails the rooms bound to the instance that is
+    gone at that endpoint; a room resolved to the new instance there, a room at another
+    endpoint, or one not resolved yet, is untouched."""
     d = receiver()
     for room in (1, 2, 3, 4):
         d.create(room, BOOT, None, 0.0)
@@ -292,11 +293,11 @@ def test_target_lost_fails_only_rooms_resolved_to_that_instance() -> None:
     d.resolved(2, 2, targets(P0, instance="p-new"), 1.0)
     d.resolved(3, 3, targets(P1, instance="p-old"), 1.0)
     f = RoomFailure(FailureKind.PEER, "prefill rank restarted", "decode")
-    out = d.target_lost(P0, "p-old", f, 2.0)
+    out = d.peer_lost(BOOT, f, 2.0, keep="p-new", endpoint=P0)
     assert [d.rooms[k].status for k in (1, 2, 3, 4)] == [
         KVPoll.Failed, KVPoll.WaitingForInput, KVPoll.WaitingForInput, KVPoll.Bootstrapping]
     assert d.rooms[1].failure == f and len(of(out, Ended)) == 1
-    assert d.target_lost(P0, "p-old", f, 3.0) == []  # already ended: nothing twice
+    assert d.peer_lost(BOOT, f, 3.0, keep="p-new", endpoint=P0) == []  # nothing twice
 
 
 # ---- deadlines and release safety ---------------------------------------------------------
@@ -504,11 +505,12 @@ def test_a_refusal_naming_a_new_instance_fails_only_rooms_bound_to_the_old_one()
     d.init(R + 1, pack_indices([8, 9]), 1, 0.0)  # pages of its own: R's are still live (K42)
     d.resolved(R + 1, d.rooms[R + 1].inc, [Target(P0, "new")], 0.0)
     failure = RoomFailure(FailureKind.PEER, "restarted", "decode")
-    out = d.peer_refused(P0, "new", failure, 1.0)
+    out = d.peer_lost(BOOT, failure, 1.0, keep="new", endpoint=P0)
     assert one(out, Ended).room == R and d.rooms[R].failure == failure
     assert d.rooms[R + 1].status == KVPoll.WaitingForInput and old != "new"
     assert state(d, 1.0) == (KVPoll.Failed, False)  # its pages went out: not yet releasable
-    assert d.peer_refused(P0, None, failure, 2.0) and d.rooms[R + 1].status == KVPoll.Failed
+    assert d.peer_lost(BOOT, failure, 2.0, endpoint=P0)  # a skew: every room at P0
+    assert d.rooms[R + 1].status == KVPoll.Failed
 
 
 def test_i22_room_pages_carry_the_state_slot_and_window_pages_to_every_prefill_rank() -> None:
