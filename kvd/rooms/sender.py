@@ -610,6 +610,10 @@ class SenderRooms:
             self.early.put(msg.room, [*(self.early.get(msg.room) or []),
                                       EarlyAbort(msg.endpoint, msg.inc, peer.rejected)], now)
             return
+        if any((q.msg.endpoint, q.msg.instance_id, q.msg.inc) == (msg.endpoint,
+               msg.instance_id, msg.inc) for q in self.pending.get(msg.room, ())):
+            self.dropped["duplicate"] += 1  # sent again (a resend, K16): buffered once
+            return
         size = len(msg.dst_pages)
         if pages is None or self.pending_by_peer[msg.endpoint] >= self.limits.max_rooms_per_peer \
                 or self.pending_bytes + size > self.limits.max_pending_bytes:

@@ -913,3 +913,19 @@ def test_i22_state_slot_and_window_pages_ride_the_last_chunk_only() -> None:
     out = s.on_pages(bad, 3.0)
     assert status(s, R + 1) == KVPoll.Failed
     assert any("malformed window pages" in str(e) for e in out)
+
+
+def test_k16_pages_sent_again_before_the_room_exists_are_buffered_once() -> None:
+    """A decode that was refused ``unregistered`` registers again and sends its rooms'
+    pages again (K16); pages of a room this rank has not created yet, sent again by the
+    same instance for the same incarnation, are a duplicate: buffered once, counted once
+    against ``max_rooms_per_peer``, never a refusal of the room."""
+    s = sender(limits=Limits(max_rooms_per_peer=2))
+    registered(s)
+    msg = room_pages(R, 1)
+    for t in (1.0, 2.0, 3.0):
+        assert s.on_pages(msg, t) == []
+    assert s.pending_by_peer[D0] == 1 and s.dropped["duplicate"] == 2
+    assert s.on_pages(room_pages(R + 1, 1), 4.0) == []  # another room still fits
+    s.create(R, 5.0)
+    assert set(s.rooms[R].dests) == {D0} and s.pending_by_peer[D0] == 1
