@@ -310,19 +310,20 @@ def _until(cond: Callable[[], bool], bound: float = 30.0) -> None:
 
 
 def test_k43_bytes_in_flight_per_destination_are_bounded(native: FakeNative) -> None:
-    """Big entries: at most ``per_peer_bytes`` in flight per destination (one entry always
-    may go, whatever its size), so a cancelled queue leaves at most that much to land."""
+    """Big entries: at most ``per_peer_bytes`` in flight per destination beyond the first
+    ``min_entries`` (here 1: one entry always may go, whatever its size), so a cancelled
+    queue leaves at most that much to land."""
     item, pages = 1024, 40
     src = np.random.default_rng(5).integers(0, 256, pages * item, dtype=np.uint8)
     dst = np.zeros_like(src)
-    pump = _pump(native, per_peer=100, per_peer_bytes=3 * item)
+    pump = _pump(native, per_peer=100, per_peer_bytes=3 * item, min_entries=1)
     w = Waiter()
     pump.start("a", _desc(src, dst, item, list(range(pages)), list(range(pages))), None, w)
     _until(lambda: _submitted(native, dst, item, pages) == 3)
     native.gate("a").set()
     assert w.wait() is None and np.array_equal(dst, src)
     assert native.max_inflight["a"] == 3
-    big = _pump(native, per_peer=100, per_peer_bytes=1)
+    big = _pump(native, per_peer=100, per_peer_bytes=1, min_entries=1)
     w2 = Waiter()
     dst2 = np.zeros_like(src)
     big.start("a", _desc(src, dst2, item, list(range(pages)), list(range(pages))), None, w2)
