@@ -5,8 +5,9 @@ Two real kvd daemons over Mooncake TCP loopback, engine stand-ins. Baseline: a f
 Loaded: N rooms of ``room_mib`` MiB each are bound and sent (their writes queue in the
 prefill's pump), the prefill engine aborts all N at once, and the same fresh room is
 timed. Without cancellation it waits for the whole queue (the case: 2.98 s vs 0.02 s);
-with it, only for what was in flight (``inflight_entries``/``inflight_bytes``). Also
-reported: bytes of the aborted rooms that still landed, from the prefill's counters.
+with it, only for what was in flight (``inflight_entries``, ``inflight_bytes``,
+``inflight_min_entries``). Also reported: bytes of the aborted rooms that still landed,
+from the prefill's counters.
 Goal: loaded / baseline <= 2 (medians).
 
 Run as ``python benchmarks/run.py --only cancel [--cancel-rooms 150 --cancel-mib 32]``.

@@ -274,10 +274,15 @@ class Settings(BaseSettings):
         help="Mooncake entries in flight per destination; what a cancelled room may still "
              "write is bounded by this window (the rest of its queue is dropped)")
     inflight_bytes: int = _setting(
-        32 << 20, ge=1, unit="bytes",
-        help="Mooncake bytes in flight per destination (one entry always may go): bounds "
-             "what a cancelled room may still write and how long a fresh room waits "
-             "behind cancelled ones")
+        2 << 20, ge=1, unit="bytes",
+        help="Mooncake bytes in flight per destination beyond the first "
+             "inflight_min_entries entries: bounds what a cancelled room may still write "
+             "and how long a fresh room waits behind cancelled ones (K43)")
+    inflight_min_entries: int = _setting(
+        8, ge=1, le=1024, unit="descriptors",
+        help="Mooncake entries that may always be in flight per destination whatever "
+             "their size (within inflight_entries), so big entries keep the link busy; "
+             "inflight_bytes applies beyond them")
     control_send_timeout: float = _setting(5.0, gt=0, unit="s",
                                            help="give up sending one control message after")
     http_timeout: float = _setting(5.0, gt=0, unit="s", help="timeout of one bootstrap request")

@@ -12,13 +12,24 @@ flight is the fastest way to drive the TCP transport here).
 (a planned write to one destination); ``done(error)`` is called from the pump
 thread exactly once, when every entry the job submitted has landed, failed or
 timed out -- never earlier, so the room protocol's release rules hold as with
-a blocking write. Per destination at most ``per_peer`` entries are in flight
-(the TCP transport refuses more than 1024 queued per peer, shared by every
-caller) and at most ``per_peer_bytes`` bytes (one entry always may go): what is in
-flight is what a cancelled room may still write, and how long a fresh room waits behind
-a queue of cancelled ones (K43); jobs of one destination start in FIFO order. A frozen destination
-only holds its own window: the thread keeps polling and serving the others
-(K24, P8), and isolation does not depend on hashing peers onto threads.
+a blocking write. Jobs of one destination start in FIFO order. The window per
+destination:
+
+* at most ``per_peer`` entries in flight (the TCP transport refuses more than 1024
+  queued per peer, shared by every caller);
+* beyond the first ``min_entries`` entries in flight (default 8), which always may go
+  whatever their size, at most ``per_peer_bytes`` bytes (default 2 MiB; counted in
+  entry lengths, an entry that crosses the bound still goes).
+
+What is in flight is what a cancelled room may still write, and how long a fresh room
+waits behind a queue of cancelled ones (K43): at most ``max(min_entries entries,
+per_peer_bytes + one entry)``. The byte bound is small so that this wait is short (2 MiB
+is 1-2 ms at the 1-3 GB/s of Mooncake TCP on loopback; the old 32 MiB made a fresh room
+7-11x its baseline in ``benchmarks/cancel_bench.py``); ``min_entries`` keeps a pipe of
+big entries full (8 x 1 MiB entries in flight, not 2). See docs/transfer.md.
+
+A frozen destination only holds its own window: the thread keeps polling and serving the
+others (K24, P8), and isolation does not depend on hashing peers onto threads.
 
 Rules, same as the blocking path (:func:`kvd.transfer.backends.base.submit_with_retry`):
 
@@ -73,6 +84,9 @@ POLL_MIN, POLL_MAX = 50e-6, 250e-6
 PACE_BPS, PACE_MAX = 2e9, 2e-3
 #: Entries of a job polled per round, oldest first.
 POLL_HEAD = 32
+#: Default window per destination beyond the entry count (module doc, K43): bytes in
+#: flight, and the entries that always may go whatever their size.
+DEFAULT_INFLIGHT_BYTES, DEFAULT_MIN_ENTRIES = 2 << 20, 8
 
 
 @dataclass(eq=False)
@@ -126,10 +140,12 @@ class WritePump:
                  batch_entries: int = 512, retry_budget: float = 1.0,
                  retry_backoff: float = 0.001, timeout_s: float = 30.0,
                  hook: Callable[[str, int, int], int | None] | None = None,
-                 name: str = "kvd-xfer-pump", per_peer_bytes: int = 32 << 20) -> None:
+                 name: str = "kvd-xfer-pump", per_peer_bytes: int = DEFAULT_INFLIGHT_BYTES,
+                 min_entries: int = DEFAULT_MIN_ENTRIES) -> None:
         self._submit, self._check = submit, check
         self.per_peer = max(1, per_peer)
         self.per_peer_bytes = max(1, per_peer_bytes)
+        self.min_entries = max(1, min_entries)
         self.batch_entries = max(1, batch_entries)
         self.retry_budget, self.retry_backoff = retry_budget, retry_backoff
         self.timeout_s = timeout_s
@@ -268,9 +284,10 @@ class WritePump:
         return moved
 
     def _room(self, peer: _Peer) -> bool:
-        """May one more entry go to ``peer`` (its entry and byte windows)?"""
+        """May one more entry go to ``peer``? Below ``min_entries`` in flight always (up to
+        ``per_peer``), beyond them while under ``per_peer_bytes`` (see module doc)."""
         return peer.inflight < self.per_peer and (
-            peer.inflight_bytes < self.per_peer_bytes or not peer.inflight)
+            peer.inflight < self.min_entries or peer.inflight_bytes < self.per_peer_bytes)
 
     def _next_entry(self, job: _Job, now: float) -> int | None:
         """The next fresh entry; at a sub-batch boundary the fault hook is asked first."""

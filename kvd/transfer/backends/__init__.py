@@ -48,7 +48,8 @@ def make_mooncake(s: Settings, submit_hook: Callable[[str, int, int], int | None
         handshake_front=s.transfer_handshake_front, tcp_pool=s.transfer_tcp_pool)
     return MooncakeEngine(opts, s.max_batch_entries, retry_budget=s.transient_retry_s,
                           submit_hook=submit_hook, per_peer_inflight=s.inflight_entries,
-                          per_peer_bytes=s.inflight_bytes)
+                          per_peer_bytes=s.inflight_bytes,
+                          per_peer_min_entries=s.inflight_min_entries)
 
 
 class _NoMooncake:

@@ -32,7 +32,8 @@ is idempotent.
 Writes are driven without spinning (:class:`~kvd.transfer.pump.WritePump`): each
 descriptor is one non-blocking ``transfer_submit_write``, polled with
 ``transfer_check_status`` from one thread for every destination, with at most
-``per_peer_inflight`` entries in flight per destination. The batch calls
+``per_peer_inflight`` entries and, beyond the first ``per_peer_min_entries``, at most
+``per_peer_bytes`` bytes in flight per destination. The batch calls
 (``batch_transfer_sync_write``) busy-wait a core per caller and keep one batch in
 flight; they are not used. :meth:`MooncakeEngine.start_write` returns at once and
 calls back; :meth:`MooncakeEngine.write` blocks on the same path.
@@ -55,7 +56,7 @@ from kvd.transfer.backends.base import CancelToken
 from kvd.transfer.backends.bindaddr import pinned_binds
 from kvd.transfer.backends.handshake import HandshakeFront, Reservation
 from kvd.transfer.plan import Descriptors
-from kvd.transfer.pump import Done, WritePump
+from kvd.transfer.pump import DEFAULT_INFLIGHT_BYTES, DEFAULT_MIN_ENTRIES, Done, WritePump
 
 RDMA_SYSFS = Path("/sys/class/infiniband")
 #: The Mooncake distributions that provide the ``mooncake`` module (install exactly one).
@@ -148,17 +149,20 @@ class MooncakeEngine:
 
     Create one per daemon and keep it: destroying an engine takes about 1 s.
     ``max_batch_entries`` is the sub-batch size the fault hook counts in (<= 1024,
-    the TCP transport's per-peer queue); ``per_peer_inflight`` and ``per_peer_bytes``
-    bound the entries and bytes in flight per destination. A refused entry (a full queue
-    answers like a dead peer) is retried with backoff from ``retry_backoff`` doubling up
-    to 50 ms, for at most ``retry_budget`` seconds and never past the caller's deadline.
+    the TCP transport's per-peer queue); ``per_peer_inflight`` bounds the entries in
+    flight per destination and ``per_peer_bytes`` their bytes beyond the first
+    ``per_peer_min_entries`` entries, which always may go (K43, see the pump). A refused
+    entry (a full queue answers like a dead peer) is retried with backoff from
+    ``retry_backoff`` doubling up to 50 ms, for at most ``retry_budget`` seconds and never
+    past the caller's deadline.
     ``submit_hook`` (fault injection, tests only) may force a sub-batch's rc.
     """
 
     def __init__(self, host: str | MooncakeOptions, max_batch_entries: int = 512,
                  retry_budget: float = 1.0, retry_backoff: float = 0.001,
                  submit_hook: Callable[[str, int, int], int | None] | None = None,
-                 per_peer_inflight: int = 256, per_peer_bytes: int = 32 << 20) -> None:
+                 per_peer_inflight: int = 256, per_peer_bytes: int = DEFAULT_INFLIGHT_BYTES,
+                 per_peer_min_entries: int = DEFAULT_MIN_ENTRIES) -> None:
         opts = host if isinstance(host, MooncakeOptions) else MooncakeOptions(host)
         self.options = opts
         if opts.protocol == "rdma":
@@ -175,7 +179,8 @@ class MooncakeEngine:
                               per_peer=per_peer_inflight, batch_entries=max_batch_entries,
                               retry_budget=retry_budget, retry_backoff=retry_backoff,
                               timeout_s=float(timeout), hook=submit_hook,
-                              per_peer_bytes=per_peer_bytes)
+                              per_peer_bytes=per_peer_bytes,
+                              min_entries=per_peer_min_entries)
 
     @property
     def retried(self) -> int:

@@ -310,22 +310,120 @@ def _until(cond: Callable[[], bool], bound: float = 30.0) -> None:
 
 
 def test_k43_bytes_in_flight_per_destination_are_bounded(native: FakeNative) -> None:
-    """Big entries: at most ``per_peer_bytes`` in flight per destination (one entry always
-    may go, whatever its size), so a cancelled queue leaves at most that much to land."""
+    """Big entries: at most ``per_peer_bytes`` in flight per destination beyond the first
+    ``min_entries`` (here 1: one entry always may go, whatever its size), so a cancelled
+    queue leaves at most that much to land."""
     item, pages = 1024, 40
     src = np.random.default_rng(5).integers(0, 256, pages * item, dtype=np.uint8)
     dst = np.zeros_like(src)
-    pump = _pump(native, per_peer=100, per_peer_bytes=3 * item)
+    pump = _pump(native, per_peer=100, per_peer_bytes=3 * item, min_entries=1)
     w = Waiter()
     pump.start("a", _desc(src, dst, item, list(range(pages)), list(range(pages))), None, w)
     _until(lambda: _submitted(native, dst, item, pages) == 3)
     native.gate("a").set()
     assert w.wait() is None and np.array_equal(dst, src)
     assert native.max_inflight["a"] == 3
-    big = _pump(native, per_peer=100, per_peer_bytes=1)
+    big = _pump(native, per_peer=100, per_peer_bytes=1, min_entries=1)
     w2 = Waiter()
     dst2 = np.zeros_like(src)
     big.start("a", _desc(src, dst2, item, list(range(pages)), list(range(pages))), None, w2)
     assert w2.wait() is None and np.array_equal(dst2, src)
     pump.close(5)
     big.close(5)
+
+
+class FifoLink:
+    """Fake submit/check without memory: entries land in submission order per destination
+    (as on one TCP connection) once ``open`` is set; ``checks`` counts polls per id."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open = threading.Event()
+        self.submitted: list[tuple[int, str, int]] = []  # (id, peer, dst) in order
+        self.landed: list[int] = []
+        self.checks: dict[int, int] = {}
+
+    def submit(self, peer: str, src: int, dst: int, length: int) -> int:
+        with self.lock:
+            bid = len(self.submitted) + 1
+            self.submitted.append((bid, peer, dst))
+        return bid
+
+    def check(self, bid: int) -> int:
+        with self.lock:
+            self.checks[bid] = self.checks.get(bid, 0) + 1
+            peer = self.submitted[bid - 1][1]
+            ahead = [b for b, p, _ in self.submitted[:bid - 1] if p == peer]
+            if not self.open.is_set() or not set(ahead) <= set(self.landed):
+                return 0
+            self.landed.append(bid)
+        return 1
+
+    def window_full(self) -> bool:
+        """The first entry was polled twice: a whole round passed since it was submitted,
+        in which every queued job had its turn to fill the (closed) destination's window."""
+        return self.checks.get(1, 0) >= 2
+
+
+def _fake_desc(first_dst: int, entries: int, length: int) -> Descriptors:
+    dst = np.arange(entries, dtype=np.uint64) * np.uint64(length) + np.uint64(first_dst)
+    return Descriptors(dst + np.uint64(1 << 44), dst, np.full(entries, length, np.uint64))
+
+
+def test_k43_a_fresh_write_queued_behind_cancelled_ones_waits_only_for_the_window() -> None:
+    """The cancel bench's shape at the pump's defaults: 40 queued writes of 16 x 256 KiB
+    entries to one (closed) destination, all cancelled, then a fresh 1-entry write. On a
+    link that lands entries in submission order, the fresh entry lands after at most the
+    window's entries: 8 (2 MiB of 256 KiB entries), counted by submissions, not time. The
+    old default window (32 MiB) let 128 cancelled entries in flight ahead of it."""
+    from kvd.errors import WriteCancelled
+    from kvd.transfer.backends.base import CancelToken
+
+    link, entry, fresh_dst = FifoLink(), 256 << 10, 1 << 40
+    pump = WritePump(link.submit, link.check)  # the defaults under test
+    tokens = [CancelToken((r, 1)) for r in range(40)]
+    waiters = [Waiter() for _ in tokens]
+    for r, (tok, w) in enumerate(zip(tokens, waiters, strict=True)):
+        pump.start("d", _fake_desc(r << 30, 16, entry), None, w, tok)
+    _until(link.window_full)
+    for tok in tokens:
+        tok.cancel()
+    fresh = Waiter()
+    pump.start("d", _fake_desc(fresh_dst, 1, 4096), None, fresh)
+    link.open.set()
+    assert fresh.wait() is None
+    fresh_id = next(b for b, _, dst in link.submitted if dst == fresh_dst)
+    ahead = link.landed.index(fresh_id)  # cancelled entries that landed before the fresh one
+    assert ahead <= 8, f"the fresh write waited behind {ahead} cancelled entries"
+    assert len(link.submitted) - 1 <= 8  # all that the 40 cancelled writes still wrote
+    for w in waiters:
+        assert isinstance(w.wait(), WriteCancelled)
+    pump.close(5)
+
+
+def _in_flight_when_full(length: int, **kw: int) -> int:
+    """Entries of ``length`` bytes in flight to one closed destination once its window is
+    full (one job of 64 entries), at the pump's defaults overridden by ``kw``."""
+    link = FifoLink()
+    pump = WritePump(link.submit, link.check, **kw)  # type: ignore[arg-type]
+    w = Waiter()
+    pump.start("d", _fake_desc(1 << 30, 64, length), None, w)
+    _until(link.window_full)
+    n = len(link.submitted)
+    link.open.set()
+    assert w.wait() is None and len(link.landed) == 64
+    pump.close(5)
+    return n
+
+
+def test_k43_min_entries_go_whatever_their_size() -> None:
+    """At the defaults 8 entries may be in flight per destination however big they are
+    (before: one, once the byte bound was reached), so a bulk write of big entries keeps
+    the link busy; the byte bound applies beyond them and ``per_peer`` caps both."""
+    mib = 1 << 20
+    assert _in_flight_when_full(mib, per_peer_bytes=1) == 8  # default min_entries
+    assert _in_flight_when_full(mib) == 8  # default byte bound (2 MiB) below 8 x 1 MiB
+    assert _in_flight_when_full(mib, per_peer_bytes=1, min_entries=3) == 3
+    assert _in_flight_when_full(mib, per_peer_bytes=5 * mib, min_entries=3) == 5
+    assert _in_flight_when_full(64 << 10) == 32  # 2 MiB of 64 KiB entries
+    assert _in_flight_when_full(mib, per_peer=4) == 4
