@@ -195,6 +195,8 @@ class DecodeSide(Side):
         #: prefill endpoint -> when this rank last sent it a message (registered ones only)
         self.last_sent: dict[str, float] = {}
         self._registering: dict[tuple[str, str], asyncio.Future[None]] = {}
+        #: (prefill endpoint, instance) whose rooms' pages are about to be sent again (K16)
+        self._resending: set[tuple[str, str]] = set()
         st = core.settings
         self.members = Members(Limits(
             max_failures=st.heartbeat_max_failures, peer_ttl=st.peer_ttl,
@@ -334,9 +336,13 @@ class DecodeSide(Side):
                         extra=fields(peer=endpoint))
             self.run(self.rooms.target_lost(endpoint, instance, failure, now))
             return
+        key = (endpoint, instance)
+        if key in self._resending:  # one resend per burst of refusals: it sends them all
+            return
         log.info("prefill rank %s holds no registration of this rank: registering again "
                  "and sending the pages of %d rooms again", endpoint, len(bound),
                  extra=fields(peer=endpoint))
+        self._resending.add(key)
         self.core.spawn(self._register_and_resend(endpoint, instance),
                         f"reregister-{endpoint}")
 
@@ -347,6 +353,8 @@ class DecodeSide(Side):
             log.warning("prefill rank %s: registering again failed: %s", endpoint, exc,
                         extra=fields(peer=endpoint))
             return
+        finally:
+            self._resending.discard((endpoint, instance))
         self.run(self.rooms.resend_to(endpoint, instance, self.core.clock()))
 
     async def _verify_rank(self, addr: str, endpoint: str,
