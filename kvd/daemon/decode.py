@@ -197,6 +197,9 @@ class DecodeSide(Side):
         self._registering: dict[tuple[str, str], asyncio.Future[None]] = {}
         #: (prefill endpoint, instance) whose rooms' pages are about to be sent again (K16)
         self._resending: set[tuple[str, str]] = set()
+        #: prefill endpoint -> (instance, reason) whose last registration of this rank it
+        #: refused ``full`` (K16); cleared when this rank registers there again
+        self.refused_full: dict[str, tuple[str, str]] = {}
         st = core.settings
         self.members = Members(Limits(
             max_failures=st.heartbeat_max_failures, peer_ttl=st.peer_ttl,
@@ -320,18 +323,24 @@ class DecodeSide(Side):
           ``registration``), and the next room registers afresh.
 
         Rooms bound to another instance at that endpoint are untouched (that refusal
-        says nothing of them); with none bound to it, nothing is done."""
+        says nothing of them). A ``full`` refusal is also kept until this rank registers
+        there again: a room whose lookup sent the refused registration but had not bound
+        its targets when the answer came fails as it binds (:meth:`_resolve`), instead of
+        sending pages the prefill drops unanswered until ``waiting_timeout``."""
         now = self.core.clock()
         bound = [r for r in self.rooms.rooms.values() if not r.done and any(
             t.endpoint == endpoint and t.instance == instance for t in r.targets or ())]
         if self.registered.get(endpoint) == instance:
             del self.registered[endpoint]  # the prefill does not hold it: never trust it
+        if why == "full":  # a room resolving now to it fails when it binds (_resolve)
+            self.refused_full[endpoint] = (instance, f"prefill rank {endpoint} refused this "
+                                           f"decode rank's registration: it holds max_peers "
+                                           f"decode ranks already")
         if not bound:
             return
         if why == "full":
-            failure = RoomFailure(FailureKind.REGISTRATION, f"prefill rank {endpoint} "
-                                  f"refused this decode rank's registration: it holds "
-                                  f"max_peers decode ranks already", self.role)
+            failure = RoomFailure(FailureKind.REGISTRATION, self.refused_full[endpoint][1],
+                                  self.role)
             log.warning("%s (%d rooms fail)", failure.reason, len(bound),
                         extra=fields(peer=endpoint))
             self.run(self.rooms.target_lost(endpoint, instance, failure, now))
@@ -415,6 +424,11 @@ class DecodeSide(Side):
                                        self.core.clock())
             failure = None if skew is None else RoomFailure(
                 FailureKind.PEER, f"room {eff.room}: {skew}", self.role)
+            full = next((self.refused_full[t.endpoint][1] for t in targets
+                         if self.refused_full.get(t.endpoint, ("", ""))[0] == t.instance), None)
+            if failure is None and full is not None:  # refused while the lookup ran (K16)
+                failure = RoomFailure(FailureKind.REGISTRATION, f"room {eff.room}: {full}",
+                                      self.role)
         except KvdError as exc:
             failure = RoomFailure(_kind_of(exc), f"room {eff.room}: {exc}", self.role)
         finally:
@@ -506,6 +520,7 @@ class DecodeSide(Side):
             pool = exported[0]
         msg = control.RegisterRank(self.core.instance_id, self.core.control.endpoint,
                                    ranks.attn_tp_rank, ranks.attn_tp_size, local.wire, pool)
+        self.refused_full.pop(endpoint, None)  # this registration may be held: its answer says
         if not await self.core.send(endpoint, msg, instance):  # sealed for that instance
             raise PeerUnreachable(f"cannot reach prefill rank {endpoint}")
         self.registered[endpoint] = instance
@@ -690,6 +705,7 @@ class DecodeSide(Side):
                 self.bootstrap.forget(r.key)
             case ResourceKind.REGISTRATION:
                 self.registered.pop(r.key, None)
+                self.refused_full.pop(r.key, None)
                 self.last_sent.pop(r.key, None)
             case ResourceKind.SOCKET:
                 self.core.control.drop(r.key)

@@ -39,7 +39,9 @@ Rules, same as the blocking path (:func:`kvd.transfer.backends.base.submit_with_
 * a refused or failed entry is submitted again (the same bytes: idempotent) with
   backoff from ``retry_backoff`` doubling to 50 ms, for at most ``retry_budget``
   seconds since the first refusal or failure with no entry landed since, and never past
-  the job's deadline;
+  the job's deadline; time a job due to retry waits for its destination's window (other
+  rooms' entries in flight) is not counted: that is this daemon's queue, not the peer
+  refusing (K18: under load a room behind 49 others failed after three refusals);
 * no entry starts after the job's ``deadline`` (monotonic s): the job then fails
   once its entries in flight have returned;
 * no entry starts once the job's cancellation token (:class:`~kvd.transfer.backends.
@@ -104,6 +106,7 @@ class _Job:
     retry: deque[int] = field(default_factory=deque)  # entries to submit again
     retry_at: float = 0.0               # no submission before this (backoff)
     retry_since: float | None = None    # first refusal of the current streak
+    held_since: float | None = None     # due to retry, but the window was full (not counted)
     backoff: float = 0.0
     batch_no: int | None = None         # number of the sub-batch about to start
     attempt: int = 0                    # hook attempts of the current sub-batch
@@ -250,8 +253,16 @@ class WritePump:
             job.retry.clear()
             self.cancelled += 1
             return True
-        if not job.unsubmitted or not self._room(peer) or now < job.retry_at:
+        if not job.unsubmitted or now < job.retry_at:
             return False
+        if not self._room(peer):
+            if job.retry_since is not None and job.held_since is None:
+                job.held_since = now  # waiting for its own window is not being refused
+            return False
+        if job.held_since is not None:
+            if job.retry_since is not None:
+                job.retry_since += now - job.held_since
+            job.held_since = None
         if job.deadline is not None and now > job.deadline:
             left = len(job.src) - job.next + len(job.retry)
             self._stop(job, TransportError(

@@ -500,3 +500,33 @@ async def test_k16_a_prefill_at_max_peers_fails_the_refused_decodes_rooms_at_onc
     assert kind == "registration" and "max_peers" in reason, reason
     assert p.side.rooms.dropped["max_peers"] >= 1
     assert set(p.side.rooms.peers) == {d1.endpoint}
+
+
+async def test_k16_a_full_refusal_that_comes_before_the_room_binds_still_fails_it(
+        cluster: Cluster) -> None:
+    """A prefill of two TP ranks; rank 0 holds one decode rank (``max_peers`` 1), rank 1
+    two. D2's lookup registers with rank 0, then looks rank 1 up: rank 0's ``full``
+    refusal is read while no room is bound to it yet. The refusal is kept, so the room
+    fails as it binds (kind registration) instead of sending rank 0 pages it drops
+    unanswered until the room's waiting deadline."""
+    source = SPEC.global_kv(12)
+    p0 = await cluster.node("prefill", attn_tp_size=2, attn_tp_rank=0, max_peers=1)
+    p1 = await cluster.node("prefill", bootstrap=p0, attn_tp_size=2, attn_tp_rank=1,
+                            max_peers=2)
+    e0 = await p0.shard_engine(SPEC, 0, 2, source=source, seed=1)
+    e1 = await p1.shard_engine(SPEC, 1, 2, source=source, seed=2)
+    d1, d2 = await cluster.node("decode"), await cluster.node("decode")
+    de1 = await d1.shard_engine(SPEC, 0, 1, seed=3)
+    de2 = await d2.shard_engine(SPEC, 0, 1, seed=4)
+    await de1.receiver(199, [0, 1], p0.http_addr)
+    await e0.sender(199, [3, 4])
+    await e1.sender(199, [3, 4])
+    await settle(cluster)
+    assert await de1.status(199) == SUCCESS and de1.pool.holds(source, [3, 4], [0, 1])
+    await de2.receiver(200, [0, 1], p0.http_addr)
+    await settle(cluster)  # no time passes
+    assert p0.side.rooms.dropped["max_peers"] >= 1
+    assert d2.endpoint in p1.side.rooms.peers  # rank 1 took it: only rank 0 refused
+    assert await de2.status(200) == FAILED
+    kind, reason = await de2.failure(200)
+    assert kind == "registration" and "max_peers" in reason, reason

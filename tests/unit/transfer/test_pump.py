@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -229,6 +230,43 @@ def test_hook_numbers_sub_batches_once_and_retries_them(native: FakeNative) -> N
     pump.retry_budget = 1.0
     assert w2.wait() is None and np.array_equal(dst, src)
     assert [b for b, a in seen if a == 2] == [1, 2]  # each sub-batch: two refusals, then on
+    pump.close(5)
+
+
+def test_k18_time_waiting_for_the_window_is_not_counted_against_the_retry_budget(
+        native: FakeNative) -> None:
+    """K18: job B's sub-batch is refused (transient queue full); while it backs off, job C
+    to the same destination fills the window, and the destination holds C's entries far
+    longer than the retry budget. Once C lands B is refused once more and then accepted:
+    it succeeds, because the time it waited for the window was this pump's queue, not
+    the peer refusing (it used to fail 'refused ... for 0.5s' under load)."""
+    item, per_peer = 8, 4
+    src = np.arange(16 * item, dtype=np.uint8)
+    dst_b, dst_c = np.zeros_like(src), np.zeros_like(src)
+    b_attempts: list[int] = []
+
+    def hook(peer: str, batch_no: int, attempt: int) -> int | None:
+        if batch_no != 0:  # C's sub-batch
+            return None
+        b_attempts.append(attempt)
+        return -1 if attempt < 2 else None  # once before the wait, once after
+
+    pump = _pump(native, per_peer=per_peer, min_entries=per_peer, retry_budget=0.05,
+                 hook=hook)
+    b, c = Waiter(), Waiter()
+    with pump._cond:  # both queued before the pump's first round: B is refused first
+        pump.start("p", _desc(src, dst_b, item, list(range(4)), list(range(4))), None, b)
+        pump.start("p", _desc(src, dst_c, item, list(range(16)), list(range(16))), None, c)
+    deadline = time.monotonic() + 30
+    while native.max_inflight.get("p", 0) < per_peer:  # C holds the whole window
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    time.sleep(0.5)  # ten budgets pass with B due to retry and no room for it
+    assert not b.event.is_set() and b_attempts == [0]
+    native.gate("p").set()
+    assert b.wait() is None and np.array_equal(dst_b[:4 * item], src[:4 * item])
+    assert c.wait() is None and np.array_equal(dst_c, src)
+    assert b_attempts == [0, 1, 2]
     pump.close(5)
 
 
