@@ -509,6 +509,7 @@ class DecodeSide(Side):
         if addr not in self.members.peers:
             return
         data, error, offset = await self._health(addr)
+        via = http_url(addr, "/health")
         if data is None:
             self._missed(addr, error)
             return
@@ -521,7 +522,7 @@ class DecodeSide(Side):
             addr, instance if isinstance(instance, str) else None,
             epoch if isinstance(epoch, int) else None, self.core.clock()))
         if offset is not None:
-            self.apply(self.members.clock_measured(addr, offset, self.core.clock()))
+            self.apply(self.members.clock_measured(addr, offset, self.core.clock(), via))
 
     async def measure(self, addr: str) -> None:
         """The answer to :class:`~kvd.membership.effects.Measure`: read ``addr``'s clock
@@ -532,7 +533,8 @@ class DecodeSide(Side):
             log.info("prefill %s: clock not measured (%s); a claimed skew fails nothing",
                      addr, error or "no clock_s in /health", extra=fields(peer=addr))
             return
-        self.apply(self.members.clock_measured(addr, offset, self.core.clock()))
+        self.apply(self.members.clock_measured(addr, offset, self.core.clock(),
+                                               http_url(addr, "/health")))
 
     async def _health(self, addr: str) -> tuple[dict[str, Any] | None, str, float | None]:
         """``GET /health`` of ``addr`` (bounded by the heartbeat interval): the answer
@@ -686,7 +688,16 @@ class DecodeSide(Side):
         offset = self.core.control.clock_offset(endpoint) if endpoint else None
         return {"last_message": last_message, "clock_offset_s": offset,
                 "last_heartbeat": self.wall(h.last_ok) if h else None,
-                "last_error": error, "last_error_time": error_time}
+                "last_error": error, "last_error_time": error_time, **self._measured(h)}
+
+    def _measured(self, h: Member | None) -> dict[str, Any]:
+        """The ``clock_measured_*`` fields: the membership machine's own newest reading
+        of the peer's clock (none yet: no fields)."""
+        c = h.clock if h else None
+        if c is None:
+            return {}
+        return {"clock_measured_s": round(c.offset, 3), "clock_measured_at": self.wall(c.at),
+                "clock_measured_from": c.via}
 
 
 def _heartbeat(h: Member | None) -> str:
