@@ -54,8 +54,15 @@ class Peer(BaseModel):
     last_heartbeat: float | None = None  # unix s: last answered heartbeat (decode side)
     last_error: Foreign = ""
     last_error_time: float | None = None
-    # s: the peer's wall clock minus this daemon's, from its last authentic frame (K40)
+    # s: the peer's wall clock minus this daemon's as its last authentic frame's seal
+    # dates it (K40): the peer's claim, what `kvd peers` and `kvd doctor` show
     clock_offset_s: float | None = None
+    # decode side: this daemon's own reading of the peer's clock (its /health clock_s
+    # against the request's midpoint; what confirms or contradicts a skew claim, K40):
+    # the peer's minus this daemon's (s), when it was read (unix s) and the URL read
+    clock_measured_s: float | None = None
+    clock_measured_at: float | None = None
+    clock_measured_from: Foreign = ""
 
 
 class Room(BaseModel):

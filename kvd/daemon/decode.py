@@ -18,13 +18,13 @@ from typing import Any
 
 import httpx
 
-from kvd.addr import http_url, join_hostport, parse_hostport
-from kvd.bootstrap.table import ParallelInfo, RankInfo
+from kvd.addr import http_url, parse_hostport
 from kvd.control.routing import Target as RouteTarget
 from kvd.control.routing import resolve_targets
 from kvd.daemon.core import Core
 from kvd.daemon.side import RoomView, Side, Snapshot, not_available
 from kvd.discovery.base import Lookups
+from kvd.discovery.bootstrap import BootstrapClient, endpoint_of
 from kvd.discovery.events import PeerEvent, PeerPut
 from kvd.errors import (
     BootstrapError,
@@ -46,124 +46,16 @@ from kvd.membership.effects import (
     Verify,
 )
 from kvd.membership.effects import Effect as MemberEffect
-from kvd.membership.machine import Limits, Members, skew_reason
+from kvd.membership.machine import Limits, Members
 from kvd.membership.machine import Peer as Member
 from kvd.protocol import control, rpc
 from kvd.rooms.effects import AbortUnknown, Effect, Resolve, Send, WriteAux
 from kvd.rooms.receiver import ReceiverRooms, Target
 from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
-from kvd.security import CLOCK_HEADER
 from kvd.transfer.kvargs import RankArgs
 
 log = logging.getLogger("kvd.decode")
-
-
-class BootstrapClient:
-    """Cached, bounded lookups on prefill bootstrap servers (one loop, async httpx).
-
-    503 (not every rank registered yet) and connection errors are retried with
-    backoff for up to ``budget`` seconds; other 4xx answers fail at once.
-    Concurrent lookups of the same key share one request; at most ``slots`` requests
-    are in flight at once, the others wait for one within their budget (K41).
-    """
-
-    def __init__(self, core: Core, budget: float, slots: int = 32) -> None:
-        self.core = core
-        self.budget = budget
-        self._slots = asyncio.Semaphore(slots)  # /route requests in flight (K41)
-        self.info: dict[str, ParallelInfo] = {}
-        self.ranks: dict[tuple[str, int, int, int], RankInfo] = {}
-        self._inflight: dict[tuple[object, ...], asyncio.Future[dict[str, object]]] = {}
-
-    def forget(self, addr: str) -> set[str]:
-        """Drop everything cached for bootstrap ``addr``; returns its rank endpoints."""
-        self.info.pop(addr, None)
-        endpoints = set()
-        for key in [k for k in self.ranks if k[0] == addr]:
-            endpoints.add(endpoint_of(self.ranks.pop(key)))
-        return endpoints
-
-    async def _get_shared(self, addr: str, params: dict[str, int],
-                          retry: bool = True) -> dict[str, object]:
-        # a one-try lookup (peer down) never joins a retrying one: that may run for the
-        # whole budget although the rooms that started it failed already
-        key = (addr, retry, *sorted(params.items()))
-        fut = self._inflight.get(key)
-        if fut is None:
-            fut = asyncio.ensure_future(self._get(addr, params, retry))
-            self._inflight[key] = fut
-            fut.add_done_callback(lambda _: self._inflight.pop(key, None))
-        return await asyncio.shield(fut)
-
-    async def _get(self, addr: str, params: dict[str, int],
-                   retry: bool = True) -> dict[str, object]:
-        """One ``/route`` answer. 503 (not every rank registered yet) and connection errors
-        are retried with backoff within ``budget`` s; without ``retry`` (the peer is down)
-        a connection error fails at once, while a 503 -- the server answered: it is up --
-        is still retried within the budget."""
-        loop = asyncio.get_running_loop()
-        url, deadline, delay = http_url(addr, "/route"), loop.time() + self.budget, 0.05
-        last = ""
-        while True:
-            try:
-                async with self._slots:
-                    if loop.time() > deadline:
-                        raise BootstrapError(f"bootstrap {addr}: {last or 'no lookup slot'} "
-                                             f"after {self.budget:.0f}s (lookups queued)")
-                    resp = await self.core.http("GET", url, params=params)
-                if resp.status_code == 200:
-                    result: dict[str, object] = resp.json()
-                    return result
-                last = f"{resp.status_code} {resp.text.strip()}"
-                skew = _skew_of(resp)
-                if skew is not None:
-                    raise ClockSkew(skew_reason(f"bootstrap {addr}", -skew,
-                                                self.core.settings.auth_max_skew))
-                if resp.status_code != 503:
-                    raise BootstrapError(f"bootstrap {addr} answered {last}")
-            except httpx.HTTPError as exc:
-                last = f"bootstrap unreachable ({type(exc).__name__})"
-                if not retry:
-                    raise BootstrapError(f"bootstrap {addr}: {last} (peer down: one "
-                                         f"try)") from exc
-            except ValueError as exc:  # a 200 whose body is not JSON
-                raise BootstrapError(f"bootstrap {addr} sent a malformed answer: {exc}") from exc
-            if loop.time() + delay > deadline:
-                raise BootstrapError(f"bootstrap {addr}: {last} after {self.budget:.0f}s")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
-
-    async def parallel_info(self, addr: str, retry: bool = True,
-                            seen: Callable[[ParallelInfo], object] | None = None
-                            ) -> ParallelInfo:
-        """The prefill instance's sizes (cached per bootstrap address). A fresh answer
-        goes to ``seen`` before it is cached (the membership machine learns the instance
-        it names, which may close older lookups). ``retry``: see :meth:`_get`."""
-        cached = self.info.get(addr)
-        if cached is not None:
-            return cached
-        data = await self._get_shared(addr, {"engine_rank": -1, "target_dp_group": -1,
-                                             "target_pp_rank": -1}, retry)
-        info = ParallelInfo.model_validate(data)
-        if seen is not None:
-            seen(info)
-        self.info[addr] = info
-        return info
-
-    async def rank(self, addr: str, t: RouteTarget) -> RankInfo:
-        """Where prefill rank (tp, dp, pp) listens (cached)."""
-        key = (addr, t.tp_rank, t.dp_group, t.pp_rank)
-        if key not in self.ranks:
-            data = await self._get_shared(addr, {"engine_rank": t.tp_rank, "target_dp_group":
-                                                 t.dp_group, "target_pp_rank": t.pp_rank})
-            self.ranks[key] = RankInfo.model_validate(data)
-        return self.ranks[key]
-
-
-def endpoint_of(rank: RankInfo) -> str:
-    """The control endpoint of a prefill rank from its bootstrap entry."""
-    return f"tcp://{join_hostport(rank.rank_ip.strip('[]'), rank.rank_port)}"
 
 
 class PeerRestarted(KvdError):
@@ -182,7 +74,8 @@ class DecodeSide(Side):
     def __init__(self, core: Core) -> None:
         super().__init__(core)
         self.rooms = ReceiverRooms(core.control.endpoint, core.instance_id, self.timeouts)
-        self.bootstrap: Lookups = BootstrapClient(core, core.settings.bootstrap_retry_budget,
+        self.bootstrap: Lookups = BootstrapClient(core.http, core.settings.bootstrap_retry_budget,
+                                                  core.settings.auth_max_skew,
                                                   core.settings.bootstrap_max_lookups)
         self.etcd = None
         if core.settings.discovery == "etcd":  # watched leases replace heartbeats
@@ -616,6 +509,7 @@ class DecodeSide(Side):
         if addr not in self.members.peers:
             return
         data, error, offset = await self._health(addr)
+        via = http_url(addr, "/health")
         if data is None:
             self._missed(addr, error)
             return
@@ -628,7 +522,7 @@ class DecodeSide(Side):
             addr, instance if isinstance(instance, str) else None,
             epoch if isinstance(epoch, int) else None, self.core.clock()))
         if offset is not None:
-            self.apply(self.members.clock_measured(addr, offset, self.core.clock()))
+            self.apply(self.members.clock_measured(addr, offset, self.core.clock(), via))
 
     async def measure(self, addr: str) -> None:
         """The answer to :class:`~kvd.membership.effects.Measure`: read ``addr``'s clock
@@ -639,7 +533,8 @@ class DecodeSide(Side):
             log.info("prefill %s: clock not measured (%s); a claimed skew fails nothing",
                      addr, error or "no clock_s in /health", extra=fields(peer=addr))
             return
-        self.apply(self.members.clock_measured(addr, offset, self.core.clock()))
+        self.apply(self.members.clock_measured(addr, offset, self.core.clock(),
+                                               http_url(addr, "/health")))
 
     async def _health(self, addr: str) -> tuple[dict[str, Any] | None, str, float | None]:
         """``GET /health`` of ``addr`` (bounded by the heartbeat interval): the answer
@@ -793,7 +688,16 @@ class DecodeSide(Side):
         offset = self.core.control.clock_offset(endpoint) if endpoint else None
         return {"last_message": last_message, "clock_offset_s": offset,
                 "last_heartbeat": self.wall(h.last_ok) if h else None,
-                "last_error": error, "last_error_time": error_time}
+                "last_error": error, "last_error_time": error_time, **self._measured(h)}
+
+    def _measured(self, h: Member | None) -> dict[str, Any]:
+        """The ``clock_measured_*`` fields: the membership machine's own newest reading
+        of the peer's clock (none yet: no fields)."""
+        c = h.clock if h else None
+        if c is None:
+            return {}
+        return {"clock_measured_s": round(c.offset, 3), "clock_measured_at": self.wall(c.at),
+                "clock_measured_from": c.via}
 
 
 def _heartbeat(h: Member | None) -> str:
@@ -808,15 +712,6 @@ def _health_detail(h: Member | None) -> str:
     if h.misses and h.last_error:
         return f"; failing: {h.last_error}"
     return "" if h.last_ok else "; never answered"
-
-
-def _skew_of(resp: httpx.Response) -> float | None:
-    """A 401's claim that our request was signed this far (s) ahead of the server's clock."""
-    value = resp.headers.get(CLOCK_HEADER) if resp.status_code == 401 else None
-    try:
-        return float(value) if value is not None else None
-    except ValueError:
-        return None
 
 
 def _kind_of(exc: KvdError) -> FailureKind:

@@ -4,7 +4,7 @@ they are now.
 One module per source behind the small interface of :mod:`kvd.discovery.base`:
 
 * ``bootstrap`` (the default): SGLang's ``/route`` lookups on the prefill's bootstrap
-  server (``kvd.daemon.decode.BootstrapClient``) and the prefill's ``PUT /route``
+  server (:mod:`kvd.discovery.bootstrap`) and the prefill's ``PUT /route``
   (``kvd.daemon.prefill``); liveness from heartbeats.
 * ``etcd`` (:mod:`kvd.discovery.etcd`): each prefill rank puts its registration under a
   lease in etcd and keeps it alive; decodes read and *watch* the cluster's prefix, so a

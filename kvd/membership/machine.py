@@ -84,10 +84,11 @@ class Fact:
 class Clock:
     """This side's own measurement of a peer's wall clock: the peer's minus this side's
     (``offset``, s; the half round trip of the request is the error) at ``at``
-    (monotonic s)."""
+    (monotonic s), read from ``via`` (the URL that answered; empty when not told)."""
 
     offset: float
     at: float
+    via: str = ""
 
 
 @dataclass
@@ -353,16 +354,18 @@ class Members:
                 out.append(Measure(addr))
         return out
 
-    def clock_measured(self, addr: str, offset: float, now: float) -> list[Effect]:
+    def clock_measured(self, addr: str, offset: float, now: float,
+                       via: str = "") -> list[Effect]:
         """This side read ``addr``'s clock: it is ``offset`` s off this side's (its minus
-        ours; from a heartbeat or the answer to :class:`Measure`). Beyond ``max_skew``:
-        the claims waiting for it are confirmed (their rooms fail, kind ``peer``, the
-        offset named; their registrations are dropped). Within: they are contradicted
-        and dropped, failing nothing, and the skew memory of ``addr`` ends."""
+        ours; from a heartbeat or the answer to :class:`Measure`, read from ``via``).
+        Beyond ``max_skew``: the claims waiting for it are confirmed (their rooms fail,
+        kind ``peer``, the offset named; their registrations are dropped). Within: they
+        are contradicted and dropped, failing nothing, and the skew memory of ``addr``
+        ends."""
         p = self.peers.get(addr)
         if p is None:
             return []
-        c = p.clock = Clock(offset, now)
+        c = p.clock = Clock(offset, now, via)
         claims, p.claims = p.claims, set()
         out: list[Effect] = []
         if not self._beyond(c):

@@ -235,3 +235,22 @@ async def test_s11_a_forged_instance_refusal_leaves_the_registration_and_the_roo
     await pe.send(432, [1])
     await settle(cluster)
     assert await de.status(432) == SUCCESS and same_pages(de, pe, [1], [0])
+
+
+async def test_k40_status_shows_the_decodes_own_reading_of_a_prefill_clock(
+        cluster: Cluster) -> None:
+    """D's peer row carries both offsets: ``clock_offset_s`` as P's seals date P's frames,
+    and ``clock_measured_*``, D's own reading of P's ``/health`` clock (the one that
+    confirms or contradicts a skew claim): the offset, when it was read, from which URL."""
+    p, d, pe, de = await pair(cluster, d_opts={"test_clock_offset": 20.0})
+    await de.receiver(406, [0], p.http_addr)
+    await pe.sender(406, [1])
+    await settle(cluster)
+    assert await de.status(406) == SUCCESS
+    before = time.time()
+    await d.heartbeat()
+    row = {r.endpoint: r for r in d.side.snapshot().peers}[p.endpoint]
+    assert row.clock_offset_s is not None and -25 < row.clock_offset_s < -15
+    assert row.clock_measured_s is not None and -25 < row.clock_measured_s < -15
+    assert row.clock_measured_from == f"http://{p.http_addr}/health"
+    assert row.clock_measured_at is not None and row.clock_measured_at >= before - 1
