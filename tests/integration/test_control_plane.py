@@ -19,7 +19,7 @@ from kvd.client import KVPoll, Receiver, Sender
 from kvd.launch import LAUNCH_SECRET, DaemonProcess, start_daemon
 from kvd.protocol import control, rpc
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
-from tests.conftest import PdPair, health, start_pair, stop_pair
+from tests.conftest import PdPair, free_port, health, start_pair, stop_pair
 from tests.integration.test_security import FAST_HEARTBEAT, _flood, _misses, _while_flooding
 
 KVD = [sys.executable, "-m", "kvd.cli.main"]
@@ -257,4 +257,86 @@ def test_k39_soak_many_decodes_come_and_go_and_the_prefill_returns_to_baseline(
         assert after["rss"] <= base["rss"] + (32 << 20), (base, after)
     finally:
         engine.close()
+        p.stop()
+
+
+def _three_ports() -> tuple[int, int]:
+    """Three consecutive ports free on 127.0.0.1 below the ephemeral range (first, last)."""
+    import random
+    import socket
+
+    for _ in range(200):
+        first = random.randrange(20000, 32000)
+        try:
+            with socket.socket() as a, socket.socket() as b, socket.socket() as c:
+                for s, port in ((a, first), (b, first + 1), (c, first + 2)):
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return first, first + 2
+    raise AssertionError("no three free consecutive ports in 20000-32000")
+
+
+def _data_port(d: DaemonProcess, first: int, last: int) -> int:
+    """The decode's Mooncake TCP data port: its listener in the transfer range that is not
+    its handshake (session) port."""
+    from kvd.netstat import listeners
+
+    session_port = int(d.ready["session_id"].rsplit(":", 1)[1])
+    found = {x.port for x in listeners(d.proc.pid)
+             if first <= x.port <= last and x.port != session_port}
+    assert len(found) == 1, found
+    return found.pop()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_k39_a_decode_restarted_at_a_dead_decodes_session_name_is_written_byte_for_byte(
+        tmp_path: Path) -> None:
+    """K39's sibling (found by the soak): D serves a room, is SIGKILLed and comes back on
+    the SAME control, HTTP and transfer handshake port -- the same transfer session name
+    -- but another Mooncake data port (the dead one's is taken). Once P knows the new
+    instance (its registration), P's transfer backend must not dial what it cached for
+    the dead one: the new instance's room lands byte for byte."""
+    import socket
+
+    first, last = _three_ports()
+    ports = {"zmq_port": free_port(), "http_port": free_port(),
+             "transfer_port_range": f"{first}-{last}"}
+    p = start_daemon("prefill", tmp_path, serve_bootstrap=True)
+    pe = EngineStandIn(p.socket, seed=1)
+    d = start_daemon("decode", tmp_path, **ports)
+    de = EngineStandIn(d.socket, seed=2)
+    try:
+        _s, _r = transfer_room(pe, de, p.http_addr, 1, [1, 2], [3, 4], chunk=2)
+        assert wait_rooms(de.client, [1], timeout=60) == [KVPoll.Success]
+        assert de.pages_equal(pe, [1, 2], [3, 4])
+        session, old_data = d.ready["session_id"], _data_port(d, first, last)
+        # Mooncake picks ports in the range at random, and the dead one's handshake port
+        # is refused to it while its relays' sockets sit in TIME_WAIT (up to 60 s)
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            de.close()
+            d.kill(signal.SIGKILL)
+            d.proc.wait(30)
+            with socket.socket() as squat:  # the dead one's data port: taken
+                squat.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                squat.bind(("127.0.0.1", old_data))
+                squat.listen(1)
+                d = start_daemon("decode", tmp_path, **ports)
+            de = EngineStandIn(d.socket, seed=3)
+            if d.ready["session_id"] == session:
+                break
+            time.sleep(1.0)
+        assert d.ready["session_id"] == session  # the same transfer session name
+        assert _data_port(d, first, last) != old_data
+        for room in (2, 3):  # the first registers the new instance with P
+            send, recv = transfer_room(pe, de, p.http_addr, room, [5, 6], [7, 8], chunk=2)
+            assert wait_rooms(de.client, [room], timeout=60) == [KVPoll.Success], \
+                (recv.failure(), send.failure())
+            assert de.pages_equal(pe, [5, 6], [7, 8])
+    finally:
+        de.close()
+        pe.close()
+        d.stop()
         p.stop()
