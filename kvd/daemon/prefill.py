@@ -79,6 +79,8 @@ class PrefillSide(Side):
                    peer_ttl=s.peer_ttl))
         self._registrations: dict[str, control.RegisterRank] = {}
         self._sessions: dict[str, str] = {}  # decode endpoint -> its transfer address
+        # transfer address -> the decode instance the backend's cache of it is renewed for
+        self._session_instances: dict[str, str] = {}
         self._layout: RankLayout | None = None
         self._pairs: dict[str, PairPlan] = {}  # decode endpoint -> its planning constants
         self._writes: set[asyncio.Task[None]] = set()
@@ -274,6 +276,17 @@ class PrefillSide(Side):
             if old is not None and old != session:
                 self.core.spawn(self._detach_later(old), f"detach-{old}")
         self._sessions[msg.endpoint] = session
+        self._renew(session, msg.instance_id)
+
+    def _renew(self, session: str, instance: str) -> None:
+        """K39: a transfer address registered by an instance the backend's cache of it was
+        not renewed for (a decode restarted on the same address, or any first
+        registration) is renewed before the first write to it (the executor holds the
+        writes): the backend never writes to a new instance through what it cached for a
+        dead one (Mooncake: the old data port and buffers)."""
+        if self._session_instances.get(session) != instance:
+            self._session_instances[session] = instance
+            self.core.executor.renew(session)
 
     async def _detach_later(self, session: str) -> None:
         if self._writes:
@@ -288,6 +301,8 @@ class PrefillSide(Side):
         self._pairs.pop(endpoint, None)
         session = self._sessions.pop(endpoint, None)
         if session is not None:
+            if session not in self._sessions.values():  # a later one renews it again
+                self._session_instances.pop(session, None)
             self.core.spawn(self._detach_later(session), f"detach-{session}")
 
     # ---- effects ----------------------------------------------------------------------

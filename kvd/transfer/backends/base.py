@@ -141,6 +141,20 @@ class StartWrite(Protocol):
 
 
 @runtime_checkable
+class RenewSession(Protocol):
+    """Backends that cache what they learned about a peer session (``mooncake``: its
+    segment descriptor, with the data port and buffers of the instance that answered).
+
+    ``renew_session(peer)`` is called when the peer behind ``peer`` is a new instance (a
+    decode restarted on the same session name): everything cached for it is dropped or
+    read again, so the next write reaches the new instance (K39). Blocking; it runs off
+    the loop, and writes to ``peer`` wait for it (:meth:`TransferExecutor.renew`). A
+    session never written to has nothing cached: a no-op."""
+
+    def renew_session(self, peer_session: str) -> None: ...
+
+
+@runtime_checkable
 class PeerAttach(Protocol):
     """Backends that can write into a same-host peer's imported memory."""
 
