@@ -9,6 +9,7 @@ in the pure machine; this module only does I/O and planning.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -336,6 +337,7 @@ class PrefillSide(Side):
             f = RoomFailure(FailureKind.LAYOUT, f"room {eff.room}: the prefill's aux slot "
                             f"{eff.aux_index} cannot be read: {exc}", "prefill")
             log.error("%s", f.reason)
+            self.core.spawn(self._check_memory_soon(), "memory-check")
         msg = control.RoomStatus(room=eff.room, inc=eff.inc, status=int(status),
                                  kind=f.kind.value if f else "", reason=f.reason if f else "",
                                  endpoint=self.core.control.endpoint,
@@ -347,6 +349,11 @@ class PrefillSide(Side):
                             f"status-{eff.room}")
         else:
             self.core.post(eff.to, msg, instance=eff.to_instance)
+
+    async def _check_memory_soon(self) -> None:
+        """:meth:`Core.check_memory` after the report in hand went out (it may fail the
+        room's siblings, which report too)."""
+        self.core.check_memory()
 
     async def _post_later(self, to: str, instance: str, msg: control.RoomStatus,
                           delay: float) -> None:
@@ -381,6 +388,7 @@ class PrefillSide(Side):
             failure = RoomFailure(FailureKind.TRANSPORT, f"room {eff.room}: transfer to "
                                   f"{', '.join(d.endpoint for d in eff.dests)} failed: {exc}",
                                   self.role)
+            self.core.check_memory()  # was it our memory (S16)? fails the room first
         except KvdError as exc:
             failure = RoomFailure(FailureKind.TRANSPORT, f"room {eff.room}: {exc}", self.role)
         finally:
@@ -497,7 +505,9 @@ class PrefillSide(Side):
 
     def engine_registered(self, args: RankArgs) -> None:
         """New local buffers: check every known decode rank against them again, and
-        register with the bootstrap server (once)."""
+        register with the bootstrap server (once). Rooms a dropped registration left
+        are cleared first."""
+        self._clear_all()
         self.rooms.num_pages, self.rooms.num_aux_slots = args.num_pages, args.num_aux_slots
         r = self.core.position()
         self.rooms.position = RankPosition(r.attn_tp_rank, r.attn_tp_size, r.attn_dp_rank,
@@ -527,14 +537,24 @@ class PrefillSide(Side):
             self.core.spawn(keeper.run(), "etcd-registration")
         self.etcd.set_registration(self._registration())
 
-    async def engine_released(self) -> None:
+    def engine_lost(self, failure: RoomFailure) -> None:
+        self.run(self.rooms.engine_lost(failure, self.core.clock()))
+
+    async def engine_released(self, failure: RoomFailure | None = None) -> None:
+        if failure is not None:
+            self.engine_lost(failure)
         for room in self.unfinished():
             self.abort(room, "engine disconnected")
         if self._writes:  # our own writes read this memory: let them return
             await asyncio.wait(list(self._writes))
-        for room in list(self.rooms.rooms):
-            self.clear(room)
+        if failure is None:  # a dropped registration's rooms stay readable (S16) until
+            self._clear_all()  # the next registration
         self.rooms.num_pages = self.rooms.num_aux_slots = 0
+
+    def _clear_all(self) -> None:
+        for room in list(self.rooms.rooms):
+            with contextlib.suppress(RoomError):
+                self.clear(room)
 
     async def drain_done(self) -> None:
         if self.etcd is not None:

@@ -143,11 +143,15 @@ class AbortUnknown:
 @dataclass(frozen=True)
 class WriteAux:
     """Decode: copy an aux payload received over the control plane into local slot
-    ``aux_index`` (one bytes object per aux buffer, sizes already checked)."""
+    ``aux_index`` (one bytes object per aux buffer, sizes already checked), from prefill
+    rank ``endpoint``'s Success for incarnation ``inc``; the side answers with
+    :meth:`~kvd.rooms.receiver.ReceiverRooms.aux_written` (S16)."""
 
     room: int
     aux_index: int
     payload: tuple[bytes, ...]
+    inc: int = 0
+    endpoint: str = ""
 
 
 @dataclass(frozen=True)

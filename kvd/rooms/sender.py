@@ -342,6 +342,15 @@ class SenderRooms:
             self._fail(r, failure, now, out)
         return out
 
+    def engine_lost(self, failure: RoomFailure, now: float) -> list[Effect]:
+        """The engine's registration is dropped because its memory no longer stands
+        (case S16): every unfinished room fails with ``failure`` (kind ``layout``); writes
+        in flight are cancelled where they have not started, as for any ending."""
+        out: list[Effect] = []
+        for r in [r for r in self.rooms.values() if not r.done]:
+            self._fail(r, failure, now, out)
+        return out
+
     def release(self, room: int, token: str, reason: str,
                 now: float) -> tuple[ReleaseOutcome, list[Effect]]:
         """The room's opener ends it (K45, K46): only with the token whose digest the

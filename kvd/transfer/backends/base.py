@@ -33,10 +33,12 @@ class TransferEngine(Protocol):
         """This backend's address, the opaque name peers write to."""
         ...
 
-    def register(self, addr: int, length: int, device: str = "cpu") -> None:
+    def register(self, addr: int, length: int, device: str = "cpu",
+                 stable: bool = False) -> None:
         """Register ``[addr, addr+length)`` for transfers; ``device`` says where the bytes
-        live (``"cpu"`` or ``"cuda:N"``, :class:`kvd.memory.Buffer`); raises
-        TransportError."""
+        live (``"cpu"`` or ``"cuda:N"``, :class:`kvd.memory.Buffer`); ``stable``: host
+        memory that can never shrink under kvd (:attr:`kvd.memory.Buffer.stable`, S16).
+        Raises TransportError."""
         ...
 
     def unregister(self, addr: int) -> None:

@@ -78,9 +78,10 @@ class AutoEngine:
     def session_id(self) -> str:
         return self.mooncake.session_id
 
-    def register(self, addr: int, length: int, device: str = "cpu") -> None:
+    def register(self, addr: int, length: int, device: str = "cpu",
+                 stable: bool = False) -> None:
         self.mooncake.register(addr, length, device)
-        self.local.register(addr, length, device)
+        self.local.register(addr, length, device, stable)
 
     def unregister(self, addr: int) -> None:
         self.local.unregister(addr)

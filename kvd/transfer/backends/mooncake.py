@@ -332,7 +332,8 @@ class MooncakeEngine:
     def session_id(self) -> str:
         return self._session_id
 
-    def register(self, addr: int, length: int, device: str = "cpu") -> None:
+    def register(self, addr: int, length: int, device: str = "cpu",
+                 stable: bool = False) -> None:
         location = device if device.startswith("cuda") else "*"  # "*": the engine finds it
         rc = self._native.register_memory(addr, length, location)
         if rc != 0:
