@@ -213,8 +213,10 @@ def retiled_rooms(repeats: int = 3, seed: int = 0) -> list[dict[str, Any]]:
                                rank(pd, layout, 0x8000_7E00_0000_0000), retile=True)
             sp = rng.choice(pool_tokens // ps, TOKENS // ps, replace=False).astype(np.int64)
             dp = rng.choice(pool_tokens // pd, TOKENS // pd, replace=False).astype(np.int64)
-            plan_t, desc = _times(lambda: pair.plan_tokens(sp, dp, 0, TOKENS), repeats)
-            proof_t, _ = _times(lambda: pair.prove_tokens(desc, dp, 0, TOKENS), repeats)
+            plan_t, desc = _times(lambda p=pair, s=sp, d=dp: p.plan_tokens(s, d, 0, TOKENS),
+                                  repeats)
+            proof_t, _ = _times(lambda p=pair, x=desc, d=dp: p.prove_tokens(x, d, 0, TOKENS),
+                                repeats)
             out.append({"layout": layout, "prefill_page": ps, "decode_page": pd,
                         "descriptors": len(desc), "plan_s": min(plan_t),
                         "proof_s": min(proof_t)})
@@ -245,7 +247,8 @@ def run(console: Console, naive_layers: int = 8, repeats: int = 7, seed: int = 0
                       f"{r['descriptors']:,} descriptors, plan {r['plan_s'] * 1e3:.0f} ms, "
                       f"proof {r['proof_s'] * 1e3:.0f} ms")
     nhd, hnd = results
-    return {"benchmark": "plan", "retiled_rooms": retiled, "tokens": TOKENS, "page_size": PAGE, "layers": LAYERS,
+    return {"benchmark": "plan", "retiled_rooms": retiled, "tokens": TOKENS,
+            "page_size": PAGE, "layers": LAYERS,
             "kv_heads": HEADS, "head_dim": HEAD_DIM, "dtype_size": DTYPE,
             "prefill_tp": PREFILL_TP, "decode_tp": DECODE_TP, "repeats": repeats,
             "goal_speedup": GOAL, "results": results, "one_page_room": one,
