@@ -319,9 +319,13 @@ def _item_len_problems(src: RankLayout, dst: RankLayout) -> list[str]:
         return []
     i = int(bad[0])
     layer = int(layers[i % layers.size])
-    what = f"in layer {layer}" if src.is_mla else (
+    pages = str(src.page_size) if src.page_size == dst.page_size else \
+        f"{src.page_size} vs {dst.page_size} tokens"
+    what = f"in layer {layer}" if src.is_mla and src.page_size == dst.page_size else (
+        f"in layer {layer} (whole tokens per page of {pages}, equal bytes per token: "
+        f"expected {int(s_exp[i])} vs {int(d_exp[i])})" if src.is_mla else
         f"in layer {layer} {'KV'[i // layers.size]} (expected {int(s_exp[i])} vs "
-        f"{int(d_exp[i])}: page_size {src.page_size} x {src.num_kv_heads} vs "
+        f"{int(d_exp[i])}: page_size {pages} x {src.num_kv_heads} vs "
         f"{dst.num_kv_heads} heads x head_dim {src.head_dim} x {src.dtype_size} bytes)")
     return [f"kv item len mismatch {int(s_items[i])} vs {int(d_items[i])} {what}"]
 

@@ -8,8 +8,9 @@ Hypothesis drives the engine's chunks and the write results in any interleaving.
 
 from __future__ import annotations
 
-import msgspec
+import itertools
 
+import msgspec
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -68,7 +69,7 @@ def test_i22_retiled_writes_cover_the_room_once_on_whole_decode_pages(
     s.init(1, ns, 1, 0.0)
     bind(s, 1, dst[hit:], hit)
     sent, writes, inflight = 0, [], []
-    chunks = [(src[a:b], b == ns) for a, b in zip(cuts, cuts[1:], strict=False)]
+    chunks = [(src[a:b], b == ns) for a, b in itertools.pairwise(cuts)]
     while sent < len(chunks) or inflight:
         if sent < len(chunks) and (not inflight or data.draw(st.booleans())):
             out = s.send(1, chunks[sent][0], chunks[sent][1], 2.0)
