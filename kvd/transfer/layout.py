@@ -664,6 +664,8 @@ def _in_order(desc: Descriptors, e_dst: Addrs, e_len: Addrs,
                                 np.array_equal(desc.length[n:], aux[1])):
         return False
     d, ln = desc.dst[:n], desc.length[:n]
+    if n == e_dst.size and np.array_equal(d, e_dst) and np.array_equal(ln, e_len):
+        return True  # the same intervals (pieces are whole decode pages' pieces): no runs
     if heads > 1 and n:
         d, ln = (a.reshape(nb, -1, heads).transpose(0, 2, 1).ravel() for a in (d, ln))
         e_dst, e_len = (a.reshape(nb, -1, heads).transpose(0, 2, 1).ravel()
