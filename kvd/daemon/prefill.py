@@ -224,7 +224,7 @@ class PrefillSide(Side):
             num_pages, num_slots = args.num_pages, args.num_aux_slots
             local = self._local()
             check_compat(local.wire.compat, msg.kv_args.compat)
-            check_pair(self._local_layout(), layout)
+            check_pair(self._local_layout(), layout, retile=True)  # page sizes may differ
             ranks = self.core.position()
             check_coverage(self._local_layout(), layout, ranks.pp_rank, ranks.pp_size)
             _check_aux(local.wire, msg.kv_args)
@@ -420,7 +420,11 @@ class PrefillSide(Side):
             return self._plan_state(eff, d, peer, Descriptors.empty())
         local = self._local()
         pair, src_pages = self._pair(d.endpoint, peer), eff.src_pages[d.src_from:]
-        desc = pair.plan(src_pages, d.dst_pages)
+        if d.tokens is None:
+            desc = pair.plan(src_pages, d.dst_pages)
+        else:  # re-tiled (issue 22 item 3): the room's tokens [lo, hi) to this decode
+            lo, hi = d.tokens
+            desc = pair.plan_tokens(src_pages, d.dst_pages, lo, hi, eff.src_first, d.dst_first)
         s, ranks = self.core.settings, self.core.position()
         last_stage = ranks.pp_rank == ranks.pp_size - 1  # only the last stage has outputs
         aux = None
@@ -430,7 +434,11 @@ class PrefillSide(Side):
                                         eff.aux_index, d.aux_index))
             aux = (peer.args.aux_ptrs, peer.args.aux_item_lens, d.aux_index)
         check_plan_bounds(desc, local.regions, peer.args.regions, f"room {eff.room}")
-        pair.prove(desc, src_pages, d.dst_pages, aux, f"room {eff.room} to {d.endpoint}")
+        what = f"room {eff.room} to {d.endpoint}"
+        if d.tokens is None:
+            pair.prove(desc, src_pages, d.dst_pages, aux, what)
+        else:
+            pair.prove_tokens(desc, d.dst_pages, *d.tokens, d.dst_first, aux, what)
         return self._plan_state(eff, d, peer, desc)
 
     def _plan_state(self, eff: Write, d: WriteDest, peer: PeerPlan,
@@ -450,7 +458,7 @@ class PrefillSide(Side):
         local = self._local_layout()
         pair = self._pairs.get(endpoint)
         if pair is None or pair.src is not local or pair.dst is not peer.layout:
-            pair = self._pairs[endpoint] = PairPlan.of(local, peer.layout)
+            pair = self._pairs[endpoint] = PairPlan.of(local, peer.layout, retile=True)
         return pair
 
     def _session_failed(self, dests: tuple[WriteDest, ...]) -> None:
@@ -509,6 +517,7 @@ class PrefillSide(Side):
         are cleared first."""
         self._clear_all()
         self.rooms.num_pages, self.rooms.num_aux_slots = args.num_pages, args.num_aux_slots
+        self.rooms.page_size = args.wire.page_size
         r = self.core.position()
         self.rooms.position = RankPosition(r.attn_tp_rank, r.attn_tp_size, r.attn_dp_rank,
                                            r.attn_dp_size, r.pp_rank, r.pp_size)
