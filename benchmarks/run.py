@@ -297,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="P5: calls per placement for the trivial RPC and the echo")
     ap.add_argument("--api-rooms", type=int, default=100,
                     help="P5: idle-pair rooms per placement and repeat (send/init)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="write the JSON result here (default: a new "
+                         "benchmarks/results/bench-<time>.json)")
     args = ap.parse_args(argv)
     for name, low in (("repeats", 1), ("mib", 1), ("layers", 1), ("rooms", 1),
                       ("cancel_rooms", 1), ("cancel_mib", 1),
@@ -350,11 +353,22 @@ def main(argv: list[str] | None = None) -> int:
 
         results["cancel"] = cancel_bench.run(console, args.cancel_rooms, args.cancel_mib,
                                              args.repeats, args.cancel_inflight_mib)
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"bench-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out = args.out or _new_result_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str))
     console.print(f"saved {out}")
     return 0 if ok else 1
+
+
+def _new_result_path() -> Path:
+    """A result file no other run wrote: ``bench-<time>.json``, ``-2``, ``-3``... when two
+    runs end in the same second (a second run must never overwrite the first's numbers)."""
+    stem = f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    out, n = RESULTS / f"{stem}.json", 1
+    while out.exists():
+        n += 1
+        out = RESULTS / f"{stem}-{n}.json"
+    return out
 
 
 def _bench_channel(console: Console, args: Any) -> dict[str, Any]:

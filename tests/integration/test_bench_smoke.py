@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +19,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _bench(*args: str) -> tuple[str, dict[str, Any]]:
     """``benchmarks/run.py ARGS``: its output and its JSON result (it must exit 0 and write
-    exactly one result file)."""
-    before = set((ROOT / "benchmarks" / "results").glob("bench-*.json"))
-    out = subprocess.run([sys.executable, "benchmarks/run.py", *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    (new,) = set((ROOT / "benchmarks" / "results").glob("bench-*.json")) - before
-    result: dict[str, Any] = json.loads(new.read_text())
+    its result where ``--out`` says: tests run in parallel, each with its own file)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "result.json"
+        out = subprocess.run([sys.executable, "benchmarks/run.py", *args, "--out", str(path)],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        result: dict[str, Any] = json.loads(path.read_text())
     return out.stdout, result
 
 
