@@ -95,7 +95,7 @@ def test_a_head_beyond_the_ring_is_corrupt(head: int) -> None:
         ring.pop()
 
 
-@pytest.mark.parametrize(("word", "value"), [(0, 0), (1, 2), (2, 3), (2, 0), (3, 12),
+@pytest.mark.parametrize(("word", "value"), [(0, 0), (1, r.VERSION + 1), (2, 3), (2, 0), (3, 12),
                                              (3, 8), (2, 1 << 20), (3, 1 << 20)])
 def test_open_refuses_a_header_out_of_bounds(word: int, value: int) -> None:
     buf = bytearray(ring_bytes(4, 64))
