@@ -33,7 +33,8 @@ def _error_from_reply(reply: rpc.Reply | rpc.RawReply) -> Exception:
 #: Typed results of the calls that have one (the others answer None or a dict).
 RESULT_TYPES: dict[type, type] = {rpc.Poll: rpc.PollResult, rpc.Wait: rpc.PollResult,
                                   rpc.RegisterKV: rpc.RegisterResult,
-                                  rpc.Many: rpc.ManyResult, rpc.OpenTable: rpc.TableResult}
+                                  rpc.Many: rpc.ManyResult, rpc.OpenTable: rpc.TableResult,
+                                  rpc.OpenRing: rpc.RingResult}
 _DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {
     t: msgspec.msgpack.Decoder(t, strict=False) for t in set(RESULT_TYPES.values())}
 _ANY = msgspec.msgpack.Decoder()
@@ -205,7 +206,7 @@ class KvdClient:
         ring = self.ring
         if ring is None:
             return None
-        if not ring.refused:
+        if not ring.refused and ring.comp.head != ring.inbox.tail:  # a completion waits
             with self._lock:
                 if self.ring is not ring:
                     return None

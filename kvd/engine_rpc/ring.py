@@ -152,6 +152,9 @@ class RingChannel:
                 self._later()
         except ProtocolError as exc:
             self.fail(str(exc))
+        except Exception as exc:  # a bug here must not leave the engine waiting
+            log.exception("engine ring drain failed")
+            self.fail(f"internal error: {exc}")
         finally:
             self._draining = False
             self._wake_engine()

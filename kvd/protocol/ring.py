@@ -30,6 +30,8 @@ only records it then checks (sequence, length) or a :class:`~kvd.errors.Protocol
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 
 from kvd.errors import ProtocolError
@@ -44,6 +46,8 @@ RECORD_HEAD = 16  # seq + length + reserved
 MAX_CAPACITY = 1 << 16
 MAX_RECORD_BYTES = 1 << 16
 _MAGIC, _VERSION, _CAPACITY, _RECORD, _HEAD, _TAIL, _SLEEPING, _CLOSED = range(8)
+_RECORD_HEAD = struct.Struct("<QII")  # seq, length, reserved
+_U64 = (1 << 64) - 1
 
 
 def ring_bytes(capacity: int, record_bytes: int) -> int:
@@ -66,6 +70,10 @@ class Ring:
         size = ring_bytes(capacity, record_bytes)
         self.bytes = np.frombuffer(buf, dtype=np.uint8, count=size)  # type: ignore[call-overload]
         self.header = self.bytes[:HEADER_WORDS * WORD].view("<u8")
+        # the same bytes as Python ints and a byte view: a word or a record without a numpy
+        # call (about 0.1 us a word instead of 0.3; x86-64 is little-endian, as the layout)
+        self.mv = memoryview(buf).cast("B")[:size]  # type: ignore[arg-type]
+        self.q = self.mv[:HEADER_WORDS * WORD].cast("Q")
         self.capacity, self.record_bytes = capacity, record_bytes
         self.max_payload = record_bytes - RECORD_HEAD
 
@@ -101,33 +109,33 @@ class Ring:
 
     @property
     def head(self) -> int:
-        return int(self.header[_HEAD])
+        return self.q[_HEAD]
 
     @property
     def tail(self) -> int:
-        return int(self.header[_TAIL])
+        return self.q[_TAIL]
 
     @property
     def sleeping(self) -> bool:
-        return bool(self.header[_SLEEPING])
+        return bool(self.q[_SLEEPING])
 
     @sleeping.setter
     def sleeping(self, value: bool) -> None:
-        self.header[_SLEEPING] = int(value)
+        self.q[_SLEEPING] = int(value)
 
     @property
     def closed(self) -> bool:
-        return bool(self.header[_CLOSED])
+        return bool(self.q[_CLOSED])
 
     def close(self) -> None:
         """This ring is served no more (the other side stops using it)."""
-        self.header[_CLOSED] = 1
+        self.q[_CLOSED] = 1
 
     def publish_head(self, head: int) -> None:
-        self.header[_HEAD] = head
+        self.q[_HEAD] = head & _U64
 
     def publish_tail(self, tail: int) -> None:
-        self.header[_TAIL] = tail
+        self.q[_TAIL] = tail & _U64
 
     # ---- producer -------------------------------------------------------------------
 
@@ -141,17 +149,15 @@ class Ring:
         if seq - self.tail >= self.capacity:
             return None
         self.write_record(seq, payload)
-        self.header[_HEAD] = seq + 1
+        self.publish_head(seq + 1)
         return seq
 
     def write_record(self, seq: int, payload: bytes) -> None:
         """The record's bytes without publishing it (``head`` unchanged): what a producer
         that dies half way leaves behind."""
         at = self._at(seq)
-        rec = self.bytes[at:at + self.record_bytes]
-        rec[RECORD_HEAD:RECORD_HEAD + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-        rec[8:16].view("<u4")[:] = [len(payload), 0]
-        rec[:8].view("<u8")[0] = seq
+        self.mv[at + RECORD_HEAD:at + RECORD_HEAD + len(payload)] = payload
+        _RECORD_HEAD.pack_into(self.mv, at, seq & _U64, len(payload), 0)
 
     # ---- consumer -------------------------------------------------------------------
 
@@ -172,7 +178,7 @@ class Ring:
             return None
         seq = self.tail
         payload = self.record(seq)
-        self.header[_TAIL] = seq + 1
+        self.publish_tail(seq + 1)
         return seq, payload
 
     def record(self, seq: int) -> bytes:
@@ -180,15 +186,13 @@ class Ring:
         checked that it is. ProtocolError if the record carries another seq or a length
         over ``max_payload``."""
         at = self._at(seq)
-        rec = self.bytes[at:at + self.record_bytes]
-        got = int(rec[:8].view("<u8")[0])
-        length = int(rec[8:12].view("<u4")[0])
+        got, length, _ = _RECORD_HEAD.unpack_from(self.mv, at)
         if got != seq:
             raise ProtocolError(f"ring record {seq} carries seq {got}")
         if length > self.max_payload:
             raise ProtocolError(f"ring record {seq} says {length} bytes, at most "
                                 f"{self.max_payload}")
-        return rec[RECORD_HEAD:RECORD_HEAD + length].tobytes()
+        return bytes(self.mv[at + RECORD_HEAD:at + RECORD_HEAD + length])
 
 
 class Producer:
