@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from kvd.errors import KvdError, ProtocolError
 from kvd.protocol import codec, rpc
-from kvd.protocol.ring import Consumer, Producer, Ring
+from kvd.protocol.ring import Consumer, Producer, Ring, fence
 
 
 class RingClosed(Exception):
@@ -89,6 +89,7 @@ class EngineRing:
                 break
             self._wait(lambda: self.out.free() > 0, timeout)
         self.inflight[seq] = room
+        fence()  # head published before kvd's flag is read (kvd does the converse)
         if self.sub.sleeping:
             os.eventfd_write(self.wake_kvd, 1)
         return seq
@@ -157,6 +158,7 @@ class EngineRing:
             if ready():
                 return
             self.comp.sleeping = True  # then look again: kvd may have acted meanwhile
+            fence()
             try:
                 if ready():
                     return

@@ -359,9 +359,12 @@ class Daemon:
                 log.exception("sweep failed (the loop goes on)")
 
     def sweep(self) -> None:
-        """One sweep: the side's deadlines, then the status table re-published."""
+        """One sweep: the side's deadlines, the engine rings drained (a bound on a lost
+        wake-up), then the status table re-published."""
         assert self.side is not None
         self.side.tick()
+        for ring in list(self.rings.values()):
+            ring.drain()
         if self.status_table is not None:
             self.status_table.sweep()
 

@@ -10,8 +10,10 @@ kvd drains the submission ring on its loop: when ``wake_kvd`` is readable, befor
 socket call of the same connection (so calls run in the order the engine made them,
 whichever way each went), and again on the next loop turn while records remain (at most
 :data:`BATCH` per turn: a flooding engine cannot starve the loop). Before it waits it
-sets the ring's ``sleeping`` word and looks at ``head`` once more, so a record published
-in between is never left waiting for a wake-up that will not come.
+sets the ring's ``sleeping`` word and looks at ``head`` once more (a full barrier
+between, :func:`~kvd.protocol.ring.fence`), so a record published in between is never
+left waiting for a wake-up that will not come; the daemon's sweep drains every ring
+too, a bound on any wake-up lost all the same.
 
 Each record is decoded with the socket path's codec (:func:`kvd.protocol.rpc.decode_request`)
 and run by the socket path's handler (``handle``: ``Daemon.dispatch_now``); a refusal
@@ -45,7 +47,7 @@ from typing import Any
 from kvd.errors import KvdError, ProtocolError
 from kvd.logs import log_context, message_context
 from kvd.protocol import codec, rpc
-from kvd.protocol.ring import Consumer, Producer, Ring, ring_bytes
+from kvd.protocol.ring import Consumer, Producer, Ring, fence, ring_bytes
 
 log = logging.getLogger("kvd")
 
@@ -147,6 +149,7 @@ class RingChannel:
                 self._later()
                 return
             self.sub.sleeping = True  # then look again: a record published meanwhile
+            fence()
             if self._can_progress():
                 self.sub.sleeping = False
                 self._later()
@@ -222,6 +225,7 @@ class RingChannel:
     def _wake_engine(self) -> None:
         """Write ``wake_engine`` if the engine said it waits (the completion ring's
         ``sleeping``)."""
+        fence()  # the tails published before the engine's flag is read
         if self.comp.sleeping and self.wake_engine >= 0:
             with contextlib.suppress(OSError):  # its counter is full: it is awake anyway
                 os.eventfd_write(self.wake_engine, 1)
