@@ -457,8 +457,11 @@ class Daemon:
                            "after its registration", "RpcError")
         if conn.id in self.rings:
             raise RpcError("this connection has its ring already", "RpcError")
+        side = self.side
+        assert side is not None
         ring = RingChannel(call.capacity, call.record_bytes,
-                           lambda c: self.dispatch_now(c, conn), self._ring_failed)
+                           lambda c: self.dispatch_now(c, conn), self._ring_failed,
+                           lambda room: side.view(room) is not None)
         self.rings[conn.id] = ring
         conn.on_close.append(lambda: self._drop_ring(conn.id))
         ring.start()

@@ -58,6 +58,10 @@ _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 Handle = Callable[[rpc.Call], Any]
 OnFail = Callable[[set[int], str], None]
+Known = Callable[[int], bool]
+#: The rooms a ring carried are pruned of those kvd forgot once they pass this many (and
+#: then twice what was left): bounded by kvd's own rooms, at O(1) amortised per call.
+PRUNE_AT = 1024
 
 
 def check_sizes(capacity: int, record_bytes: int) -> int:
@@ -81,14 +85,16 @@ def check_sizes(capacity: int, record_bytes: int) -> int:
 class RingChannel:
     """One connection's rings, their memfd (``fd``) and eventfds. ``handle(call)`` runs one
     call as the socket path does (raising its refusal); ``on_fail(rooms, reason)`` is told
-    once if the channel fails. Raises ProtocolError for sizes out of bounds, OSError if
-    the memfd or eventfds cannot be made."""
+    once if the channel fails; ``known(room)``: whether kvd still holds ``room``. Raises
+    ProtocolError for sizes out of bounds, OSError if the memfd or eventfds cannot be
+    made."""
 
     def __init__(self, capacity: int, record_bytes: int, handle: Handle,
-                 on_fail: OnFail) -> None:
+                 on_fail: OnFail, known: Known) -> None:
         self.size = check_sizes(capacity, record_bytes)
         self.capacity, self.record_bytes = capacity, record_bytes
-        self.handle, self.on_fail = handle, on_fail
+        self.handle, self.on_fail, self.known = handle, on_fail, known
+        self._prune_at = PRUNE_AT
         self.fd = os.memfd_create("kvd-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         self.wake_kvd = self.wake_engine = -1
         try:
@@ -142,6 +148,8 @@ class RingChannel:
         calls after the channel failed or closed do nothing."""
         if self._draining or self.failed or self.closed:
             return
+        if self.sub.sleeping and self.sub.head == self.inbox.tail:
+            return  # nothing published, nothing to change (every socket call asks)
         self._draining = True
         self.sub.sleeping = False
         try:
@@ -209,8 +217,11 @@ class RingChannel:
             return
         if isinstance(call, rpc.Clear):
             self.rooms.discard(room)
-        else:
-            self.rooms.add(room)
+            return
+        self.rooms.add(room)
+        if len(self.rooms) > self._prune_at:
+            self.rooms = {r for r in self.rooms if self.known(r)}
+            self._prune_at = 2 * len(self.rooms) + PRUNE_AT
 
     def _complete(self, reply: rpc.Reply) -> None:
         """Put ``reply`` in the completion ring (its error text cut to fit a record)."""
