@@ -210,6 +210,9 @@ class _Room:
         except RoomError:
             self._call(rpc.Wait(rooms=[self.room], timeout=timeout))
             self._submit(rpc.Clear(room=self.room), wait=True)
+        if self.client.ring is not None:  # every earlier call ran: its refusal is in,
+            self.client.ring_refusal(self.room)  # dropped with the room (a room of the
+        self.refused = None  # same id later starts clean)
 
 
 class Sender(_Room):

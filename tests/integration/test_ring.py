@@ -74,7 +74,8 @@ def test_a_refused_send_through_the_ring_fails_the_room_for_the_engine(
     assert kind and "8200" in reason
     with pytest.raises(KvdError):
         s.send(np.array([1]))
-    s.clear()
+    s.clear()  # the refusal goes with the room
+    assert s.refused is None and s.poll() == -1
 
 
 def test_an_engine_on_the_ring_whose_kvd_died_falls_back_and_registers_again(
