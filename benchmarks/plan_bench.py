@@ -189,6 +189,40 @@ def one_page_room(number: int = 5000, rounds: int = 7) -> dict[str, Any]:
     return {"plan_us": b * 1e6, "plan_and_proof_us": w * 1e6, "proof_pct": 100 * (w / b - 1)}
 
 
+def retiled_rooms(repeats: int = 3, seed: int = 0) -> list[dict[str, Any]]:
+    """A re-tiled room of TOKENS tokens (64 layers, 8 KV heads x 128 x 2 B, equal TP,
+    random pages), prefill page size 16 -> decode 64 and 64 -> 16, NHD and HND:
+    ``PairPlan.plan_tokens`` and its proof (``prove_tokens``; the in-order fast path),
+    best of ``repeats`` (s)."""
+    rng = np.random.default_rng(seed)
+    pool_tokens = 4 * TOKENS
+
+    def rank(page: int, layout: str, base: int) -> RankLayout:
+        item = page * HEADS * HEAD_DIM * DTYPE
+        ptrs = np.array([base + b * (item * (pool_tokens // page) + 4096)
+                         for b in range(2 * LAYERS)], dtype=np.uint64)
+        return RankLayout(kv_ptrs=ptrs, item_lens=np.full(2 * LAYERS, item, np.uint64),
+                          page_size=page, num_kv_heads=HEADS, total_kv_heads=HEADS,
+                          head_dim=HEAD_DIM, dtype_size=DTYPE, num_layers=LAYERS,
+                          layer_start=0, is_mla=False, layout=layout, tp_rank=0, tp_size=1)
+
+    out = []
+    for layout in ("NHD", "HND"):
+        for ps, pd in ((16, 64), (64, 16)):
+            pair = PairPlan.of(rank(ps, layout, 0x7F00_0000_0000),
+                               rank(pd, layout, 0x8000_7E00_0000_0000), retile=True)
+            sp = rng.choice(pool_tokens // ps, TOKENS // ps, replace=False).astype(np.int64)
+            dp = rng.choice(pool_tokens // pd, TOKENS // pd, replace=False).astype(np.int64)
+            plan_t, desc = _times(lambda p=pair, s=sp, d=dp: p.plan_tokens(s, d, 0, TOKENS),
+                                  repeats)
+            proof_t, _ = _times(lambda p=pair, x=desc, d=dp: p.prove_tokens(x, d, 0, TOKENS),
+                                repeats)
+            out.append({"layout": layout, "prefill_page": ps, "decode_page": pd,
+                        "descriptors": len(desc), "plan_s": min(plan_t),
+                        "proof_s": min(proof_t)})
+    return out
+
+
 def run(console: Console, naive_layers: int = 8, repeats: int = 7, seed: int = 0
         ) -> dict[str, Any]:
     """Run the benchmark, print rich tables, return the numbers (JSON-serialisable)."""
@@ -207,8 +241,14 @@ def run(console: Console, naive_layers: int = 8, repeats: int = 7, seed: int = 0
     console.print(f"1-page room (plan + aux + bounds): {one['plan_us']:.1f} us; with the plan "
                   f"proof {one['plan_and_proof_us']:.1f} us (+{one['proof_pct']:.1f} %, goal "
                   f"<= +10 %)")
+    retiled = retiled_rooms()
+    for r in retiled:
+        console.print(f"re-tiled room {r['layout']} {r['prefill_page']} -> {r['decode_page']}: "
+                      f"{r['descriptors']:,} descriptors, plan {r['plan_s'] * 1e3:.0f} ms, "
+                      f"proof {r['proof_s'] * 1e3:.0f} ms")
     nhd, hnd = results
-    return {"benchmark": "plan", "tokens": TOKENS, "page_size": PAGE, "layers": LAYERS,
+    return {"benchmark": "plan", "retiled_rooms": retiled, "tokens": TOKENS,
+            "page_size": PAGE, "layers": LAYERS,
             "kv_heads": HEADS, "head_dim": HEAD_DIM, "dtype_size": DTYPE,
             "prefill_tp": PREFILL_TP, "decode_tp": DECODE_TP, "repeats": repeats,
             "goal_speedup": GOAL, "results": results, "one_page_room": one,

@@ -5,9 +5,12 @@ imported as kvd imports an engine's fd), registers each buffer with a Mooncake e
 exports the pool (ExportedPool) and serves its descriptors on a peer channel (the
 authenticated handshake kvd runs, case S18). The parent plays the prefill daemon: the
 same descriptors go (a) through :class:`~kvd.transfer.backends.local.LocalEngine`
-attached to the export through that channel, (b) through a Mooncake engine over TCP
-loopback, and (c) a memcpy of the same pages inside the parent (the machine's
-ceiling). Runs are interleaved; before each run the child zeroes its pool, after it
+attached to the export through that channel, copying through the kernel (the source
+is registered as memory that may shrink: what an unsealed ``shm`` pool gets, case S16),
+(a') the same with the source registered ``stable`` (this process's own memory; the
+destination is a sealed memfd: both sides sealed, ``memmove``), (b) through a Mooncake
+engine over TCP loopback, and (c) a memcpy of the same pages inside the parent (the
+machine's ceiling). Runs are interleaved; before each run the child zeroes its pool, after it
 the child's digest of the destination pages must equal the source pages' digest
 (bytes verified, every run).
 
@@ -117,7 +120,9 @@ class _Decode:
 def run(console: Console, mib: int = 256, item_kib: int = 64, layers: int = 8,
         repeats: int = 3) -> dict[str, Any]:
     """Median GB/s of each path and the ratios local/mooncake (goal >= 5) and
-    local/memcpy (goal >= 0.5); raises AssertionError if any run's bytes differ."""
+    local/memcpy (goal >= 0.5), ``local`` being the kernel copy (S16) and
+    ``local_sealed`` the copy between sealed pools; raises AssertionError if any run's
+    bytes differ."""
     from kvd.transfer.backends.local import Channel, LocalEngine
     from kvd.transfer.backends.mooncake import MooncakeEngine
 
@@ -133,10 +138,13 @@ def run(console: Console, mib: int = 256, item_kib: int = 64, layers: int = 8,
     folder = Path(tempfile.mkdtemp(prefix="kvd-bench-peers-"))
     decode = _Decode(nbuf, per_buf, item, folder)
     local = LocalEngine(channel=Channel(folder, _identity("bench-prefill", SECRET)))
+    sealed = LocalEngine(channel=Channel(folder, _identity("bench-prefill", SECRET)))
     mc = MooncakeEngine("127.0.0.1")
     for eng in (local, mc):
         eng.register(src.ctypes.data, src.nbytes)
-    local.attach_peer(decode.session, decode.pool, INSTANCE)
+    sealed.register(src.ctypes.data, src.nbytes, stable=True)  # our own: nothing shrinks it
+    for eng in (local, sealed):
+        eng.attach_peer(decode.session, decode.pool, INSTANCE)
     src_ptrs = src.ctypes.data + np.arange(nbuf, dtype=np.uint64) * np.uint64(per_buf)
     desc = plan_pages(src_ptrs, [b.address for b in decode.pool.buffers], [item] * nbuf,
                       [item] * nbuf, src_pages, dst_pages)
@@ -148,6 +156,7 @@ def run(console: Console, mib: int = 256, item_kib: int = 64, layers: int = 8,
             mirror[b][dst_pages] = src[b][src_pages]
 
     paths = {"local": lambda: local.write(decode.session, desc),
+             "local_sealed": lambda: sealed.write(decode.session, desc),
              "mooncake_loopback": lambda: mc.write(decode.session, desc), "memcpy": memcpy}
     times: dict[str, list[float]] = {k: [] for k in paths}
     try:
@@ -165,12 +174,15 @@ def run(console: Console, mib: int = 256, item_kib: int = 64, layers: int = 8,
                     times[name].append(elapsed)
     finally:
         local.close()
+        sealed.close()
         decode.close()
     nbytes = int(desc.nbytes)
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     out = {"bytes": nbytes, "descriptors": len(desc), "seconds": times, "gbps": gbps,
            "ratio_local_over_mooncake": gbps["local"] / gbps["mooncake_loopback"],
-           "ratio_local_over_memcpy": gbps["local"] / gbps["memcpy"], "bytes_equal": True}
+           "ratio_local_over_memcpy": gbps["local"] / gbps["memcpy"],
+           "ratio_local_sealed_over_mooncake": gbps["local_sealed"] / gbps["mooncake_loopback"],
+           "bytes_equal": True}
     table = Table(title=f"same-host P -> D, {nbytes / 2**20:.0f} MiB in {len(desc)} runs of "
                         f"{item_kib} KiB pages, {repeats} interleaved runs each")
     for col in ("path", "median s", "GB/s"):
@@ -180,7 +192,8 @@ def run(console: Console, mib: int = 256, item_kib: int = 64, layers: int = 8,
     console.print(table)
     console.print(f"local/mooncake = {out['ratio_local_over_mooncake']:.1f}x (goal >= 5); "
                   f"local/memcpy = {out['ratio_local_over_memcpy']:.2f}x (goal >= 0.5); "
-                  f"bytes verified every run")
+                  f"sealed pools: local/mooncake = "
+                  f"{out['ratio_local_sealed_over_mooncake']:.1f}x; bytes verified every run")
     return out
 
 

@@ -185,11 +185,17 @@ def demo(
     hybrid: Annotated[bool, typer.Option(help="also the hybrid model's rows (state slots and "
                                               "window pages, prefill TP 1 -> decode TP 2)")
                       ] = True,
+    retile: Annotated[bool, typer.Option(help="also rows with prefill page size 16 and "
+                                              "decode page size 64 (pages re-tiled by kvd)")
+                      ] = True,
 ) -> None:
     """Prefill on one engine, move KV through two kvd daemons, decode on another."""
     from kvd.refengine.demo import demo_console, run_demo
 
     code = run_demo(prompts, max_new_tokens, page_size, chunk_pages)
+    if retile:  # two long prompts, chunks of 3 pages (48 tokens: not whole decode pages)
+        code |= run_demo(2, max_new_tokens, 16, 3, demo_console(), backends=("mooncake",),
+                         decode_page_size=64, first_prompt=4)
     if hybrid:
         from kvd.refengine.hybriddemo import run_hybrid_rows
 

@@ -112,6 +112,9 @@ class Core:
     # called after room state may have changed (effects performed): the status table's
     # writer re-publishes (kvd.engine_rpc.channel); a no-op without one
     on_change: Callable[[], None] = field(default=lambda: None)
+    # called with the reason when the engine's memory no longer stands (S16): the daemon
+    # drops the registration (Daemon.drop_registration); a no-op without a daemon
+    on_memory_lost: Callable[[str], None] = field(default=lambda reason: None)
 
     def position(self) -> Ranks:
         """This rank's resolved :class:`~kvd.ranks.Ranks`. Raises RegistrationError before
@@ -311,6 +314,18 @@ class Core:
         """:meth:`export` with dups of the descriptors, for the peer channel's thread."""
         out = self.export()
         return None if out is None else (out[0], [os.dup(fd) for fd in out[1]])
+
+    def check_memory(self) -> str | None:
+        """Does the engine's registered host memory still stand (one ``fstat`` per
+        unsealed buffer, :meth:`kvd.memory.EngineMemory.lost`)? If not, :attr:`on_memory_lost`
+        runs with the reason (which buffer, its file's size, the buffer's end) and the
+        reason is returned. Called at the sweep (at most once a second), when a transfer
+        or an aux access failed, and when a prefill reports a room Failed (case S16)."""
+        mem = self.engine_memory
+        why = None if mem is None else mem.lost()
+        if why is not None:
+            self.on_memory_lost(why)
+        return why
 
     def unregister_all(self) -> None:
         """Unregister the engine's buffers from the transfer engine (errors are logged)."""

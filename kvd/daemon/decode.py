@@ -167,6 +167,8 @@ class DecodeSide(Side):
 
     def on_control(self, msg: control.ControlMessage) -> None:
         if isinstance(msg, control.RoomStatus):
+            if msg.status == KVPoll.Failed:  # was it our memory (S16)? before the room
+                self.core.check_memory()   # takes the prefill's word for its failure
             now = self.core.clock()
             self.apply(self.members.control_seen(msg.endpoint, msg.instance_id, now))
             self.run(self.rooms.on_status(msg, now))
@@ -446,17 +448,31 @@ class DecodeSide(Side):
         """Copy the room's aux payload into slot ``aux_index`` of each aux buffer, through
         the buffer's descriptor (:meth:`kvd.memory.host.HostBuffer.write`): an engine that
         shrank its pool under kvd costs an error line, never a SIGBUS (case S16). The
-        room's outcome is the machine's: it decided Success with this effect."""
+        outcome goes back to the machine (``aux_written``): a refused write fails the room
+        (kind ``layout``), and the engine's memory is checked (a shrunk pool drops the
+        registration, :meth:`~kvd.daemon.core.Core.check_memory`)."""
+        failure = self._aux_failure(eff)
+        self.run(self.rooms.aux_written(eff.room, eff.inc, eff.endpoint, failure,
+                                        self.core.clock()))
+        if failure is not None:
+            self.core.check_memory()
+
+    def _aux_failure(self, eff: WriteAux) -> RoomFailure | None:
+        """Write each aux buffer's part; the first refusal as a failure (logged)."""
         mem = self.core.engine_memory
         if mem is None:
-            return
+            return RoomFailure(FailureKind.LAYOUT, f"room {eff.room}: aux not written: the "
+                               f"engine's registration is gone", self.role)
         for i, (buf, data) in enumerate(zip(mem.aux, eff.payload, strict=True)):
             try:
                 buf.write(eff.aux_index * len(data), data)
             except RegistrationError as exc:
                 log.error("room %d: aux slot %d of aux buffer %d not written: %s", eff.room,
                           eff.aux_index, i, exc, extra=fields(room=eff.room))
-                return
+                return RoomFailure(FailureKind.LAYOUT, f"room {eff.room}: aux slot "
+                                   f"{eff.aux_index} of aux buffer {i} not written: {exc}",
+                                   self.role)
+        return None
 
     # ---- heartbeats -------------------------------------------------------------------
 
@@ -611,7 +627,10 @@ class DecodeSide(Side):
         self.run(self.rooms.tick(self.core.clock()))
 
     def engine_registered(self, args: RankArgs) -> None:
-        """New local buffers: register them again with every prefill rank."""
+        """New local buffers: register them again with every prefill rank. Rooms a
+        dropped registration left (ended, releasable) are forgotten first."""
+        if self.rooms.released:
+            self.rooms.forget_rooms()
         self.registered.clear()
         self.last_sent.clear()
         self.rooms.engine_registered(args.num_pages, args.num_aux_slots,
@@ -620,14 +639,21 @@ class DecodeSide(Side):
     async def drain_done(self) -> None:
         """Nothing to deregister: a decode rank is not in any bootstrap table."""
 
-    async def engine_released(self) -> None:
-        """The machine's rule (:meth:`ReceiverRooms.engine_released`, K44): abort the rooms,
-        return once nothing can still be written into the pool (every room releasable:
-        quiesced, or past its write bound plus the release margin), forget them."""
-        self.run(self.rooms.engine_released(self.core.clock()))
+    def engine_lost(self, failure: RoomFailure) -> None:
+        self.run(self.rooms.engine_released(self.core.clock(), failure))
+
+    async def engine_released(self, failure: RoomFailure | None = None) -> None:
+        """The machine's rule (:meth:`ReceiverRooms.engine_released`, K44): abort the rooms
+        (or fail them with ``failure``: a dropped registration, S16), return once nothing
+        can still be written into the pool (every room releasable: quiesced, or past its
+        write bound plus the release margin), forget them -- after a dropped registration
+        only at the next one, so that the engine, still connected, reads why each room
+        failed until then."""
+        self.run(self.rooms.engine_released(self.core.clock(), failure))
         while not self.rooms.quiet(self.core.clock()):
             await self.core.wait_changed(self.timeouts.release)  # Wake, or the next sweep
-        self.rooms.forget_rooms()
+        if failure is None:
+            self.rooms.forget_rooms()
 
     # ---- status -----------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from kvd.memory import Importer
 from kvd.protocol import control, rpc
 from kvd.protocol.release import ReleaseAnswer, ReleaseRequest
 from kvd.ranks import PAIRS, Ranks, resolve
+from kvd.rooms.state import FailureKind, RoomFailure
 from kvd.security import Authenticator
 from kvd.transfer.backends import make_engine
 from kvd.transfer.backends.base import TransferEngine
@@ -50,6 +51,8 @@ from kvd.transfer.faults import FaultInjector, FaultPlan
 log = logging.getLogger("kvd")
 
 SWEEP_INTERVAL = 0.1
+#: Seconds between two sweeps' checks that the engine's memory still stands (S16).
+MEMORY_CHECK_INTERVAL = 1.0
 
 
 def _wall_clock(offset_s: float) -> Callable[[], float]:
@@ -98,6 +101,8 @@ class Daemon:
         self._release: asyncio.TimerHandle | None = None
         self._releasing: asyncio.Task[None] | None = None
         self._stopped = False
+        self.dropped = ""  # why the engine's registration was dropped (S16); "" if not
+        self._memory_checked = 0.0
         self.status_table: TableWriter | None = None  # the engine channel's (issue 21)
         self.rings: dict[int, RingChannel] = {}  # engine connection id -> its rings
 
@@ -134,6 +139,7 @@ class Daemon:
                          faults=FaultPlan.model_validate_json(s.fault_injection)
                          if s.fault_injection else None, clock=self.clock)
         self.side = make_side(s.role, self.core)
+        self.core.on_memory_lost = self.drop_registration
         if s.engine_channel:
             self.status_table = TableWriter(self.side.poll, s.status_table_slots)
             self.core.on_change = self.status_table.touch
@@ -359,9 +365,14 @@ class Daemon:
                 log.exception("sweep failed (the loop goes on)")
 
     def sweep(self) -> None:
-        """One sweep: the side's deadlines, the engine rings drained (a bound on a lost
-        wake-up), then the status table re-published."""
-        assert self.side is not None
+        """One sweep: the engine's memory (at most every ``MEMORY_CHECK_INTERVAL`` s), the
+        side's deadlines, the engine rings drained (a bound on a lost wake-up), then the
+        status table re-published."""
+        assert self.side is not None and self.core is not None
+        now = self.clock()
+        if now - self._memory_checked >= MEMORY_CHECK_INTERVAL:
+            self._memory_checked = now
+            self.core.check_memory()
         self.side.tick()
         for ring in list(self.rings.values()):
             ring.drain()
@@ -428,6 +439,9 @@ class Daemon:
         if self.draining and isinstance(call, rpc.SenderCreate | rpc.ReceiverCreate):
             raise RoomError(f"room {call.room}: kvd is draining (shutting down); "
                             f"no new rooms")
+        if self.dropped and isinstance(call, rpc.SenderCreate | rpc.ReceiverCreate):
+            raise RegistrationError(f"room {call.room}: this engine's registration was "
+                                    f"dropped ({self.dropped}): register the KV pool again")
         return side.call(call)
 
     def _open_table(self, conn: Connection) -> rpc.TableResult:
@@ -524,6 +538,7 @@ class Daemon:
             if core.local is not None or self._releasing is not None:
                 await self._release_now()  # an engine that left, in its grace period
             args = core.register_local(call, conn.fds, conn.uid)
+            self.dropped = ""
             core.ranks = ranks
             self.engine_id, self._registered_call = call.engine_id, call
             self._attach(conn)
@@ -553,6 +568,7 @@ class Daemon:
             self._release.cancel()
             self._release = None
         self.engine_conn = conn.id
+        self._drop_ring(conn.id)  # a ring serves one registration: the engine asks anew
         conn.on_close.append(lambda: self._engine_disconnected(conn.id))
 
     def _engine_disconnected(self, conn_id: int) -> None:
@@ -570,27 +586,50 @@ class Daemon:
         else:
             core.spawn(self._release_now(), "release-engine")
 
-    async def _release_now(self) -> None:
-        """Fail the engine's rooms, wait until nothing reads its memory, release it.
-        Concurrent callers share one release."""
+    def drop_registration(self, reason: str) -> None:
+        """The engine's memory no longer stands (``reason``: which buffer, its file's size
+        and the buffer's end; case S16). The registration ends as when the engine goes
+        (K44's rule, :meth:`_release_now`), but every room fails with kind ``layout`` and
+        the reason at once, no reconnect keeps it, and the engine's next room call is
+        refused naming it until it registers again. One error line; the daemon serves on."""
+        core, side = self.core, self.side
+        if core is None or side is None or core.local is None or self.dropped:
+            return
+        self.dropped = reason
+        log.error("the engine's memory changed under kvd: %s; dropping its registration "
+                  "(%d rooms fail, kind layout) until it registers again", reason,
+                  len(side.unfinished()))
+        failure = RoomFailure(FailureKind.LAYOUT, f"the engine's memory changed under kvd "
+                              f"({reason}): its registration was dropped", side.role)
+        side.engine_lost(failure)
+        # no reconnect keeps it, and the same connection may register again
+        self._registered_call, self.engine_id, self.engine_conn = None, "", None
+        core.spawn(self._release_now(failure), "drop-registration")
+
+    async def _release_now(self, failure: RoomFailure | None = None) -> None:
+        """Fail the engine's rooms (aborted, or with ``failure``), wait until nothing reads
+        its memory, release it. Concurrent callers share one release."""
         if self._release is not None:
             self._release.cancel()
             self._release = None
         if self._releasing is None:
             if self.core is None or self.side is None or self.core.local is None:
                 return
-            self._releasing = asyncio.ensure_future(self._release_engine(self.core, self.side))
+            self._releasing = asyncio.ensure_future(self._release_engine(self.core, self.side,
+                                                                         failure))
         try:
             await asyncio.shield(self._releasing)
         finally:
             if self._releasing is not None and self._releasing.done():
                 self._releasing = None
 
-    async def _release_engine(self, core: Core, side: Side) -> None:
-        log.warning("engine disconnected: failing %d rooms and unregistering its memory",
-                    len(side.unfinished()))
+    async def _release_engine(self, core: Core, side: Side,
+                              failure: RoomFailure | None = None) -> None:
+        if failure is None:
+            log.warning("engine disconnected: failing %d rooms and unregistering its memory",
+                        len(side.unfinished()))
         self._registered_call, self.engine_id = None, ""
-        await side.engine_released()
+        await side.engine_released(failure)
         core.release_local(self.settings.release_timeout)
 
     # ---- status -------------------------------------------------------------------------

@@ -9,6 +9,7 @@ in the pure machine; this module only does I/O and planning.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Iterable
@@ -79,6 +80,8 @@ class PrefillSide(Side):
                    peer_ttl=s.peer_ttl))
         self._registrations: dict[str, control.RegisterRank] = {}
         self._sessions: dict[str, str] = {}  # decode endpoint -> its transfer address
+        # transfer address -> the decode instance the backend's cache of it is renewed for
+        self._session_instances: dict[str, str] = {}
         self._layout: RankLayout | None = None
         self._pairs: dict[str, PairPlan] = {}  # decode endpoint -> its planning constants
         self._writes: set[asyncio.Task[None]] = set()
@@ -221,7 +224,7 @@ class PrefillSide(Side):
             num_pages, num_slots = args.num_pages, args.num_aux_slots
             local = self._local()
             check_compat(local.wire.compat, msg.kv_args.compat)
-            check_pair(self._local_layout(), layout)
+            check_pair(self._local_layout(), layout, retile=True)  # page sizes may differ
             ranks = self.core.position()
             check_coverage(self._local_layout(), layout, ranks.pp_rank, ranks.pp_size)
             _check_aux(local.wire, msg.kv_args)
@@ -274,6 +277,17 @@ class PrefillSide(Side):
             if old is not None and old != session:
                 self.core.spawn(self._detach_later(old), f"detach-{old}")
         self._sessions[msg.endpoint] = session
+        self._renew(session, msg.instance_id)
+
+    def _renew(self, session: str, instance: str) -> None:
+        """K39: a transfer address registered by an instance the backend's cache of it was
+        not renewed for (a decode restarted on the same address, or any first
+        registration) is renewed before the first write to it (the executor holds the
+        writes): the backend never writes to a new instance through what it cached for a
+        dead one (Mooncake: the old data port and buffers)."""
+        if self._session_instances.get(session) != instance:
+            self._session_instances[session] = instance
+            self.core.executor.renew(session)
 
     async def _detach_later(self, session: str) -> None:
         if self._writes:
@@ -288,6 +302,8 @@ class PrefillSide(Side):
         self._pairs.pop(endpoint, None)
         session = self._sessions.pop(endpoint, None)
         if session is not None:
+            if session not in self._sessions.values():  # a later one renews it again
+                self._session_instances.pop(session, None)
             self.core.spawn(self._detach_later(session), f"detach-{session}")
 
     # ---- effects ----------------------------------------------------------------------
@@ -321,6 +337,7 @@ class PrefillSide(Side):
             f = RoomFailure(FailureKind.LAYOUT, f"room {eff.room}: the prefill's aux slot "
                             f"{eff.aux_index} cannot be read: {exc}", "prefill")
             log.error("%s", f.reason)
+            self.core.spawn(self._check_memory_soon(), "memory-check")
         msg = control.RoomStatus(room=eff.room, inc=eff.inc, status=int(status),
                                  kind=f.kind.value if f else "", reason=f.reason if f else "",
                                  endpoint=self.core.control.endpoint,
@@ -332,6 +349,11 @@ class PrefillSide(Side):
                             f"status-{eff.room}")
         else:
             self.core.post(eff.to, msg, instance=eff.to_instance)
+
+    async def _check_memory_soon(self) -> None:
+        """:meth:`Core.check_memory` after the report in hand went out (it may fail the
+        room's siblings, which report too)."""
+        self.core.check_memory()
 
     async def _post_later(self, to: str, instance: str, msg: control.RoomStatus,
                           delay: float) -> None:
@@ -366,6 +388,7 @@ class PrefillSide(Side):
             failure = RoomFailure(FailureKind.TRANSPORT, f"room {eff.room}: transfer to "
                                   f"{', '.join(d.endpoint for d in eff.dests)} failed: {exc}",
                                   self.role)
+            self.core.check_memory()  # was it our memory (S16)? fails the room first
         except KvdError as exc:
             failure = RoomFailure(FailureKind.TRANSPORT, f"room {eff.room}: {exc}", self.role)
         finally:
@@ -397,7 +420,11 @@ class PrefillSide(Side):
             return self._plan_state(eff, d, peer, Descriptors.empty())
         local = self._local()
         pair, src_pages = self._pair(d.endpoint, peer), eff.src_pages[d.src_from:]
-        desc = pair.plan(src_pages, d.dst_pages)
+        if d.tokens is None:
+            desc = pair.plan(src_pages, d.dst_pages)
+        else:  # re-tiled (issue 22 item 3): the room's tokens [lo, hi) to this decode
+            lo, hi = d.tokens
+            desc = pair.plan_tokens(src_pages, d.dst_pages, lo, hi, eff.src_first, d.dst_first)
         s, ranks = self.core.settings, self.core.position()
         last_stage = ranks.pp_rank == ranks.pp_size - 1  # only the last stage has outputs
         aux = None
@@ -407,7 +434,11 @@ class PrefillSide(Side):
                                         eff.aux_index, d.aux_index))
             aux = (peer.args.aux_ptrs, peer.args.aux_item_lens, d.aux_index)
         check_plan_bounds(desc, local.regions, peer.args.regions, f"room {eff.room}")
-        pair.prove(desc, src_pages, d.dst_pages, aux, f"room {eff.room} to {d.endpoint}")
+        what = f"room {eff.room} to {d.endpoint}"
+        if d.tokens is None:
+            pair.prove(desc, src_pages, d.dst_pages, aux, what)
+        else:
+            pair.prove_tokens(desc, d.dst_pages, *d.tokens, d.dst_first, aux, what)
         return self._plan_state(eff, d, peer, desc)
 
     def _plan_state(self, eff: Write, d: WriteDest, peer: PeerPlan,
@@ -427,7 +458,7 @@ class PrefillSide(Side):
         local = self._local_layout()
         pair = self._pairs.get(endpoint)
         if pair is None or pair.src is not local or pair.dst is not peer.layout:
-            pair = self._pairs[endpoint] = PairPlan.of(local, peer.layout)
+            pair = self._pairs[endpoint] = PairPlan.of(local, peer.layout, retile=True)
         return pair
 
     def _session_failed(self, dests: tuple[WriteDest, ...]) -> None:
@@ -482,8 +513,11 @@ class PrefillSide(Side):
 
     def engine_registered(self, args: RankArgs) -> None:
         """New local buffers: check every known decode rank against them again, and
-        register with the bootstrap server (once)."""
+        register with the bootstrap server (once). Rooms a dropped registration left
+        are cleared first."""
+        self._clear_all()
         self.rooms.num_pages, self.rooms.num_aux_slots = args.num_pages, args.num_aux_slots
+        self.rooms.page_size = args.wire.page_size
         r = self.core.position()
         self.rooms.position = RankPosition(r.attn_tp_rank, r.attn_tp_size, r.attn_dp_rank,
                                            r.attn_dp_size, r.pp_rank, r.pp_size)
@@ -512,14 +546,24 @@ class PrefillSide(Side):
             self.core.spawn(keeper.run(), "etcd-registration")
         self.etcd.set_registration(self._registration())
 
-    async def engine_released(self) -> None:
+    def engine_lost(self, failure: RoomFailure) -> None:
+        self.run(self.rooms.engine_lost(failure, self.core.clock()))
+
+    async def engine_released(self, failure: RoomFailure | None = None) -> None:
+        if failure is not None:
+            self.engine_lost(failure)
         for room in self.unfinished():
             self.abort(room, "engine disconnected")
         if self._writes:  # our own writes read this memory: let them return
             await asyncio.wait(list(self._writes))
-        for room in list(self.rooms.rooms):
-            self.clear(room)
+        if failure is None:  # a dropped registration's rooms stay readable (S16) until
+            self._clear_all()  # the next registration
         self.rooms.num_pages = self.rooms.num_aux_slots = 0
+
+    def _clear_all(self) -> None:
+        for room in list(self.rooms.rooms):
+            with contextlib.suppress(RoomError):
+                self.clear(room)
 
     async def drain_done(self) -> None:
         if self.etcd is not None:

@@ -169,8 +169,14 @@ class Side(abc.ABC):
         """The engine registered its KV pool (again)."""
 
     @abc.abstractmethod
-    async def engine_released(self) -> None:
-        """The engine is gone: fail its rooms; return once nothing reads its memory."""
+    async def engine_released(self, failure: RoomFailure | None = None) -> None:
+        """The engine is gone: fail its rooms (aborted, or with ``failure``: its
+        registration was dropped, S16); return once nothing reads its memory."""
+
+    @abc.abstractmethod
+    def engine_lost(self, failure: RoomFailure) -> None:
+        """The engine's memory no longer stands (S16): fail every unfinished room with
+        ``failure`` now; :meth:`engine_released` with the same failure follows."""
 
     @abc.abstractmethod
     def unfinished(self) -> list[int]:

@@ -58,6 +58,12 @@ class Buffer(Protocol):
     @property
     def host_addressable(self) -> bool: ...
 
+    @property
+    def stable(self) -> bool:
+        """Host memory that can never shrink under kvd (a file sealed with
+        ``F_SEAL_SHRINK``): a copy through its mapping cannot fault (S16)."""
+        ...
+
     def read(self, offset: int, n: int) -> bytes:
         """``n`` bytes at ``offset``, without touching memory that may have gone (S16).
         Raises :class:`HandleError`."""
@@ -168,11 +174,22 @@ class EngineMemory:
         nothing. Raises the engine's TransportError after undoing what it did."""
         try:
             for b in self.buffers:
-                engine.register(b.address, b.length, b.device)
+                engine.register(b.address, b.length, b.device, stable=b.stable)
                 self.registered.append(b.address)
         except KvdError:
             self.unregister(engine)
             raise
+
+    def lost(self) -> str | None:
+        """None while every host buffer's file still holds the whole buffer; otherwise
+        which buffer no longer does, with the sizes (one ``fstat`` per buffer not sealed
+        against shrinking; case S16: the engine truncated memory it registered)."""
+        for name, bufs in (("KV", self.kv), ("aux", self.aux), ("state", self.state)):
+            for i, b in enumerate(bufs):
+                why = b.shrunk() if isinstance(b, HostBuffer) and not b.stable else None
+                if why is not None:
+                    return f"{name} buffer {i}: {why}"
+        return None
 
     def unregister(self, engine: TransferEngine) -> None:
         """Unregister from ``engine`` (errors logged)."""

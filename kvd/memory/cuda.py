@@ -128,6 +128,11 @@ class CudaBuffer:
     def host_addressable(self) -> bool:
         return False
 
+    @property
+    def stable(self) -> bool:
+        """Not host memory: the host copy rules (S16) do not apply."""
+        return False
+
     def export(self) -> CudaIpcHandle:
         """The engine's own handle: another process opens the same segment."""
         return self.handle

@@ -22,9 +22,10 @@ kvd's own reads and writes of engine memory (aux slots over the control plane) g
 through the kept descriptor (``pread``/``pwrite``, :meth:`HostBuffer.read` and
 :meth:`HostBuffer.write`), never through the mapping: an engine that truncates its file
 under kvd (case S16) then costs a :class:`HandleError`, where a load or store in the
-mapping past the file's end would kill the daemon with ``SIGBUS``. The transfer
-engine's page (and ``aux_transport = "mooncake"`` aux) copies still go through the
-mapping; only a sealed memfd (``fd`` handles) rules that out.
+mapping past the file's end would kill the daemon with ``SIGBUS``. The ``local``
+backend's copies go through the kernel (:mod:`kvd.memory.hostcopy`) unless both files are
+sealed against shrinking (:attr:`HostBuffer.stable`); :meth:`HostBuffer.shrunk` tells a
+buffer whose file no longer holds it (the daemon then drops the registration).
 
 Files are mapped whole with ``mmap`` (``MAP_SHARED``; not
 ``multiprocessing.shared_memory``, whose resource tracker would unlink the engine's
@@ -61,6 +62,9 @@ class MappedFile:
     ino: int
     what: str
     refs: int = 0
+    #: sealed against shrinking (``F_SEAL_SHRINK``, for the life of the file): a load or
+    #: store through the mapping can never fault
+    sealed: bool = False
 
     def close(self) -> None:
         with contextlib.suppress(BufferError):  # a view is alive: the OS unmaps at exit
@@ -90,6 +94,24 @@ class HostBuffer:
     @property
     def host_addressable(self) -> bool:
         return True
+
+    @property
+    def stable(self) -> bool:
+        """The file is sealed against shrinking: this buffer stays backed for good (S16)."""
+        return self.file.sealed
+
+    def shrunk(self) -> str | None:
+        """None while the file still holds the whole buffer; otherwise why not (its
+        current size, the buffer's end, the registered size). One ``fstat`` (case S16)."""
+        end = self.offset + self.length
+        try:
+            size = os.fstat(self.file.fd).st_size
+        except OSError as exc:
+            return f"{self.file.what} cannot be checked: {exc.strerror}"
+        if size >= end:
+            return None
+        return (f"{self.file.what} now ends at byte {size}, before the buffer's end at byte "
+                f"{end} (registered {self.file.size} bytes)")
 
     def read(self, offset: int, n: int) -> bytes:
         """``n`` bytes at ``offset`` of this buffer, read through the file's descriptor
@@ -180,7 +202,8 @@ class HostFiles:
         except (OSError, ValueError) as exc:
             raise HandleError(f"cannot map {what}: {exc}") from exc
         base = np.frombuffer(mm, dtype=np.uint8).ctypes.data
-        mapped = MappedFile(fd, mm, base, st.st_size, st.st_dev, st.st_ino, what)
+        mapped = MappedFile(fd, mm, base, st.st_size, st.st_dev, st.st_ino, what,
+                            sealed=_shrink_sealed(fd))
         self.files[(st.st_dev, st.st_ino)] = mapped
         return mapped
 
@@ -270,6 +293,14 @@ def check_passed_fd(fd: int, what: str) -> None:
     if _is_memfd(fd) and not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK:
         raise HandleError(f"{what} is a memfd that may shrink under kvd's mapping (SIGBUS): "
                           f"seal it with F_SEAL_SHRINK (kvd.client.FdPool does)")
+
+
+def _shrink_sealed(fd: int) -> bool:
+    """Is the file sealed against shrinking (a seal is never removed)?"""
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:  # not a file that takes seals (EINVAL)
+        return False
 
 
 def _is_memfd(fd: int) -> bool:

@@ -182,7 +182,8 @@ class OpenRing(msgspec.Struct, tag="open_ring", frozen=True):
     right after it), kvd's eventfd (write it to wake kvd) and the engine's (kvd writes it
     to wake the engine) ride with the reply, in that order (``SCM_RIGHTS``). Refused
     (``RpcError``) with ``engine_channel`` off, on a connection that did not register the
-    engine, or a second time on one connection; ``ProtocolError`` for sizes out of the
+    engine, or a second time for one registration (a registration on the connection
+    closes its ring: the engine asks again); ``ProtocolError`` for sizes out of the
     bounds above.
 
     A submission record's payload is a :class:`Request` frame (:mod:`kvd.protocol.codec`,

@@ -126,13 +126,17 @@ def _start_daemons(work: Path, prefill_tp: int, prefill_pp: int, decode_tp: int,
 def run_demo(n_prompts: int = 8, max_new_tokens: int = 16, page_size: int = 16,
              chunk_pages: int = 4, console: Console | None = None, prefill_tp: int = 1,
              decode_tp: int = 1, prefill_pp: int = 1,
-             backends: tuple[str, ...] = ("mooncake", "local")) -> int:
+             backends: tuple[str, ...] = ("mooncake", "local"),
+             decode_page_size: int | None = None, first_prompt: int = 0) -> int:
     """Run the demo; returns 0 if every completion equals the reference, else 1.
 
     ``prefill_tp``/``prefill_pp``/``decode_tp`` shard the engines' KV pools (one kvd per
-    rank); the model has 3 KV heads and 30 layers. The prompts are split between
-    ``backends`` in order (consecutive groups).
+    rank); the model has 3 KV heads and 30 layers. The prompts (``first_prompt`` on) are
+    split between ``backends`` in order (consecutive groups). ``page_size`` is the
+    prefill engine's tokens per page, ``decode_page_size`` the decode's (None: the same;
+    another one is re-tiled by kvd, issue 22 item 3).
     """
+    d_page = decode_page_size or page_size
     console = console or demo_console()
     work = Path(tempfile.mkdtemp(prefix="kvd-demo-"))
     daemons: list[DaemonProcess] = []
@@ -149,7 +153,7 @@ def run_demo(n_prompts: int = 8, max_new_tokens: int = 16, page_size: int = 16,
                                      work / "prefill-engine.log", env, page_size, prefill_tp,
                                      prefill_pp))
         engines.append(EngineProcess("decode", [d.socket for d in decode],
-                                     work / "decode-engine.log", env, page_size, decode_tp))
+                                     work / "decode-engine.log", env, d_page, decode_tp))
         t0 = time.perf_counter()
         loads = [e.reply() for e in engines]
         load = ", ".join(f"{r.get('load_s', 0.0):.1f}s" for r in loads)
@@ -160,7 +164,8 @@ def run_demo(n_prompts: int = 8, max_new_tokens: int = 16, page_size: int = 16,
                 prefill, decode = _start_daemons(work, prefill_tp, prefill_pp, decode_tp,
                                                  backend, boot_port)
                 daemons = prefill + decode
-            first, last = k * n_prompts // len(backends), (k + 1) * n_prompts // len(backends)
+            first = first_prompt + k * n_prompts // len(backends)
+            last = first_prompt + (k + 1) * n_prompts // len(backends)
             rows += [r | {"backend": backend} for r in _run_prompts(
                 engines[0], engines[1], prefill[0].http_addr, range(first, last),
                 max_new_tokens, chunk_pages)]
@@ -168,7 +173,8 @@ def run_demo(n_prompts: int = 8, max_new_tokens: int = 16, page_size: int = 16,
         for e in engines:
             e.stop()
         codes += [d.stop() for d in daemons]
-    _print_table(console, rows, page_size, chunk_pages,
+    pages = str(page_size) if d_page == page_size else f"{page_size} -> {d_page}"
+    _print_table(console, rows, pages, chunk_pages,
                  f"prefill TP{prefill_tp} PP{prefill_pp} -> decode TP{decode_tp}")
     ok = all(r["equal"] for r in rows) and len(rows) == n_prompts
     ok_exit = all(c == 0 for c in codes)
@@ -229,7 +235,7 @@ def demo_console() -> Console:
     return Console(width=None if sys.stdout.isatty() else 160)
 
 
-def _print_table(console: Console, rows: list[dict[str, Any]], page_size: int,
+def _print_table(console: Console, rows: list[dict[str, Any]], page_size: str,
                  chunk_pages: int, topology: str) -> None:
     table = Table(title=f"kvd demo: page_size={page_size}, prefill chunk={chunk_pages} pages, "
                         f"{topology}")

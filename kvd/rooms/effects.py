@@ -76,7 +76,12 @@ class WriteDest:
     chunk page from ``src_from`` on; empty for an MLA dummy) and the peer's registration
     (``peer``: opaque to the machine, what the daemon plans with). ``src_from``: leading
     pages of the chunk this destination already holds (decode-side prefix caching):
-    ``src_pages[src_from:]`` go to ``dst_pages``."""
+    ``src_pages[src_from:]`` go to ``dst_pages``.
+
+    Re-tiled rooms (the decode's page size differs, :attr:`Write.tokens` set): this
+    destination receives room tokens ``tokens = (lo, hi)`` (token positions; ``lo == hi``:
+    nothing) into ``dst_pages``, decode room pages from ``dst_first`` on (decode pages);
+    ``src_from`` is 0."""
 
     endpoint: str
     dst_pages: Pages
@@ -85,6 +90,8 @@ class WriteDest:
     peer: Any
     src_from: int = 0
     state: StateRef | None = None  # the decode's state slot / window pages (last chunk)
+    dst_first: int = 0
+    tokens: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,7 +101,12 @@ class Write:
     ``src_pages``: int64 source page indices. ``is_last``: the chunk that carries aux
     (local slot ``aux_index``). ``deadline``: monotonic s; no sub-batch may start
     after it. The daemon answers with ``write_done(room, attempt, ...)`` exactly once,
-    whatever happens to the task that performs it."""
+    whatever happens to the task that performs it.
+
+    ``tokens``: None when every destination has this rank's page size (whole pages, as
+    the engine sent them); else the room tokens ``(lo, hi)`` this write moves (re-tiled,
+    issue 22 item 3): ``src_pages`` are the sender room pages from ``src_first`` on that
+    hold them, and each destination says its own part (:class:`WriteDest`)."""
 
     room: int
     attempt: int
@@ -104,6 +116,8 @@ class Write:
     aux_index: int | None
     deadline: float
     state: StateRef | None = None  # the prefill's state slot / window pages (last chunk)
+    src_first: int = 0
+    tokens: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -143,11 +157,15 @@ class AbortUnknown:
 @dataclass(frozen=True)
 class WriteAux:
     """Decode: copy an aux payload received over the control plane into local slot
-    ``aux_index`` (one bytes object per aux buffer, sizes already checked)."""
+    ``aux_index`` (one bytes object per aux buffer, sizes already checked), from prefill
+    rank ``endpoint``'s Success for incarnation ``inc``; the side answers with
+    :meth:`~kvd.rooms.receiver.ReceiverRooms.aux_written` (S16)."""
 
     room: int
     aux_index: int
     payload: tuple[bytes, ...]
+    inc: int = 0
+    endpoint: str = ""
 
 
 @dataclass(frozen=True)

@@ -251,9 +251,12 @@ class ReceiverRooms:
         self._forget(r)
         return out
 
-    def engine_released(self, now: float) -> list[Effect]:
-        """The engine went away. Every unfinished room is aborted (its targets told) and no
-        room can be created until :meth:`engine_registered`. The engine's memory must stay
+    def engine_released(self, now: float, failure: RoomFailure | None = None
+                        ) -> list[Effect]:
+        """The engine went away (``failure`` None: every unfinished room is aborted), or
+        its registration is dropped because its memory no longer stands (every unfinished
+        room fails with ``failure``, kind ``layout``, case S16); its targets are told, and
+        no room can be created until :meth:`engine_registered`. The engine's memory must stay
         registered until :meth:`quiet`: a new pool may be registered at the same addresses
         (the same shm remapped, the same device memory), so no write bound to a room of the
         old registration may start or land once it is (K44; a restarted decode daemon is
@@ -261,7 +264,10 @@ class ReceiverRooms:
         self.released = True
         out: list[Effect] = []
         for room in [k for k, r in self.rooms.items() if not r.done]:
-            out += self.abort(room, "engine disconnected", now)
+            if failure is None:
+                out += self.abort(room, "engine disconnected", now)
+            else:
+                self._fail(self.rooms[room], failure, now, out)
         return out
 
     def quiet(self, now: float) -> bool:
@@ -371,14 +377,36 @@ class ReceiverRooms:
             reason = msg.reason or f"room {r.room}: failed on {msg.endpoint}"
             self._fail(r, RoomFailure(kind, reason, "prefill"), now, out)
             return out
-        if msg.aux and not self._aux(r, msg, now, out):
+        if msg.aux:  # counted as a success once the slot is written (aux_written)
+            self._aux(r, msg, now, out)
             return out
-        r.successes.add(msg.endpoint)
+        self._succeeded(r, msg.endpoint, now, out)
+        return out
+
+    def aux_written(self, room: int, inc: int, endpoint: str, failure: RoomFailure | None,
+                    now: float) -> list[Effect]:
+        """The :class:`WriteAux` of ``endpoint``'s Success for incarnation ``inc`` returned
+        (``failure`` None: every aux buffer holds the payload). A refused write fails the
+        room (case S16: the engine shrank its aux memory): a decode never reports Success
+        for a room whose aux it could not write."""
+        out: list[Effect] = []
+        r = self._current(room, inc)
+        if r is None or r.done:
+            return out
+        if failure is not None:
+            self._fail(r, failure, now, out)
+        else:
+            self._succeeded(r, endpoint, now, out)
+        return out
+
+    def _succeeded(self, r: ReceiverRoom, endpoint: str, now: float,
+                   out: list[Effect]) -> None:
+        """Target ``endpoint``'s bytes (and aux) landed; Success once every target's did."""
+        r.successes.add(endpoint)
         if {t.endpoint for t in r.targets or ()} <= r.successes:
             r.status, r.since = KVPoll.Success, now
             out.append(Ended(r.room, r.inc, KVPoll.Success, None, self._peer(r), r.created))
             out.append(Wake())
-        return out
 
     def peer_lost(self, bootstrap_addr: str, failure: RoomFailure, now: float,
                   keep: str | None = None, endpoint: str | None = None) -> list[Effect]:
@@ -557,14 +585,15 @@ class ReceiverRooms:
 
     def _aux(self, r: ReceiverRoom, msg: control.RoomStatus, now: float,
              out: list[Effect]) -> bool:
-        """Aux over the control plane: sizes must match the local aux buffers exactly."""
+        """Aux over the control plane: sizes must match the local aux buffers exactly;
+        then the slot is written (:class:`WriteAux`, answered by :meth:`aux_written`)."""
         sizes = [len(a) for a in msg.aux]
         if sizes != list(self.aux_sizes) or not 0 <= r.aux_index < self.num_aux_slots:
             self._fail(r, RoomFailure(FailureKind.LAYOUT, f"room {r.room}: aux payload of "
                                       f"{sizes} bytes does not match the aux slots "
                                       f"({list(self.aux_sizes)} bytes)", ORIGIN), now, out)
             return False
-        out.append(WriteAux(r.room, r.aux_index, tuple(msg.aux)))
+        out.append(WriteAux(r.room, r.aux_index, tuple(msg.aux), r.inc, msg.endpoint))
         return True
 
     def _fail(self, r: ReceiverRoom, failure: RoomFailure, now: float,

@@ -118,6 +118,11 @@ class DecodePeer:
     last_seen: float
     kv_args: control.KVArgsWire | None = None  # what it registered (its pool)
 
+    @property
+    def page_size(self) -> int:
+        """Tokens per page of its KV pool (0: not registered)."""
+        return self.kv_args.page_size if self.kv_args is not None else 0
+
 
 @dataclass
 class Dest:
@@ -149,7 +154,8 @@ class SenderRoom:
     required: int | None = None
     dests: dict[str, Dest] = field(default_factory=dict)
     chunks: deque[tuple[Pages, bool]] = field(default_factory=deque)
-    offset: int = 0
+    offset: int = 0  # sender pages handed to writes (re-tiled: taken from the queue)
+    tokens: int = 0  # re-tiled rooms: room tokens written so far
     writing: bool = False
     last_sent: bool = False  # the chunk with is_last was handed to a write
     nbytes: int = 0
@@ -235,7 +241,19 @@ class SenderRooms:
     :class:`RoomError` for calls the engine got wrong (with the effects of whatever the
     call still changed, e.g. a room it failed); peer events never raise.
     ``num_pages``/``num_aux_slots`` describe the local KV pool (0 until the engine
-    registered).
+    registered), ``page_size`` its tokens per page (0: unknown, every pair is taken as
+    equal).
+
+    **Page sizes** (issue 22 item 3). A room whose decode ranks all have this rank's page
+    size moves whole pages as the engine sent them. Otherwise it moves tokens: the
+    engine's chunks are re-cut so every write but the last ends on a page boundary of
+    every destination (a decode page is written by one write only; the rest of a chunk
+    waits for the next), and the last ends at the room's token count ``T``: the largest
+    both sides' pages hold, ``min(prefill pages x Ps, decode pages x Pd)`` (the engines
+    name pages, not tokens; slots past the request's last token lie in the room's own
+    pages on both sides). A decode whose pages do not fit ``T`` -- a page it would get
+    no token in, or too few for a chunk -- fails the room, kind ``layout``, as an index
+    length mismatch does with equal pages.
     """
 
     def __init__(self, timeouts: Timeouts | None = None, position: RankPosition | None = None,
@@ -245,6 +263,7 @@ class SenderRooms:
         self.limits = limits or Limits()
         self.num_pages = 0
         self.num_aux_slots = 0
+        self.page_size = 0
         self.peers: dict[str, DecodePeer] = {}
         self.rooms: dict[int, SenderRoom] = {}
         self.retired: dict[tuple[int, int], SenderRoom] = {}  # ended attempts still writing
@@ -339,6 +358,15 @@ class SenderRooms:
         if r is not None:
             failure = RoomFailure(FailureKind.ABORTED,
                                   f"room {room} aborted on prefill ({r.peers}): {reason}", ORIGIN)
+            self._fail(r, failure, now, out)
+        return out
+
+    def engine_lost(self, failure: RoomFailure, now: float) -> list[Effect]:
+        """The engine's registration is dropped because its memory no longer stands
+        (case S16): every unfinished room fails with ``failure`` (kind ``layout``); writes
+        in flight are cancelled where they have not started, as for any ending."""
+        out: list[Effect] = []
+        for r in [r for r in self.rooms.values() if not r.done]:
             self._fail(r, failure, now, out)
         return out
 
@@ -726,6 +754,9 @@ class SenderRooms:
             return
         if self._overdue(r, now, out):
             return
+        if self._retiled(r):
+            self._kick_tokens(r, now, out)
+            return
         pages, is_last = r.chunks.popleft()
         dests = []
         for endpoint, d in r.dests.items():
@@ -739,6 +770,88 @@ class SenderRooms:
                 return
             dests.append(dest)
         r.offset += int(pages.size)
+        self._start_write(r, pages, tuple(dests), is_last, now, out)
+
+    def _retiled(self, r: SenderRoom) -> bool:
+        """Does a destination of ``r`` (not a dummy) have another page size than this rank?"""
+        return self.page_size > 0 and any(
+            not d.is_dummy and d.peer.page_size and d.peer.page_size != self.page_size
+            for d in r.dests.values())
+
+    def _kick_tokens(self, r: SenderRoom, now: float, out: list[Effect]) -> None:
+        """The re-tiled chunk pump (see the class docstring): take queued chunks until
+        one gives whole destination pages beyond what was written, or the last came."""
+        is_last, hi = False, r.tokens
+        while r.chunks and not is_last and hi <= r.tokens:
+            pages, is_last = r.chunks.popleft()
+            r.offset += int(pages.size)
+            hi = self._room_tokens(r) if is_last else self._cut(r)
+        if not is_last and hi <= r.tokens:
+            return  # no whole destination page yet: the pages wait for the next chunk
+        ps = self.page_size
+        if is_last and (r.offset - 1) * ps >= hi:
+            self._fail(r, RoomFailure(FailureKind.LAYOUT, f"room {r.room}: index length "
+                                      f"mismatch: the prefill's last page gets no token of "
+                                      f"the room's {hi} ({r.offset} pages of {ps} tokens; "
+                                      f"decode: {r.peers})", ORIGIN), now, out)
+            return
+        dests = []
+        for endpoint, d in r.dests.items():
+            dest = self._token_dest(r, d, endpoint, hi, is_last)
+            if isinstance(dest, str):
+                self._fail(r, RoomFailure(FailureKind.LAYOUT, f"room {r.room}: index length "
+                                          f"mismatch: {dest} (decode {endpoint})", ORIGIN),
+                           now, out)
+                return
+            dests.append(dest)
+        lo = r.tokens
+        first, end = lo // ps, -(-hi // ps)
+        src = np.concatenate(r.src_pages)[first:end] if r.src_pages else np.zeros(0, np.int64)
+        r.tokens = hi
+        self._start_write(r, src, tuple(dests), is_last, now, out, first, (lo, hi))
+
+    def _cut(self, r: SenderRoom) -> int:
+        """The last token boundary the pages received so far reach that is a page
+        boundary of every destination (the lcm of their page sizes)."""
+        step = 1
+        for d in r.dests.values():
+            if not d.is_dummy and d.peer.page_size:
+                step = np.lcm(step, d.peer.page_size)
+        return r.offset * self.page_size // int(step) * int(step)
+
+    def _room_tokens(self, r: SenderRoom) -> int:
+        """``T``: the most tokens both this rank's pages and every destination's hold."""
+        ends = [(d.first + d.pages.size) * d.peer.page_size for d in r.dests.values()
+                if not d.is_dummy]
+        return min([r.offset * self.page_size, *ends])
+
+    def _token_dest(self, r: SenderRoom, d: Dest, endpoint: str, hi: int,
+                    is_last: bool) -> WriteDest | str:
+        """What destination ``d`` receives of room tokens ``[r.tokens, hi)``: the part from
+        its first page on; or why its pages do not fit (a message)."""
+        state = d.state if is_last else None
+        if d.is_dummy:
+            return WriteDest(endpoint, d.pages[:0], d.aux_index, True, d.peer.payload,
+                             state=state, tokens=(hi, hi))
+        pd, n = d.peer.page_size, d.pages.size
+        end = (d.first + n) * pd
+        if hi > end or (is_last and end - pd >= hi):
+            have = f"{r.offset} pages of {self.page_size} tokens here, {d.first} + {n} pages " \
+                   f"of {pd} there"
+            return f"tokens up to {hi} do not fit ({have})" if hi > end else \
+                f"its last page gets no token of the room's {hi} ({have})"
+        lo = max(r.tokens, d.first * pd)
+        if lo >= hi:
+            return WriteDest(endpoint, d.pages[:0], d.aux_index, False, d.peer.payload,
+                             state=state, dst_first=d.first + n, tokens=(hi, hi))
+        a, b = lo // pd, -(-hi // pd)
+        return WriteDest(endpoint, d.pages[a - d.first:b - d.first], d.aux_index, False,
+                         d.peer.payload, state=state, dst_first=a, tokens=(lo, hi))
+
+    def _start_write(self, r: SenderRoom, src: Pages, dests: tuple[WriteDest, ...],
+                     is_last: bool, now: float, out: list[Effect], src_first: int = 0,
+                     tokens: tuple[int, int] | None = None) -> None:
+        """Hand one chunk to a :class:`Write` (Transferring; the last chunk ends the queue)."""
         if r.status != KVPoll.Transferring:
             self._advance(r, KVPoll.Transferring, now)
         deadline = min(r.since + self.timeouts.transfer,
@@ -747,9 +860,9 @@ class SenderRooms:
         if is_last:
             r.last_sent = True
             r.chunks.clear()  # nothing after the last chunk is ever written
-        out.append(Write(r.room, r.attempt, pages, tuple(dests), is_last,
+        out.append(Write(r.room, r.attempt, src, dests, is_last,
                          r.aux_index if is_last else None, deadline,
-                         r.state if is_last else None))
+                         r.state if is_last else None, src_first, tokens))
 
     @staticmethod
     def _chunk_dest(r: SenderRoom, d: Dest, endpoint: str, n: int,

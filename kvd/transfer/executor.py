@@ -14,6 +14,12 @@ threads). A session's thread is stopped once it has been idle for
 ``idle_s`` seconds. At most ``queue_size`` writes per session are handed to its
 thread at a time (SGLang's ``QUEUE_SIZE``); further writes wait on the loop.
 
+A session whose peer is a new instance (a decode restarted on the same session name) is
+renewed first (:meth:`TransferExecutor.renew`, backends that cache per session,
+:class:`~kvd.transfer.backends.base.RenewSession`): the backend's blocking renewal runs
+off the loop, and every write to that session started after the call waits for it, so
+the first write to the new instance never uses what was cached for the old one (K39).
+
 The loop awaits each result; cancelling the awaiting task does NOT stop a
 write already inside a thread, so callers must not free or acknowledge pages
 until :meth:`TransferExecutor.write` returns or raises.
@@ -28,13 +34,16 @@ has not submitted. What already runs is waited out, as above.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvd.errors import WriteCancelled
-from kvd.transfer.backends.base import CancelToken, StartWrite, TransferEngine
+from kvd.transfer.backends.base import CancelToken, RenewSession, StartWrite, TransferEngine
 from kvd.transfer.plan import Descriptors
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,9 +71,12 @@ class TransferExecutor:
         self._starts = engine if isinstance(engine, StartWrite) else None
         self.queue_size = max(1, queue_size)
         self.idle_s = idle_s
+        self._renews = engine if isinstance(engine, RenewSession) else None
         self._lanes: dict[str, _Lane] = {}
         self._retired: list[ThreadPoolExecutor] = []
+        self._renewing: dict[str, asyncio.Task[None]] = {}  # session -> its last renewal
         self.busy = 0
+        self.renewals = 0  # renewals that ran (tests, /health)
 
     @property
     def threads(self) -> int:
@@ -96,6 +108,9 @@ class TransferExecutor:
         (see the module doc)."""
         if len(desc) == 0:
             return
+        renewal = self._renewing.get(session)
+        if renewal is not None:
+            await asyncio.wait([renewal])
         engine = self._starts
         if engine is not None and engine.can_start(session):
             await self._started(engine, session, desc, deadline, cancel)
@@ -111,6 +126,33 @@ class TransferExecutor:
         finally:
             lane.active -= 1
             lane.last_used = time.monotonic()
+
+    def renew(self, session: str) -> None:
+        """The peer behind ``session`` is a new instance: renew what the backend cached
+        for it (off the loop, after any renewal of it still running); writes to
+        ``session`` started from now on wait for it (K39). A backend that caches nothing
+        per session: nothing to do. Loop thread only."""
+        if self._renews is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._renew(session, self._renewing.get(session)), name=f"renew-{session}")
+        self._renewing[session] = task
+        task.add_done_callback(lambda t: self._renewed(session, t))
+
+    async def _renew(self, session: str, before: asyncio.Task[None] | None) -> None:
+        if before is not None:
+            await asyncio.wait([before])
+        assert self._renews is not None
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, self._renews.renew_session, session)
+            self.renewals += 1
+        except Exception as exc:  # the writes that wait for it go ahead (and may fail)
+            log.warning("could not renew transfer session %s: %s", session, exc)
+
+    def _renewed(self, session: str, task: asyncio.Task[None]) -> None:
+        if self._renewing.get(session) is task:
+            del self._renewing[session]
 
     async def _in_lane(self, lane: _Lane, session: str, desc: Descriptors,
                        deadline: float | None, cancel: CancelToken | None) -> None:

@@ -51,6 +51,7 @@ from kvd.transfer.plan import (
     page_runs,
     plan_pages,
     prove_plan,
+    same_runs,
 )
 from kvd.transfer.retile import Chunk, Side, retile_expected, retile_plan
 
@@ -318,9 +319,13 @@ def _item_len_problems(src: RankLayout, dst: RankLayout) -> list[str]:
         return []
     i = int(bad[0])
     layer = int(layers[i % layers.size])
-    what = f"in layer {layer}" if src.is_mla else (
+    pages = str(src.page_size) if src.page_size == dst.page_size else \
+        f"{src.page_size} vs {dst.page_size} tokens"
+    what = f"in layer {layer}" if src.is_mla and src.page_size == dst.page_size else (
+        f"in layer {layer} (whole tokens per page of {pages}, equal bytes per token: "
+        f"expected {int(s_exp[i])} vs {int(d_exp[i])})" if src.is_mla else
         f"in layer {layer} {'KV'[i // layers.size]} (expected {int(s_exp[i])} vs "
-        f"{int(d_exp[i])}: page_size {src.page_size} x {src.num_kv_heads} vs "
+        f"{int(d_exp[i])}: page_size {pages} x {src.num_kv_heads} vs "
         f"{dst.num_kv_heads} heads x head_dim {src.head_dim} x {src.dtype_size} bytes)")
     return [f"kv item len mismatch {int(s_items[i])} vs {int(d_items[i])} {what}"]
 
@@ -492,13 +497,19 @@ class PairPlan:
         if aux is not None:
             ptrs, lens, index = aux
             aux_iv = (ptrs + U64(index) * lens, lens)
+        heads = 1
         if self.n_heads == 0:
             e_dst = e_len = np.zeros(0, dtype=U64)
         else:
             chunk = Chunk(dp, dp, lo, hi, dst_first, dst_first)
             chunk.check(self.dst.page_size, self.dst.page_size)
+            if dp.size:
+                _check_no_wrap(self.d_ptr, self.d_item, dp, "destination", self._tops[1])
             _, d, per_token, _, per_slot = self._retile_sides
             e_dst, e_len = retile_expected(d, per_token, chunk, per_slot)
+            heads = d.inner.size
+        if _in_order(desc, e_dst, e_len, aux_iv, self.sb.size, heads):
+            return
         if aux_iv is not None:
             e_dst, e_len = np.concatenate([e_dst, aux_iv[0]]), np.concatenate([e_len, aux_iv[1]])
         diff = interval_diff(desc.dst, desc.length, e_dst, e_len)
@@ -633,6 +644,33 @@ class PairPlan:
         d_in = tokens * U64(dst.num_kv_heads * head_bytes) + U64(self.d_off * head_bytes)
         return _strided((s_ptr, s_item, sp, s_in), (d_ptr, d_item, dp, d_in),
                         n_heads * head_bytes, (sb, db))
+
+
+def _in_order(desc: Descriptors, e_dst: Addrs, e_len: Addrs,
+              aux: tuple[Addrs, Addrs] | None, nb: int, heads: int) -> bool:
+    """The re-tiled proof's fast path: does ``desc`` (a :meth:`PairPlan.plan_tokens` plan,
+    ``[B][S][H]``, aux after KV) name exactly the bytes of the expected ``[B][S'][H]``
+    intervals ``(e_dst, e_len)`` (and then exactly the ``aux`` intervals)? Both are read
+    in ``[B][H][S]`` order -- one buffer, one head, tokens in order -- where the plan's
+    pieces and the decode's pages name the same byte sequence, so equal runs
+    (:func:`~kvd.transfer.plan.same_runs`) prove the tiling in ``O(N)``. ``False``: another
+    order or a wrong plan; the caller asks the general sweep."""
+    n_aux = 0 if aux is None else aux[0].size
+    n = desc.dst.size - n_aux
+    if n < 0 or desc.length.size != desc.dst.size or e_dst.size % max(nb * heads, 1) or \
+            n % max(nb * heads, 1):
+        return False
+    if aux is not None and not (np.array_equal(desc.dst[n:], aux[0]) and
+                                np.array_equal(desc.length[n:], aux[1])):
+        return False
+    d, ln = desc.dst[:n], desc.length[:n]
+    if n == e_dst.size and np.array_equal(d, e_dst) and np.array_equal(ln, e_len):
+        return True  # the same intervals (pieces are whole decode pages' pieces): no runs
+    if heads > 1 and n:
+        d, ln = (a.reshape(nb, -1, heads).transpose(0, 2, 1).ravel() for a in (d, ln))
+        e_dst, e_len = (a.reshape(nb, -1, heads).transpose(0, 2, 1).ravel()
+                        for a in (e_dst, e_len))
+    return same_runs(d, ln, e_dst, e_len)
 
 
 _Side = tuple[Addrs, Addrs, Pages, Addrs]

@@ -517,6 +517,32 @@ class Tiling:
         return f"{name}, page {rel // item}, offset {rel % item}"
 
 
+def runs(dst: Addrs, length: Addrs) -> tuple[Addrs, Addrs]:
+    """``(start, length)`` uint64 of the maximal runs of ``(dst, length)`` taken in order:
+    consecutive intervals that abut in memory (the next starts where this one ends) are
+    joined; empty intervals (they write nothing) are dropped. The runs are a function of
+    the sequence of bytes the intervals name, in order, not of how it is cut."""
+    keep = length > 0
+    if not keep.all():
+        dst, length = dst[keep], length[keep]
+    if dst.size == 0:
+        return dst, length
+    end = dst + length
+    heads = np.flatnonzero(np.concatenate(([True], dst[1:] != end[:-1])))
+    last = np.concatenate((heads[1:] - 1, [dst.size - 1]))
+    return dst[heads], end[last] - dst[heads]
+
+
+def same_runs(dst: Addrs, length: Addrs, e_dst: Addrs, e_len: Addrs) -> bool:
+    """Do ``(dst, length)`` name exactly the bytes of ``(e_dst, e_len)``, in the same
+    order (uint64 bytes)? Equal :func:`runs` on both sides: with disjoint expected
+    intervals, every expected byte is written exactly once and nothing else -- the
+    in-order fast path of :func:`interval_diff` (``O(N)``, no sort); ``False`` says only
+    that the order differs or the plan is wrong (ask :func:`interval_diff`)."""
+    a, b = runs(dst, length), runs(e_dst, e_len)
+    return a[0].size == b[0].size and bool((a[0] == b[0]).all() and (a[1] == b[1]).all())
+
+
 def interval_diff(dst: Addrs, length: Addrs, e_dst: Addrs, e_len: Addrs
                   ) -> tuple[str, int, int] | None:
     """Where descriptors ``(dst, length)`` fail to cover the disjoint expected intervals

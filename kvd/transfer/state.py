@@ -360,7 +360,10 @@ class StatePairPlan:
         ids = [STATE_ID_BASE + np.array(c, dtype=np.int64) for c in cols[5:]]
         window = None
         if src.window is not None and dst.window is not None:
-            window = PairPlan.of(src.window, dst.window)
+            try:
+                window = PairPlan.of(src.window, dst.window)
+            except RegistrationError as exc:  # e.g. page sizes: window pages are not re-tiled
+                raise RegistrationError(f"window pools: {exc}") from exc
         return StatePairPlan(src, dst, u[0], u[1], u[2], u[3], u[4], ids[0], ids[1], window)
 
     def _check_index(self, layout: StateLayout, index: int, side: str) -> None:

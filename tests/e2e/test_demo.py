@@ -37,3 +37,15 @@ def test_mismatched_layouts_decode_token_exact(prefill_tp: int, decode_tp: int,
     assert code == 0, text
     assert f"prefill TP{prefill_tp} PP{prefill_pp} -> decode TP{decode_tp}" in text
     assert "all completions equal" in text
+
+
+def test_i22_retiled_pages_decode_token_exact() -> None:
+    """Prefill page size 16, decode 64: kvd re-tiles the pages (chunks of 3 pages are not
+    whole decode pages), the completion equals the colocated one."""
+    out = io.StringIO()
+    code = run_demo(n_prompts=2, max_new_tokens=4, page_size=16, chunk_pages=3,
+                    console=Console(file=out, width=140), backends=("mooncake",),
+                    decode_page_size=64, first_prompt=4)
+    text = out.getvalue()
+    assert code == 0, text
+    assert "page_size=16 -> 64" in text and "all completions equal" in text

@@ -1,8 +1,10 @@
 """A stand-in decode daemon for local-backend tests: imports an FdPool the way kvd does,
 serves it on a peer channel (as instance ``INSTANCE`` in ``FOLDER``, cluster secret from
 ``KVD_TEST_SECRET`` hex, or none), prints its ExportedPool (JSON) and then answers
-``digest`` lines with a SHA-256 of its buffers, until stdin closes.
-Usage: python -m tests.helpers.exporter NBUF NBYTES FOLDER INSTANCE"""
+``digest`` lines with a SHA-256 of its buffers, until stdin closes. With ``shm`` as the
+fifth argument the pool is an unsealed /dev/shm file instead, and ``truncate N`` cuts it
+to N bytes (the engine of case S16; answered with the file's path; no digest after that).
+Usage: python -m tests.helpers.exporter NBUF NBYTES FOLDER INSTANCE [shm]"""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvd.client import FdPool
+from kvd.client import FdPool, ShmPool
 from kvd.hostid import host_identity
 from kvd.memory import Importer, import_engine
 from kvd.security import Authenticator
@@ -31,9 +33,15 @@ def main() -> None:
                                       sys.argv[4])
     secret = os.environ.get("KVD_TEST_SECRET")
     auth = Authenticator(bytes.fromhex(secret) if secret else None, instance)
-    pool = FdPool(FdPool.size_for([nbytes] * nbuf))
-    handles = [msgspec.structs.replace(pool.alloc(nbytes)[1], fd=0) for _ in range(nbuf)]
-    mem = import_engine(Importer(Path("/dev/shm")), handles, [], [pool.fd], os.getuid())
+    size = FdPool.size_for([nbytes] * nbuf)
+    if sys.argv[5:6] == ["shm"]:
+        shm = ShmPool(size)
+        handles: list = [shm.alloc(nbytes)[1] for _ in range(nbuf)]
+        mem = import_engine(Importer(Path("/dev/shm")), handles, [], [], os.getuid())
+    else:
+        pool = FdPool(size)
+        handles = [msgspec.structs.replace(pool.alloc(nbytes)[1], fd=0) for _ in range(nbuf)]
+        mem = import_engine(Importer(Path("/dev/shm")), handles, [], [pool.fd], os.getuid())
     exported, fds = mem.export(host_identity(), channel_name(instance))
     sock = listen(folder, exported.channel)
     me = Identity(instance, frozenset({os.geteuid()}), auth.channel_mac)
@@ -51,7 +59,10 @@ def main() -> None:
     threading.Thread(target=serve, daemon=True).start()
     print(msgspec.json.encode(exported).decode(), flush=True)
     for line in sys.stdin:
-        if line.strip() == "digest":
+        if line.startswith("truncate "):
+            os.truncate(shm.path, int(line.split()[1]))
+            print(shm.path, flush=True)
+        elif line.strip() == "digest":
             h = hashlib.sha256()
             for b in mem.buffers:
                 h.update(ctypes.string_at(b.address, b.length))

@@ -372,3 +372,26 @@ async def test_a_full_completion_ring_holds_the_submissions_until_read(
         assert np.array_equal(p.side.poll([200, 201, 202]).statuses, [1, 1, 1])
     finally:
         ring.close()
+
+
+async def test_a_registration_again_on_the_connection_gives_a_fresh_ring(
+        cluster: Cluster) -> None:
+    """S16's drop lets the same connection register again: its old ring goes with the old
+    registration (closed), and the engine's OpenRing after the new one is served."""
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1)
+    ring = await RingEngine.open(pe)
+    try:
+        old = p.daemon.rings[pe.conn.id]
+        p.daemon.drop_registration("a test")
+        await settle(cluster)
+        await pe.call(pe.pool.registration)
+        assert old.closed and ring.sub.closed and pe.conn.id not in p.daemon.rings
+        again = await RingEngine.open(pe)
+        again.push(rpc.SenderCreate(room=3))
+        await again.drained()
+        again.collect()
+        assert again.outcome(0) == (True, None, "") and p.side.poll([3]).statuses == [1]
+        again.close()
+    finally:
+        ring.close()

@@ -67,7 +67,8 @@ class _NoMooncake:
     def session_id(self) -> str:
         return self._address
 
-    def register(self, addr: int, length: int, device: str = "cpu") -> None:
+    def register(self, addr: int, length: int, device: str = "cpu",
+                 stable: bool = False) -> None:
         pass
 
     def unregister(self, addr: int) -> None:

@@ -33,10 +33,12 @@ class TransferEngine(Protocol):
         """This backend's address, the opaque name peers write to."""
         ...
 
-    def register(self, addr: int, length: int, device: str = "cpu") -> None:
+    def register(self, addr: int, length: int, device: str = "cpu",
+                 stable: bool = False) -> None:
         """Register ``[addr, addr+length)`` for transfers; ``device`` says where the bytes
-        live (``"cpu"`` or ``"cuda:N"``, :class:`kvd.memory.Buffer`); raises
-        TransportError."""
+        live (``"cpu"`` or ``"cuda:N"``, :class:`kvd.memory.Buffer`); ``stable``: host
+        memory that can never shrink under kvd (:attr:`kvd.memory.Buffer.stable`, S16).
+        Raises TransportError."""
         ...
 
     def unregister(self, addr: int) -> None:
@@ -138,6 +140,20 @@ class StartWrite(Protocol):
     def close_writes(self, timeout: float | None = None) -> None:
         """Fail writes not started yet; wait up to ``timeout`` s for those in flight."""
         ...
+
+
+@runtime_checkable
+class RenewSession(Protocol):
+    """Backends that cache what they learned about a peer session (``mooncake``: its
+    segment descriptor, with the data port and buffers of the instance that answered).
+
+    ``renew_session(peer)`` is called when the peer behind ``peer`` is a new instance (a
+    decode restarted on the same session name): everything cached for it is dropped or
+    read again, so the next write reaches the new instance (K39). Blocking; it runs off
+    the loop, and writes to ``peer`` wait for it (:meth:`TransferExecutor.renew`). A
+    session never written to has nothing cached: a no-op."""
+
+    def renew_session(self, peer_session: str) -> None: ...
 
 
 @runtime_checkable

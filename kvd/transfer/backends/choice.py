@@ -17,7 +17,13 @@ from typing import Literal
 from kvd.errors import HandleError, RegistrationError
 from kvd.hostid import same_host
 from kvd.protocol.memory import ExportedPool
-from kvd.transfer.backends.base import CancelToken, StartWrite, TransferEngine, WriteDone
+from kvd.transfer.backends.base import (
+    CancelToken,
+    RenewSession,
+    StartWrite,
+    TransferEngine,
+    WriteDone,
+)
 from kvd.transfer.backends.local import LocalEngine
 from kvd.transfer.plan import Descriptors
 
@@ -72,9 +78,10 @@ class AutoEngine:
     def session_id(self) -> str:
         return self.mooncake.session_id
 
-    def register(self, addr: int, length: int, device: str = "cpu") -> None:
+    def register(self, addr: int, length: int, device: str = "cpu",
+                 stable: bool = False) -> None:
         self.mooncake.register(addr, length, device)
-        self.local.register(addr, length, device)
+        self.local.register(addr, length, device, stable)
 
     def unregister(self, addr: int) -> None:
         self.local.unregister(addr)
@@ -97,6 +104,12 @@ class AutoEngine:
     def detach_peer(self, address: str) -> None:
         self.routes.pop(address, None)
         self.local.detach_peer(address)
+
+    def renew_session(self, peer_session: str) -> None:
+        """The Mooncake engine's cache of a restarted peer (a locally attached one is
+        attached anew at its registration)."""
+        if isinstance(self.mooncake, RenewSession):
+            self.mooncake.renew_session(peer_session)
 
     def can_start(self, peer_session: str) -> bool:
         """Writes to a peer that is not copied locally go through the mooncake pump."""

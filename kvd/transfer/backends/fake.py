@@ -86,7 +86,8 @@ class FakeEngine:
     def session_id(self) -> str:
         return self._address
 
-    def register(self, addr: int, length: int, device: str = "cpu") -> None:
+    def register(self, addr: int, length: int, device: str = "cpu",
+                 stable: bool = False) -> None:
         if length <= 0:
             raise TransportError(f"register({addr:#x}, {length}): empty region")
         self.regions[addr] = length

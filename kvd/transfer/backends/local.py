@@ -4,9 +4,13 @@ The decode daemon exports its registered buffers (:class:`~kvd.protocol.memory.
 ExportedPool`: host memory as regions of descriptors that only its authenticated peer
 channel passes (:mod:`.peerchannel`, case S18), GPU memory as CUDA IPC handles); the
 prefill daemon imports them once per peer (:meth:`LocalEngine.attach_peer`) and
-then "writes" by copying page runs: ``ctypes.memmove`` (releases the GIL) for host
-memory, ``cudaMemcpyAsync`` on a stream (:class:`kvd.memory.cuda.CudaCopier`, peer
-access enabled) when either side is GPU memory. Same rules as over the wire:
+then "writes" by copying page runs: for host memory, through the kernel
+(:func:`kvd.memory.hostcopy.copy_runs`: a pool file an engine shrank under kvd costs a
+TransportError naming the buffer, never a ``SIGBUS``, case S16), or ``ctypes.memmove``
+(releases the GIL) when every buffer of the copy is ``stable`` (sealed against
+shrinking); ``cudaMemcpyAsync`` on a stream (:class:`kvd.memory.cuda.CudaCopier`, peer
+access enabled) when either side is GPU memory (host memory there is read or written by
+the CUDA driver through the mapping: not covered by S16). Same rules as over the wire:
 
 * every descriptor's destination must lie inside ONE buffer the peer exported, and
   its source inside one buffer this daemon registered (as the transfer engine's
@@ -35,6 +39,8 @@ import numpy as np
 from kvd.errors import BoundsError, HandleError, KvdError, TransportError
 from kvd.hostid import host_identity, same_host
 from kvd.memory import Buffer, Importer, import_all, release_all
+from kvd.memory.host import HostBuffer
+from kvd.memory.hostcopy import copy_runs
 from kvd.protocol.memory import CudaIpcHandle, ExportedPool
 from kvd.transfer.backends.peerchannel import (
     Claim,
@@ -51,22 +57,27 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Table:
     """Buffers sorted by start: ``start``/``end`` (uint64, in the naming process),
-    ``local`` (uint64, this process's address of each start), ``device`` per buffer."""
+    ``local`` (uint64, this process's address of each start), ``device`` per buffer,
+    ``stable`` (bool: host memory that cannot shrink under kvd, S16)."""
 
     start: np.ndarray
     end: np.ndarray
     local: np.ndarray
     device: list[str]
+    stable: np.ndarray
 
     @staticmethod
-    def of(starts: list[int], lengths: list[int], local: list[int], devices: list[str]
-           ) -> _Table:
+    def of(starts: list[int], lengths: list[int], local: list[int], devices: list[str],
+           stable: list[bool] | None = None) -> _Table:
         order = np.argsort(np.asarray(starts, dtype=U64), kind="stable")
         s = np.asarray(starts, dtype=U64)[order]
         e = s + np.asarray(lengths, dtype=U64)[order]
         if s.size > 1 and np.any(s[1:] < e[:-1]):
             raise HandleError("exported buffers overlap")
-        return _Table(s, e, np.asarray(local, dtype=U64)[order], [devices[i] for i in order])
+        steady = np.asarray(stable if stable is not None else [False] * len(starts),
+                            dtype=bool)
+        return _Table(s, e, np.asarray(local, dtype=U64)[order], [devices[i] for i in order],
+                      steady[order])
 
     def locate(self, addrs: np.ndarray, lengths: np.ndarray, what: str) -> np.ndarray:
         """Index of the ONE buffer holding each ``[addr, addr+len)``; BoundsError if none."""
@@ -113,7 +124,7 @@ class LocalEngine:
         self.channel = channel
         self.host_id = host_identity()
         self._address = address or f"local:{self.host_id}:{os.getpid()}"
-        self._own: dict[int, tuple[int, str]] = {}  # addr -> (length, device)
+        self._own: dict[int, tuple[int, str, bool]] = {}  # addr -> (length, device, stable)
         self._own_table: _Table | None = None
         self._peers: dict[str, _Peer] = {}
         self._lock = threading.Lock()
@@ -123,11 +134,12 @@ class LocalEngine:
     def session_id(self) -> str:
         return self._address
 
-    def register(self, addr: int, length: int, device: str = "cpu") -> None:
+    def register(self, addr: int, length: int, device: str = "cpu",
+                 stable: bool = False) -> None:
         if length <= 0:
             raise TransportError(f"register({addr:#x}, {length}): empty region")
         with self._lock:
-            self._own[addr] = (length, device)
+            self._own[addr] = (length, device, stable)
             self._own_table = None
 
     def unregister(self, addr: int) -> None:
@@ -162,7 +174,8 @@ class LocalEngine:
             close_all(fds)
         try:
             table = _Table.of([b.address for b in pool.buffers], [b.length for b in pool.buffers],
-                              [m.address for m in bufs], [m.device for m in bufs])
+                              [m.address for m in bufs], [m.device for m in bufs],
+                              [m.stable for m in bufs])
         except HandleError:
             release_all(bufs)
             raise
@@ -206,15 +219,24 @@ class LocalEngine:
         if gpu:
             self._copy_gpu(src_local, dst_local, ln, si, di, own, peer.table)
             return
-        for d, s, n in zip(dst_local.tolist(), src_local.tolist(), ln.tolist(), strict=True):
-            ctypes.memmove(d, s, n)
+        if bool(np.all(own.stable[si])) and bool(np.all(peer.table.stable[di])):
+            for d, s, n in zip(dst_local.tolist(), src_local.tolist(), ln.tolist(),
+                               strict=True):
+                ctypes.memmove(d, s, n)  # both files sealed: nothing can fault
+            return
+        try:
+            copy_runs(dst_local, src_local, ln)
+        except HandleError as exc:
+            raise TransportError(f"local write to {peer_session} failed: {exc}"
+                                 f"{_shrunk_in(peer.buffers)}") from exc
 
     def _own_view(self) -> _Table:
         with self._lock:
             if self._own_table is None:
                 addrs = list(self._own)
                 self._own_table = _Table.of(addrs, [self._own[a][0] for a in addrs], addrs,
-                                            [self._own[a][1] for a in addrs])
+                                            [self._own[a][1] for a in addrs],
+                                            [self._own[a][2] for a in addrs])
             return self._own_table
 
     def _copy_gpu(self, src: np.ndarray, dst: np.ndarray, ln: np.ndarray, si: np.ndarray,
@@ -239,6 +261,16 @@ class LocalEngine:
         """Release every peer's imported memory."""
         for address in list(self._peers):
             self.detach_peer(address)
+
+
+def _shrunk_in(buffers: list[Buffer]) -> str:
+    """``; the peer's <buffer> now ends ...`` for the first of the peer's host buffers whose
+    file no longer holds it ("" if none: then it is this daemon's own memory)."""
+    for i, b in enumerate(buffers):
+        why = b.shrunk() if isinstance(b, HostBuffer) else None
+        if why is not None:
+            return f"; the peer's buffer {i}: {why}"
+    return ""
 
 
 def _any_gpu(a: _Table, b: _Table) -> bool:

@@ -29,6 +29,14 @@ writes are split into sub-batches of ``max_batch_entries`` (<= 1024); a refused
 sub-batch may have partly landed, and a retry rewrites the same bytes, which
 is idempotent.
 
+A decode that restarts on the same transfer session name (its configured handshake port)
+is a new instance behind an old name: the engine caches each session's segment
+descriptor (its data port and buffers) for ever, so writes would still dial the dead
+instance. :meth:`MooncakeEngine.renew_session` re-reads the descriptor from the new
+instance (:class:`SegmentCacheSync`: the C++ ``TransferEngine::syncSegmentCache``, which
+the binding does not expose; called through ``ctypes`` after checking the version and
+the symbol, falling back to doing nothing with a warning; K39).
+
 Writes are driven without spinning (:class:`~kvd.transfer.pump.WritePump`): each
 descriptor is one non-blocking ``transfer_submit_write``, polled with
 ``transfer_check_status`` from one thread for every destination, with at most
@@ -41,8 +49,10 @@ calls back; :meth:`MooncakeEngine.write` blocks on the same path.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
+import platform
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -139,6 +149,79 @@ def build_info() -> dict[str, str]:
 
 log = logging.getLogger(__name__)
 
+#: ``mooncake::TransferEngine::syncSegmentCache(std::string const&)`` (Itanium C++ ABI,
+#: libstdc++'s ``std::__cxx11::string``): a public, non-virtual member of the C++ engine.
+SYNC_SYMBOL = ("_ZN8mooncake14TransferEngine16syncSegmentCacheERKNSt7__cxx1112basic_string"
+               "IcSt11char_traitsIcESaIcEEE")
+#: Mooncake versions whose ``syncSegmentCache`` kvd has read and tested (P2P handshake
+#: mode: for each cached segment of that name it fetches the descriptor again over the
+#: handshake and, if it changed, replaces it under the same segment id, which the
+#: binding's name -> id map keeps using; a failed fetch keeps the old one). Any other
+#: version: :meth:`MooncakeEngine.renew_session` does nothing, with a warning.
+SYNC_VERSIONS = frozenset({"0.3.13.post1"})
+
+
+class _CxxString(ctypes.Structure):
+    """libstdc++'s ``std::__cxx11::string`` on LP64 Linux: data pointer, length, then
+    16 bytes that hold short strings or the heap capacity. Built by hand only to be passed
+    by const reference (read, never resized or freed by the callee)."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("size", ctypes.c_size_t),
+                ("capacity", ctypes.c_size_t), ("_pad", ctypes.c_size_t)]
+
+
+def cxx_string(text: bytes) -> tuple[_CxxString, ctypes.Array[ctypes.c_char]]:
+    """A ``std::string const&`` argument for ``text`` and the buffer that must outlive the
+    call (heap form: data points at the buffer, capacity = length; NUL-terminated)."""
+    buf = ctypes.create_string_buffer(text, len(text) + 1)
+    return _CxxString(ctypes.addressof(buf), len(text), len(text), 0), buf
+
+
+class SegmentCacheSync:
+    """Calls ``syncSegmentCache(name)`` on the C++ engine behind a Python
+    ``TransferEngine`` (``get_engine_ptr()``). :meth:`of` returns None, with the reason
+    logged, unless: the installed version is one of :data:`SYNC_VERSIONS`; the platform is
+    64-bit Linux (the string layout); the binding has ``get_engine_ptr``; and the already
+    loaded ``engine.so`` exports :data:`SYNC_SYMBOL`. Blocking (one handshake round trip
+    to the peer): never call it on the event loop."""
+
+    def __init__(self, fn: Callable[[int, Any], int], engine_ptr: int) -> None:
+        self._fn, self._engine = fn, engine_ptr
+
+    @classmethod
+    def of(cls, native: Any, version: str) -> SegmentCacheSync | None:
+        problem = None
+        if version not in SYNC_VERSIONS:
+            problem = f"Mooncake {version or '(unknown version)'} is not one kvd has checked"
+        elif platform.system() != "Linux" or ctypes.sizeof(ctypes.c_void_p) != 8:
+            problem = "not 64-bit Linux"
+        elif not callable(getattr(native, "get_engine_ptr", None)):
+            problem = "the binding has no get_engine_ptr"
+        if problem is None:
+            try:
+                from mooncake import engine as module
+
+                lib = ctypes.CDLL(module.__file__, mode=os.RTLD_NOLOAD)
+                fn = getattr(lib, SYNC_SYMBOL)
+                ptr = int(native.get_engine_ptr())
+            except (OSError, AttributeError, ImportError, TypeError, ValueError) as exc:
+                problem = f"syncSegmentCache is not reachable: {exc}"
+            else:
+                if ptr == 0:
+                    problem = "get_engine_ptr() is null"
+        if problem is not None:
+            log.warning("a decode restarted on a known transfer session name may not be "
+                        "reachable until this daemon restarts: %s", problem)
+            return None
+        fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.POINTER(_CxxString)], ctypes.c_int
+        return cls(fn, ptr)
+
+    def __call__(self, session: str) -> int:
+        arg, buf = cxx_string(session.encode())
+        rc = int(self._fn(self._engine, ctypes.byref(arg)))
+        del buf  # kept alive through the call
+        return rc
+
 
 #: ``transfer_submit_write`` returns ``(batch_id_t)-1`` (a u64) when it refuses.
 _REFUSED_IDS = 1 << 63
@@ -170,6 +253,7 @@ class MooncakeEngine:
         self.front: HandshakeFront | None = None
         self._native = self._start(opts)
         self._session_id = f"{format_host(opts.host)}:{self._native.get_rpc_port()}"
+        self._sync = SegmentCacheSync.of(self._native, build_info().get("version", ""))
         self.max_batch_entries = max_batch_entries
         self.retry_budget = retry_budget
         self.retry_backoff = retry_backoff
@@ -248,7 +332,8 @@ class MooncakeEngine:
     def session_id(self) -> str:
         return self._session_id
 
-    def register(self, addr: int, length: int, device: str = "cpu") -> None:
+    def register(self, addr: int, length: int, device: str = "cpu",
+                 stable: bool = False) -> None:
         location = device if device.startswith("cuda") else "*"  # "*": the engine finds it
         rc = self._native.register_memory(addr, length, location)
         if rc != 0:
@@ -261,6 +346,19 @@ class MooncakeEngine:
 
     def can_start(self, peer_session: str) -> bool:
         return True
+
+    def renew_session(self, peer_session: str) -> None:
+        """The peer behind ``peer_session`` is a new instance (a decode restarted on the
+        same handshake port): re-read its segment descriptor, so the next write dials the
+        new instance's data port and buffers (K39). Blocking (a handshake round trip);
+        nothing happens for a session never written to, or where :class:`SegmentCacheSync`
+        is unavailable (then writes may fail as before: logged once at start)."""
+        if self._sync is None:
+            return
+        rc = self._sync(peer_session)
+        if rc != 0:
+            log.warning("renewing transfer session %s: syncSegmentCache rc=%d", peer_session,
+                        rc)
 
     def start_write(self, peer_session: str, desc: Descriptors, deadline: float | None,
                     done: Done, cancel: CancelToken | None = None) -> None:

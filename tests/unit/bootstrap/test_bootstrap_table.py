@@ -136,3 +136,23 @@ def test_k38_one_dp_group_deregistered_leaves_the_other_routable() -> None:
     t.register(reg(attn_dp_size=2, attn_dp_rank=1, rank_port=7101, instance_id="q"))
     assert t.parallel_info().ready_dp_groups == [0, 1]
     assert t.lookup(0, 1, 0).rank_port == 7101
+
+
+def test_k38_a_missing_pp_stage_blocks_only_its_dp_group() -> None:
+    """Partial membership per PP stage: DP group 1 lacks its second stage, so only rooms
+    routed to group 1 (which need every stage's layers) wait; group 0 routes, and the
+    answer for the missing rank names its stage and its group's count."""
+    t = BootstrapTable()
+    for dp in range(2):
+        for pp in range(2):
+            if (dp, pp) != (1, 1):
+                t.register(reg(attn_dp_size=2, attn_dp_rank=dp, pp_size=2, pp_rank=pp,
+                               rank_port=7000 + 10 * dp + pp, instance_id="p"))
+    assert t.parallel_info().ready_dp_groups == [0]
+    assert t.lookup(0, 0, 1).rank_port == 7001
+    assert t.lookup(0, 1, 0).rank_port == 7010  # the stage that is there still answers
+    with pytest.raises(NotReady, match=r"pp=1 not registered yet .*DP group 1 has 1/2 ranks"):
+        t.lookup(0, 1, 1)
+    t.register(reg(attn_dp_size=2, attn_dp_rank=1, pp_size=2, pp_rank=1, rank_port=7011,
+                   instance_id="p"))
+    assert t.parallel_info().ready_dp_groups == [0, 1]

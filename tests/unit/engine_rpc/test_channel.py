@@ -81,3 +81,47 @@ def test_a_closed_table_is_not_fresh(writer: TableWriter) -> None:
     assert view.fresh(time.monotonic_ns())
     writer.table.close()
     assert not view.fresh(time.monotonic_ns())
+
+
+def test_k41_a_change_re_publishes_the_unsettled_rooms_in_slices_one_per_loop_turn() -> None:
+    """K41: 2 000 unsettled rooms; a change re-publishes them at most ``slice`` per loop
+    turn (counted by a callback that runs once per turn), every one of them by the end;
+    a change during a round starts one more round of every unsettled room after it."""
+    import asyncio
+
+    side = _Side()
+    w = TableWriter(side.poll, 8192)
+    w.slice = 300
+    rooms = list(range(1, 2001))
+    for r in rooms:
+        side.rooms[r] = (1, False)  # Bootstrapping: unsettled
+        w.track(r)
+    polled: list[list[int]] = []
+    inner = w.poll
+    w.poll = lambda rs: polled.append(list(rs)) or inner(rs)  # type: ignore[method-assign]
+
+    async def main() -> int:
+        turns = 0
+        for r in rooms[100:]:
+            side.rooms[r] = (0, True)  # failed (nothing landed): settled once published
+        w.touch()
+        for _ in range(30):  # 30 loop turns, one sleep(0) each
+            await asyncio.sleep(0)
+            turns += 1
+            if len(polled) == 3 and side.rooms[50] == (1, False):
+                side.rooms[50] = (3, False)  # a change mid-round, to a room published
+                w.touch()
+        return turns
+
+    try:
+        asyncio.run(main())
+        assert polled and max(len(p) for p in polled) <= 300
+        assert sorted(r for p in polled[:7] for r in p) == rooms  # the first round: all
+        assert sorted(polled[7]) == rooms[:100]  # then the 100 still unsettled, once
+        assert w.turns == len(polled) == 8
+        assert w.unsettled == set(rooms[:100])
+        table = _engine_view(w)
+        assert table.read_one(1500) == (0, True)  # (status, releasable) as published
+        assert table.read_one(50) == (3, False)
+    finally:
+        w.close()

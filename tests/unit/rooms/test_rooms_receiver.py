@@ -225,8 +225,28 @@ def test_k26_status_of_previous_incarnation_never_decides_the_new_one() -> None:
 def test_aux_over_control_plane_copied() -> None:
     d, _ = waiting(P0, aux_sizes=(3, 2))
     out = d.on_status(room_status(R, 1, KVPoll.Success, aux=[b"abc", b"de"]), 1.0)
-    assert of(out, WriteAux) == [WriteAux(R, 1, (b"abc", b"de"))]
+    assert of(out, WriteAux) == [WriteAux(R, 1, (b"abc", b"de"), 1, P0)]
+    assert state(d, 1.0)[0] != KVPoll.Success  # not before the slot is written
+    d.aux_written(R, 1, P0, None, 1.0)
     assert state(d, 1.0)[0] == KVPoll.Success
+
+
+def test_s16_a_refused_aux_write_fails_the_room_never_success() -> None:
+    d, _ = waiting(P0, aux_sizes=(3,))
+    d.on_status(room_status(R, 1, KVPoll.Success, aux=[b"abc"]), 1.0)
+    d.aux_written(R, 1, P0, RoomFailure(FailureKind.LAYOUT, "aux buffer 0 shrank"), 1.0)
+    assert state(d, 1.0)[0] == KVPoll.Failed
+    assert d.rooms[R].failure.kind == FailureKind.LAYOUT
+    assert d.rooms[R].releasable(1.0, d.timeouts)  # the prefill's Success confirmed its end
+    assert d.aux_written(R, 1, P0, None, 2.0) == []  # sticky
+
+
+def test_s16_a_dropped_registration_fails_every_room_with_its_reason() -> None:
+    d, _ = waiting(P0, P1)
+    lost = RoomFailure(FailureKind.LAYOUT, "KV buffer 0 now ends at byte 0", "decode")
+    out = d.engine_released(1.0, lost)
+    assert d.rooms[R].failure == lost and d.released
+    assert sorted(s.to for s in of(out, Send)) == [P0, P1]  # every target is told
 
 
 def test_k09_bad_aux_fails_only_that_room_and_aborts_the_others() -> None:

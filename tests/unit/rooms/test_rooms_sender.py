@@ -321,6 +321,19 @@ def test_k07_abort_mid_write_reports_twice_and_writes_no_more() -> None:
     assert status(s) == KVPoll.Failed
 
 
+def test_s16_engine_lost_fails_every_room_with_the_reason_and_cancels_writes() -> None:
+    s = bound()
+    w = one(s.send(R, pages(1), False, 1.0), Write)
+    lost = RoomFailure(FailureKind.LAYOUT, "KV buffer 0 now ends at byte 0", "prefill")
+    out = s.engine_lost(lost, 1.1)
+    assert one(out, CancelWrites) == CancelWrites(R, w.attempt)
+    rep = one(out, Report)
+    assert (rep.status, rep.quiesced, rep.failure) == (KVPoll.Failed, False, lost)
+    assert s.engine_lost(lost, 1.2) == []  # ended rooms are left alone
+    rep = one(s.write_done(R, w.attempt, None, 10, 0.1, 2.0), Report)
+    assert (rep.status, rep.quiesced) == (KVPoll.Failed, True)
+
+
 def test_clear_while_writing_retires_until_write_returns() -> None:
     s = bound()
     w = one(s.send(R, pages(1, 2), True, 1.0), Write)

@@ -280,7 +280,10 @@ class RoomsWorld(RuleBasedStateMachine):
                             instance_id=d.instance), self.now))
                 case Ended(status=KVPoll.Success):
                     self._check_success(d, e)
-                case Ended() | Wake() | WriteAux():
+                case WriteAux():  # written at once (a refused write: unit tests)
+                    self.run_d(d, d.machine.aux_written(e.room, e.inc, e.endpoint, None,
+                                                        self.now))
+                case Ended() | Wake():
                     pass
                 case _:
                     raise AssertionError(f"the decode machine emitted {e!r}")
