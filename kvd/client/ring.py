@@ -99,8 +99,9 @@ class EngineRing:
         return self.sub.tail > seq
 
     def drained(self) -> bool:
-        """Whether kvd ran every call submitted so far."""
-        return self.sub.tail >= self.out.head
+        """Whether kvd ran every call submitted so far, or will run none of them any more
+        (it closed the ring)."""
+        return self.sub.tail >= self.out.head or self.sub.closed
 
     def wait_done(self, seq: int, timeout: float) -> None:
         """Block until kvd ran call ``seq`` (RingClosed, DaemonGone, TimeoutError)."""

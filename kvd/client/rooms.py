@@ -241,8 +241,8 @@ class Sender(_Room):
         self.num_pages = num_pages
         win = b"" if window_pages is None else pack_indices(window_pages)
         self.client.submit(rpc.SenderInit(room=self.room, num_pages=num_pages,
-                                        aux_index=aux_index, state_index=state_index,
-                                        window_pages=win))
+                                          aux_index=aux_index, state_index=state_index,
+                                          window_pages=win))
 
     def send(self, page_indices: npt.ArrayLike, is_last: bool | None = None) -> None:
         """Send one chunk of source page indices (int, 1-D).
@@ -256,7 +256,7 @@ class Sender(_Room):
         self.sent += int(pages.size)
         last = self.sent >= self.num_pages if is_last is None else is_last
         self.client.submit(rpc.SenderSend(room=self.room, pages=pack_indices(pages),
-                                        is_last=last))
+                                          is_last=last))
 
 
 class Receiver(_Room):
@@ -286,6 +286,6 @@ class Receiver(_Room):
         self._raise_refusal()
         win = b"" if window_pages is None else pack_indices(window_pages)
         self.client.submit(rpc.ReceiverInit(room=self.room,
-                                          dst_pages=pack_indices(dst_page_indices),
-                                          aux_index=aux_index, first_page=first_page,
-                                          state_index=state_index, window_pages=win))
+                                            dst_pages=pack_indices(dst_page_indices),
+                                            aux_index=aux_index, first_page=first_page,
+                                            state_index=state_index, window_pages=win))

@@ -206,7 +206,7 @@ class KvdClient:
         ring = self.ring
         if ring is None:
             return None
-        if not ring.refused and ring.comp.head != ring.inbox.tail:  # a completion waits
+        if ring.comp.head != ring.inbox.tail:  # a completion waits: read them all
             with self._lock:
                 if self.ring is not ring:
                     return None

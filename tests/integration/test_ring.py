@@ -107,3 +107,26 @@ def test_an_engine_on_the_ring_whose_kvd_died_falls_back_and_registers_again(
         assert isinstance(pe, EngineStandIn)
     finally:
         stop_pair(pair)
+
+
+def test_each_room_reads_its_own_refusal_whatever_other_rooms_hold(
+        ring_pair: PdPair) -> None:
+    """Refusals of three rooms come back at different times; one room's refusal not yet
+    looked at does not hide another's. (Sends to rooms kvd does not know: refused, and
+    kvd reads them unknown, so only the refusal says Failed.)"""
+    pe = ring_pair.p_engine
+    ring = pe.client.ring
+    assert ring is not None
+    a, b, c = (Sender.attach(pe.client, r) for r in (8400, 8401, 8402))
+    a.send(np.array([1]), is_last=False)
+    c.send(np.array([1]), is_last=False)
+    until(ring.drained, "kvd ran both sends")
+    assert a.poll() == KVPoll.Failed  # c's refusal is read with a's and kept for c
+    b.send(np.array([1]), is_last=False)
+    until(ring.drained, "kvd ran b's send")
+    assert b.poll() == KVPoll.Failed  # its refusal is read, though c's is still kept
+    assert c.poll() == KVPoll.Failed
+    for s in (a, b, c):
+        assert f"unknown room {s.room}" in s.failure()[1]
+        s.clear()
+        assert s.poll() == -1
