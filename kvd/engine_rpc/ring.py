@@ -236,8 +236,10 @@ class RingChannel:
     def _wake_engine(self) -> None:
         """Write ``wake_engine`` if the engine said it waits (the completion ring's
         ``sleeping``)."""
+        if self.wake_engine < 0:
+            return
         fence()  # the tails published before the engine's flag is read
-        if self.comp.sleeping and self.wake_engine >= 0:
+        if self.comp.sleeping:
             with contextlib.suppress(OSError):  # its counter is full: it is awake anyway
                 os.eventfd_write(self.wake_engine, 1)
 
