@@ -27,9 +27,10 @@ deadaddr: a decode's CPU and /health p99 after one Many of 4 096 rooms naming de
 issue14: every row of issue 14's table (P1, P1b, P4, P5, P6, P8) beside its baseline,
   ratio and goal (benchmarks/issue14.py); SGLang's connector rows need SGLang installed
   (`make bench` builds .venv-bench with it).
-channel: issue 21's P5 rows with the shared status table: poll of 1 000 rooms and of one
-  room through the table vs the socket's Poll, send/init (still the socket) on an idle
-  pair; rows keyed by id with value, baseline, ratio, goal, met (benchmarks/channel_bench.py).
+channel: issue 21's P5 rows with the shared status table and the submission ring: poll
+  of 1 000 rooms and of one room through the table vs the socket's Poll, send/init on an
+  idle pair and send in a round of 32 through the ring vs the socket; rows keyed by id
+  with value, baseline, ratio, goal, met (benchmarks/channel_bench.py).
 All results are saved as one JSON file under benchmarks/results/.
 
 Usage: python benchmarks/run.py [--mib 256] [--repeats 3]

@@ -56,6 +56,8 @@ HEADER_LEN = len(MAGIC) + 1
 DEFAULT_MAX_FRAME = 64 << 20
 
 T = TypeVar("T")
+_SMALL = 64
+_I32_MAX = (1 << 31) - 1
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -91,10 +93,15 @@ def pack_indices(indices: npt.ArrayLike) -> bytes:
     arr = np.asarray(indices)
     if arr.ndim != 1:
         raise ProtocolError(f"page indices must be 1-D, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+    if arr.size and arr.dtype.kind not in "iu":
         raise ProtocolError(f"page indices must be integers, got {arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
-        raise ProtocolError("page indices must be in [0, 2**31)")
+    if arr.size:
+        # a few pages (a decode step's chunk): Python's min/max over a list cost less
+        # than two numpy reductions (about 1 us instead of 10)
+        lo, hi = ((min(v := arr.tolist()), max(v)) if arr.size <= _SMALL
+                  else (arr.min(), arr.max()))
+        if lo < 0 or hi > _I32_MAX:
+            raise ProtocolError("page indices must be in [0, 2**31)")
     return arr.astype("<i4", copy=False).tobytes()
 
 

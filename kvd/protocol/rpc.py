@@ -166,6 +166,44 @@ class TableResult(msgspec.Struct, frozen=True):
     size: int
 
 
+#: Bounds of an :class:`OpenRing`: records per ring, bytes per record (a multiple of 8),
+#: and bytes of the memfd holding both rings.
+MAX_RING_CAPACITY = 4096
+MIN_RING_RECORD = 512
+MAX_RING_RECORD = 1 << 16
+MAX_RING_BYTES = 16 << 20
+
+
+class OpenRing(msgspec.Struct, tag="open_ring", frozen=True):
+    """The engine asks for a submission ring and a completion ring (issue 21 step B,
+    :mod:`kvd.protocol.ring`) of ``capacity`` records of ``record_bytes`` bytes each,
+    after its registration, on the connection that registered. Answered with
+    :class:`RingResult`; the rings' memfd (submission ring at offset 0, completion ring
+    right after it), kvd's eventfd (write it to wake kvd) and the engine's (kvd writes it
+    to wake the engine) ride with the reply, in that order (``SCM_RIGHTS``). Refused
+    (``RpcError``) with ``engine_channel`` off, on a connection that did not register the
+    engine, or a second time for one registration (a registration on the connection
+    closes its ring: the engine asks again); ``ProtocolError`` for sizes out of the
+    bounds above.
+
+    A submission record's payload is a :class:`Request` frame (:mod:`kvd.protocol.codec`,
+    without the length prefix) whose ``id`` is the record's seq and whose call is one of
+    :data:`RingCall`; kvd answers a refused call with a :class:`Reply` frame of that ``id``
+    in the completion ring, and publishes the submission ring's ``tail`` past a record
+    only once its call ran (and its refusal, if any, is in the completion ring)."""
+
+    capacity: int = 256
+    record_bytes: int = 4096
+
+
+class RingResult(msgspec.Struct, frozen=True):
+    """Answer to :class:`OpenRing`: the sizes kvd laid out and the memfd's size (bytes)."""
+
+    capacity: int
+    record_bytes: int
+    size: int
+
+
 class Release(msgspec.Struct, tag="release", frozen=True):
     """The engine is leaving on purpose (``KvdClient.close``): fail its rooms and release
     its memory now, without the reconnect grace a dropped connection gets."""
@@ -174,6 +212,10 @@ class Release(msgspec.Struct, tag="release", frozen=True):
 #: The calls a :class:`Many` may carry: those kvd answers at once, without waiting.
 NowCall: TypeAlias = (SenderCreate | SenderInit | SenderSend | ReceiverCreate | ReceiverInit
                       | Poll | Abort | Clear)
+
+#: The calls a submission ring carries (:class:`OpenRing`): the engine's calls on one room.
+RingCall: TypeAlias = (SenderCreate | SenderInit | SenderSend | ReceiverCreate | ReceiverInit
+                       | Abort | Clear)
 
 #: Most calls in one :class:`Many`.
 MAX_MANY = 4096
@@ -215,7 +257,7 @@ class ManyResult(msgspec.Struct, frozen=True):
 
 Call: TypeAlias = (RegisterKV | SenderCreate | SenderInit | SenderSend | ReceiverCreate
                    | ReceiverInit | Poll | Wait | Abort | Clear | Info | Release | Many
-                   | OpenTable)
+                   | OpenTable | OpenRing)
 
 
 class Request(msgspec.Struct, frozen=True):

@@ -45,6 +45,7 @@ CALLS = {
     "Info": st.just(rpc.Info()),
     "Release": st.just(rpc.Release()),
     "OpenTable": st.just(rpc.OpenTable()),
+    "OpenRing": st.builds(rpc.OpenRing, capacity=I64, record_bytes=I64),
 }
 CALLS["Many"] = st.builds(rpc.Many, calls=st.lists(st.one_of(
     [CALLS[t.__name__] for t in get_args(rpc.NowCall)]), max_size=5))
