@@ -667,14 +667,16 @@ class DecodeSide(Side):
             h = self.members.peers.get(addr)
             rows[ep] = Peer(endpoint=ep, kind="prefill", bootstrap=addr,
                             state="registered" if ep in self.registered else "resolved",
-                            heartbeat=_heartbeat(h), instance_id=info.instance_id or "",
+                            heartbeat=heartbeat_of(h, self.core.settings.discovery),
+                            instance_id=info.instance_id or "",
                             detail=f"tp {tp} dp {dp} pp {pp}{_health_detail(h)}",
                             **self._liveness(ep, addr, h))
         known = {p.bootstrap for p in rows.values()}
         for addr in (set(self.bootstrap.info) | set(self.members.peers)) - known:
             h = self.members.peers.get(addr)
             rows[addr] = Peer(endpoint=addr, kind="prefill", bootstrap=addr, state="bootstrap",
-                              heartbeat=_heartbeat(h), detail=_health_detail(h).lstrip("; "),
+                              heartbeat=heartbeat_of(h, self.core.settings.discovery),
+                              detail=_health_detail(h).lstrip("; "),
                               instance_id=(h.instance or "") if h else "",
                               **self._liveness("", addr, h))
         return sorted(rows.values(), key=lambda p: (p.bootstrap, p.endpoint))
@@ -700,8 +702,13 @@ class DecodeSide(Side):
                 "clock_measured_from": c.via}
 
 
-def _heartbeat(h: Member | None) -> str:
-    return "unknown" if h is None else h.heartbeat
+def heartbeat_of(h: Member | None, discovery: str) -> str:
+    """A prefill peer's ``heartbeat`` field: the membership machine's reading
+    (``unknown``, ``ok``, ``missed N``, ``down``); with ``discovery = "etcd"`` no heartbeat
+    is ever sent (leases replace them), so a peer not seen down reads ``n/a (etcd)``
+    rather than an ``unknown`` that never changes."""
+    hb = "unknown" if h is None else h.heartbeat
+    return "n/a (etcd)" if discovery == "etcd" and hb == "unknown" else hb
 
 
 def _health_detail(h: Member | None) -> str:
