@@ -73,6 +73,12 @@ class Counters:
     session_failures: int = 0
     session_recoveries: int = 0
     heartbeat_misses: int = 0
+    # K45/K46: rooms named by POST /v1/rooms/release, by outcome (the route is unsigned:
+    # outcomes are counted, not logged per room)
+    releases_released: int = 0
+    releases_ended: int = 0
+    releases_refused: int = 0
+    releases_unknown: int = 0
 
 
 @dataclass
@@ -360,9 +366,15 @@ class Core:
     def _log_auth_once(self, key: str, exc: Exception) -> None:
         """Unauthenticated requests are logged once per kind (the sender is unknown: an
         unverified request's claims are not trusted), then only counted."""
+        self.log_once(key, f"refused request: {exc}")
+
+    def log_once(self, key: str, message: str) -> None:
+        """Log ``message`` (WARNING) the first time ``key`` is seen (at most 64 keys),
+        then nothing: what anyone who reaches a port can cause is counted, not logged per
+        request (S20, K45)."""
         if key not in self._auth_logged and len(self._auth_logged) < 64:
             self._auth_logged.add(key)
-            log.warning("refused request: %s (further ones only counted)", exc)
+            log.warning("%s (further ones only counted)", message)
 
     async def http(self, method: str, url: str, *, params: Mapping[str, Any] | None = None,
                    json: Any = None, limit_s: float | None = None) -> httpx.Response:

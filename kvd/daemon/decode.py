@@ -688,19 +688,21 @@ class DecodeSide(Side):
     def _peers(self) -> list[Peer]:
         """One row per prefill rank endpoint; a bootstrap address with none gets its own."""
         rows: dict[str, Peer] = {}
+        how = self.core.settings.discovery
         for (addr, tp, dp, pp), info in self.bootstrap.ranks.items():
             ep = endpoint_of(info)
             h = self.members.peers.get(addr)
             rows[ep] = Peer(endpoint=ep, kind="prefill", bootstrap=addr,
                             state="registered" if ep in self.registered else "resolved",
-                            heartbeat=_heartbeat(h), instance_id=info.instance_id or "",
-                            detail=f"tp {tp} dp {dp} pp {pp}{_health_detail(h)}",
+                            heartbeat=heartbeat_of(h, how), instance_id=info.instance_id or "",
+                            detail=f"tp {tp} dp {dp} pp {pp}{health_detail(h, how)}",
                             **self._liveness(ep, addr, h))
         known = {p.bootstrap for p in rows.values()}
         for addr in (set(self.bootstrap.info) | set(self.members.peers)) - known:
             h = self.members.peers.get(addr)
             rows[addr] = Peer(endpoint=addr, kind="prefill", bootstrap=addr, state="bootstrap",
-                              heartbeat=_heartbeat(h), detail=_health_detail(h).lstrip("; "),
+                              heartbeat=heartbeat_of(h, how),
+                              detail=health_detail(h, how).lstrip("; "),
                               instance_id=(h.instance or "") if h else "",
                               **self._liveness("", addr, h))
         return sorted(rows.values(), key=lambda p: (p.bootstrap, p.endpoint))
@@ -726,18 +728,24 @@ class DecodeSide(Side):
                 "clock_measured_from": c.via}
 
 
-def _heartbeat(h: Member | None) -> str:
-    return "unknown" if h is None else h.heartbeat
+def heartbeat_of(h: Member | None, discovery: str) -> str:
+    """A prefill peer's ``heartbeat`` field: the membership machine's reading
+    (``unknown``, ``ok``, ``missed N``, ``down``); with ``discovery = "etcd"`` no heartbeat
+    is ever sent (leases replace them), so a peer not seen down reads ``n/a (etcd)``
+    rather than an ``unknown`` that never changes."""
+    hb = "unknown" if h is None else h.heartbeat
+    return "n/a (etcd)" if discovery == "etcd" and hb == "unknown" else hb
 
 
-def _health_detail(h: Member | None) -> str:
+def health_detail(h: Member | None, discovery: str) -> str:
     """What the heartbeats say now, beyond the liveness fields: ``; never answered`` or
-    ``; failing: <error>`` (empty while they are answered)."""
+    ``; failing: <error>`` (empty while they are answered; with ``discovery = "etcd"``
+    nothing is asked, so never ``never answered``)."""
     if h is None:
         return ""
     if h.misses and h.last_error:
         return f"; failing: {h.last_error}"
-    return "" if h.last_ok else "; never answered"
+    return "" if h.last_ok or discovery == "etcd" else "; never answered"
 
 
 def _kind_of(exc: KvdError) -> FailureKind:

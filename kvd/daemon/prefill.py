@@ -163,15 +163,20 @@ class PrefillSide(Side):
     def release(self, req: ReleaseRequest) -> ReleaseAnswer:
         """``POST /v1/rooms/release``: each room of ``req`` ended if ``req.token`` is its
         opener's (:meth:`SenderRooms.release`); one answer per room, never an error for
-        one room's refusal."""
+        one room's refusal. The route is unsigned, so outcomes are counted
+        (``releases_*`` totals) and a refused token is logged once, not per room (a
+        released room logs its failure as any ended room does)."""
         now, answers = self.core.clock(), {}
+        counters = self.core.counters
         for room in dict.fromkeys(req.rooms):
             outcome, effects = self.rooms.release(room, req.token, req.reason, now)
             self.run(effects)
             answers[str(room)] = outcome.value
-            if outcome is not ReleaseOutcome.RELEASED:
-                log.info("release of room %d: %s", room, outcome.value,
-                         extra=fields(room=room))
+            name = f"releases_{outcome.value}"
+            setattr(counters, name, getattr(counters, name) + 1)
+            if outcome is ReleaseOutcome.REFUSED:
+                self.core.log_once("release-refused", f"release of room {room} refused: "
+                                   "the token is not its opener's (releases_refused)")
         return ReleaseAnswer(rooms=answers)
 
     def unfinished(self) -> list[int]:
