@@ -151,6 +151,9 @@ class DecodeSide(Side):
         return rpc.PollResult(statuses=statuses, reasons=reasons, kinds=kinds,
                               releasable=releasable)
 
+    def take_changed(self) -> set[int]:
+        return self.rooms.take_changed()
+
     def abort(self, room: int, reason: str, bootstrap_addr: str | None = None,
               dp_rank: int | None = None) -> None:
         if bootstrap_addr is not None:  # refused as ReceiverCreate refuses it, not dropped

@@ -133,7 +133,8 @@ class Daemon:
                          if s.fault_injection else None, clock=self.clock)
         self.side = make_side(s.role, self.core)
         if s.engine_channel:
-            self.status_table = TableWriter(self.side.poll, s.status_table_slots)
+            self.status_table = TableWriter(self.side.poll, s.status_table_slots,
+                                            changed=self.side.take_changed)
             self.core.on_change = self.status_table.touch
         if s.transfer_backend != "mooncake":
             self._peer_channel(auth, engine)

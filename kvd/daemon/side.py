@@ -86,6 +86,12 @@ class Side(abc.ABC):
         """The engine's view of ``room`` (None: unknown)."""
 
     @abc.abstractmethod
+    def take_changed(self) -> set[int]:
+        """The rooms whose poll answer may have changed since the last call (the room
+        machine's record of what its steps touched; the status table re-publishes only
+        those, K41)."""
+
+    @abc.abstractmethod
     def abort(self, room: int, reason: str, bootstrap_addr: str | None = None,
               dp_rank: int | None = None) -> None:
         """The engine aborts ``room``."""

@@ -263,6 +263,9 @@ class SenderRooms:
         # they are told they are unregistered (a stranger is dropped unanswered, S13)
         self.former: Bounded[str, str] = Bounded(self.limits.peer_ttl, self.limits.max_peers)
         self._attempts = 0
+        #: rooms whose :meth:`poll` status may have changed since :meth:`take_changed`
+        #: (the daemon re-publishes only those to the status table, K41)
+        self.changed: set[int] = set()
 
     # ---- engine events ----------------------------------------------------------------
 
@@ -280,6 +283,7 @@ class SenderRooms:
         r = SenderRoom(room, self._attempts, created=now, since=now,
                        release_digest=release_digest)
         self.rooms[room] = r
+        self.changed.add(room)
         for early in self.early.pop(room) or []:  # already answered when it arrived
             self._fail(r, early.failure, now, out)
         for p in self._take_pending(room):
@@ -522,6 +526,13 @@ class SenderRooms:
         if r is None:
             return None
         return Poll(r.status, r.failure, r.nbytes, r.seconds)
+
+    def take_changed(self) -> set[int]:
+        """The rooms whose :meth:`poll` status may have changed since the last call (every
+        status change goes through ``_advance``; a room created or retired counts too), and
+        start a new set."""
+        out, self.changed = self.changed, set()
+        return out
 
     def table_sizes(self) -> dict[str, int]:
         """Sizes of every per-room and per-peer table (leak checks)."""
@@ -770,7 +781,9 @@ class SenderRooms:
     # ---- internals: endings -----------------------------------------------------------
 
     def _advance(self, r: SenderRoom, status: KVPoll, now: float) -> None:
+        """Every change of a room's status goes through here."""
         r.status, r.since = status, now
+        self.changed.add(r.room)
 
     def _succeed(self, r: SenderRoom, now: float, out: list[Effect]) -> None:
         self._advance(r, KVPoll.Success, now)
@@ -837,6 +850,7 @@ class SenderRooms:
         while a write is in flight, into ``retired`` so its result finds it)."""
         if self.rooms.get(r.room) is r:
             del self.rooms[r.room]
+            self.changed.add(r.room)
         if r.writing:
             self.retired[(r.room, r.attempt)] = r
         self.tombstones.put(r.room, Tombstone(r.room, r.status, r.failure, len(r.dests)), now)
