@@ -31,6 +31,9 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
 * **Release by the opener.** A room created with a release digest ends when its
   opener presents the token (K45, K46): the same ending as an abort; without the token
   (any other holder of the cluster secret included, S11) nothing changes.
+* **Work per change (K41).** Every status change goes through one place and records
+  its room (:meth:`SenderRooms.take_changed`): the daemon re-publishes only those rooms
+  to the status table.
 * **Termination.** Every non-terminal room has a deadline (:class:`Timeouts`);
   :meth:`SenderRooms.tick` fails it when passed, whatever happened to the tasks
   that perform its effects (K32).
