@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -57,6 +58,14 @@ from kvd.transfer.kvargs import RankArgs
 
 log = logging.getLogger("kvd.decode")
 
+#: Rooms a mass failure (a lost peer, a restarted one) fails in one loop turn; the rest
+#: on the next turns (K41: a lost peer's 4 096 rooms held ``/health`` for one turn).
+FAIL_SLICE = 256
+#: Lookups (``Resolve`` effects) started as tasks in one loop turn; the rest on the next
+#: turns (K41: one ``Many`` of 4 096 creates started 4 096 tasks that all ran in the next
+#: turn, while at most ``bootstrap_max_lookups`` can be in flight anyway).
+RESOLVE_SLICE = 128
+
 
 class PeerRestarted(KvdError):
     """A room's lookup named an instance of the prefill that is not its current one."""
@@ -100,6 +109,9 @@ class DecodeSide(Side):
             max_probes=max(1, int(st.heartbeat_max_probes_per_s * st.heartbeat_interval)),
             down_retry=min(1.0, st.heartbeat_interval), max_skew=st.auth_max_skew))
         self.last_round_probes = 0
+        self.fail_slices = 0  # loop turns that failed a slice of a mass failure (tests)
+        self._resolves: deque[Resolve] = deque()  # lookups not started yet
+        self.resolve_turns = 0  # loop turns that started lookups (tests)
 
     # ---- engine calls -----------------------------------------------------------------
 
@@ -150,6 +162,9 @@ class DecodeSide(Side):
                 reasons[room], kinds[room] = r.failure.reason, r.failure.kind.value
         return rpc.PollResult(statuses=statuses, reasons=reasons, kinds=kinds,
                               releasable=releasable)
+
+    def take_changed(self) -> set[int]:
+        return self.rooms.take_changed()
 
     def abort(self, room: int, reason: str, bootstrap_addr: str | None = None,
               dp_rank: int | None = None) -> None:
@@ -286,13 +301,30 @@ class DecodeSide(Side):
                 self._sent_to(eff.to)
                 self.core.post(eff.to, eff.msg, self._on_send_fail(eff), eff.to_instance)
             case Resolve():
-                self.core.spawn(self._resolve(eff), f"resolve-{eff.room}")
+                self._resolves.append(eff)
+                if len(self._resolves) == 1:
+                    self._start_resolves_soon()
             case AbortUnknown():
                 self.core.spawn(self._abort_unknown(eff), f"abort-{eff.room}")
             case WriteAux():
                 self._write_aux(eff)
             case _:
                 raise TypeError(f"decode cannot perform {eff!r}")
+
+    def _start_resolves_soon(self) -> None:
+        try:
+            asyncio.get_running_loop().call_soon(self._start_resolves)
+        except RuntimeError:  # no loop (a direct caller): start them now
+            self._start_resolves()
+
+    def _start_resolves(self) -> None:
+        """Start at most :data:`RESOLVE_SLICE` queued lookups; the rest next turn."""
+        self.resolve_turns += 1
+        for _ in range(min(RESOLVE_SLICE, len(self._resolves))):
+            eff = self._resolves.popleft()
+            self.core.spawn(self._resolve(eff), f"resolve-{eff.room}")
+        if self._resolves:
+            self._start_resolves_soon()
 
     def _on_send_fail(self, eff: Send) -> Callable[[str], None] | None:
         room = eff.room
@@ -601,12 +633,30 @@ class DecodeSide(Side):
                     self._close(eff.resource)
                 case FailRooms():
                     failure = RoomFailure(eff.kind, eff.reason, self.role)
-                    log.warning("%s", eff.reason, extra=fields(peer=eff.addr))
-                    self.run(self.rooms.peer_lost(eff.addr, failure, self.core.clock(),
-                                                  eff.keep, eff.endpoint))
+                    lost = self.rooms.lost_rooms(eff.addr, eff.keep, eff.endpoint)
+                    log.warning("%s (%d rooms fail)", eff.reason, len(lost),
+                                extra=fields(peer=eff.addr))
+                    self.fail_rooms(lost, failure)
                 case Forget():
                     log.debug("prefill %s forgotten", eff.addr, extra=fields(peer=eff.addr))
         return probes
+
+    def fail_rooms(self, keys: list[tuple[int, int]], failure: RoomFailure) -> None:
+        """Fail the room incarnations ``keys`` (chosen by the machine) :data:`FAIL_SLICE`
+        a loop turn, the first slice now (K41); one that ended or was created again
+        meanwhile is left alone (:meth:`ReceiverRooms.fail_rooms`)."""
+        self.fail_slices += 1
+        self.run(self.rooms.fail_rooms(keys[:FAIL_SLICE], failure, self.core.clock()))
+        rest = keys[FAIL_SLICE:]
+        if not rest:
+            return
+        try:
+            asyncio.get_running_loop().call_soon(self.fail_rooms, rest, failure)
+        except RuntimeError:  # no loop (a direct caller): all now
+            self.fail_rooms_now(rest, failure)
+
+    def fail_rooms_now(self, keys: list[tuple[int, int]], failure: RoomFailure) -> None:
+        self.run(self.rooms.fail_rooms(keys, failure, self.core.clock()))
 
     def _close(self, r: Resource) -> None:
         """Drop what this side holds: a bootstrap address's cached lookups, the record of

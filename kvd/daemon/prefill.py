@@ -153,6 +153,9 @@ class PrefillSide(Side):
         return rpc.PollResult(statuses=statuses, reasons=reasons, kinds=kinds, stats=stats,
                               releasable=rooms)  # a prefill never holds pages back
 
+    def take_changed(self) -> set[int]:
+        return self.rooms.take_changed()
+
     def abort(self, room: int, reason: str, bootstrap_addr: str | None = None,
               dp_rank: int | None = None) -> None:
         self.run(self.rooms.abort(room, reason, self.core.clock()))

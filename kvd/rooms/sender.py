@@ -31,6 +31,9 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
 * **Release by the opener.** A room created with a release digest ends when its
   opener presents the token (K45, K46): the same ending as an abort; without the token
   (any other holder of the cluster secret included, S11) nothing changes.
+* **Work per change (K41).** Every status change goes through one place and records
+  its room (:meth:`SenderRooms.take_changed`): the daemon re-publishes only those rooms
+  to the status table.
 * **Termination.** Every non-terminal room has a deadline (:class:`Timeouts`);
   :meth:`SenderRooms.tick` fails it when passed, whatever happened to the tasks
   that perform its effects (K32).
@@ -282,6 +285,9 @@ class SenderRooms:
         # they are told they are unregistered (a stranger is dropped unanswered, S13)
         self.former: Bounded[str, str] = Bounded(self.limits.peer_ttl, self.limits.max_peers)
         self._attempts = 0
+        #: rooms whose :meth:`poll` status may have changed since :meth:`take_changed`
+        #: (the daemon re-publishes only those to the status table, K41)
+        self.changed: set[int] = set()
 
     # ---- engine events ----------------------------------------------------------------
 
@@ -299,6 +305,7 @@ class SenderRooms:
         r = SenderRoom(room, self._attempts, created=now, since=now,
                        release_digest=release_digest)
         self.rooms[room] = r
+        self.changed.add(room)
         for early in self.early.pop(room) or []:  # already answered when it arrived
             self._fail(r, early.failure, now, out)
         for p in self._take_pending(room):
@@ -550,6 +557,13 @@ class SenderRooms:
         if r is None:
             return None
         return Poll(r.status, r.failure, r.nbytes, r.seconds)
+
+    def take_changed(self) -> set[int]:
+        """The rooms whose :meth:`poll` status may have changed since the last call (every
+        status change goes through ``_advance``; a room created or retired counts too), and
+        start a new set."""
+        out, self.changed = self.changed, set()
+        return out
 
     def table_sizes(self) -> dict[str, int]:
         """Sizes of every per-room and per-peer table (leak checks)."""
@@ -883,7 +897,9 @@ class SenderRooms:
     # ---- internals: endings -----------------------------------------------------------
 
     def _advance(self, r: SenderRoom, status: KVPoll, now: float) -> None:
+        """Every change of a room's status goes through here."""
         r.status, r.since = status, now
+        self.changed.add(r.room)
 
     def _succeed(self, r: SenderRoom, now: float, out: list[Effect]) -> None:
         self._advance(r, KVPoll.Success, now)
@@ -950,6 +966,7 @@ class SenderRooms:
         while a write is in flight, into ``retired`` so its result finds it)."""
         if self.rooms.get(r.room) is r:
             del self.rooms[r.room]
+            self.changed.add(r.room)
         if r.writing:
             self.retired[(r.room, r.attempt)] = r
         self.tombstones.put(r.room, Tombstone(r.room, r.status, r.failure, len(r.dests)), now)
