@@ -102,6 +102,14 @@ class GroupShard(ShardPool):
             x = x.transpose(0, 2, 1, 3)
         return np.ascontiguousarray(x).reshape(x.shape[0], -1)
 
+    def fill(self, source: npt.NDArray[np.uint16], group_source: dict[str, U8]) -> None:
+        """Write this rank's shard of the main KV ``source`` (a
+        :meth:`~kvd.refengine.standin.ModelSpec.global_kv`) and of every group's truth into
+        all its pages."""
+        for i in range(len(self.buffers)):
+            self.buffers[i][:] = self._shard(source, *self._layer_kind(i)).ravel()
+        self.fill_groups(group_source)
+
     def fill_groups(self, source: dict[str, U8]) -> None:
         """Write this rank's shard of every group's truth into all its pages."""
         for g in self.groups:
