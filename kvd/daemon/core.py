@@ -29,12 +29,13 @@ from kvd.logs import fields
 from kvd.memory import EngineMemory, Importer, import_engine
 from kvd.metrics import RoomEvents
 from kvd.protocol import codec, control
-from kvd.protocol.control import Compat, ControlMessage, KVArgsWire, StateWire
+from kvd.protocol.control import Compat, ControlMessage, GroupWire, KVArgsWire, StateWire
 from kvd.protocol.memory import ExportedPool
 from kvd.protocol.rpc import RegisterKV
 from kvd.ranks import Ranks
 from kvd.security import Authenticator
 from kvd.transfer.backends.base import TransferEngine
+from kvd.transfer.compat import aux_layout
 from kvd.transfer.executor import TransferExecutor
 from kvd.transfer.faults import FaultPlan
 from kvd.transfer.kvargs import RankArgs
@@ -278,7 +279,7 @@ class Core:
             raise RegistrationError("an engine is already registered with this kvd")
         uid = os.getuid() if engine_uid is None else engine_uid
         mem = import_engine(self.memory, req.kv_buffers, req.aux_buffers, fds, uid,
-                            req.state_buffers)
+                            [*req.state_buffers, *req.group_buffers])
         try:
             args = RankArgs.of(self._wire(req, mem))
             mem.register(self.engine)
@@ -292,9 +293,10 @@ class Core:
         return args
 
     def _wire(self, req: RegisterKV, mem: EngineMemory) -> KVArgsWire:
-        if req.state is None and mem.state:
-            raise RegistrationError(f"{len(mem.state)} state buffers without a state spec "
-                                    f"(RegisterKV.state says what they hold)")
+        if req.state is None and req.state_buffers:
+            raise RegistrationError(f"{len(req.state_buffers)} state buffers without a state "
+                                    f"spec (RegisterKV.state says what they hold)")
+        state, groups = split_extra(req, mem.state)
         return KVArgsWire(
             session_id=self.engine.session_id, kv_data_ptrs=[b.address for b in mem.kv],
             kv_data_lens=[b.length for b in mem.kv], kv_item_lens=list(req.kv_item_lens),
@@ -305,9 +307,11 @@ class Core:
             num_layers=req.num_layers, layer_start=req.layer_start, is_mla=req.is_mla,
             layout=req.layout, total_kv_heads=req.total_kv_heads, fused_kv=req.fused_kv,
             compat=msgspec.structs.replace(req.compat or Compat(), wire_version=codec.VERSION,
-                                           page_size=req.page_size),
+                                           page_size=req.page_size,
+                                           aux_layout=aux_layout(req)),
             state=None if req.state is None else StateWire(
-                req.state, [b.address for b in mem.state], [b.length for b in mem.state]))
+                req.state, [b.address for b in state], [b.length for b in state]),
+            groups=groups)
 
     def export(self) -> tuple[ExportedPool, list[int]] | None:
         """The engine's memory for a same-host prefill's ``local`` backend, and the
@@ -383,3 +387,22 @@ class Core:
         return await signed_http.request(self.http_client, self.auth, self.recipients, method,
                                          url, params=params, json=json,
                                          limit_s=limit_s or self.settings.http_timeout)
+
+
+def split_extra(req: RegisterKV, extra: Sequence[Any]) -> tuple[list[Any], list[GroupWire]]:
+    """The engine's buffers after KV and aux (``extra``: its ``state_buffers`` then its
+    ``group_buffers``, imported) split into the state ones and one :class:`GroupWire` per
+    paged cache group (``req.groups``, in order, each taking as many buffers as it has item
+    lengths). Raises :class:`RegistrationError` when the counts do not add up."""
+    n_state = len(req.state_buffers)
+    want = sum(len(g.item_lens) for g in req.groups)
+    if len(req.group_buffers) != want:
+        raise RegistrationError(f"{len(req.group_buffers)} group buffers for paged cache "
+                                f"groups of {want} buffers in all (RegisterKV.groups)")
+    groups, at = [], n_state
+    for g in req.groups:
+        bufs = extra[at:at + len(g.item_lens)]
+        at += len(g.item_lens)
+        groups.append(GroupWire(g, [b.address for b in bufs], [b.length for b in bufs]))
+    return list(extra[:n_state]), groups
+

@@ -44,8 +44,9 @@ from kvd.schemas import Peer, Room
 from kvd.security import SEAL_OVERHEAD
 from kvd.transfer.backends.base import CancelToken, PeerAttach
 from kvd.transfer.compat import check_compat
+from kvd.transfer.groups import GroupPairPlan, group_layouts, pair_groups, plan_room_groups
 from kvd.transfer.kvargs import RankArgs
-from kvd.transfer.layout import PairPlan, RankLayout, check_coverage, check_pair
+from kvd.transfer.layout import PairPlan, RankLayout, check_coverage, check_pair, prefill_targets
 from kvd.transfer.plan import Descriptors, check_plan_bounds, plan_aux
 from kvd.transfer.state import (
     StatePairPlan,
@@ -64,6 +65,7 @@ class PeerPlan:
     args: RankArgs
     layout: RankLayout
     state: StatePairPlan | None = None  # hybrid models: state slots and window pages
+    groups: tuple[GroupPairPlan, ...] = ()  # extra paged caches: draft KV, indexer K
 
 
 class PrefillSide(Side):
@@ -237,8 +239,9 @@ class PrefillSide(Side):
             check_coverage(self._local_layout(), layout, ranks.pp_rank, ranks.pp_size)
             _check_aux(local.wire, msg.kv_args)
             state = self._state_pair(msg)
+            groups = self._group_pairs(msg, layout)
             self._attach(msg)
-            plan = PeerPlan(args, layout, state)
+            plan = PeerPlan(args, layout, state, groups)
         except KvdError as exc:
             rejected = RoomFailure(FailureKind.REGISTRATION, f"decode rank {msg.endpoint} "
                                    f"refused: {exc}", self.role)
@@ -260,6 +263,17 @@ class PrefillSide(Side):
         pair = StatePairPlan.of(mine, peer)
         check_state_coverage(mine, peer, r.pp_rank, r.pp_size)
         return pair
+
+    def _group_pairs(self, msg: control.RegisterRank,
+                     layout: RankLayout) -> tuple[GroupPairPlan, ...]:
+        """The pair's paged cache groups (draft KV, indexer K), paired by name; one
+        RegistrationError naming the group when they differ (:func:`pair_groups`)."""
+        r, local = self.core.position(), self._local_layout()
+        dummy = local.is_mla and r.attn_tp_size > msg.attn_tp_size and r.attn_tp_rank != \
+            prefill_targets(msg.attn_tp_rank, msg.attn_tp_size, r.attn_tp_size).start
+        return pair_groups(group_layouts(self._local().wire, r.attn_tp_rank, r.attn_tp_size),
+                           group_layouts(msg.kv_args, msg.attn_tp_rank, msg.attn_tp_size),
+                           r.pp_rank, r.pp_size, dummy)
 
     def _check_session(self, msg: control.RegisterRank) -> None:
         """A decode rank's transfer address must be its own (S11): never this rank's own
@@ -447,6 +461,11 @@ class PrefillSide(Side):
             pair.prove(desc, src_pages, d.dst_pages, aux, what)
         else:
             pair.prove_tokens(desc, d.dst_pages, *d.tokens, d.dst_first, aux, what)
+        if peer.groups:  # draft KV, indexer K: the same pages (issue 22 items 1, 2)
+            extra = plan_room_groups(peer.groups, src_pages, d.dst_pages, d.tokens,
+                                     eff.src_first, d.dst_first, what)
+            check_plan_bounds(extra, local.regions, peer.args.regions, f"room {eff.room}")
+            desc = desc.concat(extra)
         return self._plan_state(eff, d, peer, desc)
 
     def _plan_state(self, eff: Write, d: WriteDest, peer: PeerPlan,

@@ -30,6 +30,12 @@ Version history:
       and RegisterKV its ``StateSpec`` and ``state_buffers``; RoomPages, SenderInit and
       ReceiverInit carry the room's ``state_index`` and ``window_pages``. A v5 prefill
       would ignore them and report Success with the decode's state slot never written.
+  7 — extra paged caches and typed aux (speculative decoding, indexer caches): KVArgsWire
+      carries ``groups`` (``GroupWire``: a draft model's KV or an indexer K cache, its own
+      buffers, item lengths, layers and heads, indexed by the room's KV pages) and
+      RegisterKV ``groups``, ``group_buffers`` and ``aux_fields`` (named fields of the aux
+      slot); ``Compat`` carries ``aux_layout``, hashed into the fingerprint. A v6 prefill
+      would ignore the groups and report Success with the decode's draft KV never written.
 
 Control frames travel inside an authentication seal versioned on its own
 (:data:`kvd.security.SEAL_VERSION`, checked before this frame is parsed):
@@ -50,7 +56,7 @@ import numpy.typing as npt
 from kvd.errors import ProtocolError
 
 MAGIC = b"KVD"
-VERSION = 6
+VERSION = 7
 HEADER_LEN = len(MAGIC) + 1
 #: Default upper bound on a frame (bytes); daemons pass their configured limit.
 DEFAULT_MAX_FRAME = 64 << 20

@@ -8,14 +8,21 @@ with a :class:`Reply` carrying the same ``id``.
 from __future__ import annotations
 
 import struct
-from typing import Any, TypeAlias
+from typing import Annotated, Any, TypeAlias
 
 import msgspec
 
 from kvd import errors
 from kvd.errors import ProtocolError
 from kvd.protocol import codec
-from kvd.protocol.control import Compat, StateSpec
+from kvd.protocol.control import (
+    MAX_AUX_FIELDS,
+    MAX_GROUPS,
+    AuxField,
+    Compat,
+    GroupSpec,
+    StateSpec,
+)
 from kvd.protocol.memory import CudaIpcHandle, FdHandle, MemoryHandle, ShmHandle
 from kvd.text import clean
 
@@ -65,6 +72,11 @@ class RegisterKV(msgspec.Struct, tag="register_kv", frozen=True):
     compat: Compat | None = None  # the engine's fingerprint fields (wire_version: kvd's)
     state: StateSpec | None = None  # hybrid models: what state_buffers hold
     state_buffers: list[MemoryHandle] = []  # state slots, then the window pool's buffers
+    # extra paged caches (draft KV, indexer K): their shapes, then every group's buffers in
+    # group order; named fields of the aux slot (typed aux). Wire version 7.
+    groups: Annotated[list[GroupSpec], msgspec.Meta(max_length=MAX_GROUPS)] = []
+    group_buffers: list[MemoryHandle] = []
+    aux_fields: Annotated[list[AuxField], msgspec.Meta(max_length=MAX_AUX_FIELDS)] = []
 
 
 class SenderCreate(msgspec.Struct, tag="sender_create", frozen=True):
@@ -355,11 +367,11 @@ def number_fds(call: Call) -> tuple[Call, list[int]]:
         return out
 
     kv, aux = renumber(call.kv_buffers), renumber(call.aux_buffers)
-    state = renumber(call.state_buffers)
+    state, groups = renumber(call.state_buffers), renumber(call.group_buffers)
     if not fds:
         return call, []
     return msgspec.structs.replace(call, kv_buffers=kv, aux_buffers=aux,
-                                   state_buffers=state), fds
+                                   state_buffers=state, group_buffers=groups), fds
 
 
 def check_fd_indices(call: Call, received: int) -> None:
@@ -367,7 +379,7 @@ def check_fd_indices(call: Call, received: int) -> None:
     names one of the ``received`` descriptors that came with it."""
     if not isinstance(call, RegisterKV):
         return
-    for h in (*call.kv_buffers, *call.aux_buffers, *call.state_buffers):
+    for h in (*call.kv_buffers, *call.aux_buffers, *call.state_buffers, *call.group_buffers):
         if isinstance(h, FdHandle) and not 0 <= h.fd < received:
             raise ProtocolError(f"fd handle names descriptor #{h.fd} but the request carried "
                                 f"{received} (send them with SCM_RIGHTS: KvdClient does)")
