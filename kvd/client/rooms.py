@@ -258,6 +258,25 @@ class Sender(_Room):
         self.client.submit(rpc.SenderSend(room=self.room, pages=pack_indices(pages),
                                           is_last=last))
 
+    def send_layers(self, page_indices: npt.ArrayLike, layers: tuple[int, int],
+                    is_last: bool = False) -> None:
+        """Hand kvd layers ``[lo, hi)`` of some pages as soon as the forward pass wrote
+        them (layer streaming): kvd writes them while later layers compute.
+
+        ``page_indices`` (int, 1-D): source pages the room never named (a new chunk; every
+        layer of them must follow, in later calls), pages named before, or empty: every
+        page named so far that still misses a layer. ``layers``: local layer indices of
+        the pool this rank registered (its KV buffers' order, ``0 .. num_layers``), end
+        exclusive. ``is_last``: the room's last send (it carries aux); every layer of every
+        page must have been sent by then. Raises :class:`~kvd.errors.RoomError` for a
+        layer sent twice for a page, outside the pool's layers, or pages mixing new and
+        named ones (the room fails, kind ``layout``)."""
+        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+        lo, hi = layers
+        self.client.call(rpc.SenderSendLayers(room=self.room, pages=pack_indices(pages),
+                                              layer_start=int(lo), layer_end=int(hi),
+                                              is_last=is_last))
+
 
 class Receiver(_Room):
     """Decode side of room ``room``, fed by the prefill instance at ``bootstrap_addr``.

@@ -119,6 +119,12 @@ class PrefillSide(Side):
                 send = call  # a bad chunk fails the room (its peers hear it), then raises
                 self.run_call(lambda: self.rooms.send(send.room, pages, send.is_last, now))
                 return None
+            case rpc.SenderSendLayers():
+                pages = unpack_indices(call.pages)
+                part = call  # as a chunk: a bad layer send fails the room, then raises
+                self.run_call(lambda: self.rooms.send(part.room, pages, part.is_last, now,
+                                                      (part.layer_start, part.layer_end)))
+                return None
             case _:
                 raise not_available(call, self.role)
         self.run(effects)
@@ -442,6 +448,8 @@ class PrefillSide(Side):
             return self._plan_state(eff, d, peer, Descriptors.empty())
         local = self._local()
         pair, src_pages = self._pair(d.endpoint, peer), eff.src_pages[d.src_from:]
+        if eff.layers is not None:  # layer streaming: this write's layers, planned and proved
+            pair = pair.layers(*eff.layers)
         if d.tokens is None:
             desc = pair.plan(src_pages, d.dst_pages)
         else:  # re-tiled (issue 22 item 3): the room's tokens [lo, hi) to this decode
@@ -545,6 +553,7 @@ class PrefillSide(Side):
         self._clear_all()
         self.rooms.num_pages, self.rooms.num_aux_slots = args.num_pages, args.num_aux_slots
         self.rooms.page_size = args.wire.page_size
+        self.rooms.num_layers = args.wire.num_layers
         r = self.core.position()
         self.rooms.position = RankPosition(r.attn_tp_rank, r.attn_tp_size, r.attn_dp_rank,
                                            r.attn_dp_size, r.pp_rank, r.pp_size)

@@ -106,6 +106,26 @@ class SenderSend(msgspec.Struct, tag="sender_send", frozen=True):
     is_last: bool
 
 
+#: Most layers a :class:`SenderSendLayers` may name (a bound on the field, not a model
+#: limit: the largest models have about 200).
+MAX_LAYERS = 4096
+
+
+class SenderSendLayers(msgspec.Struct, tag="sender_send_layers", frozen=True):
+    """Local layers ``[layer_start, layer_end)`` of this rank's registered pool (its KV
+    buffers' layer order, ``0 .. num_layers``) of some pages of a room, ready to move
+    while later layers compute (layer streaming, issue 22 item 4). ``pages`` (int32 LE
+    bytes): pages the room never named (a new chunk), pages it named before, or none (every
+    page named so far that still misses a layer). ``is_last``: the room's last send (it
+    carries aux); every layer of every page must have been named by then."""
+
+    room: int
+    pages: bytes
+    layer_start: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
+    layer_end: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
+    is_last: bool = False
+
+
 class ReceiverCreate(msgspec.Struct, tag="receiver_create", frozen=True):
     room: int
     bootstrap_addr: str
@@ -222,12 +242,12 @@ class Release(msgspec.Struct, tag="release", frozen=True):
 
 
 #: The calls a :class:`Many` may carry: those kvd answers at once, without waiting.
-NowCall: TypeAlias = (SenderCreate | SenderInit | SenderSend | ReceiverCreate | ReceiverInit
-                      | Poll | Abort | Clear)
+NowCall: TypeAlias = (SenderCreate | SenderInit | SenderSend | SenderSendLayers
+                      | ReceiverCreate | ReceiverInit | Poll | Abort | Clear)
 
 #: The calls a submission ring carries (:class:`OpenRing`): the engine's calls on one room.
-RingCall: TypeAlias = (SenderCreate | SenderInit | SenderSend | ReceiverCreate | ReceiverInit
-                       | Abort | Clear)
+RingCall: TypeAlias = (SenderCreate | SenderInit | SenderSend | SenderSendLayers
+                       | ReceiverCreate | ReceiverInit | Abort | Clear)
 
 #: Most calls in one :class:`Many`.
 MAX_MANY = 4096
@@ -267,9 +287,9 @@ class ManyResult(msgspec.Struct, frozen=True):
     outcomes: list[Outcome]
 
 
-Call: TypeAlias = (RegisterKV | SenderCreate | SenderInit | SenderSend | ReceiverCreate
-                   | ReceiverInit | Poll | Wait | Abort | Clear | Info | Release | Many
-                   | OpenTable | OpenRing)
+Call: TypeAlias = (RegisterKV | SenderCreate | SenderInit | SenderSend | SenderSendLayers
+                   | ReceiverCreate | ReceiverInit | Poll | Wait | Abort | Clear | Info
+                   | Release | Many | OpenTable | OpenRing)
 
 
 class Request(msgspec.Struct, frozen=True):
