@@ -36,7 +36,7 @@ class Counted:
     """A connector worker over a stand-in engine's client; its socket round trips by call."""
 
     def __init__(self, engine: EngineStandIn, batch: bool, monkeypatch: pytest.MonkeyPatch,
-                 producer: bool = False) -> None:
+                 producer: bool = False, ring: bool = False) -> None:
         from kvd.adapters.vllm.connector import _Worker
         from kvd.adapters.vllm.spec import ConnectorConfig
         from kvd.adapters.vllm.stats import KvdConnectorStats
@@ -54,7 +54,7 @@ class Counted:
             return real(call, *args, **kw)
 
         monkeypatch.setattr(engine.client, "_roundtrip", counted)
-        if not batch:  # as before issue 21 item 3: a client without a ring
+        if not ring:  # as the connector's worker opens its client: without a ring
             monkeypatch.setattr(engine.client, "_usable_ring", lambda: None)
 
     def step(self, meta: Any) -> tuple[list[str], Any]:
@@ -100,22 +100,25 @@ def _until_finished(c: Counted, want: set[str], first: Any = None
     return done, steps
 
 
-@pytest.mark.parametrize("batch", [True, False])
+@pytest.mark.parametrize(("batch", "ring"), [(True, False), (True, True), (False, False)])
 def test_a_step_of_rooms_costs_round_trips_per_step_not_per_room(
-        pair: PdPair, monkeypatch: pytest.MonkeyPatch, batch: bool) -> None:
-    """Six requests each way started in one step: batched, no socket round trip starts
-    them (ring records, one wait per phase) and a step where no room ended reads the
+        pair: PdPair, monkeypatch: pytest.MonkeyPatch, batch: bool, ring: bool) -> None:
+    """Six requests each way started in one step: batched, two ``Many`` start them (no
+    socket round trip at all through a ring) and a step where no room ended reads the
     status table only; one RPC per room call and a Poll per step without ``batch``.
     Every page arrives byte for byte either way."""
-    p_meta, d_meta, src, dst = _tasks(pair, 9100 if batch else 9200)
-    pw = Counted(pair.p_engine, batch, monkeypatch, producer=True)
-    dw = Counted(pair.d_engine, batch, monkeypatch)
+    p_meta, d_meta, src, dst = _tasks(pair, 9100 + 100 * (2 * batch + ring))
+    pw = Counted(pair.p_engine, batch, monkeypatch, producer=True, ring=ring)
+    dw = Counted(pair.d_engine, batch, monkeypatch, ring=ring)
     d_calls, d_first = dw.step(d_meta)
     p_calls, p_first = pw.step(p_meta)
     if batch:
         assert d_calls.count("ReceiverCreate") + d_calls.count("ReceiverInit") == 0
         assert p_calls.count("SenderCreate") + p_calls.count("SenderSend") == 0
-        assert len(d_calls) <= 1 and len(p_calls) <= 1  # a Poll only if a room ended
+        many = 0 if ring else 2  # creates, then inits and sends (+ clears if one ended)
+        for calls in (d_calls, p_calls):
+            assert many <= calls.count("Many") <= many + 1, calls
+        assert d_calls.count("Poll") <= 1 and p_calls.count("Poll") <= 1
     else:
         assert d_calls.count("ReceiverCreate") == ROOMS == d_calls.count("ReceiverInit")
         assert p_calls.count("SenderSend") == ROOMS
@@ -124,17 +127,18 @@ def test_a_step_of_rooms_costs_round_trips_per_step_not_per_room(
     for r in src:
         assert pair.d_engine.pages_equal(pair.p_engine, src[r], dst[r]), f"room {r}"
     per_step = max(len(s) for s in d_steps + p_steps)
-    print(f"\nbatch={batch}: start step RPCs p={len(p_calls)} d={len(d_calls)}; "
+    print(f"\nbatch={batch} ring={ring}: start step RPCs p={len(p_calls)} d={len(d_calls)}; "
           f"most RPCs in a later step {per_step}; steps {len(d_steps)}/{len(p_steps)}")
     if batch:
-        assert per_step <= 1  # one Poll for the rooms that ended; clears in the ring
+        assert per_step <= 2  # one Poll for the rooms that ended, one Many of clears
         idle = [s for s in d_steps + p_steps if not s]
         assert idle or len(d_steps) + len(p_steps) <= 2
     assert not pw.worker.owner and not dw.worker.owner
 
 
+@pytest.mark.parametrize("ring", [False, True])
 def test_a_refused_create_or_send_fails_its_room_in_the_same_step(
-        pair: PdPair, monkeypatch: pytest.MonkeyPatch) -> None:
+        pair: PdPair, monkeypatch: pytest.MonkeyPatch, ring: bool) -> None:
     """Batched: a room kvd already holds (its create refused) fails at once without an init
     reaching kvd's room, and a send naming a page beyond the pool fails its room at once
     and aborts it; the other room of the step moves byte for byte."""
@@ -142,16 +146,17 @@ def test_a_refused_create_or_send_fails_its_room_in_the_same_step(
     from kvd.client import Sender
 
     pe = pair.p_engine
-    held = Sender(pe.client, 9301)  # another user of room 9301 in this kvd
-    pw = Counted(pe, True, monkeypatch, producer=True)
-    meta = KvdConnectorMetadata(sends=[SendTask("dup", (9301,), [1, 2]),
-                                       SendTask("bad", (9302,), [1, pe.num_pages + 3]),
-                                       SendTask("ok", (9303,), [4, 5])])
+    base = 9810 if ring else 9800
+    held = Sender(pe.client, base + 1)  # another user of that room in this kvd
+    pw = Counted(pe, True, monkeypatch, producer=True, ring=ring)
+    meta = KvdConnectorMetadata(sends=[SendTask("dup", (base + 1,), [1, 2]),
+                                       SendTask("bad", (base + 2,), [1, pe.num_pages + 3]),
+                                       SendTask("ok", (base + 3,), [4, 5])])
     pw.worker.start(meta)
     t = pw.worker.transfers
     assert t["dup"].rooms[0].state == KVPoll.Failed and t["dup"].rooms[0].kind == "engine"
     assert t["bad"].rooms[0].state == KVPoll.Failed and t["bad"].rooms[0].reason
-    assert t["ok"].rooms[0].state is None and set(pw.worker.owner) == {9303}
+    assert t["ok"].rooms[0].state is None and set(pw.worker.owner) == {base + 3}
     assert held.poll() == KVPoll.Bootstrapping  # no init or send reached the held room
     assert pe.client.submit_all([]) == {}
     out = pw.worker.results(False)
