@@ -219,9 +219,11 @@ def _poll_board(side: Any) -> int:
     """A sender's or receiver's KVPoll from the manager's shared poll board (no RPC of its
     own); a room kvd no longer knows is Failed; terminal states are remembered."""
     refusal = side.kv_mgr.client.ring_refusal(side.bootstrap_room)
-    if refusal is not None:  # a send or init through the ring that kvd refused
-        side._fail(f"kvd refused a call of room {side.bootstrap_room}: "
-                   f"{type(refusal).__name__}: {refusal}")
+    if refusal is not None:  # a send or init through the ring that kvd refused: as a
+        # refused RPC, a receiver aborts its room (the prefill stops), a sender fails
+        fail = getattr(side, "abort_with", side._fail)
+        fail(f"kvd refused a call of room {side.bootstrap_room}: "
+             f"{type(refusal).__name__}: {refusal}")
         return int(KVPoll.Failed)
     status = side.kv_mgr.board.get(side.bootstrap_room)
     if status == UNKNOWN_ROOM:
