@@ -200,6 +200,61 @@ class KvdClient:
         if refusal is not None:
             raise refusal
 
+    def submit_all(self, calls: list[rpc.RingCall]) -> dict[int, KvdError]:
+        """Run ``calls`` (room calls) in order and wait ONCE for all of them (issue 21: an
+        adapter's step of room calls together): through the ring, one record each and one
+        wait for the last; without a usable ring, one :class:`~kvd.protocol.rpc.Many` per
+        ``rpc.MAX_MANY`` calls. Returns the first refusal of each room that had one (a
+        room missing from it: every call of it ran), including a refusal of an earlier
+        call of that room nobody waited for. Raises :class:`KvdUnreachable` as
+        :meth:`call` does, and ProtocolError when kvd closed the ring before running
+        them (kvd aborted the rooms the ring carried)."""
+        if not calls:
+            return {}
+        with self._lock:
+            ring = self._usable_ring()
+            if ring is not None and all(ring.encode(c) is not None for c in calls):
+                return self._submit_ring(ring, calls)
+        refused: dict[int, KvdError] = {}
+        for at in range(0, len(calls), rpc.MAX_MANY):
+            chunk = calls[at:at + rpc.MAX_MANY]
+            for call, out in zip(chunk, self.call_many(list(chunk)), strict=True):
+                if isinstance(out, KvdError):
+                    refused.setdefault(call.room, out)
+        return refused
+
+    def _submit_ring(self, ring: EngineRing, calls: list[rpc.RingCall]) -> dict[int, KvdError]:
+        """:meth:`submit_all` through ``ring`` (under the lock). Each record is encoded
+        as it is submitted (its call id is the ring's head then); one that has grown past
+        a record since the check (a longer id) goes over the socket, in order."""
+        refused: dict[int, KvdError] = {}
+        try:
+            seq = -1
+            for call in calls:
+                data = ring.encode(call)
+                if data is None:
+                    try:
+                        self._exchange(call, None)  # kvd drains the ring before it
+                    except KvdUnreachable:
+                        raise
+                    except KvdError as exc:
+                        refused.setdefault(call.room, exc)
+                    continue
+                seq = ring.submit(data, call.room, self.timeout)
+            if seq >= 0:
+                ring.wait_done(seq, self.timeout)
+            ring.collect()
+        except RingClosed as exc:
+            self._close_ring()
+            raise ProtocolError(f"kvd closed the engine ring before it ran a batch of "
+                                f"{len(calls)} calls") from exc
+        except (DaemonGone, TimeoutError, ProtocolError) as exc:
+            self._ring_broken(exc)
+        for c in calls:
+            if c.room in ring.refused:
+                refused.setdefault(c.room, ring.refused.pop(c.room))
+        return refused
+
     def ring_refusal(self, room: int) -> KvdError | None:
         """The refusal of a call on ``room`` that :meth:`submit` did not wait for (taken),
         or None."""

@@ -11,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvd.client import KVPoll, Sender
+from kvd.client import KvdClient, KVPoll, Sender
 from kvd.errors import KvdError, KvdUnreachable
 from kvd.launch import start_daemon
+from kvd.protocol import rpc
+from kvd.protocol.codec import pack_indices
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
 from tests.conftest import PdPair, start_pair, stop_pair
 
@@ -130,3 +132,66 @@ def test_each_room_reads_its_own_refusal_whatever_other_rooms_hold(
         assert f"unknown room {s.room}" in s.failure()[1]
         s.clear()
         assert s.poll() == -1
+
+
+class CountingRoundtrips:
+    """Counts the socket round trips of one client, by call type."""
+
+    def __init__(self, client: KvdClient, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[str] = []
+        real = client._roundtrip
+
+        def counted(call: rpc.Call, *args: object, **kw: object) -> object:
+            self.calls.append(type(call).__name__)
+            return real(call, *args, **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(client, "_roundtrip", counted)
+
+
+def _prefill_batch(rooms: list[int], pages: dict[int, list[int]]) -> list[rpc.RingCall]:
+    calls: list[rpc.RingCall] = [rpc.SenderCreate(room=r) for r in rooms]
+    for r in rooms:
+        calls += [rpc.SenderInit(room=r, num_pages=len(pages[r]), aux_index=0),
+                  rpc.SenderSend(room=r, pages=pack_indices(pages[r]), is_last=True)]
+    return calls
+
+
+@pytest.mark.parametrize("path", ["ring", "many"])
+def test_submit_all_runs_a_step_of_room_calls_in_one_wait_and_names_each_refusal(
+        ring_pair: PdPair, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Issue 21 item 3: a step's room calls of 6 rooms (create, init, send each) through
+    ``submit_all``: no socket round trip through the ring (18 records, one wait), ONE
+    ``Many`` without it. A room whose send names a page beyond the pool is refused, and
+    only that room; the others move byte for byte."""
+    pe, de = ring_pair.p_engine, ring_pair.d_engine
+    base = 8600 if path == "ring" else 8700
+    rooms = list(range(base, base + 6))
+    bad = rooms[2]
+    src = {r: [(r * 3 + i) % pe.num_pages for i in range(3)] for r in rooms}
+    src[bad] = [1, pe.num_pages + 7, 2]
+    dst = {r: [(r * 5 + i) % de.num_pages for i in range(3)] for r in rooms}
+    recv_calls: list[rpc.RingCall] = [rpc.ReceiverCreate(room=r, bootstrap_addr=ring_pair.
+                                                         bootstrap) for r in rooms]
+    recv_calls += [rpc.ReceiverInit(room=r, dst_pages=pack_indices(dst[r]), aux_index=0)
+                   for r in rooms]
+    if path == "many":
+        monkeypatch.setattr(pe.client, "_usable_ring", lambda: None)
+    counted = CountingRoundtrips(pe.client, monkeypatch)
+    assert pe.client.ring is not None
+    tail = pe.client.ring.sub.tail
+    assert de.client.submit_all(recv_calls) == {}
+    refused = pe.client.submit_all(_prefill_batch(rooms, src))
+    assert list(refused) == [bad] and isinstance(refused[bad], KvdError)
+    if path == "ring":
+        assert counted.calls == [] and pe.client.ring.sub.tail - tail == 3 * len(rooms)
+    else:
+        assert counted.calls == ["Many"] and pe.client.ring.sub.tail == tail
+    good = [r for r in rooms if r != bad]
+    assert wait_rooms(de.client, good, BOUND) == [KVPoll.Success] * len(good)
+    for r in good:
+        assert de.pages_equal(pe, src[r], dst[r]), f"room {r}"
+    assert pe.client.submit_all([rpc.Abort(room=bad, reason="test")]) == {}
+    clears: list[rpc.RingCall] = [rpc.Clear(room=r) for r in rooms]
+    assert pe.client.submit_all(clears) == {}
+    wait_rooms(de.client, rooms, BOUND)
+    assert de.client.submit_all(clears) == {}

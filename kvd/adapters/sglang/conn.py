@@ -25,9 +25,13 @@ Selected with ``--disaggregation-transfer-backend kvd`` once the plugin in
   ``init(prefill_dp_rank)`` and hands its pages over in ``send_metadata``.
 
 Polling: SGLang polls every room every scheduler step. The manager answers all of them
-from one ``Poll`` RPC per ``poll_interval`` (default 2 ms) over every live room, so a step
-with N rooms costs one round trip, not N. Failures raise SGLang's own
-``KVTransferError`` (from ``failure_exception``) with kvd's reason.
+from one refresh per ``poll_interval`` (default 2 ms) over every live room: kvd's status
+table in one gather (no syscall), plus one ``Poll`` RPC only for rooms the table does not
+answer or that just ended (their reason and stats), so a step with N rooms costs at most
+one round trip, not N. Room calls go through kvd's submission ring (issue 21): a create
+waits for kvd (its refusal fails the request at once, as before); an init or send
+returns once written, and kvd's refusal of it fails the room at its next ``poll()``.
+Failures raise SGLang's own ``KVTransferError`` (from ``failure_exception``) with kvd's reason.
 
 Deferred release: kvd releases a failed or aborted room's decode pages only once no
 prefill write can still land in them; the manager says so
@@ -139,8 +143,10 @@ def fetch_parallel_info(bootstrap_addr: str, timeout: float = 5.0) -> dict[str, 
 
 
 class _Board:
-    """Statuses of every live room of one kvd, refreshed by ONE Poll RPC at most every
-    ``max_age`` seconds (or when a room is not on the board yet)."""
+    """Statuses of every live room of one kvd, refreshed at most every ``max_age`` seconds
+    (or when a room is not on the board yet): from kvd's status table in one gather (issue
+    21), and in ONE Poll RPC for the rooms the table does not answer and those that ended
+    since (their reason and transfer stats); all of them by Poll without a table."""
 
     def __init__(self, client: KvdClient, max_age: float) -> None:
         self.client, self.max_age = client, max_age
@@ -149,6 +155,7 @@ class _Board:
         self.reasons: dict[int, str] = {}
         self.stats: dict[int, tuple[int, float]] = {}
         self.releasable: set[int] = set()
+        self.detailed: set[int] = set()  # ended rooms whose reason and stats are in
         self.refreshed = 0.0
 
     def add(self, room: int) -> None:
@@ -159,6 +166,7 @@ class _Board:
         for table in (self.status, self.reasons, self.stats):
             table.pop(room, None)
         self.releasable.discard(room)
+        self.detailed.discard(room)
 
     def get(self, room: int) -> int:
         if room not in self.status or time.monotonic() - self.refreshed > self.max_age:
@@ -166,7 +174,7 @@ class _Board:
         return self.status.get(room, UNKNOWN_ROOM)
 
     def refresh(self) -> None:
-        rooms = sorted(self.live)
+        rooms = self._from_table(sorted(self.live))
         self.refreshed = time.monotonic()
         if not rooms:
             return
@@ -180,12 +188,43 @@ class _Board:
         self.status.update(zip(rooms, (int(s) for s in res.statuses), strict=True))
         self.reasons.update(res.reasons)
         self.stats.update(res.stats)
-        self.releasable = set(res.releasable)
+        free = set(res.releasable)
+        for room, s in zip(rooms, res.statuses, strict=True):
+            (self.releasable.add if room in free else self.releasable.discard)(room)
+            if s in _TERMINAL:
+                self.detailed.add(room)
+
+    def _from_table(self, rooms: list[int]) -> list[int]:
+        """Take the statuses of ``rooms`` the status table answers (no syscall); the rooms
+        left for the socket: those it does not answer, and those that ended but whose
+        reason and stats are not in yet. All of them without a fresh table."""
+        if not rooms:
+            return rooms
+        read = self.client.read_table(np.asarray(rooms, dtype=np.uint64))
+        if read is None:
+            return rooms
+        statuses, free, hit = read
+        ask = []
+        for room, s, f, h in zip(rooms, statuses.tolist(), free.tolist(), hit.tolist(),
+                                 strict=True):
+            if not h or (s in _TERMINAL and room not in self.detailed):
+                ask.append(room)
+                continue
+            self.status[room] = s
+            (self.releasable.add if f else self.releasable.discard)(room)
+        return ask
 
 
 def _poll_board(side: Any) -> int:
     """A sender's or receiver's KVPoll from the manager's shared poll board (no RPC of its
     own); a room kvd no longer knows is Failed; terminal states are remembered."""
+    refusal = side.kv_mgr.client.ring_refusal(side.bootstrap_room)
+    if refusal is not None:  # a send or init through the ring that kvd refused: as a
+        # refused RPC, a receiver aborts its room (the prefill stops), a sender fails
+        fail = getattr(side, "abort_with", side._fail)
+        fail(f"kvd refused a call of room {side.bootstrap_room}: "
+             f"{type(refusal).__name__}: {refusal}")
+        return int(KVPoll.Failed)
     status = side.kv_mgr.board.get(side.bootstrap_room)
     if status == UNKNOWN_ROOM:
         side._fail("room unknown to kvd (kvd restarted?)")
@@ -208,7 +247,7 @@ class KvdKVManager(BaseKVManager):
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
         self.is_mla_backend = bool(is_mla_backend)
-        self.client = KvdClient(socket_path(args), timeout=30.0)
+        self.client = KvdClient(socket_path(args), timeout=30.0, use_ring=True)
         self.fds: dict[str, int] = {}  # descriptors of unnamed shared memory, kept open
         self.registration = msgspec.structs.replace(
             registration(args, self.is_mla_backend, read_maps(), fds=self.fds),
@@ -393,9 +432,10 @@ class KvdKVReceiver(BaseKVReceiver):
         Success, or after the deferred release); kvd refuses earlier, which is logged."""
         if self.receiver is not None:
             try:
-                self.kv_mgr.client.call(rpc.Clear(room=self.bootstrap_room))
+                self.kv_mgr.client.submit(rpc.Clear(room=self.bootstrap_room), wait=True)
             except KvdError as exc:
                 log.warning("kvd: room %d not cleared: %s", self.bootstrap_room, exc)
+            self.kv_mgr.client.ring_refusal(self.bootstrap_room)  # goes with the room
         self.kv_mgr.board.drop(self.bootstrap_room)
 
 

@@ -90,6 +90,9 @@ class ConnectorConfig:
     ``kvd_expected_uid``: the uid kvd runs as, when it is not root, the engine's user or
     the owner of the socket's folder (default: ``KVD_EXPECTED_UID``, else derived); the
     client refuses any other server before sending a byte (S17, :mod:`kvd.client.peer`).
+    ``batch`` (default true): a worker's room calls of one step go to kvd together
+    (through the submission ring, else one ``Many``) and its status reads come from kvd's
+    status table (issue 21); false: one RPC per room call and one ``Poll`` per step.
     """
 
     kvd_socket: str
@@ -98,6 +101,7 @@ class ConnectorConfig:
     idle_wait: float = 0.05
     shm_dir: str = "/dev/shm"
     kvd_expected_uid: int | None = None
+    batch: bool = True
 
     @staticmethod
     def from_extra(extra: Mapping[str, Any] | None, is_producer: bool) -> ConnectorConfig:
@@ -121,12 +125,16 @@ class ConnectorConfig:
         if uid is not None and (isinstance(uid, bool) or not isinstance(uid, int) or uid < 0):
             problems.append(f"kvd_expected_uid must be a uid (an integer >= 0), got {uid!r}")
             uid = None
+        batch = extra.pop("batch", True)
+        if not isinstance(batch, bool):
+            problems.append(f"batch must be true or false, got {batch!r}")
+            batch = True
         if extra:
             problems.append(f"unknown keys {sorted(extra)}")
         if problems:
             raise KvdAdapterError("kv_connector_extra_config: " + "; ".join(problems))
         return ConnectorConfig(str(socket), addr, numbers["rpc_timeout"], numbers["idle_wait"],
-                               shm_dir, uid)
+                               shm_dir, uid, batch)
 
     def socket_for(self, tp_rank: int, pp_rank: int = 0, rank: int | None = None) -> str:
         """The socket path of one worker (placeholders filled in)."""
