@@ -53,7 +53,7 @@ from kvd.rooms.effects import AbortUnknown, Effect, Resolve, Send, WriteAux
 from kvd.rooms.receiver import ReceiverRooms, Target
 from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
-from kvd.transfer.kvargs import RankArgs
+from kvd.transfer.kvargs import RankArgs, state_region_counts
 
 log = logging.getLogger("kvd.decode")
 
@@ -633,8 +633,9 @@ class DecodeSide(Side):
             self.rooms.forget_rooms()
         self.registered.clear()
         self.last_sent.clear()
+        slots, window = state_region_counts(args.wire)
         self.rooms.engine_registered(args.num_pages, args.num_aux_slots,
-                                     tuple(int(n) for n in args.aux_item_lens))
+                                     tuple(int(n) for n in args.aux_item_lens), slots, window)
 
     async def drain_done(self) -> None:
         """Nothing to deregister: a decode rank is not in any bootstrap table."""
