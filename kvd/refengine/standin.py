@@ -23,15 +23,19 @@ class StandInPool:
     """KV/aux pools for one engine rank and their registration (no connection).
 
     ``kv[b]`` is a uint8 view ``[num_pages, item_len]`` of buffer ``b``;
-    ``aux`` a uint8 view ``[aux_slots, aux_item_len]``. ``pool``: ``"shm"`` (a /dev/shm
-    file kvd opens by name) or ``"fd"`` (a sealed memfd passed with SCM_RIGHTS).
+    ``aux`` a uint8 view ``[aux_slots, aux_item_len]`` (``aux_slots`` None: ``num_pages``).
+    ``pool``: ``"shm"`` (a /dev/shm file kvd opens by name) or ``"fd"`` (a sealed memfd
+    passed with SCM_RIGHTS).
     """
 
     def __init__(self, num_layers: int = 4, num_pages: int = 256, item_len: int = 4096,
-                 aux_slots: int = 16, aux_item_len: int = 64, seed: int = 0,
+                 aux_slots: int | None = None, aux_item_len: int = 64, seed: int = 0,
                  page_size: int = 16, head_dim: int = 64, dtype_size: int = 2,
                  shm_dir: str = "/dev/shm", pool: str = "shm") -> None:
         self.num_layers, self.num_pages, self.item_len = num_layers, num_pages, item_len
+        # as many aux slots as pages by default: a room may take the slot of its first page,
+        # so rooms on distinct pages have distinct slots (two live rooms never share one, K42)
+        aux_slots = num_pages if aux_slots is None else aux_slots
         n_bufs = 2 * num_layers
         size = ShmPool.size_for([num_pages * item_len] * n_bufs + [aux_slots * aux_item_len])
         self.pool: ShmPool | FdPool = (FdPool(size) if pool == "fd"
