@@ -31,6 +31,7 @@ from kvd.errors import (
     ClockSkew,
     KvdError,
     PeerUnreachable,
+    ProtocolError,
     RegistrationError,
     RoomError,
 )
@@ -416,7 +417,12 @@ class DecodeSide(Side):
         msg = control.RegisterRank(self.core.instance_id, self.core.control.endpoint,
                                    ranks.attn_tp_rank, ranks.attn_tp_size, local.wire, pool)
         self.refused_full.pop(endpoint, None)  # this registration may be held: its answer says
-        if not await self.core.send(endpoint, msg, instance):  # sealed for that instance
+        try:
+            sent = await self.core.send(endpoint, msg, instance)  # sealed for that instance
+        except ProtocolError as exc:  # no peer would take it: the rooms fail now (K16)
+            raise RegistrationError(f"this rank's registration cannot go to {endpoint}: "
+                                    f"{exc}") from exc
+        if not sent:
             raise PeerUnreachable(f"cannot reach prefill rank {endpoint}")
         self.registered[endpoint] = instance
         self.last_sent[endpoint] = self.core.clock()
