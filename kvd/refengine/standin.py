@@ -94,9 +94,13 @@ def wait_rooms(client: KvdClient, rooms: list[int], timeout: float = 30.0,
 
 def transfer_room(prefill: EngineStandIn, decode: EngineStandIn, bootstrap_addr: str,
                   room: int, src: npt.ArrayLike, dst: npt.ArrayLike, chunk: int,
-                  aux_src: int = 0, aux_dst: int = 0) -> tuple[Sender, Receiver]:
-    """Start room ``room``: receiver init, then the sender's chunks of ``chunk`` pages."""
-    src_a = np.asarray(src)
+                  aux_src: int = 0, aux_dst: int | None = None) -> tuple[Sender, Receiver]:
+    """Start room ``room``: receiver init, then the sender's chunks of ``chunk`` pages.
+    ``aux_dst`` None: the decode's slot of the room's first destination page (modulo its
+    slots), so live rooms on distinct pages have distinct aux slots (K42)."""
+    src_a, dst_a = np.asarray(src), np.asarray(dst)
+    if aux_dst is None:
+        aux_dst = int(dst_a.flat[0]) % len(decode.aux) if dst_a.size else 0
     recv = Receiver(decode.client, room, bootstrap_addr)
     recv.init(dst, aux_dst)
     send = Sender(prefill.client, room)
