@@ -9,8 +9,12 @@ the baseline). Measured, interleaved, medians of ``repeats`` blocks:
   table's numpy gather), :func:`kvd.client.poll_many` with a list, and the socket's
   ``Poll`` (``poll_many`` on the table-less client);
 - one room's ``Sender.poll()``;
-- ``Receiver.init`` / ``Sender.send`` of 1-page rooms one at a time on an idle pair
-  (these still go over the socket until the submission ring lands: value = baseline).
+- ``Receiver.init`` / ``Sender.send`` of 1-page rooms one at a time on an idle pair,
+  through the submission ring (both engines' clients have ``use_ring=True``) and over
+  the socket (a second, ring-less client on each daemon), alternating room by room;
+- ``Sender.send`` of a round of :data:`ROUND` rooms back to back (an engine step's
+  chunks: kvd is draining while the engine submits, so the ring needs no syscall),
+  through the ring and over the socket.
 
 Rows (``benchmarks/results/channel.json``), keyed by id: ``value``, ``baseline``,
 ``ratio`` (value / baseline), ``goal`` and ``met``.
@@ -34,6 +38,8 @@ import numpy as np
 
 RESULTS = Path(__file__).parent / "results"
 GOAL_US = 20.0
+#: Rooms of one engine round (``P5.send_round``).
+ROUND = 32
 
 
 def _p50_us(fn: Any, n: int) -> float:
@@ -53,14 +59,15 @@ def _row(value: float, baseline: float, goal: str, met: bool, what: str) -> dict
 
 def measure(repeats: int = 5, rooms_each: int = 100, polls: int = 300) -> dict[str, Any]:
     """The numbers above (microseconds, medians of block medians)."""
-    from kvd.client import KvdClient, Receiver, Sender, poll_array, poll_many, wait_many
+    from kvd.client import KvdClient, Sender, poll_array, poll_many
     from kvd.launch import start_daemon
     from kvd.protocol import rpc
     from kvd.refengine.standin import EngineStandIn
 
     res: dict[str, list[float]] = {k: [] for k in (
         "poll_array_table", "poll_array_random", "poll_many_table", "poll_socket", "poll_one_table",
-        "poll_one_socket", "send", "init")}
+        "poll_one_socket", "send_ring", "init_ring", "send_socket", "init_socket",
+        "round_ring", "round_socket")}
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as work:
         pd = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING")
         stack.callback(pd.stop)
@@ -68,15 +75,18 @@ def measure(repeats: int = 5, rooms_each: int = 100, polls: int = 300) -> dict[s
         stack.callback(dd.stop)
         pool = {"num_layers": 4, "num_pages": 1024, "item_len": 4096, "aux_slots": 64,
                 "aux_item_len": 64}
-        pe = EngineStandIn(pd.socket, seed=1, **pool)
+        pe = EngineStandIn(pd.socket, use_ring=True, seed=1, **pool)
         stack.callback(pe.close)
-        de = EngineStandIn(dd.socket, seed=2, **pool)
+        de = EngineStandIn(dd.socket, use_ring=True, seed=2, **pool)
         stack.callback(de.close)
         client = pe.client
-        if client.table is None:
-            raise RuntimeError("the prefill kvd served no status table (engine_channel off?)")
-        plain = KvdClient(pd.socket, use_table=False)
+        if client.table is None or client.ring is None or de.client.ring is None:
+            raise RuntimeError("a kvd served no status table or ring (engine_channel off?)")
+        plain = KvdClient(pd.socket, use_table=False)  # the socket path: no table, no ring
         stack.callback(plain.close)
+        dplain = KvdClient(dd.socket, use_table=False)
+        stack.callback(dplain.close)
+        paths = {"ring": (client, de.client), "socket": (plain, dplain)}
         ids = list(range(1, 1001))
         arr = np.array(ids, dtype=np.uint64)
         held = [Sender(client, r) for r in ids]  # 1 000 live rooms (Bootstrapping)
@@ -97,25 +107,17 @@ def measure(repeats: int = 5, rooms_each: int = 100, polls: int = 300) -> dict[s
             res["poll_socket"].append(_p50_us(lambda: poll_many(plain, ids), polls // 3))
             res["poll_one_table"].append(_p50_us(one.poll, polls))
             res["poll_one_socket"].append(_p50_us(one_plain.poll, polls))
-            sends, inits = [], []
+            times: dict[str, list[float]] = {f"{k}_{m}": [] for k in ("send", "init", "round")
+                                              for m in paths}
             for _ in range(rooms_each):
-                room += 1
-                page = np.array([room % 1024])
-                s = Sender(client, room)
-                s.init(1, room % 64)
-                r = Receiver(de.client, room, pd.http_addr)
-                t = time.perf_counter()
-                r.init(page, room % 64)
-                inits.append(time.perf_counter() - t)
-                t = time.perf_counter()
-                s.send(page)
-                sends.append(time.perf_counter() - t)
-                assert wait_many(de.client, [room], 30) == [4], f"room {room} failed"
-                assert wait_many(client, [room], 30) == [4], f"room {room} failed"
-                de.client.call(rpc.Clear(room=room))
-                client.call(rpc.Clear(room=room))
-            res["send"].append(1e6 * statistics.median(sends))
-            res["init"].append(1e6 * statistics.median(inits))
+                for mode, (pc, dc) in paths.items():
+                    room += 1
+                    _one_room(pc, dc, pd.http_addr, room, times, mode)
+            for mode, (pc, _dc) in paths.items():
+                room += ROUND
+                _round(pc, room, times[f"round_{mode}"])
+            for key, values in times.items():
+                res[key].append(1e6 * statistics.median(values))
         for r in ids + rand:
             client.call(rpc.Abort(room=r))
             client.call(rpc.Clear(room=r))
@@ -134,12 +136,62 @@ def measure(repeats: int = 5, rooms_each: int = 100, polls: int = 300) -> dict[s
         "P5.poll_one": _row(m["poll_one_table"], m["poll_one_socket"], f"<= {GOAL_US:g} us",
                             m["poll_one_table"] <= GOAL_US,
                             "one room's poll(): table vs Poll RPC"),
-        "P5.send": _row(m["send"], m["send"], f"<= {GOAL_US:g} us", m["send"] <= GOAL_US,
-                        "Sender.send p50, idle pair (socket: no submission ring yet)"),
-        "P5.init": _row(m["init"], m["init"], f"<= {GOAL_US:g} us", m["init"] <= GOAL_US,
-                        "Receiver.init p50, idle pair (socket: no submission ring yet)"),
+        "P5.send": _row(m["send_ring"], m["send_socket"], f"<= {GOAL_US:g} us",
+                        m["send_ring"] <= GOAL_US,
+                        "Sender.send p50, idle pair, one room at a time: ring vs socket"),
+        "P5.init": _row(m["init_ring"], m["init_socket"], f"<= {GOAL_US:g} us",
+                        m["init_ring"] <= GOAL_US,
+                        "Receiver.init p50, idle pair, one room at a time: ring vs socket"),
+        "P5.send_round": _row(m["round_ring"], m["round_socket"], f"<= {GOAL_US:g} us",
+                              m["round_ring"] <= GOAL_US,
+                              f"Sender.send p50 in a round of {ROUND} rooms back to back: "
+                              f"ring vs socket"),
     }
     return {"rows": rows, "runs": res, "repeats": repeats}
+
+
+def _one_room(pc: Any, dc: Any, bootstrap: str, room: int, times: dict[str, list[float]],
+              mode: str) -> None:
+    """One 1-page room on an idle pair through the clients ``pc`` (prefill) and ``dc``
+    (decode); ``Receiver.init`` and ``Sender.send`` timed into ``times``."""
+    from kvd.client import Receiver, Sender, wait_many
+    from kvd.protocol import rpc
+
+    page = np.array([room % 1024])
+    s = Sender(pc, room)
+    s.init(1, room % 64)
+    r = Receiver(dc, room, bootstrap)
+    t = time.perf_counter()
+    r.init(page, room % 64)
+    times[f"init_{mode}"].append(time.perf_counter() - t)
+    t = time.perf_counter()
+    s.send(page)
+    times[f"send_{mode}"].append(time.perf_counter() - t)
+    assert wait_many(dc, [room], 30) == [4], f"room {room} failed"
+    assert wait_many(pc, [room], 30) == [4], f"room {room} failed"
+    assert s.refused is None and r.refused is None, f"room {room} refused"
+    dc.call(rpc.Clear(room=room))
+    pc.call(rpc.Clear(room=room))
+
+
+def _round(pc: Any, first: int, out: list[float]) -> None:
+    """:data:`ROUND` prefill rooms (no decode: they stay Bootstrapping), one chunk sent to
+    each back to back and timed one by one; then aborted and cleared."""
+    from kvd.client import Sender
+    from kvd.protocol import rpc
+
+    senders = [Sender(pc, first + i) for i in range(ROUND)]
+    for s in senders:
+        s.init(4, 0)
+    page = np.array([1])
+    for s in senders:
+        t = time.perf_counter()
+        s.send(page, is_last=False)
+        out.append(time.perf_counter() - t)
+    for s in senders:
+        assert s.poll() == 1 and s.refused is None, f"room {s.room} refused"
+        pc.call(rpc.Abort(room=s.room))
+        pc.call(rpc.Clear(room=s.room))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,13 +27,19 @@ deadaddr: a decode's CPU and /health p99 after one Many of 4 096 rooms naming de
 issue14: every row of issue 14's table (P1, P1b, P4, P5, P6, P8) beside its baseline,
   ratio and goal (benchmarks/issue14.py); SGLang's connector rows need SGLang installed
   (`make bench` builds .venv-bench with it).
-channel: issue 21's P5 rows with the shared status table: poll of 1 000 rooms and of one
-  room through the table vs the socket's Poll, send/init (still the socket) on an idle
-  pair; rows keyed by id with value, baseline, ratio, goal, met (benchmarks/channel_bench.py).
+channel: issue 21's P5 rows with the shared status table and the submission ring: poll
+  of 1 000 rooms and of one room through the table vs the socket's Poll, send/init on an
+  idle pair and send in a round of 32 through the ring vs the socket; rows keyed by id
+  with value, baseline, ratio, goal, met (benchmarks/channel_bench.py).
+layers: TTFT of a long prompt on the reference engine (SmolLM2 on the CPU) with layer
+  streaming vs whole-room transfer, interleaved in one run, and the fraction of the
+  transfer time hidden under compute (goal >= 0.5; benchmarks/layers_bench.py; not in the
+  default set: it loads the model and runs minutes on 2 cores).
 All results are saved as one JSON file under benchmarks/results/.
 
 Usage: python benchmarks/run.py [--mib 256] [--repeats 3]
-       [--only issue14,channel,transfer,plan,hetero,samehost,flood,cancel,restart,deadaddr]
+       [--only issue14,channel,transfer,plan,hetero,samehost,flood,cancel,restart,deadaddr,
+               layers] [--layer-tokens 8192] [--model-layers 0]
 """
 
 from __future__ import annotations
@@ -297,6 +303,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="P5: calls per placement for the trivial RPC and the echo")
     ap.add_argument("--api-rooms", type=int, default=100,
                     help="P5: idle-pair rooms per placement and repeat (send/init)")
+    ap.add_argument("--layer-tokens", type=int, default=8192,
+                    help="layers: prompt length in tokens")
+    ap.add_argument("--model-layers", type=int, default=0,
+                    help="layers: keep the reference model's first N layers (0: all 30)")
     ap.add_argument("--out", type=Path, default=None,
                     help="write the JSON result here (default: a new "
                          "benchmarks/results/bench-<time>.json)")
@@ -353,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
 
         results["cancel"] = cancel_bench.run(console, args.cancel_rooms, args.cancel_mib,
                                              args.repeats, args.cancel_inflight_mib)
+    if "layers" in only:
+        results["layers"] = _bench_layers(console, args)
     out = args.out or _new_result_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str))
@@ -368,6 +380,24 @@ def _new_result_path() -> Path:
     while out.exists():
         n += 1
         out = RESULTS / f"{stem}-{n}.json"
+    return out
+
+
+def _bench_layers(console: Console, args: Any) -> dict[str, Any]:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import layers_bench
+
+    out = layers_bench.run(args.layer_tokens, args.model_layers, args.repeats)
+    table = Table(title=f"layer streaming: {out['tokens']} tokens, {out['layers']} layers, "
+                        f"{out['kv_bytes'] >> 20} MiB of KV (medians, s)")
+    for col in ("mode", "TTFT", "forward", "exposed transfer", "in writes"):
+        table.add_column(col)
+    for mode, m in out["median"].items():
+        table.add_row(mode, f"{m['ttft_s']:.3f}", f"{m['compute_s']:.3f}",
+                      f"{m['exposed_s']:.3f}", f"{m['xfer_s']:.3f}")
+    console.print(table)
+    console.print(f"TTFT layers/whole = {out['ttft_ratio_layers_over_whole']:.3f}; hidden "
+                  f"{out['hidden_fraction']:.2f} of the transfer (goal >= {out['goal_hidden']})")
     return out
 
 

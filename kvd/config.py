@@ -341,7 +341,9 @@ class Settings(BaseSettings):
                                     "forgotten (its registration, socket and heartbeats)")
     engine_channel: bool = _setting(
         True, help="share a room status table with the engine (a memfd both map): its "
-                   "polls read statuses without a syscall; off: every poll is an RPC")
+                   "polls read statuses without a syscall; and serve engines that ask for "
+                   "a submission ring their room calls go through; off: every poll and "
+                   "room call is an RPC")
     status_table_slots: int = _setting(
         1 << 18, ge=2, le=1 << 22, unit="slots",
         help="slots of the shared status table (a power of two; 16 bytes each, in buckets "

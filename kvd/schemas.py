@@ -11,11 +11,11 @@ the daemon builds the report and again when the CLI reads it (S21).
 
 A decode kvd heartbeats each prefill bootstrap address; a peer's
 ``heartbeat`` is ``ok``, ``missed N``, ``down`` or ``unknown`` (not probed
-yet), and ``last_heartbeat`` the time of the last answered one. A prefill kvd
-is heartbeated, not heartbeating (``n/a``): its liveness view of a decode peer
-is ``last_message``, when that peer's last control message arrived. Both sides
-report each peer's ``last_error`` (a failed room, send or heartbeat) and its
-time. Times are unix seconds.
+yet; ``n/a (etcd)`` with etcd discovery, where leases replace heartbeats), and
+``last_heartbeat`` the time of the last answered one. A prefill kvd is heartbeated,
+not heartbeating (``n/a``): its liveness view of a decode peer is ``last_message``,
+when that peer's last control message arrived. Both sides report each peer's
+``last_error`` (a failed room, send or heartbeat) and its time. Times are unix seconds.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from kvd import notify
 from kvd.config import Settings, require_secret
-from kvd.engine_rpc.socket_path import SocketPathError, preflight
+from kvd.engine_rpc.socket_path import SocketPathError, lock_path, preflight
 from kvd.errors import ConfigError, KvdError
 
 GiB = 1 << 30
@@ -78,11 +78,13 @@ def run_checks(settings: Settings | None, config_error: KvdError | None = None,
         checks.append(check_transfer_engine(s))
     devices = rdma_devices()
     checks += [check_rdma(devices), check_memlock(bool(devices)), check_shm(s.shm_dir)]
-    checks += [check_port("http port", s.http_host, s.http_port),
-               check_port("zmq port", s.host, s.zmq_port), check_socket(s.engine_socket)]
+    pid = daemon_pid(s.engine_socket)
+    own = running_kvd(s.engine_socket, pid)
+    checks += [check_port("http port", s.http_host, s.http_port, own),
+               check_port("zmq port", s.host, s.zmq_port, own),
+               check_socket(s.engine_socket, own)]
     if s.engine_socket_group:
         checks.append(check_group(s.engine_socket_group))
-    pid = daemon_pid(s.engine_socket)
     if pid is not None:
         checks.append(check_listeners(pid, s))
         if settings is not None:
@@ -313,6 +315,36 @@ def daemon_pid(path: Path) -> int | None:
     return int.from_bytes(creds[:4], "little") or None
 
 
+@dataclass(frozen=True)
+class Running:
+    """The kvd these settings describe, found running: ``pid`` serves the engine socket
+    and holds its lock; ``ports`` are its listening TCP ports (empty if unreadable)."""
+
+    pid: int
+    ports: frozenset[int]
+
+
+def running_kvd(path: Path, pid: int | None) -> Running | None:
+    """The kvd serving ``path`` if ``pid`` (its ``SO_PEERCRED``) is also the pid in its
+    ``<socket>.lock``: then the socket and its ports are that daemon's, not a conflict
+    (``kvd doctor`` run beside the daemon it checks). None otherwise."""
+    from kvd.netstat import listeners
+
+    if pid is None:
+        return None
+    try:
+        holder = int(lock_path(path).read_text().strip() or "0")
+    except (OSError, ValueError):
+        return None
+    if holder != pid:
+        return None
+    try:
+        ports = frozenset(x.port for x in listeners(pid))
+    except OSError:
+        ports = frozenset()
+    return Running(pid, ports)
+
+
 def check_listeners(pid: int, s: Settings) -> Check:
     """Every listening port of the running kvd ``pid`` with its bind address; warn about
     any wider than the configured hosts (S01)."""
@@ -390,9 +422,13 @@ def check_shm(path: Path) -> Check:
     return Check("shared memory", "ok", detail)
 
 
-def check_port(name: str, host: str, port: int) -> Check:
+def check_port(name: str, host: str, port: int, own: Running | None = None) -> Check:
+    """Can ``kvd serve`` bind ``host:port``? A port the running kvd of these settings
+    (``own``) listens on is its own, not a conflict."""
     if port == 0:
         return Check(name, "ok", "0: any free port is taken at start")
+    if own is not None and port in own.ports:
+        return Check(name, "ok", f"{host}:{port} is held by this kvd (pid {own.pid}, running)")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -408,13 +444,17 @@ def check_port(name: str, host: str, port: int) -> Check:
     return Check(name, "ok", f"{host}:{port} is free")
 
 
-def check_socket(path: Path) -> Check:
+def check_socket(path: Path, own: Running | None = None) -> Check:
     """What ``kvd serve`` checks before it binds the engine socket (folder, lock, any file
     at the path); when systemd passes the socket (``kvd@.socket``) there is nothing to
-    check here."""
+    check here, and a socket the running kvd of these settings (``own``) serves is its
+    own."""
     name = "engine socket"
     if notify.socket_activated():
         return Check(name, "ok", "passed by systemd (socket activation)")
+    if own is not None:
+        return Check(name, "ok", f"{path}: served by this kvd (pid {own.pid}, running; "
+                     "kvd status shows it)")
     try:
         preflight(path)
     except SocketPathError as exc:

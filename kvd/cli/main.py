@@ -188,6 +188,9 @@ def demo(
     retile: Annotated[bool, typer.Option(help="also rows with prefill page size 16 and "
                                               "decode page size 64 (pages re-tiled by kvd)")
                       ] = True,
+    spec: Annotated[bool, typer.Option(help="also the speculative-decoding rows (draft model "
+                                            "KV and typed aux, prefill TP 1 -> decode TP 2)")
+                    ] = True,
 ) -> None:
     """Prefill on one engine, move KV through two kvd daemons, decode on another."""
     from kvd.refengine.demo import demo_console, run_demo
@@ -200,6 +203,10 @@ def demo(
         from kvd.refengine.hybriddemo import run_hybrid_rows
 
         code |= run_hybrid_rows(demo_console(), max_new_tokens=max_new_tokens)
+    if spec:
+        from kvd.refengine.specdemo import run_spec_rows
+
+        code |= run_spec_rows(demo_console(), max_new_tokens=max_new_tokens)
     raise typer.Exit(code)
 
 

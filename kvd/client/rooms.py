@@ -8,7 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd.client.rpc import KvdClient
-from kvd.errors import KvdUnreachable, KVTransferError, ProtocolError, RoomError
+from kvd.errors import KvdError, KvdUnreachable, KVTransferError, ProtocolError, RoomError
 from kvd.protocol import rpc
 from kvd.protocol.codec import pack_indices
 from kvd.rooms import UNKNOWN_ROOM, KVPoll
@@ -101,6 +101,9 @@ class _Room:
         self.client = client
         self.room = room
         self.lost = ""  # set once kvd was unreachable: the room is Failed for good
+        #: kvd refused a call of this room sent through the ring without waiting (a send,
+        #: an init): the room reads Failed here, and its next send or init raises it
+        self.refused: KvdError | None = None
 
     @classmethod
     def attach(cls, client: KvdClient, room: int) -> Any:
@@ -119,10 +122,35 @@ class _Room:
             self.lost = f"kvd unreachable: {exc}"
             return None
 
+    def _submit(self, call: rpc.RingCall, wait: bool = False) -> None:
+        """``call`` through the client's ring (:meth:`KvdClient.submit`; the socket without
+        one); kvd unreachable marks the room lost, as :meth:`_call` does."""
+        if self.lost:
+            return
+        try:
+            self.client.submit(call, wait)
+        except KvdUnreachable as exc:
+            self.lost = f"kvd unreachable: {exc}"
+
+    def _refusal(self) -> KvdError | None:
+        """A refusal of an earlier call of this room that nobody waited for (ring path):
+        the room is failed for this engine from then on."""
+        if self.refused is None:
+            self.refused = self.client.ring_refusal(self.room)
+        return self.refused
+
+    def _raise_refusal(self) -> None:
+        refusal = self._refusal()
+        if refusal is not None:
+            raise refusal
+
     def poll(self) -> KVPoll | int:
         """Current KVPoll of this room (``UNKNOWN_ROOM`` once cleared; ``Failed`` for good
-        once kvd was unreachable — a restarted kvd does not know the room). Read from
-        kvd's status table when it answers (no syscall)."""
+        once kvd was unreachable — a restarted kvd does not know the room — or refused one
+        of its calls sent through the ring). Read from kvd's status table when it answers
+        (no syscall)."""
+        if self.client.ring is not None and self._refusal() is not None:
+            return KVPoll.Failed
         view = None if self.lost else self.client.read_table_one(self.room)
         if view is not None:
             return _status(view[0])
@@ -147,6 +175,8 @@ class _Room:
     def failure(self) -> tuple[str, str]:
         """``(kind, reason)`` of the room's failure (``kind`` a FailureKind value;
         ``("", "room is not failed")`` otherwise)."""
+        if self.client.ring is not None and (refusal := self._refusal()) is not None:
+            return rpc.error_kind(refusal), f"kvd refused a call of room {self.room}: {refusal}"
         result: rpc.PollResult | None = self._call(rpc.Poll(rooms=[self.room]))
         if result is None:
             return "unreachable", self.lost
@@ -167,19 +197,22 @@ class _Room:
     def abort(self, reason: str = "aborted by engine") -> None:
         """Fail the room on both sides with ``reason``; on decode, its pages stay
         unreleasable until the prefill side confirms no write is in flight."""
-        self._call(rpc.Abort(room=self.room, reason=reason,
-                             bootstrap_addr=getattr(self, "bootstrap_addr", None),
-                             dp_rank=getattr(self, "dp_rank", None)))
+        self._submit(rpc.Abort(room=self.room, reason=reason,
+                               bootstrap_addr=getattr(self, "bootstrap_addr", None),
+                               dp_rank=getattr(self, "dp_rank", None)))
 
     def clear(self, timeout: float = 30.0) -> None:
         """Forget the room (an unfinished one is aborted). On decode, if a prefill write may
         still be in flight, this waits up to ``timeout`` s for the pages to become
         releasable; raises RoomError if they still are not."""
         try:
-            self._call(rpc.Clear(room=self.room))
+            self._submit(rpc.Clear(room=self.room), wait=True)
         except RoomError:
             self._call(rpc.Wait(rooms=[self.room], timeout=timeout))
-            self._call(rpc.Clear(room=self.room))
+            self._submit(rpc.Clear(room=self.room), wait=True)
+        if self.client.ring is not None:  # every earlier call ran: its refusal is in,
+            self.client.ring_refusal(self.room)  # dropped with the room (a room of the
+        self.refused = None  # same id later starts clean)
 
 
 class Sender(_Room):
@@ -196,7 +229,7 @@ class Sender(_Room):
         super().__init__(client, room)
         self.num_pages = 0
         self.sent = 0
-        client.call(rpc.SenderCreate(room=room, release_digest=release_digest))
+        client.submit(rpc.SenderCreate(room=room, release_digest=release_digest), wait=True)
 
     def init(self, num_pages: int, aux_index: int, state_index: int = -1,
              window_pages: npt.ArrayLike | None = None) -> None:
@@ -204,23 +237,45 @@ class Sender(_Room):
         its state slot (``state_index``) and the window pool's pages holding its last
         ``window_tokens`` tokens (``window_pages``, int, 1-D). They move with the last
         chunk."""
+        self._raise_refusal()
         self.num_pages = num_pages
         win = b"" if window_pages is None else pack_indices(window_pages)
-        self.client.call(rpc.SenderInit(room=self.room, num_pages=num_pages,
-                                        aux_index=aux_index, state_index=state_index,
-                                        window_pages=win))
+        self.client.submit(rpc.SenderInit(room=self.room, num_pages=num_pages,
+                                          aux_index=aux_index, state_index=state_index,
+                                          window_pages=win))
 
     def send(self, page_indices: npt.ArrayLike, is_last: bool | None = None) -> None:
         """Send one chunk of source page indices (int, 1-D).
 
         The chunk that reaches ``num_pages`` is the last one (it carries aux);
-        ``is_last`` overrides that.
+        ``is_last`` overrides that. Through the client's ring (when it has one) this
+        returns once the call is in the ring; a refusal comes back later (:attr:`refused`).
         """
+        self._raise_refusal()
         pages = np.asarray(page_indices)
         self.sent += int(pages.size)
         last = self.sent >= self.num_pages if is_last is None else is_last
-        self.client.call(rpc.SenderSend(room=self.room, pages=pack_indices(pages),
-                                        is_last=last))
+        self.client.submit(rpc.SenderSend(room=self.room, pages=pack_indices(pages),
+                                          is_last=last))
+
+    def send_layers(self, page_indices: npt.ArrayLike, layers: tuple[int, int],
+                    is_last: bool = False) -> None:
+        """Hand kvd layers ``[lo, hi)`` of some pages as soon as the forward pass wrote
+        them (layer streaming): kvd writes them while later layers compute.
+
+        ``page_indices`` (int, 1-D): source pages the room never named (a new chunk; every
+        layer of them must follow, in later calls), pages named before, or empty: every
+        page named so far that still misses a layer. ``layers``: local layer indices of
+        the pool this rank registered (its KV buffers' order, ``0 .. num_layers``), end
+        exclusive. ``is_last``: the room's last send (it carries aux); every layer of every
+        page must have been sent by then. Raises :class:`~kvd.errors.RoomError` for a
+        layer sent twice for a page, outside the pool's layers, or pages mixing new and
+        named ones (the room fails, kind ``layout``)."""
+        pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
+        lo, hi = layers
+        self.client.call(rpc.SenderSendLayers(room=self.room, pages=pack_indices(pages),
+                                              layer_start=int(lo), layer_end=int(hi),
+                                              is_last=is_last))
 
 
 class Receiver(_Room):
@@ -233,8 +288,8 @@ class Receiver(_Room):
                  dp_rank: int | None = None) -> None:
         super().__init__(client, room)
         self.bootstrap_addr, self.dp_rank = bootstrap_addr, dp_rank
-        client.call(rpc.ReceiverCreate(room=room, bootstrap_addr=bootstrap_addr,
-                                       dp_rank=dp_rank))
+        client.submit(rpc.ReceiverCreate(room=room, bootstrap_addr=bootstrap_addr,
+                                         dp_rank=dp_rank), wait=True)
 
     def init(self, dst_page_indices: npt.ArrayLike, aux_index: int,
              first_page: int = 0, state_index: int = -1,
@@ -245,9 +300,11 @@ class Receiver(_Room):
         (a local prefix-cache hit); ``dst_page_indices[0]`` receives room page
         ``first_page``, and the prefill writes nothing before it. Hybrid models:
         ``state_index``, the state slot receiving the room's state, and ``window_pages``
-        (int, 1-D), the window pool's pages receiving its window, in the prefill's order."""
+        (int, 1-D), the window pool's pages receiving its window, in the prefill's order.
+        Through the client's ring, as :meth:`Sender.send`."""
+        self._raise_refusal()
         win = b"" if window_pages is None else pack_indices(window_pages)
-        self.client.call(rpc.ReceiverInit(room=self.room,
-                                          dst_pages=pack_indices(dst_page_indices),
-                                          aux_index=aux_index, first_page=first_page,
-                                          state_index=state_index, window_pages=win))
+        self.client.submit(rpc.ReceiverInit(room=self.room,
+                                            dst_pages=pack_indices(dst_page_indices),
+                                            aux_index=aux_index, first_page=first_page,
+                                            state_index=state_index, window_pages=win))

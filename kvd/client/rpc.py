@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd.client.peer import EXPECTED_UID_ENV, check_peer, parse_expected_uid, trust_for
+from kvd.client.ring import DaemonGone, EngineRing, RingClosed
 from kvd.engine_rpc.socket_path import default_engine_socket
 from kvd.errors import KvdError, KvdUnreachable, ProtocolError
 from kvd.protocol import rpc
@@ -32,7 +33,8 @@ def _error_from_reply(reply: rpc.Reply | rpc.RawReply) -> Exception:
 #: Typed results of the calls that have one (the others answer None or a dict).
 RESULT_TYPES: dict[type, type] = {rpc.Poll: rpc.PollResult, rpc.Wait: rpc.PollResult,
                                   rpc.RegisterKV: rpc.RegisterResult,
-                                  rpc.Many: rpc.ManyResult, rpc.OpenTable: rpc.TableResult}
+                                  rpc.Many: rpc.ManyResult, rpc.OpenTable: rpc.TableResult,
+                                  rpc.OpenRing: rpc.RingResult}
 _DECODERS: dict[type, msgspec.msgpack.Decoder[Any]] = {
     t: msgspec.msgpack.Decoder(t, strict=False) for t in set(RESULT_TYPES.values())}
 _ANY = msgspec.msgpack.Decoder()
@@ -82,11 +84,18 @@ class KvdClient:
     answers polls without a syscall. The table is dropped with the connection (a
     restarted kvd has a new one, mapped at the re-registration) and ignored once its
     writer has not beaten for ``stale_ns`` (a kvd that died without a word).
+
+    With ``use_ring`` (and the table), each registration also opens a submission ring
+    (issue 21 step B, :class:`~kvd.protocol.rpc.OpenRing` of ``ring_capacity`` records of
+    ``ring_record_bytes`` bytes): :meth:`submit` then sends room calls through shared
+    memory instead of the socket. Without a ring (none asked, kvd has none, it failed,
+    or the table says kvd is silent) :meth:`submit` is :meth:`call`.
     """
 
     def __init__(self, path: str | None = None, timeout: float = 30.0,
                  expected_uid: int | None = None, use_table: bool = True,
-                 stale_ns: int = DEFAULT_STALE_NS) -> None:
+                 stale_ns: int = DEFAULT_STALE_NS, use_ring: bool = False,
+                 ring_capacity: int = 256, ring_record_bytes: int = 4096) -> None:
         if not 0 <= timeout <= MAX_TIMEOUT:  # NaN too; a bad one would fail every call
             raise ValueError(f"timeout must be in [0, {MAX_TIMEOUT:g}] seconds, got {timeout}")
         if path is None:
@@ -107,6 +116,10 @@ class KvdClient:
         self.use_table, self.stale_ns = use_table, stale_ns
         self.table: StatusTable | None = None
         self._table_map: mmap.mmap | None = None
+        self.use_ring = use_ring
+        self._ring_sizes = rpc.OpenRing(capacity=ring_capacity,
+                                        record_bytes=ring_record_bytes)
+        self.ring: EngineRing | None = None
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -145,23 +158,128 @@ class KvdClient:
             if isinstance(call, rpc.RegisterKV):
                 self._registration, self._replay = call, False
                 self._open_table()
+                self._open_ring()
         return result
+
+    def submit(self, call: rpc.RingCall, wait: bool = False) -> None:
+        """A room call (create, init, send, abort, clear) through the submission ring:
+        one record, no syscall while kvd is draining. With ``wait``, block until kvd ran
+        it and raise its refusal, as :meth:`call` would; without, return at once: a
+        refusal comes back later, kept for its room (:meth:`ring_refusal`). Calls run in
+        the order they were made, whether each went over the ring or the socket (kvd
+        drains the ring before every socket call). Without a usable ring, or for a call
+        larger than a record, it is :meth:`call`. Raises what :meth:`call` raises
+        (:class:`KvdUnreachable` when kvd's socket end closed or it ran nothing within
+        ``timeout``); a ring kvd closed while this call waited raises ProtocolError (kvd
+        aborted the rooms the ring carried) and later calls use the socket."""
+        with self._lock:
+            ring = self._usable_ring()
+            data = ring.encode(call) if ring is not None else None
+            if ring is None or data is None:
+                self._exchange(call, None)
+                return
+            try:
+                seq = ring.submit(data, call.room, self.timeout)
+            except RingClosed:
+                self._close_ring()
+                self._exchange(call, None)
+                return
+            except (DaemonGone, TimeoutError, ProtocolError) as exc:
+                self._ring_broken(exc)
+            if not wait:
+                return
+            try:
+                ring.wait_done(seq, self.timeout)
+                refusal = ring.result_of(seq)
+            except RingClosed as exc:
+                self._close_ring()
+                raise ProtocolError(f"kvd closed the engine ring before it ran call {seq} "
+                                    f"(room {call.room})") from exc
+            except (DaemonGone, TimeoutError, ProtocolError) as exc:
+                self._ring_broken(exc)
+        if refusal is not None:
+            raise refusal
+
+    def ring_refusal(self, room: int) -> KvdError | None:
+        """The refusal of a call on ``room`` that :meth:`submit` did not wait for (taken),
+        or None."""
+        ring = self.ring
+        if ring is None:
+            return None
+        if ring.comp.head != ring.inbox.tail:  # a completion waits: read them all
+            with self._lock:
+                if self.ring is not ring:
+                    return None
+                try:
+                    ring.collect()
+                except (ProtocolError, OSError):
+                    return None
+        return ring.refused.pop(room, None)
+
+    def _usable_ring(self) -> EngineRing | None:
+        """The ring, if kvd is known alive (a fresh status table) and no reconnect waits."""
+        ring, table = self.ring, self.table
+        if ring is None or table is None or self._replay or self._sock is None:
+            return None
+        if not table.fresh(time.monotonic_ns(), self.stale_ns):
+            return None  # kvd silent: the socket tells whether it is gone
+        return ring
+
+    def _ring_broken(self, exc: Exception) -> typing.NoReturn:
+        """kvd's socket end closed, it ran nothing within ``timeout``, or its ring is
+        corrupt: drop the connection (the next call reconnects and registers again)."""
+        self._drop()
+        why = (f"no answer within {self.timeout:g}s" if isinstance(exc, TimeoutError)
+               else str(exc))
+        raise KvdUnreachable(f"kvd unreachable at {self.path}: {why}",
+                             "KvdUnreachable") from exc
+
+    def _open_ring(self) -> None:
+        """Open this connection's rings (after a registration; under the lock). A kvd
+        without them leaves room calls on the socket."""
+        self._close_ring()
+        if not self.use_ring or self.table is None or self._sock is None:
+            return
+        fds: list[int] = []
+        try:
+            result: rpc.RingResult = self._roundtrip(self._ring_sizes, rpc.RingResult, fds)
+            self.ring = EngineRing(result, fds, self._sock.fileno())
+            fds = []  # the ring owns them
+        except (KvdError, OSError, ValueError):
+            self._close_ring()  # an older or channel-less kvd: the socket carries calls
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def _close_ring(self) -> None:
+        ring, self.ring = self.ring, None
+        if ring is not None:
+            ring.close()
 
     def read_table(self, rooms: npt.NDArray[np.uint64]) -> tuple[
             npt.NDArray[np.int8], npt.NDArray[np.bool_], npt.NDArray[np.bool_]] | None:
         """``(statuses, releasable, hit)`` of ``rooms`` (uint64, 1-D) from kvd's status
         table, no syscall (:meth:`StatusTable.read`); None when there is no fresh table
-        (none mapped, closed, or its writer silent for ``stale_ns``): ask the socket."""
+        (none mapped, closed, or its writer silent for ``stale_ns``), or while kvd has not
+        run every call submitted through the ring yet: ask the socket."""
         table = self.table
         if table is None or not table.fresh(time.monotonic_ns(), self.stale_ns):
             return None
+        ring = self.ring
+        if ring is not None and not ring.drained():
+            return None  # the socket's Poll runs the ring's calls first
         return table.read(rooms)
 
     def read_table_one(self, room: int) -> tuple[int, bool] | None:
         """``(status, releasable)`` of one room from the status table, or None: ask the
-        socket (no fresh table, or the table does not answer this room)."""
+        socket (no fresh table, the table does not answer this room, or the ring holds
+        calls kvd has not run yet)."""
         table = self.table
         if table is None or not table.fresh(time.monotonic_ns(), self.stale_ns):
+            return None
+        ring = self.ring
+        if ring is not None and not ring.drained():
             return None
         return table.read_one(room)
 
@@ -264,6 +382,7 @@ class KvdClient:
                     self.reconnects += 1
                     self._replay = False
                     self._open_table()
+                    self._open_ring()
                 return self._roundtrip(call, kind)
             except KvdUnreachable as exc:
                 cause = exc.__cause__
@@ -314,6 +433,7 @@ class KvdClient:
 
     def _drop(self) -> None:
         self._close_table()  # this daemon's table: a new connection may reach another
+        self._close_ring()
         if self._sock is not None:
             self._sock.close()
             self._sock = None

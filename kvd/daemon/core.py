@@ -29,12 +29,13 @@ from kvd.logs import fields
 from kvd.memory import EngineMemory, Importer, import_engine
 from kvd.metrics import RoomEvents
 from kvd.protocol import codec, control
-from kvd.protocol.control import Compat, ControlMessage, KVArgsWire, StateWire
+from kvd.protocol.control import Compat, ControlMessage, GroupWire, KVArgsWire, StateWire
 from kvd.protocol.memory import ExportedPool
 from kvd.protocol.rpc import RegisterKV
 from kvd.ranks import Ranks
 from kvd.security import Authenticator
 from kvd.transfer.backends.base import TransferEngine
+from kvd.transfer.compat import aux_layout
 from kvd.transfer.executor import TransferExecutor
 from kvd.transfer.faults import FaultPlan
 from kvd.transfer.kvargs import RankArgs
@@ -73,6 +74,12 @@ class Counters:
     session_failures: int = 0
     session_recoveries: int = 0
     heartbeat_misses: int = 0
+    # K45/K46: rooms named by POST /v1/rooms/release, by outcome (the route is unsigned:
+    # outcomes are counted, not logged per room)
+    releases_released: int = 0
+    releases_ended: int = 0
+    releases_refused: int = 0
+    releases_unknown: int = 0
 
 
 #: Control frames at least this long (bytes) are decoded once before they leave: only a
@@ -321,7 +328,7 @@ class Core:
             raise RegistrationError("an engine is already registered with this kvd")
         uid = os.getuid() if engine_uid is None else engine_uid
         mem = import_engine(self.memory, req.kv_buffers, req.aux_buffers, fds, uid,
-                            req.state_buffers)
+                            [*req.state_buffers, *req.group_buffers])
         try:
             args = RankArgs.of(self._wire(req, mem))
             mem.register(self.engine)
@@ -335,9 +342,10 @@ class Core:
         return args
 
     def _wire(self, req: RegisterKV, mem: EngineMemory) -> KVArgsWire:
-        if req.state is None and mem.state:
-            raise RegistrationError(f"{len(mem.state)} state buffers without a state spec "
-                                    f"(RegisterKV.state says what they hold)")
+        if req.state is None and req.state_buffers:
+            raise RegistrationError(f"{len(req.state_buffers)} state buffers without a state "
+                                    f"spec (RegisterKV.state says what they hold)")
+        state, groups = split_extra(req, mem.state)
         return KVArgsWire(
             session_id=self.engine.session_id, kv_data_ptrs=[b.address for b in mem.kv],
             kv_data_lens=[b.length for b in mem.kv], kv_item_lens=list(req.kv_item_lens),
@@ -348,9 +356,11 @@ class Core:
             num_layers=req.num_layers, layer_start=req.layer_start, is_mla=req.is_mla,
             layout=req.layout, total_kv_heads=req.total_kv_heads, fused_kv=req.fused_kv,
             compat=msgspec.structs.replace(req.compat or Compat(), wire_version=codec.VERSION,
-                                           page_size=req.page_size),
+                                           page_size=req.page_size,
+                                           aux_layout=aux_layout(req)),
             state=None if req.state is None else StateWire(
-                req.state, [b.address for b in mem.state], [b.length for b in mem.state]))
+                req.state, [b.address for b in state], [b.length for b in state]),
+            groups=groups)
 
     def export(self) -> tuple[ExportedPool, list[int]] | None:
         """The engine's memory for a same-host prefill's ``local`` backend, and the
@@ -409,9 +419,15 @@ class Core:
     def _log_auth_once(self, key: str, exc: Exception) -> None:
         """Unauthenticated requests are logged once per kind (the sender is unknown: an
         unverified request's claims are not trusted), then only counted."""
+        self.log_once(key, f"refused request: {exc}")
+
+    def log_once(self, key: str, message: str) -> None:
+        """Log ``message`` (WARNING) the first time ``key`` is seen (at most 64 keys),
+        then nothing: what anyone who reaches a port can cause is counted, not logged per
+        request (S20, K45)."""
         if key not in self._auth_logged and len(self._auth_logged) < 64:
             self._auth_logged.add(key)
-            log.warning("refused request: %s (further ones only counted)", exc)
+            log.warning("%s (further ones only counted)", message)
 
     async def http(self, method: str, url: str, *, params: Mapping[str, Any] | None = None,
                    json: Any = None, limit_s: float | None = None) -> httpx.Response:
@@ -420,3 +436,22 @@ class Core:
         return await signed_http.request(self.http_client, self.auth, self.recipients, method,
                                          url, params=params, json=json,
                                          limit_s=limit_s or self.settings.http_timeout)
+
+
+def split_extra(req: RegisterKV, extra: Sequence[Any]) -> tuple[list[Any], list[GroupWire]]:
+    """The engine's buffers after KV and aux (``extra``: its ``state_buffers`` then its
+    ``group_buffers``, imported) split into the state ones and one :class:`GroupWire` per
+    paged cache group (``req.groups``, in order, each taking as many buffers as it has item
+    lengths). Raises :class:`RegistrationError` when the counts do not add up."""
+    n_state = len(req.state_buffers)
+    want = sum(len(g.item_lens) for g in req.groups)
+    if len(req.group_buffers) != want:
+        raise RegistrationError(f"{len(req.group_buffers)} group buffers for paged cache "
+                                f"groups of {want} buffers in all (RegisterKV.groups)")
+    groups, at = [], n_state
+    for g in req.groups:
+        bufs = extra[at:at + len(g.item_lens)]
+        at += len(g.item_lens)
+        groups.append(GroupWire(g, [b.address for b in bufs], [b.length for b in bufs]))
+    return list(extra[:n_state]), groups
+

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -58,6 +59,14 @@ from kvd.transfer.kvargs import RankArgs, state_region_counts
 
 log = logging.getLogger("kvd.decode")
 
+#: Rooms a mass failure (a lost peer, a restarted one) fails in one loop turn; the rest
+#: on the next turns (K41: a lost peer's 4 096 rooms held ``/health`` for one turn).
+FAIL_SLICE = 256
+#: Lookups (``Resolve`` effects) started as tasks in one loop turn; the rest on the next
+#: turns (K41: one ``Many`` of 4 096 creates started 4 096 tasks that all ran in the next
+#: turn, while at most ``bootstrap_max_lookups`` can be in flight anyway).
+RESOLVE_SLICE = 128
+
 
 class PeerRestarted(KvdError):
     """A room's lookup named an instance of the prefill that is not its current one."""
@@ -101,6 +110,9 @@ class DecodeSide(Side):
             max_probes=max(1, int(st.heartbeat_max_probes_per_s * st.heartbeat_interval)),
             down_retry=min(1.0, st.heartbeat_interval), max_skew=st.auth_max_skew))
         self.last_round_probes = 0
+        self.fail_slices = 0  # loop turns that failed a slice of a mass failure (tests)
+        self._resolves: deque[Resolve] = deque()  # lookups not started yet
+        self.resolve_turns = 0  # loop turns that started lookups (tests)
 
     # ---- engine calls -----------------------------------------------------------------
 
@@ -151,6 +163,9 @@ class DecodeSide(Side):
                 reasons[room], kinds[room] = r.failure.reason, r.failure.kind.value
         return rpc.PollResult(statuses=statuses, reasons=reasons, kinds=kinds,
                               releasable=releasable)
+
+    def take_changed(self) -> set[int]:
+        return self.rooms.take_changed()
 
     def abort(self, room: int, reason: str, bootstrap_addr: str | None = None,
               dp_rank: int | None = None) -> None:
@@ -287,13 +302,30 @@ class DecodeSide(Side):
                 self._sent_to(eff.to)
                 self.core.post(eff.to, eff.msg, self._on_send_fail(eff), eff.to_instance)
             case Resolve():
-                self.core.spawn(self._resolve(eff), f"resolve-{eff.room}")
+                self._resolves.append(eff)
+                if len(self._resolves) == 1:
+                    self._start_resolves_soon()
             case AbortUnknown():
                 self.core.spawn(self._abort_unknown(eff), f"abort-{eff.room}")
             case WriteAux():
                 self._write_aux(eff)
             case _:
                 raise TypeError(f"decode cannot perform {eff!r}")
+
+    def _start_resolves_soon(self) -> None:
+        try:
+            asyncio.get_running_loop().call_soon(self._start_resolves)
+        except RuntimeError:  # no loop (a direct caller): start them now
+            self._start_resolves()
+
+    def _start_resolves(self) -> None:
+        """Start at most :data:`RESOLVE_SLICE` queued lookups; the rest next turn."""
+        self.resolve_turns += 1
+        for _ in range(min(RESOLVE_SLICE, len(self._resolves))):
+            eff = self._resolves.popleft()
+            self.core.spawn(self._resolve(eff), f"resolve-{eff.room}")
+        if self._resolves:
+            self._start_resolves_soon()
 
     def _on_send_fail(self, eff: Send) -> Callable[[str], None] | None:
         room = eff.room
@@ -607,12 +639,30 @@ class DecodeSide(Side):
                     self._close(eff.resource)
                 case FailRooms():
                     failure = RoomFailure(eff.kind, eff.reason, self.role)
-                    log.warning("%s", eff.reason, extra=fields(peer=eff.addr))
-                    self.run(self.rooms.peer_lost(eff.addr, failure, self.core.clock(),
-                                                  eff.keep, eff.endpoint))
+                    lost = self.rooms.lost_rooms(eff.addr, eff.keep, eff.endpoint)
+                    log.warning("%s (%d rooms fail)", eff.reason, len(lost),
+                                extra=fields(peer=eff.addr))
+                    self.fail_rooms(lost, failure)
                 case Forget():
                     log.debug("prefill %s forgotten", eff.addr, extra=fields(peer=eff.addr))
         return probes
+
+    def fail_rooms(self, keys: list[tuple[int, int]], failure: RoomFailure) -> None:
+        """Fail the room incarnations ``keys`` (chosen by the machine) :data:`FAIL_SLICE`
+        a loop turn, the first slice now (K41); one that ended or was created again
+        meanwhile is left alone (:meth:`ReceiverRooms.fail_rooms`)."""
+        self.fail_slices += 1
+        self.run(self.rooms.fail_rooms(keys[:FAIL_SLICE], failure, self.core.clock()))
+        rest = keys[FAIL_SLICE:]
+        if not rest:
+            return
+        try:
+            asyncio.get_running_loop().call_soon(self.fail_rooms, rest, failure)
+        except RuntimeError:  # no loop (a direct caller): all now
+            self.fail_rooms_now(rest, failure)
+
+    def fail_rooms_now(self, keys: list[tuple[int, int]], failure: RoomFailure) -> None:
+        self.run(self.rooms.fail_rooms(keys, failure, self.core.clock()))
 
     def _close(self, r: Resource) -> None:
         """Drop what this side holds: a bootstrap address's cached lookups, the record of
@@ -695,19 +745,21 @@ class DecodeSide(Side):
     def _peers(self) -> list[Peer]:
         """One row per prefill rank endpoint; a bootstrap address with none gets its own."""
         rows: dict[str, Peer] = {}
+        how = self.core.settings.discovery
         for (addr, tp, dp, pp), info in self.bootstrap.ranks.items():
             ep = endpoint_of(info)
             h = self.members.peers.get(addr)
             rows[ep] = Peer(endpoint=ep, kind="prefill", bootstrap=addr,
                             state="registered" if ep in self.registered else "resolved",
-                            heartbeat=_heartbeat(h), instance_id=info.instance_id or "",
-                            detail=f"tp {tp} dp {dp} pp {pp}{_health_detail(h)}",
+                            heartbeat=heartbeat_of(h, how), instance_id=info.instance_id or "",
+                            detail=f"tp {tp} dp {dp} pp {pp}{health_detail(h, how)}",
                             **self._liveness(ep, addr, h))
         known = {p.bootstrap for p in rows.values()}
         for addr in (set(self.bootstrap.info) | set(self.members.peers)) - known:
             h = self.members.peers.get(addr)
             rows[addr] = Peer(endpoint=addr, kind="prefill", bootstrap=addr, state="bootstrap",
-                              heartbeat=_heartbeat(h), detail=_health_detail(h).lstrip("; "),
+                              heartbeat=heartbeat_of(h, how),
+                              detail=health_detail(h, how).lstrip("; "),
                               instance_id=(h.instance or "") if h else "",
                               **self._liveness("", addr, h))
         return sorted(rows.values(), key=lambda p: (p.bootstrap, p.endpoint))
@@ -733,18 +785,24 @@ class DecodeSide(Side):
                 "clock_measured_from": c.via}
 
 
-def _heartbeat(h: Member | None) -> str:
-    return "unknown" if h is None else h.heartbeat
+def heartbeat_of(h: Member | None, discovery: str) -> str:
+    """A prefill peer's ``heartbeat`` field: the membership machine's reading
+    (``unknown``, ``ok``, ``missed N``, ``down``); with ``discovery = "etcd"`` no heartbeat
+    is ever sent (leases replace them), so a peer not seen down reads ``n/a (etcd)``
+    rather than an ``unknown`` that never changes."""
+    hb = "unknown" if h is None else h.heartbeat
+    return "n/a (etcd)" if discovery == "etcd" and hb == "unknown" else hb
 
 
-def _health_detail(h: Member | None) -> str:
+def health_detail(h: Member | None, discovery: str) -> str:
     """What the heartbeats say now, beyond the liveness fields: ``; never answered`` or
-    ``; failing: <error>`` (empty while they are answered)."""
+    ``; failing: <error>`` (empty while they are answered; with ``discovery = "etcd"``
+    nothing is asked, so never ``never answered``)."""
     if h is None:
         return ""
     if h.misses and h.last_error:
         return f"; failing: {h.last_error}"
-    return "" if h.last_ok else "; never answered"
+    return "" if h.last_ok or discovery == "etcd" else "; never answered"
 
 
 def _kind_of(exc: KvdError) -> FailureKind:

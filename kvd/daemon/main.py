@@ -10,6 +10,7 @@ cancels tasks, waits for in-flight writes, and unregisters memory.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -34,6 +35,7 @@ from kvd.daemon.core import Core, http_client
 from kvd.daemon.side import Side, make_side
 from kvd.daemon.status import DaemonOps
 from kvd.engine_rpc.channel import TableWriter
+from kvd.engine_rpc.ring import RingChannel
 from kvd.engine_rpc.server import LATER, Connection, EngineRpcServer
 from kvd.errors import ConfigError, KvdError, ProtocolError, RegistrationError, RoomError, RpcError
 from kvd.memory import Importer
@@ -103,12 +105,18 @@ class Daemon:
         self.dropped = ""  # why the engine's registration was dropped (S16); "" if not
         self._memory_checked = 0.0
         self.status_table: TableWriter | None = None  # the engine channel's (issue 21)
+        self.rings: dict[int, RingChannel] = {}  # engine connection id -> its rings
 
     # ---- lifecycle ----------------------------------------------------------------------
 
     async def run(self) -> int:
         """Start, serve until a stop signal, shut down. Returns the exit code."""
         await self.startup()
+        # What start-up made (modules, the web app, the native library's wrappers) lives
+        # as long as the daemon: keep it out of the cyclic collector's full passes, which
+        # scanned it all again each time and held the loop 130-175 ms while thousands of
+        # rooms failed (K41).
+        gc.freeze()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_event.set)
@@ -139,7 +147,8 @@ class Daemon:
         self.side = make_side(s.role, self.core)
         self.core.on_memory_lost = self.drop_registration
         if s.engine_channel:
-            self.status_table = TableWriter(self.side.poll, s.status_table_slots)
+            self.status_table = TableWriter(self.side.poll, s.status_table_slots,
+                                            changed=self.side.take_changed)
             self.core.on_change = self.status_table.touch
         if s.transfer_backend != "mooncake":
             self._peer_channel(auth, engine)
@@ -315,6 +324,9 @@ class Daemon:
         core.control.close()
         core.unregister_all()
         core.memory.close()
+        for ring in list(self.rings.values()):
+            ring.close()
+        self.rings.clear()
         if self.status_table is not None:
             self.status_table.close()
             self.status_table = None
@@ -361,13 +373,16 @@ class Daemon:
 
     def sweep(self) -> None:
         """One sweep: the engine's memory (at most every ``MEMORY_CHECK_INTERVAL`` s), the
-        side's deadlines, then the status table re-published."""
+        side's deadlines, the engine rings drained (a bound on a lost wake-up), then the
+        status table re-published."""
         assert self.side is not None and self.core is not None
         now = self.clock()
         if now - self._memory_checked >= MEMORY_CHECK_INTERVAL:
             self._memory_checked = now
             self.core.check_memory()
         self.side.tick()
+        for ring in list(self.rings.values()):
+            ring.drain()
         if self.status_table is not None:
             self.status_table.sweep()
 
@@ -376,6 +391,7 @@ class Daemon:
     async def dispatch(self, call: rpc.Call, conn: Connection) -> Any:
         """Run one engine call; kvd errors propagate to the RPC server as error replies."""
         assert self.core is not None and self.side is not None
+        self._ring_first(conn)
         match call:
             case rpc.RegisterKV():
                 return await self._register(call, conn)
@@ -390,8 +406,12 @@ class Daemon:
 
     def dispatch_now(self, call: rpc.Call, conn: Connection) -> Any:
         """The calls answered without awaiting (the RPC server's fast path); returns
-        :data:`~kvd.engine_rpc.server.LATER` for the others (:meth:`dispatch`)."""
+        :data:`~kvd.engine_rpc.server.LATER` for the others (:meth:`dispatch`). The
+        connection's submission ring is drained first: the engine's calls run in the order
+        it made them, over the ring or the socket. The ring's records run through here
+        too (one handler for both paths)."""
         assert self.core is not None and self.side is not None
+        self._ring_first(conn)
         side = self.side
         match call:
             case rpc.RegisterKV() | rpc.Wait() | rpc.Release():
@@ -404,6 +424,8 @@ class Daemon:
                 return self._many(call, conn)
             case rpc.OpenTable():
                 return self._open_table(conn)
+            case rpc.OpenRing():
+                return self._open_ring(call, conn)
         try:
             return self._room_call(call)
         finally:  # a refused call may have changed the room too (RoomError.effects)
@@ -436,6 +458,54 @@ class Daemon:
                            "RpcError")
         conn.reply_fds = [self.status_table.fd]
         return rpc.TableResult(nslots=self.status_table.nslots, size=self.status_table.size)
+
+    def _ring_first(self, conn: Connection) -> None:
+        if self.rings:
+            ring = self.rings.get(conn.id)
+            if ring is not None:
+                ring.drain()
+
+    def _open_ring(self, call: rpc.OpenRing, conn: Connection) -> rpc.RingResult:
+        """The connection's submission and completion rings (issue 21 step B): their memfd
+        and both eventfds ride with the reply. Refused (RpcError) with the channel off,
+        on a connection that did not register the engine, or a second time on one
+        connection; ProtocolError for sizes out of bounds."""
+        if not self.settings.engine_channel:
+            raise RpcError("this kvd runs with engine_channel off: room calls go over the "
+                           "socket", "RpcError")
+        if conn.id != self.engine_conn:
+            raise RpcError("a ring is opened by the connection that registered the engine, "
+                           "after its registration", "RpcError")
+        if conn.id in self.rings:
+            raise RpcError("this connection has its ring already", "RpcError")
+        side = self.side
+        assert side is not None
+        ring = RingChannel(call.capacity, call.record_bytes,
+                           lambda c: self.dispatch_now(c, conn), self._ring_failed,
+                           lambda room: side.view(room) is not None)
+        self.rings[conn.id] = ring
+        conn.on_close.append(lambda: self._drop_ring(conn.id))
+        ring.start()
+        conn.reply_fds = ring.fds
+        return ring.result()
+
+    def _drop_ring(self, conn_id: int) -> None:
+        ring = self.rings.pop(conn_id, None)
+        if ring is not None:
+            ring.close()
+
+    def _ring_failed(self, rooms: set[int], reason: str) -> None:
+        """A connection's ring failed (corrupt or hostile): abort the rooms it carried, so
+        the engine sees them Failed instead of waiting on calls kvd never ran."""
+        assert self.side is not None
+        for room in sorted(rooms):
+            try:
+                self.side.abort(room, f"engine ring failed: {reason}")
+            except KvdError:
+                continue
+            finally:
+                if self.status_table is not None:
+                    self.status_table.track(room)
 
     def _many(self, many: rpc.Many, conn: Connection) -> rpc.ManyResult:
         """Each call of ``many`` in order, as :meth:`dispatch_now` answers it alone; a
@@ -505,6 +575,7 @@ class Daemon:
             self._release.cancel()
             self._release = None
         self.engine_conn = conn.id
+        self._drop_ring(conn.id)  # a ring serves one registration: the engine asks anew
         conn.on_close.append(lambda: self._engine_disconnected(conn.id))
 
     def _engine_disconnected(self, conn_id: int) -> None:

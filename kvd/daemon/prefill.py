@@ -44,8 +44,9 @@ from kvd.schemas import Peer, Room
 from kvd.security import SEAL_OVERHEAD
 from kvd.transfer.backends.base import CancelToken, PeerAttach
 from kvd.transfer.compat import check_compat
+from kvd.transfer.groups import GroupPairPlan, group_layouts, pair_groups, plan_room_groups
 from kvd.transfer.kvargs import RankArgs
-from kvd.transfer.layout import PairPlan, RankLayout, check_coverage, check_pair
+from kvd.transfer.layout import PairPlan, RankLayout, check_coverage, check_pair, prefill_targets
 from kvd.transfer.plan import Descriptors, check_plan_bounds, plan_aux
 from kvd.transfer.state import (
     StatePairPlan,
@@ -64,6 +65,7 @@ class PeerPlan:
     args: RankArgs
     layout: RankLayout
     state: StatePairPlan | None = None  # hybrid models: state slots and window pages
+    groups: tuple[GroupPairPlan, ...] = ()  # extra paged caches: draft KV, indexer K
 
 
 class PrefillSide(Side):
@@ -117,6 +119,12 @@ class PrefillSide(Side):
                 send = call  # a bad chunk fails the room (its peers hear it), then raises
                 self.run_call(lambda: self.rooms.send(send.room, pages, send.is_last, now))
                 return None
+            case rpc.SenderSendLayers():
+                pages = unpack_indices(call.pages)
+                part = call  # as a chunk: a bad layer send fails the room, then raises
+                self.run_call(lambda: self.rooms.send(part.room, pages, part.is_last, now,
+                                                      (part.layer_start, part.layer_end)))
+                return None
             case _:
                 raise not_available(call, self.role)
         self.run(effects)
@@ -153,6 +161,9 @@ class PrefillSide(Side):
         return rpc.PollResult(statuses=statuses, reasons=reasons, kinds=kinds, stats=stats,
                               releasable=rooms)  # a prefill never holds pages back
 
+    def take_changed(self) -> set[int]:
+        return self.rooms.take_changed()
+
     def abort(self, room: int, reason: str, bootstrap_addr: str | None = None,
               dp_rank: int | None = None) -> None:
         self.run(self.rooms.abort(room, reason, self.core.clock()))
@@ -163,15 +174,20 @@ class PrefillSide(Side):
     def release(self, req: ReleaseRequest) -> ReleaseAnswer:
         """``POST /v1/rooms/release``: each room of ``req`` ended if ``req.token`` is its
         opener's (:meth:`SenderRooms.release`); one answer per room, never an error for
-        one room's refusal."""
+        one room's refusal. The route is unsigned, so outcomes are counted
+        (``releases_*`` totals) and a refused token is logged once, not per room (a
+        released room logs its failure as any ended room does)."""
         now, answers = self.core.clock(), {}
+        counters = self.core.counters
         for room in dict.fromkeys(req.rooms):
             outcome, effects = self.rooms.release(room, req.token, req.reason, now)
             self.run(effects)
             answers[str(room)] = outcome.value
-            if outcome is not ReleaseOutcome.RELEASED:
-                log.info("release of room %d: %s", room, outcome.value,
-                         extra=fields(room=room))
+            name = f"releases_{outcome.value}"
+            setattr(counters, name, getattr(counters, name) + 1)
+            if outcome is ReleaseOutcome.REFUSED:
+                self.core.log_once("release-refused", f"release of room {room} refused: "
+                                   "the token is not its opener's (releases_refused)")
         return ReleaseAnswer(rooms=answers)
 
     def unfinished(self) -> list[int]:
@@ -229,8 +245,9 @@ class PrefillSide(Side):
             check_coverage(self._local_layout(), layout, ranks.pp_rank, ranks.pp_size)
             _check_aux(local.wire, msg.kv_args)
             state = self._state_pair(msg)
+            groups = self._group_pairs(msg, layout)
             self._attach(msg)
-            plan = PeerPlan(args, layout, state)
+            plan = PeerPlan(args, layout, state, groups)
         except KvdError as exc:
             rejected = RoomFailure(FailureKind.REGISTRATION, f"decode rank {msg.endpoint} "
                                    f"refused: {exc}", self.role)
@@ -252,6 +269,17 @@ class PrefillSide(Side):
         pair = StatePairPlan.of(mine, peer)
         check_state_coverage(mine, peer, r.pp_rank, r.pp_size)
         return pair
+
+    def _group_pairs(self, msg: control.RegisterRank,
+                     layout: RankLayout) -> tuple[GroupPairPlan, ...]:
+        """The pair's paged cache groups (draft KV, indexer K), paired by name; one
+        RegistrationError naming the group when they differ (:func:`pair_groups`)."""
+        r, local = self.core.position(), self._local_layout()
+        dummy = local.is_mla and r.attn_tp_size > msg.attn_tp_size and r.attn_tp_rank != \
+            prefill_targets(msg.attn_tp_rank, msg.attn_tp_size, r.attn_tp_size).start
+        return pair_groups(group_layouts(self._local().wire, r.attn_tp_rank, r.attn_tp_size),
+                           group_layouts(msg.kv_args, msg.attn_tp_rank, msg.attn_tp_size),
+                           r.pp_rank, r.pp_size, dummy)
 
     def _check_session(self, msg: control.RegisterRank) -> None:
         """A decode rank's transfer address must be its own (S11): never this rank's own
@@ -420,6 +448,8 @@ class PrefillSide(Side):
             return self._plan_state(eff, d, peer, Descriptors.empty())
         local = self._local()
         pair, src_pages = self._pair(d.endpoint, peer), eff.src_pages[d.src_from:]
+        if eff.layers is not None:  # layer streaming: this write's layers, planned and proved
+            pair = pair.layers(*eff.layers)
         if d.tokens is None:
             desc = pair.plan(src_pages, d.dst_pages)
         else:  # re-tiled (issue 22 item 3): the room's tokens [lo, hi) to this decode
@@ -439,6 +469,11 @@ class PrefillSide(Side):
             pair.prove(desc, src_pages, d.dst_pages, aux, what)
         else:
             pair.prove_tokens(desc, d.dst_pages, *d.tokens, d.dst_first, aux, what)
+        if peer.groups:  # draft KV, indexer K: the same pages (issue 22 items 1, 2)
+            extra = plan_room_groups(peer.groups, src_pages, d.dst_pages, d.tokens,
+                                     eff.src_first, d.dst_first, what)
+            check_plan_bounds(extra, local.regions, peer.args.regions, f"room {eff.room}")
+            desc = desc.concat(extra)
         return self._plan_state(eff, d, peer, desc)
 
     def _plan_state(self, eff: Write, d: WriteDest, peer: PeerPlan,
@@ -518,6 +553,7 @@ class PrefillSide(Side):
         self._clear_all()
         self.rooms.num_pages, self.rooms.num_aux_slots = args.num_pages, args.num_aux_slots
         self.rooms.page_size = args.wire.page_size
+        self.rooms.num_layers = args.wire.num_layers
         r = self.core.position()
         self.rooms.position = RankPosition(r.attn_tp_rank, r.attn_tp_size, r.attn_dp_rank,
                                            r.attn_dp_size, r.pp_rank, r.pp_size)

@@ -35,6 +35,65 @@ log = logging.getLogger("kvd.rooms")
 
 #: Longest single ``Wait`` the server honours (s); clients loop for longer waits.
 MAX_WAIT_S = 3600.0
+#: Seconds the failures of one cause after its first are gathered into one log line (K41).
+FAILURE_LOG_S = 1.0
+#: Room ids an aggregated failure line names.
+FAILURE_LOG_ROOMS = 5
+
+
+@dataclass
+class _Burst:
+    """Failures of one cause since its last line: how many, the first rooms, one reason."""
+
+    count: int = 0
+    rooms: list[int] = field(default_factory=list)
+    reason: str = ""
+
+
+class FailureLog:
+    """Room failures as log lines, one line per cause (failure kind) a second at most
+    after the first (K41: 4 096 rooms failing together were 4 096 warnings).
+
+    The first failure of a kind is logged at once with its reason, room and peer, as
+    before; the next ones within :data:`FAILURE_LOG_S` are counted and logged as one line
+    when that second ends (the count, the first :data:`FAILURE_LOG_ROOMS` room ids, one
+    reason). Metrics count every room regardless (:class:`~kvd.metrics.RoomEvents`).
+    Without a running loop every failure is logged on its own.
+    """
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.log = logger
+        self._open: dict[str, _Burst] = {}
+        self.lines = 0  # lines logged (tests count them)
+
+    def add(self, room: int, peer: str, failure: RoomFailure) -> None:
+        kind = failure.kind.value
+        burst = self._open.get(kind)
+        if burst is not None:
+            burst.count += 1
+            if len(burst.rooms) < FAILURE_LOG_ROOMS:
+                burst.rooms.append(room)
+            burst.reason = burst.reason or failure.reason
+            return
+        self.lines += 1
+        self.log.warning("%s", failure.reason,
+                         extra=fields(room=room, peer=peer or None, kind=kind))
+        try:
+            asyncio.get_running_loop().call_later(FAILURE_LOG_S, self._close, kind)
+        except RuntimeError:
+            return
+        self._open[kind] = _Burst()
+
+    def _close(self, kind: str) -> None:
+        burst = self._open.pop(kind, None)
+        if burst is None or not burst.count:
+            return
+        more = ", ..." if burst.count > len(burst.rooms) else ""
+        self.lines += 1
+        self.log.warning("%d more rooms failed (kind %s) in %gs: rooms %s%s; e.g. %s",
+                         burst.count, kind, FAILURE_LOG_S,
+                         ", ".join(map(str, burst.rooms)), more, burst.reason,
+                         extra=fields(kind=kind))
 
 
 @dataclass
@@ -70,6 +129,7 @@ class Side(abc.ABC):
 
     def __init__(self, core: Core) -> None:
         self.core = core
+        self.failure_log = FailureLog(log)
         s = core.settings
         self.timeouts = Timeouts(bootstrap=s.bootstrap_timeout, waiting=s.waiting_timeout,
                                  transfer=s.transfer_timeout, release=s.release_timeout,
@@ -84,6 +144,12 @@ class Side(abc.ABC):
     @abc.abstractmethod
     def view(self, room: int) -> RoomView | None:
         """The engine's view of ``room`` (None: unknown)."""
+
+    @abc.abstractmethod
+    def take_changed(self) -> set[int]:
+        """The rooms whose poll answer may have changed since the last call (the room
+        machine's record of what its steps touched; the status table re-publishes only
+        those, K41)."""
 
     @abc.abstractmethod
     def abort(self, room: int, reason: str, bootstrap_addr: str | None = None,
@@ -241,9 +307,7 @@ class Side(abc.ABC):
         assert eff.failure is not None
         self.core.counters.rooms_failed += 1
         events.room_done(self.role, eff.room, eff.failure, eff.nbytes, eff.seconds, eff.peer)
-        log.warning("%s", eff.failure.reason,
-                    extra=fields(room=eff.room, peer=eff.peer or None,
-                                 kind=eff.failure.kind.value))
+        self.failure_log.add(eff.room, eff.peer, eff.failure)
 
     # ---- peer liveness (for snapshots) --------------------------------------------------
 

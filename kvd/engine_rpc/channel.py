@@ -7,15 +7,14 @@ answers, read back after every change, so the table can only ever be a view:
 
 - an engine call on a room (create, init, send, abort, clear) publishes that room at
   once, before its reply, so a read right after the call sees what a ``Poll`` would;
-- any other change (a control message, effects performed, a wake-up) marks the table
-  dirty, and callbacks on the loop re-publish every unsettled room, at most
-  :data:`PUBLISH_SLICE` rooms per loop turn (K41: thousands of rooms failing one a turn
-  made every turn re-publish all of them, and ``/health`` waited behind each);
-- the sweep re-publishes every room held (deadlines, expiry of finished rooms) and
-  beats the heartbeat readers check.
-
-A room is *settled* once it ended and is releasable, or is unknown: only the sweep
-looks at it again.
+- any other change (a control message, effects performed, a wake-up) asks for a
+  re-publish of the rooms the room machine says it changed (``changed``: the machine's
+  ``take_changed``), at most :data:`PUBLISH_SLICE` rooms per loop turn: the work is per
+  change, not per room held (K41: re-publishing every unsettled room after each change
+  made N rooms that fail one a turn cost N**2 slot writes, and ``/health`` waited);
+- the sweep publishes what changed too, beats the heartbeat readers check, and once a
+  :data:`NET_PERIOD_S` starts a re-publish of every room held, a slice per loop turn (a
+  safety net: the table is a view even if a change went unrecorded).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ import asyncio
 import contextlib
 import errno
 import fcntl
+import itertools
 import mmap
 import os
 import time
@@ -31,7 +31,6 @@ from collections.abc import Callable, Iterable
 
 from kvd.protocol import rpc
 from kvd.protocol.table import SlotMap, StatusTable, table_bytes
-from kvd.rooms.state import TERMINAL
 
 Poll = Callable[[list[int]], rpc.PollResult]
 
@@ -54,21 +53,26 @@ def seal(fd: int) -> None:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
 
 
-#: Rooms the dirty re-publish writes in one loop turn (about 5 us each): a turn never
-#: costs more than ~2.5 ms of it, however many rooms are unsettled (K41).
+#: Rooms one loop turn re-publishes (about 5 us each): a turn never costs more than
+#: ~2.5 ms of it, however many rooms changed or are held (K41).
 PUBLISH_SLICE = 512
+#: Seconds between the sweep's re-publishes of every room held (the safety net).
+NET_PERIOD_S = 1.0
 
 
 class TableWriter:
     """The table, its memfd (``fd``, close-on-exec) and which rooms it holds.
 
-    ``poll`` is the side's ``poll`` (the one source of every status written).
+    ``poll`` is the side's ``poll`` (the one source of every status written);
+    ``changed`` returns, and forgets, the rooms whose poll answer may have changed
+    since it was last called (the room machine's ``take_changed``).
     Raises OSError if the memfd cannot be made or mapped.
     """
 
     def __init__(self, poll: Poll, nslots: int,
-                 clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
-        self.poll, self.clock_ns = poll, clock_ns
+                 clock_ns: Callable[[], int] = time.monotonic_ns,
+                 changed: Callable[[], set[int]] = set) -> None:
+        self.poll, self.clock_ns, self.changed = poll, clock_ns, changed
         self.size = table_bytes(nslots)
         self.fd = os.memfd_create("kvd-status", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
@@ -80,13 +84,15 @@ class TableWriter:
             raise
         self.table = StatusTable.create(self.map, nslots, os.getpid())
         self.slots = SlotMap(self.table)
-        self.unsettled: set[int] = set()
         self.held: set[int] = set()
-        self._dirty = False  # a change came since the round in progress began
-        self._round: list[int] = []  # unsettled rooms this round has yet to re-publish
+        self.pending: set[int] = set()  # changed rooms not re-published yet
+        self._net: list[int] = []  # the safety net's round: held rooms yet to re-publish
+        self._net_at: int | None = None  # when (clock_ns) the last round started
         self._scheduled = False
         self.slice = PUBLISH_SLICE
-        self.turns = 0  # loop turns that re-published a slice (tests)
+        self.net_period_ns = int(NET_PERIOD_S * 1e9)
+        self.turns = 0  # loop turns (and sweeps) that re-published a slice (tests)
+        self.written = 0  # slots written, all publishes together (tests count work)
         self.table.beat(clock_ns())
 
     @property
@@ -101,12 +107,8 @@ class TableWriter:
             self.publish([room])
 
     def touch(self) -> None:
-        """Something may have changed: re-publish the unsettled rooms soon, in slices of at
-        most :attr:`slice` rooms, one slice per loop turn; changes that come meanwhile
-        start one more round when this one ends (K41)."""
-        if self._dirty or not self.unsettled:
-            return
-        self._dirty = True
+        """Something may have changed: re-publish the rooms the machine changed soon, in
+        slices of at most :attr:`slice` rooms, one slice per loop turn (K41)."""
         self._schedule()
 
     def _schedule(self) -> None:
@@ -115,33 +117,41 @@ class TableWriter:
         with contextlib.suppress(RuntimeError):  # no running loop: the sweep catches up
             asyncio.get_running_loop().call_soon(self._step)
             self._scheduled = True
-            return
-        self._dirty, self._round = False, []
 
     def _step(self) -> None:
-        """One loop turn's share of the re-publish: the next :attr:`slice` rooms of the
-        round (a new round of every unsettled room when the last one ended dirty)."""
+        """One loop turn's share: up to :attr:`slice` changed rooms, then up to what is
+        left of the slice from the safety net's round; more next turn if any remain."""
         self._scheduled = False
-        if not self._round and self._dirty:
-            self._dirty, self._round = False, list(self.unsettled)
-        if not self._round:
+        self.pending |= self.changed()
+        if not self.pending and not self._net:
             return
-        batch, self._round = self._round[:self.slice], self._round[self.slice:]
+        batch = list(itertools.islice(self.pending, self.slice))
+        self.pending.difference_update(batch)
+        room_left = self.slice - len(batch)
+        if room_left > 0 and self._net:
+            batch += self._net[:room_left]
+            del self._net[:room_left]
         self.turns += 1
         self.publish([r for r in batch if r in self.held])
-        if self._round or self._dirty:
+        if self.pending or self._net:
             self._schedule()
 
     def flush(self) -> None:
-        """Re-publish every unsettled room now, if a change asked for it (explicit callers:
-        a reply that must not go out before the table shows it)."""
-        if self._dirty or self._round:
-            self._dirty, self._round = False, []
-            self.publish(list(self.unsettled))
+        """Re-publish every changed room now (explicit callers: a reply that must not go
+        out before the table shows it)."""
+        self.pending |= self.changed()
+        rooms, self.pending = [r for r in self.pending if r in self.held], set()
+        self.publish(rooms)
 
     def sweep(self) -> None:
-        """Re-publish every room held and beat (from the daemon's sweep)."""
-        self.publish(list(self.held))
+        """From the daemon's sweep: publish what changed (one slice; the rest on the next
+        turns), start the safety net's round once a :data:`NET_PERIOD_S`, and beat."""
+        now = self.clock_ns()
+        if not self._net and (self._net_at is None or
+                              now - self._net_at >= self.net_period_ns):
+            self._net, self._net_at = list(self.held), now
+        self._step()
+        self.table.beat(now)
 
     def publish(self, rooms: list[int]) -> None:
         """Write what ``poll`` answers now for ``rooms`` (each held by this table)."""
@@ -151,16 +161,13 @@ class TableWriter:
         self.table.beat(self.clock_ns())
 
     def _write(self, rooms: Iterable[int], statuses: list[int], free: set[int]) -> None:
+        n = 0
         for room, status in zip(rooms, statuses, strict=True):
-            releasable = room in free
-            self.slots.publish(room, status, releasable)
+            self.slots.publish(room, status, room in free)
             if status == -1:
                 self.held.discard(room)
-                self.unsettled.discard(room)
-            elif status in TERMINAL and releasable:
-                self.unsettled.discard(room)
-            else:
-                self.unsettled.add(room)
+            n += 1
+        self.written += n
 
     def close(self) -> None:
         """Mark the table closed (readers fall back at once) and unmap it."""

@@ -158,7 +158,8 @@ def check_disjoint(buffers: Sequence[Buffer]) -> None:
 @dataclass
 class EngineMemory:
     """One engine's registered buffers: KV, aux, then state (state slots and the window
-    pool, hybrid models), and what the transfer engine knows."""
+    pool, hybrid models, then the buffers of paged cache groups: draft KV, indexer K), and
+    what the transfer engine knows."""
 
     kv: list[Buffer]
     aux: list[Buffer]

@@ -44,6 +44,9 @@ MAX_AUX_ITEM = 128 << 10
 MAX_TEXT = MAX_REASON_BYTES
 #: Longest name: endpoints, instance ids, transfer sessions, failure kinds.
 MAX_NAME = 256
+#: Most named aux fields a rank declares, and the longest ``Compat.aux_layout`` (characters).
+MAX_AUX_FIELDS = 32
+MAX_AUX_LAYOUT = 4096
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
@@ -66,9 +69,11 @@ class Compat(msgspec.Struct, frozen=True):
     ``scale_layout`` (KV quantisation scales: ``"none"``, ``"per_tensor"``, ...),
     ``layer_types`` (one letter per layer, e.g. ``"AAAL"``: full attention, linear),
     ``spec_config`` (speculative decoding: draft model and depth, ``""`` none). Set by the
-    daemon: ``wire_version`` (:data:`kvd.protocol.codec.VERSION`) and ``page_size``
-    (tokens per page). ``page_size`` is informational, not in the fingerprint: pairs may
-    differ in it (and in TP), and the planner checks those (:mod:`kvd.transfer.compat`).
+    daemon: ``wire_version`` (:data:`kvd.protocol.codec.VERSION`), ``page_size``
+    (tokens per page) and ``aux_layout`` (the aux item lengths and the engine's named aux
+    fields, :class:`AuxField`, one canonical string; ``""`` when it names none).
+    ``page_size`` is informational, not in the fingerprint: pairs may differ in it (and in
+    TP), and the planner checks those (:mod:`kvd.transfer.compat`).
     """
 
     model_id: Name = ""
@@ -78,6 +83,22 @@ class Compat(msgspec.Struct, frozen=True):
     spec_config: Name = ""
     wire_version: int = 0
     page_size: int = 0
+    aux_layout: Annotated[str, msgspec.Meta(max_length=MAX_AUX_LAYOUT)] = ""
+
+
+class AuxField(msgspec.Struct, frozen=True):
+    """A named field of every aux slot (typed aux, issue 22 item 2): bytes ``[offset, offset
+    + nbytes)`` of one slot of aux buffer ``buffer`` hold ``name`` (e.g. ``"hidden"``, the
+    last token's hidden state for a draft model; ``"ids"``, the output token ids) as
+    ``dtype`` elements. The daemon checks each field lies inside its buffer's item and that
+    fields do not overlap, and folds them into the fingerprint (``Compat.aux_layout``), so a
+    pair whose aux slots mean different things is refused at pairing."""
+
+    name: Annotated[str, msgspec.Meta(max_length=32)]
+    dtype: Annotated[str, msgspec.Meta(max_length=32)]
+    offset: int
+    nbytes: int
+    buffer: int = 0
 #: Most state buffers (per-request state slots) a rank registers, and most layers a model
 #: names in ``StateSpec.layer_types``.
 MAX_STATE_BUFFERS = 1024
@@ -149,6 +170,44 @@ class StateWire(msgspec.Struct, frozen=True):
     lens: Annotated[list[int], msgspec.Meta(max_length=MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS)]
 
 
+#: Most extra paged cache groups a rank registers, and most buffers of one group.
+MAX_GROUPS = 4
+MAX_GROUP_BUFFERS = 1024
+
+
+class GroupSpec(msgspec.Struct, frozen=True):
+    """An extra paged cache beside the main KV (issue 22 items 1 and 2): a draft model's KV,
+    an indexer's K cache. Its pages are the room's main KV pages (the same page indices and
+    tokens per page, as SGLang shares the target's page table with the draft), each buffer
+    with its own bytes per page (``item_lens``). ``name`` pairs groups across ranks
+    (``"draft"``, ``"indexer"``). Layers are the group's own, numbered from 0 in the group
+    (``layer_start``: this PP stage's first). ``replicated``: every TP rank holds the whole
+    cache (one buffer per layer, MLA-like: a DeepSeek draft layer's latent KV, an indexer K
+    cache); otherwise K buffers of its layers then V (or one per layer with ``fused_kv``),
+    ``num_kv_heads`` of ``total_kv_heads`` split over attention TP like the main KV."""
+
+    name: Annotated[str, msgspec.Meta(max_length=32)]
+    item_lens: Annotated[list[int], msgspec.Meta(max_length=MAX_GROUP_BUFFERS)]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype_size: int
+    layer_start: int = 0
+    total_kv_heads: int = 0
+    replicated: bool = False
+    fused_kv: bool = False
+    layout: Name = "NHD"
+
+
+class GroupWire(msgspec.Struct, frozen=True):
+    """A rank's :class:`GroupSpec` with its memory as peers see it: ``ptrs``/``lens`` (u64
+    addresses and byte lengths), one per buffer of the group."""
+
+    spec: GroupSpec
+    ptrs: Annotated[list[int], msgspec.Meta(max_length=MAX_GROUP_BUFFERS)]
+    lens: Annotated[list[int], msgspec.Meta(max_length=MAX_GROUP_BUFFERS)]
+
+
 class KVArgsWire(msgspec.Struct, frozen=True):
     """A rank's KV args as its peers see them.
 
@@ -179,6 +238,8 @@ class KVArgsWire(msgspec.Struct, frozen=True):
     fused_kv: bool = False      # MHA, one buffer per layer: a head's K and V side by side
     compat: Compat | None = None  # the fingerprint (None: a peer that sends none)
     state: StateWire | None = None  # hybrid models: state slots and window pool
+    # extra paged caches (draft KV, indexer K): indexed by the room's KV pages (version 7)
+    groups: Annotated[list[GroupWire], msgspec.Meta(max_length=MAX_GROUPS)] = []
 
 
 class RegisterRank(msgspec.Struct, tag="register_rank", frozen=True):
@@ -347,9 +408,10 @@ def encode_many(msgs: list[ControlMessage]) -> bytes:
 @functools.cache
 def max_frame() -> int:
     """The largest control frame a real message needs (bytes, without the seal; about
-    4.75 MiB: a RegisterRank with every state field at its bound and an exported pool, for
-    the same-host ``local`` backend, of 2 x :data:`MAX_BUFFERS` + :data:`MAX_STATE_BUFFERS` +
-    :data:`MAX_WINDOW_BUFFERS` buffers -- KV and aux, state, window; a RoomPages of
+    6.6 MiB: a RegisterRank with every state and group field at its bound and an exported
+    pool, for the same-host ``local`` backend, of 2 x :data:`MAX_BUFFERS` +
+    :data:`MAX_STATE_BUFFERS` + :data:`MAX_WINDOW_BUFFERS` + :data:`MAX_GROUPS` x
+    :data:`MAX_GROUP_BUFFERS` buffers -- KV and aux, state, window, groups; a RoomPages of
     :data:`MAX_ROOM_PAGES` pages and :data:`MAX_WINDOW_PAGES` window pages is 4.5 MiB):
     each message type encoded with every field at its bound. The control socket's ``MAXMSGSIZE`` is
     this plus the seal, and a Batch is split below it (S19). Computed once (~20 ms)."""
@@ -363,12 +425,17 @@ def max_frame() -> int:
                                 WindowSpec(ints[:MAX_WINDOW_BUFFERS], big, big, big, big, big,
                                            big, name), big, big, big),
                       st_ints, st_ints)
-    compat = Compat(name, name, name, "A" * MAX_LAYERS, name, big, big)
+    compat = Compat(name, name, name, "A" * MAX_LAYERS, name, big, big, "a" * MAX_AUX_LAYOUT)
+    g_ints = ints[:MAX_GROUP_BUFFERS]
+    groups = [GroupWire(GroupSpec(short, g_ints, big, big, big, big, big, big, True, True, name),
+                        g_ints, g_ints)] * MAX_GROUPS
     args = KVArgsWire(name, ints, ints, ints, ints, ints, ints, big, big, big, big,
-                      big, big, True, name, big, True, compat=compat, state=state)
+                      big, big, True, name, big, True, compat=compat, state=state,
+                      groups=groups)
     handle = CudaIpcHandle(b"h" * CUDA_IPC_HANDLE_BYTES, 2**64 - 1, 2**64 - 1, name, 2**31)
     pool = ExportedPool(name, [ExportedBuffer(2**64 - 1, 2**64 - 1, handle)] * (
-        2 * MAX_BUFFERS + MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS))
+        2 * MAX_BUFFERS + MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS
+        + MAX_GROUPS * MAX_GROUP_BUFFERS))
     worst: list[ControlMessage] = [
         RegisterRank(name, name, 2**31, 2**31, args, pool),
         RoomPages(2**63, 2**64 - 1, name, name, b"\xff" * (4 * MAX_ROOM_PAGES), 2**31, 1e300,

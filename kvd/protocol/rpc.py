@@ -8,14 +8,21 @@ with a :class:`Reply` carrying the same ``id``.
 from __future__ import annotations
 
 import struct
-from typing import Any, TypeAlias
+from typing import Annotated, Any, TypeAlias
 
 import msgspec
 
 from kvd import errors
 from kvd.errors import ProtocolError
 from kvd.protocol import codec
-from kvd.protocol.control import Compat, StateSpec
+from kvd.protocol.control import (
+    MAX_AUX_FIELDS,
+    MAX_GROUPS,
+    AuxField,
+    Compat,
+    GroupSpec,
+    StateSpec,
+)
 from kvd.protocol.memory import CudaIpcHandle, FdHandle, MemoryHandle, ShmHandle
 from kvd.text import clean
 
@@ -65,6 +72,11 @@ class RegisterKV(msgspec.Struct, tag="register_kv", frozen=True):
     compat: Compat | None = None  # the engine's fingerprint fields (wire_version: kvd's)
     state: StateSpec | None = None  # hybrid models: what state_buffers hold
     state_buffers: list[MemoryHandle] = []  # state slots, then the window pool's buffers
+    # extra paged caches (draft KV, indexer K): their shapes, then every group's buffers in
+    # group order; named fields of the aux slot (typed aux). Wire version 7.
+    groups: Annotated[list[GroupSpec], msgspec.Meta(max_length=MAX_GROUPS)] = []
+    group_buffers: list[MemoryHandle] = []
+    aux_fields: Annotated[list[AuxField], msgspec.Meta(max_length=MAX_AUX_FIELDS)] = []
 
 
 class SenderCreate(msgspec.Struct, tag="sender_create", frozen=True):
@@ -92,6 +104,26 @@ class SenderSend(msgspec.Struct, tag="sender_send", frozen=True):
     room: int
     pages: bytes
     is_last: bool
+
+
+#: Most layers a :class:`SenderSendLayers` may name (a bound on the field, not a model
+#: limit: the largest models have about 200).
+MAX_LAYERS = 4096
+
+
+class SenderSendLayers(msgspec.Struct, tag="sender_send_layers", frozen=True):
+    """Local layers ``[layer_start, layer_end)`` of this rank's registered pool (its KV
+    buffers' layer order, ``0 .. num_layers``) of some pages of a room, ready to move
+    while later layers compute (layer streaming, issue 22 item 4). ``pages`` (int32 LE
+    bytes): pages the room never named (a new chunk), pages it named before, or none (every
+    page named so far that still misses a layer). ``is_last``: the room's last send (it
+    carries aux); every layer of every page must have been named by then."""
+
+    room: int
+    pages: bytes
+    layer_start: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
+    layer_end: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
+    is_last: bool = False
 
 
 class ReceiverCreate(msgspec.Struct, tag="receiver_create", frozen=True):
@@ -166,14 +198,56 @@ class TableResult(msgspec.Struct, frozen=True):
     size: int
 
 
+#: Bounds of an :class:`OpenRing`: records per ring, bytes per record (a multiple of 8),
+#: and bytes of the memfd holding both rings.
+MAX_RING_CAPACITY = 4096
+MIN_RING_RECORD = 512
+MAX_RING_RECORD = 1 << 16
+MAX_RING_BYTES = 16 << 20
+
+
+class OpenRing(msgspec.Struct, tag="open_ring", frozen=True):
+    """The engine asks for a submission ring and a completion ring (issue 21 step B,
+    :mod:`kvd.protocol.ring`) of ``capacity`` records of ``record_bytes`` bytes each,
+    after its registration, on the connection that registered. Answered with
+    :class:`RingResult`; the rings' memfd (submission ring at offset 0, completion ring
+    right after it), kvd's eventfd (write it to wake kvd) and the engine's (kvd writes it
+    to wake the engine) ride with the reply, in that order (``SCM_RIGHTS``). Refused
+    (``RpcError``) with ``engine_channel`` off, on a connection that did not register the
+    engine, or a second time for one registration (a registration on the connection
+    closes its ring: the engine asks again); ``ProtocolError`` for sizes out of the
+    bounds above.
+
+    A submission record's payload is a :class:`Request` frame (:mod:`kvd.protocol.codec`,
+    without the length prefix) whose ``id`` is the record's seq and whose call is one of
+    :data:`RingCall`; kvd answers a refused call with a :class:`Reply` frame of that ``id``
+    in the completion ring, and publishes the submission ring's ``tail`` past a record
+    only once its call ran (and its refusal, if any, is in the completion ring)."""
+
+    capacity: int = 256
+    record_bytes: int = 4096
+
+
+class RingResult(msgspec.Struct, frozen=True):
+    """Answer to :class:`OpenRing`: the sizes kvd laid out and the memfd's size (bytes)."""
+
+    capacity: int
+    record_bytes: int
+    size: int
+
+
 class Release(msgspec.Struct, tag="release", frozen=True):
     """The engine is leaving on purpose (``KvdClient.close``): fail its rooms and release
     its memory now, without the reconnect grace a dropped connection gets."""
 
 
 #: The calls a :class:`Many` may carry: those kvd answers at once, without waiting.
-NowCall: TypeAlias = (SenderCreate | SenderInit | SenderSend | ReceiverCreate | ReceiverInit
-                      | Poll | Abort | Clear)
+NowCall: TypeAlias = (SenderCreate | SenderInit | SenderSend | SenderSendLayers
+                      | ReceiverCreate | ReceiverInit | Poll | Abort | Clear)
+
+#: The calls a submission ring carries (:class:`OpenRing`): the engine's calls on one room.
+RingCall: TypeAlias = (SenderCreate | SenderInit | SenderSend | SenderSendLayers
+                       | ReceiverCreate | ReceiverInit | Abort | Clear)
 
 #: Most calls in one :class:`Many`.
 MAX_MANY = 4096
@@ -213,9 +287,9 @@ class ManyResult(msgspec.Struct, frozen=True):
     outcomes: list[Outcome]
 
 
-Call: TypeAlias = (RegisterKV | SenderCreate | SenderInit | SenderSend | ReceiverCreate
-                   | ReceiverInit | Poll | Wait | Abort | Clear | Info | Release | Many
-                   | OpenTable)
+Call: TypeAlias = (RegisterKV | SenderCreate | SenderInit | SenderSend | SenderSendLayers
+                   | ReceiverCreate | ReceiverInit | Poll | Wait | Abort | Clear | Info
+                   | Release | Many | OpenTable | OpenRing)
 
 
 class Request(msgspec.Struct, frozen=True):
@@ -313,11 +387,11 @@ def number_fds(call: Call) -> tuple[Call, list[int]]:
         return out
 
     kv, aux = renumber(call.kv_buffers), renumber(call.aux_buffers)
-    state = renumber(call.state_buffers)
+    state, groups = renumber(call.state_buffers), renumber(call.group_buffers)
     if not fds:
         return call, []
     return msgspec.structs.replace(call, kv_buffers=kv, aux_buffers=aux,
-                                   state_buffers=state), fds
+                                   state_buffers=state, group_buffers=groups), fds
 
 
 def check_fd_indices(call: Call, received: int) -> None:
@@ -325,7 +399,7 @@ def check_fd_indices(call: Call, received: int) -> None:
     names one of the ``received`` descriptors that came with it."""
     if not isinstance(call, RegisterKV):
         return
-    for h in (*call.kv_buffers, *call.aux_buffers, *call.state_buffers):
+    for h in (*call.kv_buffers, *call.aux_buffers, *call.state_buffers, *call.group_buffers):
         if isinstance(h, FdHandle) and not 0 <= h.fd < received:
             raise ProtocolError(f"fd handle names descriptor #{h.fd} but the request carried "
                                 f"{received} (send them with SCM_RIGHTS: KvdClient does)")

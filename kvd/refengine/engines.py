@@ -8,11 +8,12 @@ Pool layout (what kvd is told in ``RegisterKV``): per layer a K and a V buffer o
 (float32, NHD: ``[page][token][head][dim]``); one aux buffer of ``aux_slots`` slots of
 16 bytes holding ``(room, first_token)`` as two int64.
 
-Prefill requests: ``{"op": "prefill", "room", "tokens", "chunk_pages"}`` -> runs the
-prompt, writes its KV into freshly allocated pages, sends them through kvd in chunks of
-``chunk_pages`` pages (the last chunk carries aux), waits for Success; answers pages,
-KV bytes and kvd's transfer stats. ``{"op": "reference", "tokens", "max_new_tokens"}``
--> the non-disaggregated greedy run.
+Prefill requests: ``{"op": "prefill", "room", "tokens", "chunk_pages", "stream_layers"}``
+-> runs the prompt, writes its KV into freshly allocated pages, sends them through kvd in
+chunks of ``chunk_pages`` pages (the last chunk carries aux) or, with ``stream_layers``,
+layer by layer while the forward pass runs (``Sender.send_layers``), waits for Success;
+answers pages, KV bytes, kvd's transfer stats and times.
+``{"op": "reference", "tokens", "max_new_tokens"}`` -> the non-disaggregated greedy run.
 Decode requests: ``{"op": "receive", "room", "bootstrap", "num_tokens",
 "max_new_tokens"}`` -> allocates other pages, waits for the KV and aux, decodes.
 """
@@ -97,6 +98,15 @@ class PagedKVPool:
             self.k[layer][pages] = padded[layer, 0]
             self.v[layer][pages] = padded[layer, 1]
 
+    def write_layer(self, local: int, kv: npt.NDArray[np.float32],
+                    pages: npt.NDArray[np.int64]) -> None:
+        """Scatter this rank's heads of one layer's KV ``[2, T, H, D]`` into local layer
+        ``local`` of ``pages``."""
+        shard = kv[None, :, :, self.h0:self.h0 + self.nh]
+        padded = self._pad(shard, pages.size)
+        self.k[local][pages] = padded[0, 0]
+        self.v[local][pages] = padded[0, 1]
+
     def read(self, pages: npt.NDArray[np.int64], num_tokens: int) -> npt.NDArray[np.float32]:
         """Gather this rank's shard ``[nl, 2, num_tokens, nh, D]`` from ``pages``."""
         out = np.stack([np.stack([self.k[i][pages], self.v[i][pages]])
@@ -135,33 +145,67 @@ class PrefillEngine:
     def __init__(self, model: RefModel, ranks: list[Rank]) -> None:
         self.model, self.ranks = model, ranks
 
-    def prefill(self, room: int, tokens: list[int], chunk_pages: int) -> dict[str, Any]:
+    def prefill(self, room: int, tokens: list[int], chunk_pages: int,
+                stream_layers: bool = False) -> dict[str, Any]:
+        """Run the prompt and hand its KV to kvd: whole (after the forward pass, in chunks
+        of ``chunk_pages`` pages) or, with ``stream_layers``, layer by layer as the forward
+        pass computes it (``Sender.send_layers`` after each layer; each rank's last layer,
+        with aux, once the first token is known). Answers the room's outcome, sizes, kvd's
+        transfer stats and times (s): ``compute_s`` (the forward pass) and ``done_s``
+        (prefill start to every rank's Success)."""
+        started = time.perf_counter()
         senders = [Sender(client, room) for _, client in self.ranks]
-        first, kv = self.model.prefill(tokens)
         n_pages = -(-len(tokens) // self.ranks[0][0].page_size)
         held = []
         for (pool, _), sender in zip(self.ranks, senders, strict=True):
             pages, aux_slot = pool.alloc(n_pages), _take_aux(pool)
-            pool.write(kv, pages)
-            pool.aux[aux_slot] = (room, first)
             sender.init(n_pages, aux_slot)
             held.append((pool, pages, aux_slot))
-        for i in range(0, n_pages, chunk_pages):  # one send per prefill chunk, every rank
-            for (_, pages, _), sender in zip(held, senders, strict=True):
-                sender.send(pages[i:i + chunk_pages])
-        states = [_wait(s, 60.0) for s in senders]
+        streams = list(zip(held, senders, strict=True))
+        first, kv = self.model.prefill(
+            tokens, (lambda i, layer: _stream_layer(streams, i, layer)) if stream_layers
+            else None)
+        compute_s = time.perf_counter() - started
+        for (pool, pages, aux_slot), sender in streams:
+            pool.aux[aux_slot] = (room, first)
+            if stream_layers:  # the last layer carries aux: sent once the token is known
+                sender.send_layers(pages if pool.nl == 1 else [], (pool.nl - 1, pool.nl),
+                                   is_last=True)
+            else:
+                pool.write(kv, pages)
+        if not stream_layers:
+            for i in range(0, n_pages, chunk_pages):  # one send per prefill chunk, every rank
+                for (_, pages, _), sender in streams:
+                    sender.send(pages[i:i + chunk_pages])
+        states = [_wait(s, 600.0) for s in senders]
+        done_s = time.perf_counter() - started
         stats = [client.call(_poll(room)).stats.get(room) or (0, 0.0)
                  for _, client in self.ranks]
         reasons = [s.failure_reason() for s, st in zip(senders, states, strict=True)
                    if st == KVPoll.Failed]
-        for (pool, pages, aux_slot), sender in zip(held, senders, strict=True):
+        for (pool, pages, aux_slot), sender in streams:
             sender.clear()
             pool.release(pages, aux_slot)
         ok = all(st == KVPoll.Success for st in states)
         return {"room": room, "state": int(KVPoll.Success if ok else KVPoll.Failed),
                 "reason": "; ".join(reasons), "pages": int(n_pages), "kv_bytes": int(kv.nbytes),
                 "xfer_bytes": int(sum(s[0] for s in stats)),
-                "xfer_s": float(max(s[1] for s in stats)), "chunks": -(-n_pages // chunk_pages)}
+                "xfer_s": float(max(s[1] for s in stats)),
+                "chunks": self.model.num_layers if stream_layers else -(-n_pages // chunk_pages),
+                "compute_s": compute_s, "done_s": done_s}
+
+
+def _stream_layer(streams: list[tuple[tuple[PagedKVPool, Any, int], Sender]], layer: int,
+                  kv: npt.NDArray[np.float32]) -> None:
+    """Absolute layer ``layer``'s KV ``[2, T, H, D]`` into every rank's pool that holds it,
+    and handed to kvd at once (a rank's last layer waits for aux: see ``prefill``)."""
+    for (pool, pages, _), sender in streams:
+        local = layer - pool.l0
+        if not 0 <= local < pool.nl:
+            continue
+        pool.write_layer(local, kv, pages)
+        if local < pool.nl - 1:
+            sender.send_layers(pages if local == 0 else [], (local, local + 1))
 
 
 class DecodeEngine:
@@ -253,7 +297,8 @@ def _handle(engine: Any, model: RefModel, req: dict[str, Any]) -> dict[str, Any]
     op = req.get("op")
     try:
         if op == "prefill":
-            return dict(engine.prefill(req["room"], req["tokens"], req["chunk_pages"]))
+            return dict(engine.prefill(req["room"], req["tokens"], req["chunk_pages"],
+                                       bool(req.get("stream_layers", False))))
         if op == "receive":
             return dict(engine.receive(req["room"], req["bootstrap"], req["num_tokens"],
                                        req["max_new_tokens"]))

@@ -37,7 +37,7 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -328,11 +328,31 @@ class RefModel:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
 
     # ---------------------------------------------------------------- compute
-    def prefill(self, input_ids: Sequence[int]) -> tuple[int, KVArray]:
+    def keep_layers(self, num_layers: int) -> None:
+        """Keep only the first ``num_layers`` decoder layers (the model's size as a
+        parameter, for benchmarks on small machines: compute and KV shrink alike; the
+        outputs are no longer SmolLM2's). Raises ValueError outside ``[1, num_layers]``."""
+        if not 1 <= num_layers <= self.num_layers:
+            raise ValueError(f"num_layers must be in [1, {self.num_layers}], got {num_layers}")
+        inner = self._model.model
+        inner.layers = inner.layers[:num_layers]
+        self._model.config.num_hidden_layers = num_layers
+        for attr in ("layer_types",):  # per-layer lists in newer configs
+            types = getattr(self._model.config, attr, None)
+            if isinstance(types, list):
+                setattr(self._model.config, attr, types[:num_layers])
+        self.num_layers = num_layers
+
+    def prefill(self, input_ids: Sequence[int],
+                on_layer: Callable[[int, KVArray], None] | None = None) -> tuple[int, KVArray]:
         """Run one forward pass over the prompt.
 
         Args:
             input_ids: prompt token ids, at least one.
+            on_layer: called right after decoder layer ``l``'s forward with ``(l, kv)``,
+                ``kv`` that layer's KV as float32 ``[2, num_tokens, num_kv_heads,
+                head_dim]`` (K, V; a new array), while later layers have not run yet
+                (layer streaming: the engine hands it to kvd at once).
 
         Returns:
             ``(first_token, kv)``: the greedy first output token (argmax of the last
@@ -347,12 +367,14 @@ class RefModel:
         ids = self._check_ids(input_ids)
         with torch.inference_mode():
             cache = self._new_cache()
-            out = self._model(
-                input_ids=torch.tensor([ids], dtype=torch.long),
-                use_cache=True,
-                **{self._cache_kw: cache},
-                **self._extra_kw,
-            )
+            hooks = [] if on_layer is None else [
+                layer.register_forward_hook(self._layer_hook(cache, i, on_layer))
+                for i, layer in enumerate(self._model.model.layers)]
+            try:
+                out = self._forward(ids, cache)
+            finally:
+                for h in hooks:
+                    h.remove()
             first = int(torch.argmax(out.logits[0, -1]).item())
             cache = self._returned_cache(out, cache)
             kv = np.empty(self.kv_shape(len(ids)), dtype=self.kv_dtype)
@@ -361,6 +383,28 @@ class RefModel:
                 kv[layer, 0] = keys[0].transpose(0, 1).numpy()
                 kv[layer, 1] = values[0].transpose(0, 1).numpy()
         return first, kv
+
+    def _forward(self, ids: list[int], cache: Any) -> Any:
+        import torch
+
+        return self._model(input_ids=torch.tensor([ids], dtype=torch.long), use_cache=True,
+                           **{self._cache_kw: cache}, **self._extra_kw)
+
+    def _layer_hook(self, cache: Any, index: int,
+                    on_layer: Callable[[int, KVArray], None]) -> Callable[..., None]:
+        """A forward hook of decoder layer ``index``: its KV, read from ``cache``, to
+        ``on_layer``."""
+
+        def hook(*_: Any) -> None:
+            layers = getattr(cache, "layers", None)
+            if layers is not None:
+                keys, values = layers[index].keys, layers[index].values
+            else:  # transformers < 4.56
+                keys, values = cache.key_cache[index], cache.value_cache[index]
+            on_layer(index, np.stack([keys[0].transpose(0, 1).numpy(),
+                                      values[0].transpose(0, 1).numpy()]))
+
+        return hook
 
     def decode(self, kv: npt.ArrayLike, first_token: int, max_new_tokens: int) -> list[int]:
         """Greedy decode from a transported KV cache.

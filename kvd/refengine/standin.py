@@ -66,11 +66,12 @@ class StandInPool:
 
 
 class EngineStandIn(StandInPool):
-    """A :class:`StandInPool` registered with the kvd at ``socket``."""
+    """A :class:`StandInPool` registered with the kvd at ``socket`` (``use_ring``: its room
+    calls go through a submission ring, :meth:`KvdClient.submit`)."""
 
-    def __init__(self, socket: str, **pool: Any) -> None:
+    def __init__(self, socket: str, use_ring: bool = False, **pool: Any) -> None:
         super().__init__(**pool)
-        self.client = KvdClient(socket)
+        self.client = KvdClient(socket, use_ring=use_ring)
         self.info = self.client.call(self.registration)
 
     def close(self) -> None:

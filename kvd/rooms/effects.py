@@ -106,7 +106,11 @@ class Write:
     ``tokens``: None when every destination has this rank's page size (whole pages, as
     the engine sent them); else the room tokens ``(lo, hi)`` this write moves (re-tiled,
     issue 22 item 3): ``src_pages`` are the sender room pages from ``src_first`` on that
-    hold them, and each destination says its own part (:class:`WriteDest`)."""
+    hold them, and each destination says its own part (:class:`WriteDest`).
+
+    ``layers``: None for every layer; else ``(lo, hi)``, the local layers ``[lo, hi)`` of
+    this rank's pool this write moves of its pages (layer streaming, issue 22 item 4;
+    never set together with ``tokens``)."""
 
     room: int
     attempt: int
@@ -118,6 +122,7 @@ class Write:
     state: StateRef | None = None  # the prefill's state slot / window pages (last chunk)
     src_first: int = 0
     tokens: tuple[int, int] | None = None
+    layers: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,11 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
 * **Termination.** Every non-terminal room has a deadline (:class:`Timeouts`);
   :meth:`ReceiverRooms.tick` fails it when passed, whatever happened to the tasks
   performing its effects; a failed send fails its room at once (K32).
+* **Work per change (K41).** Every step records the rooms whose poll answer it may have
+  changed (:attr:`ReceiverRooms.changed`, drained by :meth:`ReceiverRooms.take_changed`):
+  the daemon re-publishes only those to the status table. :meth:`ReceiverRooms.tick`
+  looks only at rooms with something due (:class:`~kvd.rooms.deadlines.Deadlines`), and
+  makes the same decisions at the same ``now`` as a walk over every room would.
 * **Engine release.** When the engine goes (:meth:`ReceiverRooms.engine_released`) its
   rooms are aborted and kept until :meth:`ReceiverRooms.quiet` -- the release rule above,
   applied to the whole pool -- and only then may the daemon unregister the pool and a new
@@ -52,6 +57,7 @@ from kvd.errors import LayoutError, ProtocolError, RoomError
 from kvd.protocol import control
 from kvd.protocol.codec import unpack_indices
 from kvd.rooms.claims import AUX, PAGE, STATE, WINDOW, Claims
+from kvd.rooms.deadlines import Deadlines, Key, after
 from kvd.rooms.effects import AbortUnknown, Effect, Ended, Resolve, Send, Wake, WriteAux
 from kvd.rooms.state import TERMINAL, FailureKind, KVPoll, RoomFailure, Timeouts
 from kvd.transfer.plan import Pages, check_page_range
@@ -169,6 +175,11 @@ class ReceiverRooms:
         # against the room's releasability, so it needs no update when regions free up.
         self.claims = Claims()
         self.released = False  # the engine's pool is going away (engine_released)
+        #: rooms whose :meth:`poll` answer may have changed since :meth:`take_changed`
+        self.changed: set[int] = set()
+        self.deadlines = Deadlines()  # when each incarnation next needs the sweep
+        self._by_addr: dict[str, set[int]] = {}  # bootstrap address -> its rooms
+        self.looked = 0  # rooms the sweep examined, all ticks together (tests count it)
 
     # ---- engine events ----------------------------------------------------------------
 
@@ -186,8 +197,12 @@ class ReceiverRooms:
             raise RoomError(f"room {room}: the previous attempt's pages are not releasable "
                             f"yet (a prefill write may be in flight); wait for it, clear it, "
                             f"then create the room again")
+        if old is not None:
+            self._unindex(old)
         r = ReceiverRoom(room, next(self._incs), bootstrap_addr, dp_rank, now, now)
         self.rooms[room] = r
+        self._by_addr.setdefault(bootstrap_addr, set()).add(room)
+        self._touch(r)
         return [Resolve(room, r.inc, bootstrap_addr, dp_rank)]
 
     def init(self, room: int, dst_pages: bytes, aux_index: int, now: float,
@@ -286,7 +301,10 @@ class ReceiverRooms:
     def forget_rooms(self) -> None:
         """After :meth:`quiet`: forget every room of the released pool (late statuses about
         them are dropped as stale)."""
+        self.changed.update(self.rooms)
         self.rooms.clear()
+        self._by_addr.clear()
+        self.deadlines.clear()
         self.num_pages = self.num_aux_slots = self.num_state_slots = self.num_window_pages = 0
         self.aux_sizes = ()
         self.claims.reset({})  # the memory they named is gone
@@ -317,6 +335,7 @@ class ReceiverRooms:
         if self._overdue(r, now, out):  # too late: no new deadline for it
             return out
         r.status, r.since = KVPoll.WaitingForInput, now
+        self._touch(r)
         self._send_pages(r, now, out)
         return out
 
@@ -348,6 +367,7 @@ class ReceiverRooms:
                 r.releasable(now, self.timeouts):
             r.release_seen = True
             out.append(Wake())
+        self._touch(r)  # one target fewer to wait for: maybe releasable sooner
         return out
 
     # ---- peer events ------------------------------------------------------------------
@@ -414,6 +434,7 @@ class ReceiverRooms:
         r.successes.add(endpoint)
         if {t.endpoint for t in r.targets or ()} <= r.successes:
             r.status, r.since = KVPoll.Success, now
+            self._touch(r)
             out.append(Ended(r.room, r.inc, KVPoll.Success, None, self._peer(r), r.created))
             out.append(Wake())
 
@@ -428,14 +449,33 @@ class ReceiverRooms:
         from a lookup naming ``keep`` are spared -- they are not bound to the old
         instance (K37). ``endpoint``: only rooms with a target at that rank endpoint
         whose instance is not ``keep`` (one rank restarted)."""
-        out: list[Effect] = []
-        for r in list(self.rooms.values()):
-            if r.bootstrap_addr != bootstrap_addr or r.done:
+        return self.fail_rooms(self.lost_rooms(bootstrap_addr, keep, endpoint), failure, now)
+
+    def lost_rooms(self, bootstrap_addr: str, keep: str | None = None,
+                   endpoint: str | None = None) -> list[Key]:
+        """The incarnations :meth:`peer_lost` fails (a read: nothing changes), found
+        through the index of rooms by bootstrap address (work per room of that address,
+        not per room held). The daemon fails them with :meth:`fail_rooms` a slice per loop
+        turn (K41)."""
+        out: list[Key] = []
+        for room in sorted(self._by_addr.get(bootstrap_addr, ())):
+            r = self.rooms[room]
+            if r.done:
                 continue
             if (keep is not None or endpoint is not None) and not _bound_elsewhere(
                     r, keep, endpoint):
                 continue
-            self._fail(r, failure, now, out)
+            out.append((r.room, r.inc))
+        return out
+
+    def fail_rooms(self, keys: list[Key], failure: RoomFailure, now: float) -> list[Effect]:
+        """Fail each incarnation of ``keys`` that is still current and unfinished (one
+        that ended, or was created again, since they were chosen is left alone)."""
+        out: list[Effect] = []
+        for room, inc in keys:
+            r = self._current(room, inc)
+            if r is not None:
+                self._fail(r, failure, now, out)
         return out
 
     def target_lost(self, endpoint: str, instance: str, failure: RoomFailure,
@@ -479,17 +519,53 @@ class ReceiverRooms:
         """Deadlines; wake waiters when a failed room's pages free up; drop finished
         rooms the engine never cleared."""
         out: list[Effect] = []
-        for r in list(self.rooms.values()):
-            if self._overdue(r, now, out):
-                continue
-            if not r.done:
-                continue
+        for room, inc in self.deadlines.due(now):
+            r = self._current(room, inc)
+            if r is not None:
+                self.look(r, now, out)
+        return out
+
+    def look(self, r: ReceiverRoom, now: float, out: list[Effect]) -> None:
+        """The sweep's rule for one room at ``now``: fail it past its deadline; wake
+        waiters once a failed room's pages are releasable; forget a finished room the
+        engine left uncleared for ``finished_ttl``. :meth:`tick` applies it to the rooms
+        :meth:`_next_look` said may be due; applied to every room it changes nothing more
+        (tested)."""
+        self.looked += 1
+        if self._overdue(r, now, out):
+            return
+        if r.done:
             releasable = r.releasable(now, self.timeouts)
             if releasable and not r.release_seen and r.status == KVPoll.Failed:
                 r.release_seen = True
+                self.changed.add(r.room)  # releasable by time: the table must show it
                 out.append(Wake())
-            if releasable and now - r.since > self.timeouts.finished_ttl:
+            if releasable and now > r.since + self.timeouts.finished_ttl:
                 self._forget(r)
+                return
+        self.deadlines.schedule(r.room, r.inc, self._next_look(r))
+
+    def _next_look(self, r: ReceiverRoom) -> float | None:
+        """The earliest instant at which :meth:`look` may change ``r`` without another
+        event: its state's deadline; for a failed room, when its pages turn releasable
+        by time (at once if nothing is in flight: the next sweep notes it); else when
+        ``finished_ttl`` passed (ending rules are strict: ``now >`` a bound)."""
+        t = self.timeouts
+        if not r.done:
+            deadline = r.deadline(t)
+            return None if deadline is None else after(deadline)
+        if r.status == KVPoll.Failed and not r.release_seen:
+            if not r.sent or r.sent <= r.quiesced:
+                return r.since
+            bound = r.write_deadline if r.write_deadline is not None else r.since
+            return max(bound, r.since) + t.release
+        return after(r.since + t.finished_ttl)
+
+    def take_changed(self) -> set[int]:
+        """The rooms whose :meth:`poll` answer may have changed since the last call
+        (each step adds the rooms it touched; a tick adds rooms whose pages turned
+        releasable by time), and start a new set."""
+        out, self.changed = self.changed, set()
         return out
 
     def poll(self, room: int, now: float) -> Poll | None:
@@ -534,9 +610,25 @@ class ReceiverRooms:
         self.claims.claim((r.room, r.inc), regions, live)
         r.regions = regions
 
+    def _touch(self, r: ReceiverRoom) -> None:
+        """``r`` changed: its poll may answer otherwise, and its next look may be due
+        sooner."""
+        self.changed.add(r.room)
+        self.deadlines.schedule(r.room, r.inc, self._next_look(r))
+
+    def _unindex(self, r: ReceiverRoom) -> None:
+        rooms = self._by_addr.get(r.bootstrap_addr)
+        if rooms is not None:
+            rooms.discard(r.room)
+            if not rooms:
+                del self._by_addr[r.bootstrap_addr]
+
     def _forget(self, r: ReceiverRoom) -> None:
         """Drop ``r`` from the table and free the regions it still names."""
         del self.rooms[r.room]
+        self._unindex(r)
+        self.deadlines.forget(r.room, r.inc)
+        self.changed.add(r.room)
         self.claims.free((r.room, r.inc), r.regions)
 
     def _current(self, room: int, inc: int) -> ReceiverRoom | None:
@@ -588,6 +680,7 @@ class ReceiverRooms:
         if r.done and not was and r.releasable(now, self.timeouts):
             r.release_seen = True
             out.append(Wake())
+        self._touch(r)
 
     def _aux(self, r: ReceiverRoom, msg: control.RoomStatus, now: float,
              out: list[Effect]) -> bool:
@@ -608,6 +701,7 @@ class ReceiverRooms:
         if r.done:
             return
         r.status, r.since, r.failure = KVPoll.Failed, now, failure
+        self._touch(r)
         self._abort_targets(r, out)
         out.append(Ended(r.room, r.inc, KVPoll.Failed, failure, self._peer(r), r.created))
         out.append(Wake())

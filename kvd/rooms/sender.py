@@ -31,6 +31,9 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
 * **Release by the opener.** A room created with a release digest ends when its
   opener presents the token (K45, K46): the same ending as an abort; without the token
   (any other holder of the cluster secret included, S11) nothing changes.
+* **Work per change (K41).** Every status change goes through one place and records
+  its room (:meth:`SenderRooms.take_changed`): the daemon re-publishes only those rooms
+  to the status table.
 * **Termination.** Every non-terminal room has a deadline (:class:`Timeouts`);
   :meth:`SenderRooms.tick` fails it when passed, whatever happened to the tasks
   that perform its effects (K32).
@@ -69,6 +72,7 @@ from kvd.rooms.effects import (
     Write,
     WriteDest,
 )
+from kvd.rooms.layers import Coverage, Runs, layer_mask, positions_of, runs_of
 from kvd.rooms.state import TERMINAL, FailureKind, KVPoll, RoomFailure, Timeouts
 from kvd.rooms.tombstones import Bounded
 from kvd.transfer.plan import Pages, check_distinct, check_page_range
@@ -139,6 +143,28 @@ class Dest:
     state: StateRef | None = None
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One engine send as the pump takes it: source ``pages`` (int64, in room order) at
+    room positions ``first + i`` (``pos`` None) or ``pos`` (int64, ascending), their
+    layers ``[lo, hi)`` (local layers of this rank's pool; None: every layer), whether it
+    is the room's last (it carries aux), and ``complete``: how many leading room pages had
+    every layer named once it was accepted (re-tiled rooms write those, whole)."""
+
+    pages: Pages
+    is_last: bool
+    first: int = 0
+    pos: Pages | None = None
+    layers: tuple[int, int] | None = None
+    complete: int = 0
+
+    @property
+    def end(self) -> int:
+        """One past its last room position."""
+        return self.first + int(self.pages.size) if self.pos is None else \
+            int(self.pos[-1]) + 1 if self.pos.size else 0
+
+
 @dataclass
 class SenderRoom:
     """Prefill-side state of one attempt of one room (times are monotonic s)."""
@@ -153,7 +179,7 @@ class SenderRoom:
     aux_index: int | None = None
     required: int | None = None
     dests: dict[str, Dest] = field(default_factory=dict)
-    chunks: deque[tuple[Pages, bool]] = field(default_factory=deque)
+    chunks: deque[Piece] = field(default_factory=deque)
     offset: int = 0  # sender pages handed to writes (re-tiled: taken from the queue)
     tokens: int = 0  # re-tiled rooms: room tokens written so far
     writing: bool = False
@@ -161,6 +187,8 @@ class SenderRoom:
     nbytes: int = 0
     seconds: float = 0.0
     src_pages: list[Pages] = field(default_factory=list)  # every chunk's, for K42
+    cover: Coverage | None = None  # (page, layer) cells named so far (layer streaming)
+    _index: tuple[Pages, Pages] | None = None  # (sorted pages, their positions), lazily
     release_digest: bytes = b""  # the opener's release token, hashed (K45/K46); b"": none
     state: StateRef | None = None  # hybrid models: the room's state slot and window pages
 
@@ -264,6 +292,7 @@ class SenderRooms:
         self.num_pages = 0
         self.num_aux_slots = 0
         self.page_size = 0
+        self.num_layers = 0  # layers of the local pool (0: unknown, no layer ranges)
         self.peers: dict[str, DecodePeer] = {}
         self.rooms: dict[int, SenderRoom] = {}
         self.retired: dict[tuple[int, int], SenderRoom] = {}  # ended attempts still writing
@@ -282,6 +311,9 @@ class SenderRooms:
         # they are told they are unregistered (a stranger is dropped unanswered, S13)
         self.former: Bounded[str, str] = Bounded(self.limits.peer_ttl, self.limits.max_peers)
         self._attempts = 0
+        #: rooms whose :meth:`poll` status may have changed since :meth:`take_changed`
+        #: (the daemon re-publishes only those to the status table, K41)
+        self.changed: set[int] = set()
 
     # ---- engine events ----------------------------------------------------------------
 
@@ -299,6 +331,7 @@ class SenderRooms:
         r = SenderRoom(room, self._attempts, created=now, since=now,
                        release_digest=release_digest)
         self.rooms[room] = r
+        self.changed.add(room)
         for early in self.early.pop(room) or []:  # already answered when it arrived
             self._fail(r, early.failure, now, out)
         for p in self._take_pending(room):
@@ -320,35 +353,131 @@ class SenderRooms:
         r.num_pages, r.aux_index = num_pages, aux_index
         return []
 
-    def send(self, room: int, pages: Pages, is_last: bool, now: float) -> list[Effect]:
-        """``sender.send``: queue one chunk of source pages (int64).
+    def send(self, room: int, pages: Pages, is_last: bool, now: float,
+             layers: tuple[int, int] | None = None) -> list[Effect]:
+        """``sender.send``: queue one chunk of source pages (int64), every layer of them;
+        with ``layers = (lo, hi)``, only local layers ``[lo, hi)`` of this rank's pool
+        (layer streaming, issue 22 item 4): of new ``pages`` (a chunk, named for the
+        first time), of ``pages`` named before, or, with no pages, of every page named so
+        far that misses a layer. Each (page, layer) may be named once; the last send
+        (``is_last``, it carries aux) must leave every layer of every page named.
 
         A chunk for a room that already ended is dropped (the engine learns the outcome
         from ``poll``: aborts race with sends); a chunk after the room's last one raises
-        RoomError (it used to be dropped silently). A page outside the local pool, or one
-        this room already named (in this chunk or an earlier one: K42), fails the
-        room and raises RoomError (the reports to its decode ranks leave with the next
+        RoomError (it used to be dropped silently). A page outside the local pool, one
+        this room already named (in this chunk or an earlier one: K42) without a layer
+        range, a layer outside ``[0, num_layers)`` or named twice for a page, pages that mix
+        new and named ones, or a last send that leaves a layer unnamed fail the room and
+        raise RoomError (the reports to its decode ranks leave with the next
         :meth:`tick`)."""
         r = self._room(room)
         if r.done:
             return []
-        if r.last_sent or any(last for _, last in r.chunks):
+        if r.last_sent or any(p.is_last for p in r.chunks):
             raise RoomError(f"room {room}: a chunk after the last one (is_last) was refused: "
                             f"its {pages.size} pages are not written")
         out: list[Effect] = []
         try:
-            check_page_range(pages, self.num_pages, f"room {room} source")
-            # A source page named twice sends one page's KV to two decode pages and the
-            # page meant for one of them nowhere (K42's sender-side sibling): refused.
-            check_distinct(np.concatenate([*r.src_pages, pages]) if r.src_pages else pages,
-                           f"room {room} source")
+            piece = self._piece(r, pages, is_last, layers)
         except LayoutError as exc:
             self._fail(r, RoomFailure(FailureKind.LAYOUT, str(exc), ORIGIN), now, out)
             raise RoomError(str(exc), out) from exc  # the failure's effects still happen
-        r.chunks.append((pages, is_last))
-        r.src_pages.append(pages)
+        r.chunks.append(piece)
         self._kick(r, now, out)
         return out
+
+    def _piece(self, r: SenderRoom, pages: Pages, is_last: bool,
+               layers: tuple[int, int] | None) -> Piece:
+        """Check one send against the room's (page, layer) cells, name them, and make its
+        :class:`Piece`. Raises LayoutError (the room fails)."""
+        what = f"room {r.room} source"
+        nl = max(self.num_layers, 1)
+        if r.cover is None:
+            r.cover = Coverage(nl)
+        cover = r.cover
+        if layers is None:
+            mask = cover.full
+        else:
+            lo, hi = layers
+            if not 0 <= lo < hi <= self.num_layers:
+                raise LayoutError(f"room {r.room}: layers [{lo}, {hi}) outside the "
+                                  f"{self.num_layers} layers of this rank's pool")
+            mask = layer_mask(lo, hi)
+        known = self._named(r, pages) if layers is not None else None
+        if known is None:
+            piece = self._new_pages(r, pages, is_last, layers, mask, what)
+        else:
+            piece = self._named_pages(r, pages, known, is_last, layers, mask)
+        if is_last:
+            gap = cover.first_gap()
+            if gap is not None:
+                raise LayoutError(f"room {r.room}: the last send leaves layer {gap[1]} of room "
+                                  f"page {gap[0]} unnamed (every layer of every page must be "
+                                  f"sent before the last)")
+        return Piece(piece.pages, piece.is_last, piece.first, piece.pos, piece.layers,
+                     cover.complete_prefix())
+
+    def _new_pages(self, r: SenderRoom, pages: Pages, is_last: bool,
+                   layers: tuple[int, int] | None, mask: int, what: str) -> Piece:
+        """A chunk of pages named for the first time: appended to the room."""
+        assert r.cover is not None
+        check_page_range(pages, self.num_pages, what)
+        # A source page named twice sends one page's KV to two decode pages and the
+        # page meant for one of them nowhere (K42's sender-side sibling): refused.
+        check_distinct(np.concatenate([*r.src_pages, pages]) if r.src_pages else pages, what)
+        first = r.cover.size
+        r.cover.add(int(pages.size), mask)
+        r.src_pages.append(pages)
+        r._index = None
+        return Piece(pages, is_last, first, None, layers)
+
+    def _named_pages(self, r: SenderRoom, pages: Pages, pos: Pages, is_last: bool,
+                     layers: tuple[int, int] | None, mask: int) -> Piece:
+        """Layers of pages the room named before (``pos``: their room positions; with no
+        pages, the pages that miss a layer)."""
+        assert r.cover is not None
+        cover = r.cover
+        if pages.size:
+            order = np.argsort(pos, kind="stable")
+            pos = pos[order]
+            runs: Runs = runs_of(pos)
+        else:
+            runs = cover.open_runs()
+            pos = positions_of(runs)
+            if not pos.size:
+                raise LayoutError(f"room {r.room}: layers {layers} of no page: every page "
+                                  f"named so far has every layer")
+        clash = cover.clash(runs, mask)
+        if clash is not None:
+            raise LayoutError(f"room {r.room}: layer {clash[1]} of room page {clash[0]} is "
+                              f"named twice")
+        cover.mark(runs, mask)
+        src = np.concatenate(r.src_pages)[pos]
+        return Piece(src, is_last, int(pos[0]), None if runs and len(runs) == 1 else pos,
+                     layers)
+
+    def _named(self, r: SenderRoom, pages: Pages) -> Pages | None:
+        """Room positions of ``pages`` if the room named every one of them before (int64;
+        empty pages: an empty array), None if it named none of them. Raises LayoutError
+        for a mix, or a page named twice in ``pages``."""
+        if not pages.size:
+            return pages
+        if not r.src_pages:
+            return None
+        if r._index is None:
+            allp = np.concatenate(r.src_pages)
+            order = np.argsort(allp, kind="stable")
+            r._index = (allp[order], order.astype(np.int64))
+        keys, where = r._index
+        at = np.minimum(np.searchsorted(keys, pages), max(keys.size - 1, 0))
+        hit = keys[at] == pages if keys.size else np.zeros(pages.size, dtype=bool)
+        if not hit.any():
+            return None
+        if not hit.all():
+            raise LayoutError(f"room {r.room}: a layer send names pages the room named "
+                              f"before and new ones (page {int(pages[~hit][0])} is new)")
+        check_distinct(pages, f"room {r.room} source")
+        return where[at]
 
     def abort(self, room: int, reason: str, now: float) -> list[Effect]:
         """The engine aborts the room: Failed (aborted) on both sides; no chunk is
@@ -550,6 +679,13 @@ class SenderRooms:
         if r is None:
             return None
         return Poll(r.status, r.failure, r.nbytes, r.seconds)
+
+    def take_changed(self) -> set[int]:
+        """The rooms whose :meth:`poll` status may have changed since the last call (every
+        status change goes through ``_advance``; a room created or retired counts too), and
+        start a new set."""
+        out, self.changed = self.changed, set()
+        return out
 
     def table_sizes(self) -> dict[str, int]:
         """Sizes of every per-room and per-peer table (leak checks)."""
@@ -757,20 +893,21 @@ class SenderRooms:
         if self._retiled(r):
             self._kick_tokens(r, now, out)
             return
-        pages, is_last = r.chunks.popleft()
+        piece = r.chunks.popleft()
         dests = []
         for endpoint, d in r.dests.items():
-            dest = self._chunk_dest(r, d, endpoint, int(pages.size), is_last)
+            dest = self._chunk_dest(r, d, endpoint, piece)
             if dest is None:
                 self._fail(r, RoomFailure(FailureKind.LAYOUT, f"room {r.room}: index length "
-                                          f"mismatch {pages.size} vs "
-                                          f"{max(d.first + d.pages.size - r.offset, 0)} "
+                                          f"mismatch {piece.pages.size} vs "
+                                          f"{max(d.first + d.pages.size - piece.first, 0)} "
                                           f"(decode {endpoint}, from room page {d.first})",
                                           ORIGIN), now, out)
                 return
             dests.append(dest)
-        r.offset += int(pages.size)
-        self._start_write(r, pages, tuple(dests), is_last, now, out)
+        r.offset = max(r.offset, piece.end)
+        self._start_write(r, piece.pages, tuple(dests), piece.is_last, now, out,
+                          layers=piece.layers)
 
     def _retiled(self, r: SenderRoom) -> bool:
         """Does a destination of ``r`` (not a dummy) have another page size than this rank?"""
@@ -783,8 +920,8 @@ class SenderRooms:
         one gives whole destination pages beyond what was written, or the last came."""
         is_last, hi = False, r.tokens
         while r.chunks and not is_last and hi <= r.tokens:
-            pages, is_last = r.chunks.popleft()
-            r.offset += int(pages.size)
+            piece = r.chunks.popleft()  # a layer send: its pages move whole, once complete
+            is_last, r.offset = piece.is_last, piece.complete
             hi = self._room_tokens(r) if is_last else self._cut(r)
         if not is_last and hi <= r.tokens:
             return  # no whole destination page yet: the pages wait for the next chunk
@@ -850,7 +987,8 @@ class SenderRooms:
 
     def _start_write(self, r: SenderRoom, src: Pages, dests: tuple[WriteDest, ...],
                      is_last: bool, now: float, out: list[Effect], src_first: int = 0,
-                     tokens: tuple[int, int] | None = None) -> None:
+                     tokens: tuple[int, int] | None = None,
+                     layers: tuple[int, int] | None = None) -> None:
         """Hand one chunk to a :class:`Write` (Transferring; the last chunk ends the queue)."""
         if r.status != KVPoll.Transferring:
             self._advance(r, KVPoll.Transferring, now)
@@ -862,28 +1000,42 @@ class SenderRooms:
             r.chunks.clear()  # nothing after the last chunk is ever written
         out.append(Write(r.room, r.attempt, src, dests, is_last,
                          r.aux_index if is_last else None, deadline,
-                         r.state if is_last else None, src_first, tokens))
+                         r.state if is_last else None, src_first, tokens, layers))
 
     @staticmethod
-    def _chunk_dest(r: SenderRoom, d: Dest, endpoint: str, n: int,
-                    is_last: bool) -> WriteDest | None:
-        """Where chunk pages ``[r.offset, r.offset + n)`` of the room go on ``d``: the part
-        from ``d.first`` on (the decode holds the pages before it). None when the decode's
-        pages do not match the chunk (too few, or the last chunk does not end the room
-        where the decode's pages end; case K10)."""
-        lo, hi = max(r.offset, d.first), r.offset + n
-        need = max(hi - lo, 0)
-        dst = d.pages[lo - d.first:hi - d.first] if need else d.pages[:0]
-        if not d.is_dummy and (dst.size != need or (
-                is_last and hi != d.first + d.pages.size)):
+    def _chunk_dest(r: SenderRoom, d: Dest, endpoint: str, piece: Piece) -> WriteDest | None:
+        """Where the piece's room pages go on ``d``: the part from ``d.first`` on (the
+        decode holds the pages before it). None when the decode's pages do not match (too
+        few, or the room's pages, at its last send, do not end where the decode's pages
+        end; case K10)."""
+        n = int(piece.pages.size)
+        total = r.cover.size if r.cover is not None else piece.end
+        end_ok = not piece.is_last or total == d.first + d.pages.size
+        if piece.pos is None:
+            lo, hi = max(piece.first, d.first), piece.first + n
+            need = max(hi - lo, 0)
+            dst = d.pages[lo - d.first:hi - d.first] if need else d.pages[:0]
+            skip = min(lo - piece.first, n)
+            fits = dst.size == need
+        else:  # ascending positions: those the decode holds lead
+            skip = int(np.searchsorted(piece.pos, d.first))
+            idx = piece.pos[skip:] - d.first
+            fits = not idx.size or int(idx[-1]) < d.pages.size
+            dst = d.pages[idx] if fits else d.pages[:0]
+        if d.is_dummy:
+            return WriteDest(endpoint, dst, d.aux_index, True, d.peer.payload, skip,
+                             d.state if piece.is_last else None)
+        if not fits or not end_ok:
             return None
-        return WriteDest(endpoint, dst, d.aux_index, d.is_dummy, d.peer.payload,
-                         min(lo - r.offset, n), d.state if is_last else None)
+        return WriteDest(endpoint, dst, d.aux_index, False, d.peer.payload, skip,
+                         d.state if piece.is_last else None)
 
     # ---- internals: endings -----------------------------------------------------------
 
     def _advance(self, r: SenderRoom, status: KVPoll, now: float) -> None:
+        """Every change of a room's status goes through here."""
         r.status, r.since = status, now
+        self.changed.add(r.room)
 
     def _succeed(self, r: SenderRoom, now: float, out: list[Effect]) -> None:
         self._advance(r, KVPoll.Success, now)
@@ -950,6 +1102,7 @@ class SenderRooms:
         while a write is in flight, into ``retired`` so its result finds it)."""
         if self.rooms.get(r.room) is r:
             del self.rooms[r.room]
+            self.changed.add(r.room)
         if r.writing:
             self.retired[(r.room, r.attempt)] = r
         self.tombstones.put(r.room, Tombstone(r.room, r.status, r.failure, len(r.dests)), now)

@@ -8,6 +8,7 @@ import numpy as np
 
 from kvd.errors import LayoutError, RegistrationError
 from kvd.protocol.control import KVArgsWire
+from kvd.transfer.groups import GROUP_ID_BASE, group_layouts, group_memory
 from kvd.transfer.plan import Addrs, Regions, _u64, aux_ids
 from kvd.transfer.state import STATE_ID_BASE
 
@@ -18,7 +19,8 @@ class RankArgs:
 
     ``num_pages`` is the number of whole pages every KV buffer holds;
     ``num_aux_slots`` the same for aux buffers; ``regions`` every registered
-    buffer (KV ids ``0..``, aux ids ``-1, -2, ..``), one region each, for per-buffer
+    buffer (KV ids ``0..``, aux ids ``-1, -2, ..``, state ids from ``STATE_ID_BASE``,
+    paged cache group ids from ``GROUP_ID_BASE``), one region each, for per-buffer
     bounds checks.
     """
 
@@ -41,11 +43,13 @@ class RankArgs:
             aux_ptrs, aux_lens, aux_items = (_u64(x) for x in (
                 wire.aux_data_ptrs, wire.aux_data_lens, wire.aux_item_lens))
             st_ptrs, st_lens = _state_memory(wire)
-            regions = Regions.of(np.concatenate([kv_ptrs, aux_ptrs, st_ptrs]),
-                                 np.concatenate([kv_lens, aux_lens, st_lens]),
+            g_ptrs, g_lens = group_memory(wire)
+            regions = Regions.of(np.concatenate([kv_ptrs, aux_ptrs, st_ptrs, g_ptrs]),
+                                 np.concatenate([kv_lens, aux_lens, st_lens, g_lens]),
                                  np.concatenate([np.arange(kv_ptrs.size, dtype=np.int64),
                                                  aux_ids(aux_ptrs.size),
-                                                 STATE_ID_BASE + np.arange(st_ptrs.size)]))
+                                                 STATE_ID_BASE + np.arange(st_ptrs.size),
+                                                 GROUP_ID_BASE + np.arange(g_ptrs.size)]))
         except LayoutError as exc:
             raise RegistrationError(f"invalid KV args: {exc}") from exc
         num_pages = int((kv_lens // kv_items).min()) if kv_ptrs.size else 0
@@ -56,6 +60,7 @@ class RankArgs:
             b = int(np.flatnonzero(aux_lens // aux_items == 0)[0])
             raise RegistrationError(f"invalid KV args: aux buffer {b} ({int(aux_lens[b])} bytes)"
                                     f" is shorter than one aux item ({int(aux_items[b])} bytes)")
+        group_layouts(wire, 0, 1)  # structure only: heads per TP rank are checked at pairing
         return RankArgs(wire, kv_ptrs, kv_items, aux_ptrs, aux_items, num_pages, slots, regions)
 
 

@@ -29,7 +29,7 @@ and a plan whose highest address would wrap past 2**64 is refused.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -56,6 +56,8 @@ from kvd.transfer.plan import (
 from kvd.transfer.retile import Chunk, Side, retile_expected, retile_plan
 
 LAYOUTS = ("NHD", "HND")
+#: Layer ranges a :class:`PairPlan` keeps its restriction of (:meth:`PairPlan.layers`).
+_MAX_RANGES = 256
 _U64_MAX = 2**64 - 1
 
 
@@ -405,6 +407,35 @@ class PairPlan:
                         dst.kv_ptrs[db], src.item_lens[sb], dst.item_lens[db])
         pair._check_geometry()
         return pair
+
+    def layers(self, lo: int, hi: int) -> PairPlan:
+        """This pair restricted to the SOURCE's local layers ``[lo, hi)`` (layer streaming,
+        issue 22 item 4): :meth:`plan`, :meth:`plan_tokens` and their proofs then move and
+        check exactly those layers' share -- every byte of those layers of the named pages
+        once, nothing of another layer. Kept per range (at most ``_MAX_RANGES``).
+
+        Raises :class:`LayoutError` for a range outside ``[0, src.num_layers)`` or empty."""
+        if not 0 <= lo < hi <= self.src.num_layers:
+            raise LayoutError(f"layers [{lo}, {hi}) outside the prefill's "
+                              f"{self.src.num_layers} layers")
+        if (lo, hi) == (0, self.src.num_layers):
+            return self
+        cache = self._ranges
+        sub = cache.get((lo, hi))
+        if sub is None:
+            absolute = np.arange(self.src.layer_start + lo, self.src.layer_start + hi,
+                                 dtype=np.int64)
+            sb, db = self.src.buffer_index(absolute), self.dst.buffer_index(absolute)
+            sub = replace(self, sb=sb, db=db, s_ptr=self.src.kv_ptrs[sb],
+                          d_ptr=self.dst.kv_ptrs[db], s_item=self.src.item_lens[sb],
+                          d_item=self.dst.item_lens[db])
+            if len(cache) < _MAX_RANGES:
+                cache[(lo, hi)] = sub
+        return sub
+
+    @cached_property
+    def _ranges(self) -> dict[tuple[int, int], PairPlan]:
+        return {}
 
     @property
     def whole_pages(self) -> bool:

@@ -97,7 +97,7 @@ def test_channel_rows_report_value_baseline_ratio_goal_met() -> None:
     stdout, r = _bench("--only", "channel", "--repeats", "1", "--api-rooms", "3")
     assert "engine channel" in stdout
     rows = r["channel"]["rows"]
-    assert {"P5.poll_1000", "P5.poll_one", "P5.send", "P5.init"} <= set(rows)
+    assert {"P5.poll_1000", "P5.poll_one", "P5.send", "P5.init", "P5.send_round"} <= set(rows)
     for row in rows.values():
         assert row["value"] > 0 and row["baseline"] > 0 and row["ratio"] > 0, row
         assert row["goal"] and isinstance(row["met"], bool), row

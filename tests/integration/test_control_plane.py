@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvd.client import KVPoll, Receiver, Sender
+from kvd.errors import KvdError
 from kvd.launch import LAUNCH_SECRET, DaemonProcess, start_daemon
 from kvd.protocol import control, rpc
 from kvd.refengine.standin import EngineStandIn, transfer_room, wait_rooms
@@ -322,19 +323,26 @@ def test_k39_a_decode_restarted_at_a_dead_decodes_session_name_is_written_byte_f
         # Mooncake picks ports in the range at random, and the dead one's handshake port
         # is refused to it while its relays' sockets sit in TIME_WAIT (up to 60 s)
         deadline = time.monotonic() + 150
+        de.close()
+        d.kill(signal.SIGKILL)
+        d.proc.wait(30)
         while time.monotonic() < deadline:
-            de.close()
-            d.kill(signal.SIGKILL)
-            d.proc.wait(30)
             with socket.socket() as squat:  # the dead one's data port: taken
                 squat.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 squat.bind(("127.0.0.1", old_data))
                 squat.listen(1)
-                d = start_daemon("decode", tmp_path, **ports)
-            de = EngineStandIn(d.socket, seed=3)
-            if d.ready["session_id"] == session:
+                try:
+                    nd = start_daemon("decode", tmp_path, **ports)
+                except KvdError:  # every port of the range still taken (TIME_WAIT): again
+                    time.sleep(1.0)
+                    continue
+            if nd.ready["session_id"] == session:
+                d = nd
                 break
+            nd.kill(signal.SIGKILL)  # another handshake port: not the case under test
+            nd.proc.wait(30)
             time.sleep(1.0)
+        de = EngineStandIn(d.socket, seed=3)
         assert d.ready["session_id"] == session  # the same transfer session name
         assert _data_port(d, first, last) != old_data
         for room in (2, 3):  # the first registers the new instance with P

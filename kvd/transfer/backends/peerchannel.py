@@ -51,6 +51,7 @@ import re
 import socket
 import struct
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,11 @@ NONCE_BYTES = 16
 MAX_MESSAGE = 4096
 #: Most descriptors one pool passes (one per mapped file; an engine has a few).
 MAX_FILES = 64
+#: Most channel connections a decode daemon serves at once (each holds a thread and dups
+#: of its pool's files until it ends, at most ``timeout`` s); one more is closed at once,
+#: so clients that connect and stay silent cost bounded descriptors (S18). A host's
+#: prefill daemons connect once each, at registration.
+MAX_CLIENTS = 16
 _DOMAIN = b"kvd-peer-channel-v1\0"
 
 #: ``mac(*parts) -> bytes``: the cluster secret's HMAC-SHA256 (empty: insecure mode).
@@ -387,9 +393,11 @@ Snapshot = Callable[[], tuple[ExportedPool, list[int]] | None]
 
 
 class ChannelServer:
-    """The decode daemon's channel: accepts on the loop, snapshots the pool there (one
-    loop owns daemon state), answers each connection in a thread (bounded by
-    ``timeout``)."""
+    """The decode daemon's channel: accepts on the loop, checks the client's uid there,
+    snapshots the pool there (one loop owns daemon state), answers each connection in a
+    thread of its own pool (bounded by ``timeout``). At most :data:`MAX_CLIENTS`
+    connections are in service; a client of another uid, or one past the cap, is closed
+    at once with no snapshot taken (``refused`` counts both)."""
 
     def __init__(self, folder: Path, me: Identity, mine: Claim, snapshot: Snapshot,
                  timeout: float = 5.0) -> None:
@@ -399,6 +407,7 @@ class ChannelServer:
         self.sock: socket.socket | None = None
         self.refused = 0
         self._pending: set[asyncio.Future[None]] = set()
+        self._threads = ThreadPoolExecutor(MAX_CLIENTS, thread_name_prefix="kvd-channel")
 
     def open(self) -> None:
         """Bind the listening socket (:func:`listen`; HandleError for an untrusted
@@ -415,19 +424,36 @@ class ChannelServer:
         try:
             while True:
                 conn, _ = await loop.sock_accept(self.sock)
-                try:
-                    snap = self.snapshot()
-                except OSError as exc:  # out of descriptors: this client, not the channel
-                    log.warning("peer channel: cannot pass the pool now: %s", exc)
-                    snap = None
+                snap = self._admit(conn)
                 if snap is None:
                     conn.close()
                     continue
-                fut = loop.run_in_executor(None, self._serve, conn, *snap)
+                fut = loop.run_in_executor(self._threads, self._serve, conn, *snap)
                 self._pending.add(fut)
                 fut.add_done_callback(self._pending.discard)
         finally:
             self.close()
+
+    def _admit(self, conn: socket.socket) -> tuple[ExportedPool, list[int]] | None:
+        """The pool to serve ``conn`` (dups of its files), or None to close it now: past
+        :data:`MAX_CLIENTS`, a client of an untrusted uid, no engine registered, or out
+        of descriptors. Nothing is dup'ed for a client that is not served."""
+        if len(self._pending) >= MAX_CLIENTS:
+            self.refused += 1
+            log.debug("peer channel: %d clients in service; one more closed", MAX_CLIENTS)
+            return None
+        try:
+            pid, uid = peer_credentials(conn)
+            check_credentials(pid, uid, None, self.me.uids, "the peer channel's client")
+        except (HandleError, OSError) as exc:
+            self.refused += 1
+            log.debug("peer channel: refused a client: %s", exc)
+            return None
+        try:
+            return self.snapshot()
+        except OSError as exc:  # out of descriptors: this client, not the channel
+            log.warning("peer channel: cannot pass the pool now: %s", exc)
+            return None
 
     def _serve(self, conn: socket.socket, pool: ExportedPool, fds: list[int]) -> None:
         try:
@@ -440,7 +466,9 @@ class ChannelServer:
             conn.close()
 
     def close(self) -> None:
-        """Stop listening and unlink the socket file (idempotent)."""
+        """Stop listening and unlink the socket file (idempotent); connections in service
+        end within ``timeout``, unwaited."""
+        self._threads.shutdown(wait=False)
         if self.sock is not None:
             self.sock.close()
             self.sock = None

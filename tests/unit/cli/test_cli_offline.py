@@ -106,6 +106,41 @@ def test_socket_checks(tmp_path: Path) -> None:
     assert c.status == "fail" and "already served by pid" in c.detail  # serve refuses it
 
 
+def test_doctor_beside_its_running_kvd_reads_its_socket_and_ports_as_its_own(
+        tmp_path: Path) -> None:
+    """A new user runs ``kvd doctor -c same.toml`` while that kvd runs: its socket (served
+    and locked by one pid) and its listening ports are that daemon's, not 'in use' FAILs;
+    a socket served without the lock, or a port of some other process, still fails."""
+    import fcntl
+    import os
+
+    sock_path = tmp_path / "kvd.sock"
+    lock = tmp_path / "kvd.sock.lock"
+    with socket.socket(socket.AF_UNIX) as srv, socket.socket() as tcp, socket.socket() as other:
+        srv.bind(str(sock_path))
+        srv.listen()
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen()
+        other.bind(("127.0.0.1", 0))
+        port = tcp.getsockname()[1]
+        assert doctor.running_kvd(sock_path, doctor.daemon_pid(sock_path)) is None  # no lock
+        with open(lock, "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+            own = doctor.running_kvd(sock_path, doctor.daemon_pid(sock_path))
+            assert own is not None and own.pid == os.getpid() and port in own.ports
+            c = doctor.check_socket(sock_path, own)
+            assert c.status == "ok" and "served by this kvd" in c.detail
+            c = doctor.check_port("http port", "127.0.0.1", port, own)
+            assert c.status == "ok" and "held by this kvd" in c.detail
+            other.listen()  # listening now, after `own` was read: not the daemon's port
+            busy = doctor.check_port("zmq port", "127.0.0.1", other.getsockname()[1], own)
+            assert busy.status == "fail"
+            lock.write_text("1\n")  # the lock names another pid: not this daemon
+            assert doctor.running_kvd(sock_path, doctor.daemon_pid(sock_path)) is None
+
+
 def test_shm_and_memlock_and_rdma_checks(tmp_path: Path) -> None:
     assert doctor.check_shm(tmp_path / "nope").status == "fail"
     assert doctor.check_shm(Path("/dev/shm")).status in ("ok", "warn")

@@ -259,3 +259,21 @@ def test_k40_a_claim_inside_the_measure_bound_is_measured_by_the_next_round() ->
     assert m.clock_claimed(EP0, 1.5) == []  # the clock jumped meanwhile: asked 0.5 s ago
     assert Measure(A) in m.heartbeat_round(2.5, {A})
     assert one(m.clock_measured(A, 3600.0, 2.6), FailRooms).endpoint == EP0
+
+
+def test_heartbeat_field_with_etcd_discovery_is_not_a_never_changing_unknown() -> None:
+    """A new user's `kvd peers` on an etcd decode read 'unknown' in the heartbeat column
+    for ever (no heartbeat is sent: leases replace them); it reads 'n/a (etcd)' unless the
+    machine saw the peer down. Bootstrap discovery keeps 'unknown' until a probe."""
+    from kvd.daemon.decode import health_detail, heartbeat_of
+    from kvd.membership.machine import Peer as Member
+
+    assert heartbeat_of(None, "etcd") == "n/a (etcd)"
+    assert heartbeat_of(None, "bootstrap") == "unknown"
+    fresh = Member("127.0.0.1:8998", last_used=0.0)
+    assert heartbeat_of(fresh, "etcd") == "n/a (etcd)"
+    assert heartbeat_of(fresh, "bootstrap") == "unknown"
+    assert health_detail(fresh, "etcd") == "" and "never answered" in health_detail(
+        fresh, "bootstrap")  # the detail column said 'never answered' for ever too
+    fresh.down, fresh.misses = True, 1
+    assert heartbeat_of(fresh, "etcd") == "down"

@@ -165,7 +165,7 @@ def test_bad_magic_and_version_refused() -> None:
 @given(msgs=st.lists(control_messages, min_size=1, max_size=20))
 def test_batch_round_trips_messages_in_order(msgs: list[control.ControlMessage]) -> None:
     frame = control.encode_many(msgs)
-    assert frame[3] == codec.VERSION == 6
+    assert frame[3] == codec.VERSION == 7
     assert control.decode_many(frame) == msgs
 
 
@@ -217,8 +217,9 @@ def test_s19_max_frame_holds_the_largest_real_message_and_not_much_more() -> Non
 
 def hybrid_registration() -> control.RegisterRank:
     """A decode rank of a hybrid model at every bound: 4096 KV buffers, 4096 aux buffers,
-    MAX_STATE_BUFFERS state buffers and MAX_WINDOW_BUFFERS window buffers, all exported on
-    CUDA IPC handles with the longest names."""
+    MAX_STATE_BUFFERS state buffers, MAX_WINDOW_BUFFERS window buffers and MAX_GROUPS paged
+    cache groups of MAX_GROUP_BUFFERS buffers, all exported on CUDA IPC handles with the
+    longest names."""
     from kvd.protocol.memory import (
         CUDA_IPC_HANDLE_BYTES,
         CudaIpcHandle,
@@ -228,6 +229,7 @@ def hybrid_registration() -> control.RegisterRank:
     name, top, big = "n" * control.MAX_NAME, 2**64 - 1, 2**31
     ints = [top] * control.MAX_BUFFERS
     n_state, n_win = control.MAX_STATE_BUFFERS, control.MAX_WINDOW_BUFFERS
+    n_group = control.MAX_GROUP_BUFFERS
     spec = control.StateSpec(["state"] * control.MAX_LAYERS,
                              [control.StateBufSpec(big, "k" * 32, big, "d" * 32, big, big)] *
                              n_state, control.WindowSpec([top] * n_win, big, big, big, big, big,
@@ -235,12 +237,17 @@ def hybrid_registration() -> control.RegisterRank:
     args = control.KVArgsWire(name, ints, ints, ints, ints, ints, ints, big, big, big, big, big,
                               big, True, name, big, True,
                               compat=control.Compat(name, name, name, "A" * control.MAX_LAYERS,
-                                                    name, big, big),
+                                                    name, big, big,
+                                                    "a" * control.MAX_AUX_LAYOUT),
                               state=control.StateWire(spec, [top] * (n_state + n_win),
-                                                      [top] * (n_state + n_win)))
+                                                      [top] * (n_state + n_win)),
+                              groups=[control.GroupWire(control.GroupSpec(
+                                  "g" * 32, [top] * n_group, big, big, big, big, big, big, True,
+                                  True, name), [top] * n_group, [top] * n_group)] *
+                              control.MAX_GROUPS)
     handle = CudaIpcHandle(b"h" * CUDA_IPC_HANDLE_BYTES, top, top, name, big)
     pool = ExportedPool(name, [ExportedBuffer(top, top, handle)] * (
-        2 * control.MAX_BUFFERS + n_state + n_win))
+        2 * control.MAX_BUFFERS + n_state + n_win + control.MAX_GROUPS * n_group))
     return control.RegisterRank("i" * 64, "e" * 256, big, big, args, pool)
 
 

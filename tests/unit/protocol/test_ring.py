@@ -95,7 +95,7 @@ def test_a_head_beyond_the_ring_is_corrupt(head: int) -> None:
         ring.pop()
 
 
-@pytest.mark.parametrize(("word", "value"), [(0, 0), (1, 2), (2, 3), (2, 0), (3, 12),
+@pytest.mark.parametrize(("word", "value"), [(0, 0), (1, r.VERSION + 1), (2, 3), (2, 0), (3, 12),
                                              (3, 8), (2, 1 << 20), (3, 1 << 20)])
 def test_open_refuses_a_header_out_of_bounds(word: int, value: int) -> None:
     buf = bytearray(ring_bytes(4, 64))
@@ -141,3 +141,82 @@ def test_a_ring_reopened_by_the_consumer_reads_what_the_producer_wrote() -> None
     assert producer.push(b"wraps") == 8
     consumer.sleeping = True
     assert producer.sleeping
+
+
+def test_private_cursors_move_records_in_order_and_publish_progress() -> None:
+    """Producer and Consumer keep their cursors to themselves: the consumer publishes
+    ``tail`` only once it handled a record (``done``), so a producer reading ``tail`` past
+    a record knows it was handled."""
+    buf = bytearray(ring_bytes(4, 64))
+    ring = Ring.create(buf, 4, 64)
+    out, inbox = r.Producer(ring), r.Consumer(Ring.open(buf))
+    assert [out.push(bytes([i])) for i in range(5)] == [0, 1, 2, 3, None]
+    assert inbox.peek() == b"\x00" and ring.tail == 0  # read, not yet handled
+    inbox.done()
+    assert ring.tail == 1 and out.free() == 1
+    assert out.push(b"wrap") == 4
+    got = []
+    while (p := inbox.peek()) is not None:
+        got.append(p)
+        inbox.done()
+    assert got == [b"\x01", b"\x02", b"\x03", b"wrap"] and ring.tail == 5
+
+
+@pytest.mark.parametrize("tail", [7, 2**64 - 1])
+def test_a_producer_refuses_a_tail_the_consumer_could_not_have_written(tail: int) -> None:
+    ring = new()
+    out = r.Producer(ring)
+    out.push(b"x")
+    ring.header[5] = tail  # ahead of head, or far behind it
+    with pytest.raises(ProtocolError, match="behind head"):
+        out.push(b"y")
+
+
+def test_a_consumer_ignores_a_tail_rewritten_by_the_producer() -> None:
+    """A hostile producer rewriting the consumer's published ``tail`` cannot make it read
+    a record twice or skip one: the consumer's cursor is its own."""
+    ring = new()
+    out, inbox = r.Producer(ring), r.Consumer(ring)
+    out.push(b"a")
+    out.push(b"b")
+    assert inbox.peek() == b"a"
+    inbox.done()
+    ring.header[5] = 0
+    assert inbox.peek() == b"b"
+
+
+def test_closed_is_its_own_header_word() -> None:
+    ring = new()
+    assert not ring.closed
+    ring.close()
+    assert ring.closed and Ring.open(ring.bytes.data).closed
+    assert ring.pending() == 0  # nothing else moved
+
+
+@settings(max_examples=300)
+@given(noise=st.binary(min_size=1, max_size=ring_bytes(4, 64)), at=st.integers(0, 319),
+       pushed=st.lists(PAYLOADS, max_size=4), handled=st.integers(0, 4))
+def test_any_bytes_over_a_ring_give_a_private_consumer_records_or_protocol_errors(
+        noise: bytes, at: int, pushed: list[bytes], handled: int) -> None:
+    """As the test above, for the cursor kvd uses (its ``tail`` private): at most
+    ``capacity`` records a pass, each bounded, or ProtocolError."""
+    buf = bytearray(ring_bytes(4, 64))
+    ring = Ring.create(buf, 4, 64)
+    out, inbox = r.Producer(ring), r.Consumer(ring)
+    for p in pushed:
+        out.push(p)
+    for _ in range(min(handled, len(pushed))):
+        inbox.done()
+    end = min(len(buf), at + len(noise))
+    buf[at:end] = noise[:end - at]
+    try:
+        for _ in range(ring.capacity + 1):
+            got = inbox.peek()
+            if got is None:
+                break
+            assert len(got) <= ring.max_payload
+            inbox.done()
+        else:
+            raise AssertionError("more records than the ring holds")
+    except ProtocolError:
+        pass

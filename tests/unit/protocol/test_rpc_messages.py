@@ -32,6 +32,10 @@ CALLS = {
     "SenderInit": st.builds(rpc.SenderInit, room=I64, num_pages=I64, aux_index=I64),
     "SenderSend": st.builds(rpc.SenderSend, room=I64, pages=st.binary(max_size=64),
                             is_last=st.booleans()),
+    "SenderSendLayers": st.builds(rpc.SenderSendLayers, room=I64, pages=st.binary(max_size=64),
+                                  layer_start=st.integers(0, rpc.MAX_LAYERS),
+                                  layer_end=st.integers(0, rpc.MAX_LAYERS),
+                                  is_last=st.booleans()),
     "ReceiverCreate": st.builds(rpc.ReceiverCreate, room=I64, bootstrap_addr=TEXT,
                                 dp_rank=st.none() | I64),
     "ReceiverInit": st.builds(rpc.ReceiverInit, room=I64, dst_pages=st.binary(max_size=64),
@@ -45,6 +49,7 @@ CALLS = {
     "Info": st.just(rpc.Info()),
     "Release": st.just(rpc.Release()),
     "OpenTable": st.just(rpc.OpenTable()),
+    "OpenRing": st.builds(rpc.OpenRing, capacity=I64, record_bytes=I64),
 }
 CALLS["Many"] = st.builds(rpc.Many, calls=st.lists(st.one_of(
     [CALLS[t.__name__] for t in get_args(rpc.NowCall)]), max_size=5))
@@ -208,3 +213,12 @@ def test_number_fds_renumbers_descriptors_in_order() -> None:
     with pytest.raises(ProtocolError, match="carried 1"):
         rpc.check_fd_indices(wire, 1)
     assert rpc.number_fds(rpc.Poll(rooms=[1])) == (rpc.Poll(rooms=[1]), [])
+
+
+def test_i22_layer_send_bounds_are_checked_on_decode() -> None:
+    """A layer index outside ``[0, MAX_LAYERS]`` is a malformed frame, never a call."""
+    for start, end in [(-1, 1), (0, rpc.MAX_LAYERS + 1)]:
+        bad = rpc.Request(id=1, call=rpc.SenderSendLayers(room=1, pages=b"", layer_start=start,
+                                                          layer_end=end))
+        with pytest.raises(ProtocolError):
+            rpc.decode_request(_split(rpc.encode(bad)))

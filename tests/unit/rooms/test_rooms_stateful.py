@@ -34,6 +34,12 @@ Checked after every step:
     and the decode's Success implies every target told it Success;
 (e) at teardown, after every room is cleared and time passed the expiries, every
     per-room table is back to empty (tombstones stay within their capacity before);
+(g) the status table, written only with the rooms each machine says its steps changed
+    (``take_changed``, K41), answers what the machine's ``poll`` answers for every room
+    (a failed decode room's pages turning releasable by time show from the first sweep
+    past that time on);
+(h) a decode sweep (``tick``: only the rooms its deadline heap says are due) decides
+    exactly what a walk over every room would at the same ``now`` (K41);
 
 and, whenever the ``calm`` rule runs (everything in flight delivered, no time passing):
 
@@ -47,8 +53,11 @@ The default run is sized for ``make test`` (about 18 000 steps); ``test_rooms_wo
 
 from __future__ import annotations
 
+import copy
 import os
+from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -149,6 +158,7 @@ class DRank:
     registered: dict[int, str] = field(default_factory=dict)  # prefill rank -> its instance
     held: dict[int, Held] = field(default_factory=dict)
     releasing: bool = False  # its engine went: the pool stays until the machine is quiet
+    table: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # the status table
 
 
 @dataclass
@@ -169,6 +179,7 @@ class PRank:
     machine: SenderRooms
     eng: dict[int, EngineRoom] = field(default_factory=dict)
     word: dict[tuple[str, int, int], set[KVPoll]] = field(default_factory=dict)
+    table: dict[int, tuple[Any, ...]] = field(default_factory=dict)  # the status table
 
 
 @dataclass
@@ -440,8 +451,20 @@ class RoomsWorld(RuleBasedStateMachine):
         for p in self.p:
             self.run_p(p, p.machine.tick(self.now))
         for d in self.d:
-            self.run_d(d, d.machine.tick(self.now))
+            self.run_d(d, self._tick_d(d.machine))
         self._settle()
+
+    def _tick_d(self, m: ReceiverRooms) -> list[Effect]:
+        """(h): the heap's tick against the walk over every room, on a copy."""
+        walked = copy.deepcopy(m)
+        want: list[Effect] = []
+        for r in list(walked.rooms.values()):
+            walked.look(r, self.now, want)
+        got = m.tick(self.now)
+        assert Counter(map(repr, got)) == Counter(map(repr, want)), (
+            f"(h) at t={self.now} the sweep decided {got}, the walk {want}")
+        assert _decode_rooms(m) == _decode_rooms(walked), f"(h) at t={self.now}"
+        return got
 
     # ---- rules: engines ------------------------------------------------------------------
 
@@ -852,6 +875,33 @@ class RoomsWorld(RuleBasedStateMachine):
             live_regions(d.machine, self.now, TIMEOUTS)  # raises on a shared region
 
     @invariant()
+    def status_table_is_the_machines_poll(self) -> None:
+        """(g): publish what each machine says changed, then compare every room."""
+        for p in self.p:
+            for room in p.machine.take_changed():
+                q = p.machine.poll(room)
+                p.table[room] = (q.status, q.failure) if q else None  # type: ignore[assignment]
+            for room in set(p.table) | set(p.machine.rooms):
+                q = p.machine.poll(room)
+                assert p.table.get(room) == ((q.status, q.failure) if q else None), (
+                    f"(g) prefill rank {p.index} table shows room {room} stale")
+        for d in self.d:
+            for room in d.machine.take_changed():
+                q = d.machine.poll(room, self.now)
+                d.table[room] = (q.status, q.failure, q.releasable) if q else None  # type: ignore
+            for room in set(d.table) | set(d.machine.rooms):
+                q = d.machine.poll(room, self.now)
+                want = (q.status, q.failure, q.releasable) if q else None
+                shown = d.table.get(room)
+                if shown != want and want is not None and shown == (*want[:2], False):
+                    r = d.machine.rooms[room]  # releasable by time: not before a sweep
+                    assert r.releasable(self.now, TIMEOUTS) and not \
+                        r.releasable(self.swept, TIMEOUTS), f"(g) decode room {room}"
+                    continue
+                assert shown == want, (f"(g) decode {d.endpoint} table shows room {room} "
+                                       f"as {shown}, poll says {want}")
+
+    @invariant()
     def tables_are_consistent_and_bounded(self) -> None:
         for p in self.p:
             m = p.machine
@@ -917,6 +967,11 @@ class RoomsWorld(RuleBasedStateMachine):
                 self._deliver(m)
             self._tick()  # the daemons' sweep runs too (no time passes)
         raise AssertionError("the protocol does not settle")
+
+
+def _decode_rooms(m: ReceiverRooms) -> dict[int, tuple[Any, ...]]:
+    return {k: (r.inc, r.status, r.failure, r.since, r.release_seen)
+            for k, r in m.rooms.items()}
 
 
 TestRoomsWorld = RoomsWorld.TestCase

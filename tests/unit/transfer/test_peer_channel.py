@@ -268,3 +268,77 @@ def test_s18_the_daemons_channel_server_passes_the_pool_it_has_now(tmp_path: Pat
         asyncio.run(main())
     finally:
         os.close(fd)
+
+
+def test_s18_idle_channel_clients_cost_bounded_descriptors(tmp_path: Path) -> None:
+    """Hostile clients that connect to the decode's channel and send nothing: each used
+    to get the pool's descriptors dup'ed at accept (before any check) and wait in the
+    default executor's queue, so 300 idle clients held 300 x the pool's files (a daemon
+    runs out of descriptors: engine and control sockets fail). Connections in service are
+    capped (:data:`MAX_CLIENTS`, the rest closed at once and counted), so at most that
+    many snapshots are held; once they go, an honest client gets the pool."""
+    import asyncio
+
+    folder = tmp_path / "peers"
+    f = tmp_path / "pool"
+    f.write_bytes(os.urandom(SIZE))
+    fd = os.open(f, os.O_RDWR)
+    exported = pool(os.getpid(), pc.channel_name("dec"))
+    held: list[int] = []
+
+    def snapshot() -> tuple[ExportedPool, list[int]] | None:
+        dup = os.dup(fd)
+        held.append(dup)
+        return exported, [dup]
+
+    def open_snapshots() -> int:
+        n = 0
+        for x in held:
+            try:
+                os.fstat(x)
+                n += 1
+            except OSError:
+                pass
+        return n
+
+    async def main() -> None:
+        server = pc.ChannelServer(folder, me("dec"), DEC, snapshot, timeout=30.0)
+        task = asyncio.ensure_future(server.run())
+        await asyncio.sleep(0)
+        idle: list[socket.socket] = []
+
+        def connect_all() -> None:  # a thread: connect blocks while the backlog is full
+            for _ in range(300):
+                c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                c.connect(str(folder / exported.channel))
+                idle.append(c)
+
+        connector = threading.Thread(target=connect_all)  # not the loop's executor
+        connector.start()
+        for _ in range(3000):
+            await asyncio.sleep(0.01)
+            if not connector.is_alive():
+                break
+        for _ in range(1000):  # until every connection was accepted or refused
+            await asyncio.sleep(0.01)
+            if len(held) + server.refused >= 300:
+                break
+        assert open_snapshots() <= pc.MAX_CLIENTS
+        assert server.refused >= 300 - pc.MAX_CLIENTS
+        for c in idle:
+            c.close()
+        for _ in range(3000):  # until the served ones saw their clients go
+            await asyncio.sleep(0.01)
+            if open_snapshots() == 0:
+                break
+        got = await asyncio.to_thread(pc.fetch_pool, folder, exported, me("pre"), DEC)
+        assert os.fstat(got[0]).st_ino == os.stat(f).st_ino
+        pc.close_all(got)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(main())
+    finally:
+        os.close(fd)

@@ -1,0 +1,292 @@
+"""kvd's end of one engine connection's rings (issue 21 step B): room calls in shared memory.
+
+:class:`RingChannel` lays out a submission ring and a completion ring
+(:mod:`kvd.protocol.ring`) in one memfd, makes two eventfds (``wake_kvd``: the engine
+writes it; ``wake_engine``: kvd writes it) and hands all three to the engine
+(:class:`~kvd.protocol.rpc.OpenRing`). The engine's room call is then "write a record,
+bump ``head``, and write ``wake_kvd`` only if kvd said it sleeps".
+
+kvd drains the submission ring on its loop: when ``wake_kvd`` is readable, before any
+socket call of the same connection (so calls run in the order the engine made them,
+whichever way each went), and again on the next loop turn while records remain (at most
+:data:`BATCH` per turn: a flooding engine cannot starve the loop). Before it waits it
+sets the ring's ``sleeping`` word and looks at ``head`` once more (a full barrier
+between, :func:`~kvd.protocol.ring.fence`), so a record published in between is never
+left waiting for a wake-up that will not come; the daemon's sweep drains every ring
+too, a bound on any wake-up lost all the same.
+
+Each record is decoded with the socket path's codec (:func:`kvd.protocol.rpc.decode_request`)
+and run by the socket path's handler (``handle``: ``Daemon.dispatch_now``); a refusal
+goes to the completion ring as a :class:`~kvd.protocol.rpc.Reply` with the call's id,
+and only then is the record consumed (``tail`` published). A record kvd cannot trust --
+a header out of bounds, a record out of sequence or over its length, a frame that does
+not decode, a call id that is not the record's seq, a call a ring does not carry, a
+completion ring the engine filled with nonsense -- fails the channel: logged once, both
+rings marked ``closed``, every room the ring carried aborted (``on_fail``). The
+daemon, its other connections and rooms are untouched; the engine goes on over the
+socket.
+
+kvd's cursors (the submission ``tail``, the completion ``head``) are kept here and only
+published into the shared header (:class:`~kvd.protocol.ring.Consumer`,
+:class:`~kvd.protocol.ring.Producer`): whatever the engine writes there is checked,
+never believed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from kvd.errors import KvdError, ProtocolError
+from kvd.logs import log_context, message_context
+from kvd.protocol import codec, rpc
+from kvd.protocol.ring import Consumer, Producer, Ring, fence, ring_bytes
+
+log = logging.getLogger("kvd")
+
+#: Records drained per loop turn before yielding to the loop's other work.
+BATCH = 256
+_RING_CALLS: tuple[type, ...] = typing.get_args(rpc.RingCall)
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+Handle = Callable[[rpc.Call], Any]
+OnFail = Callable[[set[int], str], None]
+Known = Callable[[int], bool]
+#: The rooms a ring carried are pruned of those kvd forgot once they pass this many (and
+#: then twice what was left): bounded by kvd's own rooms, at O(1) amortised per call.
+PRUNE_AT = 1024
+
+
+def check_sizes(capacity: int, record_bytes: int) -> int:
+    """Bytes of the memfd for two rings of these sizes; ProtocolError outside the bounds
+    of :class:`~kvd.protocol.rpc.OpenRing`."""
+    if not rpc.MIN_RING_RECORD <= record_bytes <= rpc.MAX_RING_RECORD or \
+            not 1 <= capacity <= rpc.MAX_RING_CAPACITY:
+        raise ProtocolError(f"a ring has 1..{rpc.MAX_RING_CAPACITY} records of "
+                            f"{rpc.MIN_RING_RECORD}..{rpc.MAX_RING_RECORD} bytes, asked "
+                            f"{capacity} of {record_bytes}")
+    try:
+        size = 2 * ring_bytes(capacity, record_bytes)
+    except ValueError as exc:
+        raise ProtocolError(str(exc)) from exc
+    if size > rpc.MAX_RING_BYTES:
+        raise ProtocolError(f"two rings of {capacity} x {record_bytes} bytes take {size} "
+                            f"bytes, at most {rpc.MAX_RING_BYTES}")
+    return size
+
+
+class RingChannel:
+    """One connection's rings, their memfd (``fd``) and eventfds. ``handle(call)`` runs one
+    call as the socket path does (raising its refusal); ``on_fail(rooms, reason)`` is told
+    once if the channel fails; ``known(room)``: whether kvd still holds ``room``. Raises
+    ProtocolError for sizes out of bounds, OSError if the memfd or eventfds cannot be
+    made."""
+
+    def __init__(self, capacity: int, record_bytes: int, handle: Handle,
+                 on_fail: OnFail, known: Known) -> None:
+        self.size = check_sizes(capacity, record_bytes)
+        self.capacity, self.record_bytes = capacity, record_bytes
+        self.handle, self.on_fail, self.known = handle, on_fail, known
+        self._prune_at = PRUNE_AT
+        self.fd = os.memfd_create("kvd-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.wake_kvd = self.wake_engine = -1
+        try:
+            os.ftruncate(self.fd, self.size)
+            self.map = mmap.mmap(self.fd, self.size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)  # no SIGBUS in kvd's reads
+            self.wake_kvd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            self.wake_engine = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        except OSError:
+            self._close_fds()
+            raise
+        half = self.size // 2
+        view = memoryview(self.map)
+        self.sub = Ring.create(view[:half], capacity, record_bytes)
+        self.comp = Ring.create(view[half:], capacity, record_bytes)
+        del view
+        self.sub.sleeping = True  # the engine's first record wakes kvd
+        self.inbox, self.outbox = Consumer(self.sub), Producer(self.comp)
+        self.rooms: set[int] = set()  # rooms the ring carried, not cleared since
+        self.failed = ""
+        self.closed = False
+        self._draining = False
+        self._again = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.handled = 0
+
+    @property
+    def fds(self) -> list[int]:
+        """What rides with the :class:`~kvd.protocol.rpc.RingResult`, in its order."""
+        return [self.fd, self.wake_kvd, self.wake_engine]
+
+    def result(self) -> rpc.RingResult:
+        return rpc.RingResult(capacity=self.capacity, record_bytes=self.record_bytes,
+                              size=self.size)
+
+    def start(self) -> None:
+        """Drain whenever the engine writes ``wake_kvd`` (on the running loop)."""
+        self.loop = asyncio.get_running_loop()
+        self.loop.add_reader(self.wake_kvd, self._woken)
+
+    def _woken(self) -> None:
+        with contextlib.suppress(OSError):  # a spurious wake-up: nothing to read
+            os.eventfd_read(self.wake_kvd)
+        self.drain()
+
+    # ---- draining ----------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Run every published record (at most :data:`BATCH` now, the rest on the next
+        loop turn), then sleep. Re-entrant calls (a record's handler asking again) and
+        calls after the channel failed or closed do nothing."""
+        if self._draining or self.failed or self.closed:
+            return
+        if self.sub.sleeping and self.sub.head == self.inbox.tail:
+            return  # nothing published, nothing to change (every socket call asks)
+        self._draining = True
+        self.sub.sleeping = False
+        try:
+            if self._run(BATCH) and self._can_progress():
+                self._later()
+                return
+            self.sub.sleeping = True  # then look again: a record published meanwhile
+            fence()
+            if self._can_progress():
+                self.sub.sleeping = False
+                self._later()
+        except ProtocolError as exc:
+            self.fail(str(exc))
+        except Exception as exc:  # a bug here must not leave the engine waiting
+            log.exception("engine ring drain failed")
+            self.fail(f"internal error: {exc}")
+        finally:
+            self._draining = False
+            self._wake_engine()
+
+    def _later(self) -> None:
+        if self.loop is not None and not self._again:
+            self._again = True
+            self.loop.call_soon(self._drain_again)
+
+    def _drain_again(self) -> None:
+        self._again = False
+        self.drain()
+
+    def _can_progress(self) -> bool:
+        """A record waits and the completion ring has room for its answer."""
+        return bool(self.inbox.pending()) and self.outbox.free() > 0
+
+    def _run(self, limit: int) -> int:
+        """Run up to ``limit`` records; how many ran. Stops early while the completion
+        ring is full (the engine reads it, then wakes kvd)."""
+        ran = 0
+        while ran < limit and self.outbox.free() > 0:
+            payload = self.inbox.peek()
+            if payload is None:
+                break
+            self._one(self.inbox.tail, payload)
+            self.inbox.done()
+            ran += 1
+        self.handled += ran
+        return ran
+
+    def _one(self, seq: int, payload: bytes) -> None:
+        req = rpc.decode_request(payload, self.record_bytes)
+        call = req.call
+        if req.id != seq:
+            raise ProtocolError(f"ring record {seq} carries call id {req.id}")
+        if not isinstance(call, _RING_CALLS):
+            raise ProtocolError(f"ring record {seq} carries {type(call).__name__}, which "
+                                f"a ring does not carry")
+        room = call.room  # type: ignore[union-attr]
+        try:
+            with log_context(**message_context(call)):
+                self.handle(call)
+        except Exception as exc:
+            if not isinstance(exc, KvdError):
+                log.exception("engine call %s failed", type(call).__name__)
+            kind, error = rpc.failure(exc)
+            self._complete(rpc.Reply(id=seq, ok=False, error=error, kind=kind))
+            return
+        if isinstance(call, rpc.Clear):
+            self.rooms.discard(room)
+            return
+        self.rooms.add(room)
+        if len(self.rooms) > self._prune_at:
+            self.rooms = {r for r in self.rooms if self.known(r)}
+            self._prune_at = 2 * len(self.rooms) + PRUNE_AT
+
+    def _complete(self, reply: rpc.Reply) -> None:
+        """Put ``reply`` in the completion ring (its error text cut to fit a record)."""
+        data = codec.encode(reply)
+        over = len(data) - self.comp.max_payload
+        if over > 0:
+            cut = reply.error[:max(0, len(reply.error) - over - 8)]
+            data = codec.encode(rpc.Reply(id=reply.id, ok=False, error=cut, kind=reply.kind))
+        if self.outbox.push(data) is None:
+            raise ProtocolError("the completion ring filled while kvd held its last slot")
+
+    def _wake_engine(self) -> None:
+        """Write ``wake_engine`` if the engine said it waits (the completion ring's
+        ``sleeping``)."""
+        if self.wake_engine < 0:
+            return
+        fence()  # the tails published before the engine's flag is read
+        if self.comp.sleeping:
+            with contextlib.suppress(OSError):  # its counter is full: it is awake anyway
+                os.eventfd_write(self.wake_engine, 1)
+
+    # ---- ending ------------------------------------------------------------------------
+
+    def fail(self, reason: str) -> None:
+        """Stop serving the rings for good: logged once, both marked closed, the engine
+        woken, ``on_fail`` told which rooms the ring carried."""
+        if self.failed or self.closed:
+            return
+        self.failed = reason
+        log.warning("engine ring failed, the engine goes on over the socket: %s "
+                    "(%d rooms it carried are aborted)", reason, len(self.rooms))
+        self._stop_reading()
+        self.sub.close()
+        self.comp.close()
+        self.comp.sleeping = True  # whatever the engine wrote there: it must look now
+        self._wake_engine()
+        rooms, self.rooms = self.rooms, set()
+        self.on_fail(rooms, reason)
+
+    def _stop_reading(self) -> None:
+        if self.loop is not None and self.wake_kvd >= 0:
+            with contextlib.suppress(Exception):
+                self.loop.remove_reader(self.wake_kvd)
+
+    def close(self) -> None:
+        """The connection dropped (or kvd stops): mark the rings closed, stop reading,
+        release the memfd and eventfds."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop_reading()
+        with contextlib.suppress(Exception):
+            self.sub.close()
+            self.comp.close()
+            self.comp.sleeping = True
+        self._wake_engine()
+        del self.sub, self.comp, self.inbox, self.outbox
+        self._close_fds()
+
+    def _close_fds(self) -> None:
+        if getattr(self, "map", None) is not None:
+            with contextlib.suppress(BufferError):  # a numpy view alive: the GC unmaps
+                self.map.close()
+        for fd in (self.fd, self.wake_kvd, self.wake_engine):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.fd = self.wake_kvd = self.wake_engine = -1
