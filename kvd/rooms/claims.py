@@ -35,6 +35,9 @@ REGION_KINDS = (PAGE, AUX, STATE, WINDOW)
 
 #: ``(room, incarnation)`` of a claim.
 Owner = tuple[int, int]
+#: Regions of one kind a room names at most for the Python path (an aux slot, a state
+#: slot, a few pages); more go through numpy.
+SMALL = 16
 
 
 class Claims:
@@ -63,13 +66,15 @@ class Claims:
         inc)`` (its writes may still land). Raises :class:`RoomError` naming the kind,
         the index, its position and the holding room; claims nothing."""
         for kind, idx in regions.items():
-            if kind not in self.sizes or idx.size == 0:
+            n = self.sizes.get(kind)
+            if n is None or idx.size == 0:
+                continue
+            if idx.size <= SMALL:  # an aux or state slot, a few pages: no numpy per call
+                self._check_small(room, kind, idx.tolist(), n, live)
                 continue
             what = f"room {room} destination {kind}"
-            n = self.sizes[kind]
-            bad = np.flatnonzero((idx < 0) | (idx >= n))
-            if bad.size:
-                k = int(bad[0])
+            if int(idx.min()) < 0 or int(idx.max()) >= n:
+                k = int(np.flatnonzero((idx < 0) | (idx >= n))[0])
                 raise RoomError(f"{what} {int(idx[k])} (position {k}) outside [0, {n})")
             twice = _named_twice(idx)
             if twice is not None:
@@ -91,10 +96,37 @@ class Claims:
     def free(self, owner: Owner, regions: Mapping[str, Pages]) -> None:
         """Drop ``owner``'s claims on ``regions`` (those another room claimed since stay)."""
         for kind, idx in regions.items():
-            if kind not in self.sizes or idx.size == 0 or idx.max(initial=0) >= self.sizes[kind]:
+            n = self.sizes.get(kind)
+            if n is None or idx.size == 0:
                 continue
-            mine = (self._room[kind][idx] == owner[0]) & (self._inc[kind][idx] == owner[1])
-            self._room[kind][idx[mine]] = -1
+            rooms, incs = self._room[kind], self._inc[kind]
+            if idx.size <= SMALL:
+                for i in idx.tolist():
+                    if 0 <= i < n and rooms[i] == owner[0] and incs[i] == owner[1]:
+                        rooms[i] = -1
+                continue
+            if int(idx.max()) >= n:  # named in a pool registered before this one
+                continue
+            mine = (rooms[idx] == owner[0]) & (incs[idx] == owner[1])
+            rooms[idx[mine]] = -1
+
+    def _check_small(self, room: int, kind: str, idx: list[int], n: int,
+                     live: Callable[[int, int], bool]) -> None:
+        """:meth:`check` of one kind's few indices, in Python (same refusals)."""
+        what = f"room {room} destination {kind}"
+        seen: dict[int, int] = {}
+        for k, i in enumerate(idx):
+            if not 0 <= i < n:
+                raise RoomError(f"{what} {i} (position {k}) outside [0, {n})")
+            if i in seen:
+                raise RoomError(f"{what} {i} is named twice (positions {seen[i]} and {k}): a "
+                                f"room's regions must be distinct")
+            seen[i] = k
+        rooms, incs = self._room[kind], self._inc[kind]
+        for k, i in enumerate(idx):
+            other = int(rooms[i])
+            if other >= 0 and live(other, int(incs[i])):
+                raise RoomError(_held(room, kind, i, k, other))
 
     def holders(self, kind: str) -> dict[int, Owner]:
         """``index -> owner`` of every claimed region of ``kind`` (tests, diagnostics)."""
@@ -117,9 +149,13 @@ class Claims:
         for o, i in held:
             mask |= (owners[named] == o) & (incs[named] == i)
         k = int(named[np.flatnonzero(mask)[0]])  # the first position a live room holds
-        raise RoomError(f"room {room} destination {kind} {int(idx[k])} (position {k}) is held "
-                        f"by room {int(owners[k])}, which is live on this decode rank (its "
-                        f"writes may still land): two live rooms must not name one {kind}")
+        raise RoomError(_held(room, kind, int(idx[k]), k, int(owners[k])))
+
+
+def _held(room: int, kind: str, index: int, position: int, other: int) -> str:
+    return (f"room {room} destination {kind} {index} (position {position}) is held by room "
+            f"{other}, which is live on this decode rank (its writes may still land): two "
+            f"live rooms must not name one {kind}")
 
 
 def _named_twice(idx: Pages) -> tuple[int, int, int] | None:

@@ -591,7 +591,7 @@ class ReceiverRooms:
         """Every destination region a room names, by kind (int64 indices each)."""
         one = np.array([aux_index, state_index], dtype=np.int64)
         return {PAGE: pages, AUX: one[:1], STATE: one[1:] if state_index >= 0 else one[:0],
-                WINDOW: unpack_indices(window_pages)}
+                WINDOW: unpack_indices(window_pages) if window_pages else one[:0]}
 
     def _claim(self, r: ReceiverRoom, regions: dict[str, Pages], now: float) -> None:
         """Record ``r`` as the writer of ``regions``; RoomError naming the first region

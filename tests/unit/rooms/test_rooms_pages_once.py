@@ -223,3 +223,21 @@ def test_k16_a_room_of_more_pages_than_a_room_pages_message_carries_is_refused_a
     with pytest.raises(RoomError, match=f"more than the {control.MAX_ROOM_PAGES}"):
         d.init(1, pack_indices(too_many), 0, 0.0)
     d.init(1, pack_indices(too_many[:-1]), 0, 0.0)
+
+
+@pytest.mark.parametrize("n", [3, 20])  # the Python path and the numpy path of the table
+def test_k42_rooms_of_few_and_many_pages_are_refused_alike(n: int) -> None:
+    d = hybrid()
+    init(d, 1, list(range(n)), aux=0, window=list(range(n % WINDOW_POOL)))
+    d.create(2, BOOT, None, 0.0)
+    with pytest.raises(RoomError, match=rf"destination page {n - 1} \(position 1\) is held "
+                                        r"by room 1"):
+        init(d, 2, [n + 1, n - 1, n + 2], aux=1)
+    twice = [*range(n, 2 * n), n]
+    with pytest.raises(RoomError, match=rf"page {n} is named twice \(positions 0 and {n}\)"):
+        init(d, 2, twice, aux=1)
+    with pytest.raises(RoomError, match=rf"page {POOL} \(position {n}\) outside \[0, {POOL}\)"):
+        d.claims.check(2, {"page": np.array([*range(n, 2 * n), POOL])}, lambda r, i: True)
+    init(d, 2, list(range(n, 2 * n)), aux=1)
+    d.clear(1, 0.0)
+    assert not set(d.claims.holders("page")) & set(range(n))  # freed
