@@ -80,7 +80,7 @@ def run(console: Console, rooms: int = 150, room_mib: int = 32, repeats: int = 3
             senders = []
             for k in range(rooms):
                 room, dst = first + k, np.arange(k * room_pages, (k + 1) * room_pages)
-                Receiver(d.client, room, boot).init(dst, 0)
+                Receiver(d.client, room, boot).init(dst, int(dst[0]))  # own aux (K42)
                 s = Sender(p.client, room)
                 s.init(room_pages, 0)
                 senders.append((s, dst))

@@ -442,7 +442,7 @@ def _healthy_rooms(p: Any, d: Any, bootstrap: str, first: int, count: int,
         now = time.monotonic()
         while i < count and now >= t0 + i / rate:
             room = first + i
-            Receiver(d.client, room, bootstrap).init([room % 512], 0)
+            Receiver(d.client, room, bootstrap).init([room % 512], room % 512)
             s = Sender(p.client, room)
             s.init(1, 0)
             s.send([room % 512])

@@ -294,7 +294,9 @@ class Settings(BaseSettings):
              "slot within their retry budget, so thousands of addresses cannot flood the loop "
              "that answers /health")
     max_frame_bytes: int = _setting(64 << 20, ge=1024, unit="bytes",
-                                    help="largest control or RPC frame accepted")
+                                    help="largest control or RPC frame accepted; at least the "
+                                         "protocol's largest control message (about 4.75 "
+                                         "MiB): a smaller cap would drop peers' real messages")
     transient_retry_s: float = _setting(
         1.0, ge=0, unit="s",
         help="how long a refused transfer batch is retried (never past the room's deadline)")
@@ -470,6 +472,7 @@ class Settings(BaseSettings):
                 self.cluster_secret_file is not None:
             problems.append("set cluster_secret or cluster_secret_file, not both")
         problems += _etcd_problems(self)
+        problems += _frame_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
         return self
@@ -488,6 +491,21 @@ def etcd_endpoint_list(text: str) -> list[str]:
                              f"(e.g. http://127.0.0.1:2379)")
         out.append(item.rstrip("/"))
     return out
+
+
+def _frame_problems(s: Settings) -> list[str]:
+    """A control frame cap below the protocol's largest real message would make this daemon
+    drop, unread and unanswered, messages its peers send within the protocol (a room would
+    wait for its deadline, K16); at or above it every peer accepts the same frames
+    (:func:`kvd.protocol.control.max_frame`, the same on every peer of a wire version), so
+    peers need not exchange their caps."""
+    from kvd.protocol import control  # the bound is derived from the message types (~20 ms)
+
+    most = control.max_frame()
+    if s.max_frame_bytes < most:
+        return [f"max_frame_bytes = {s.max_frame_bytes} is below the largest control message "
+                f"a peer may send ({most} bytes): set it to at least that"]
+    return []
 
 
 def _etcd_problems(s: Settings) -> list[str]:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvd.bootstrap.guard import RELEASE_PATH, RequestGuard
-from kvd.bootstrap.ratelimit import TokenBucket
+from kvd.bootstrap.ratelimit import SourceBuckets
 from kvd.bootstrap.table import (
     BootstrapTable,
     Conflict,
@@ -91,11 +91,12 @@ def create_app(health: Callable[[], dict[str, Any]], table: BootstrapTable | Non
 
 def _add_release_api(app: FastAPI, release: Callable[[ReleaseRequest], ReleaseAnswer],
                      clock: Callable[[], float]) -> None:
-    bucket = TokenBucket()
+    buckets = SourceBuckets()  # per source address, and a shared backstop
 
     @app.post(RELEASE_PATH, include_in_schema=False)
     async def post_release(request: Request) -> Response:
-        if not bucket.take(clock()):
+        source = request.client.host if request.client is not None else ""
+        if not buckets.take(source, clock()):
             return JSONResponse({"error": "too many releases: retry later"}, status_code=429,
                                 headers={"Retry-After": "1"})
         try:

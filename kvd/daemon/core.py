@@ -23,7 +23,7 @@ from kvd.bootstrap import client as signed_http
 from kvd.config import Settings
 from kvd.control.inbound import Answer, Misaddressed
 from kvd.control.peers import ControlPlane, PeerSendError
-from kvd.errors import RegistrationError
+from kvd.errors import ProtocolError, RegistrationError
 from kvd.hostid import host_identity
 from kvd.logs import fields
 from kvd.memory import EngineMemory, Importer, import_engine
@@ -80,6 +80,28 @@ class Counters:
     releases_ended: int = 0
     releases_refused: int = 0
     releases_unknown: int = 0
+
+
+#: Control frames at least this long (bytes) are decoded once before they leave: only a
+#: bulk field (page lists, buffers, aux payloads) can break one of the protocol's field
+#: bounds (S19), and any such break makes the frame this long.
+CHECK_FRAMES_FROM = 64 << 10
+
+
+def undeliverable(frame: bytes, cap: int) -> str | None:
+    """Why no peer would act on control ``frame`` (None: it would). Every peer drops a
+    frame longer than ``cap`` bytes unread (ZMQ ``MAXMSGSIZE``) and refuses one with a
+    field past its bound as malformed (case S19), without answering either: a room whose
+    message it is would wait for its deadline (K16), so the sender checks first."""
+    if len(frame) > cap:
+        return (f"the {len(frame)}-byte control frame exceeds the {cap}-byte frame every "
+                f"peer accepts (the protocol's largest real message, S19)")
+    if len(frame) >= CHECK_FRAMES_FROM:
+        try:
+            control.decode_many(frame, cap)
+        except ProtocolError as exc:
+            return f"a peer would refuse the control frame as malformed: {exc}"
+    return None
 
 
 @dataclass
@@ -161,9 +183,14 @@ class Core:
                    ) -> bool:
         """Send a control message now, sealed for ``instance`` (else the instance learned
         for ``endpoint``); returns False (logged) if the peer is unreachable or its
-        instance is unknown."""
+        instance is unknown. Raises :class:`ProtocolError` naming why, sending nothing, for
+        a message no peer would act on (:func:`undeliverable`, K16)."""
+        frame = control.encode(msg)
+        why = undeliverable(frame, self.frame_cap())
+        if why is not None:
+            raise ProtocolError(f"{type(msg).__name__} to {endpoint} not sent: {why}")
         try:
-            await self.control.send(endpoint, control.encode(msg), instance)
+            await self.control.send(endpoint, frame, instance)
             return True
         except PeerSendError as exc:
             log.warning("%s", exc, extra=fields(peer=endpoint))
@@ -207,7 +234,10 @@ class Core:
         try:
             while box.queue:
                 instance = box.queue[0][1]
-                n, frame = self._batch(box, instance)
+                n, frame, why = self._batch(box, instance)
+                if why is not None:  # one message no peer would take: its room hears why
+                    self._undeliverable(box, why)
+                    continue
                 try:
                     await self.control.send(box.endpoint, frame, instance)
                 except PeerSendError as exc:
@@ -224,22 +254,41 @@ class Core:
             if self.outboxes.get(box.endpoint) is box:
                 del self.outboxes[box.endpoint]
 
-    def _batch(self, box: Outbox, instance: str | None) -> tuple[int, bytes]:
-        """``(n, frame)``: the first ``n`` messages of ``box`` as one frame -- those sealed
-        for the same ``instance`` (one seal per frame), at most ``MAX_BATCH``, and no more
-        than fit in ``max_frame_bytes`` nor the largest real message (a batch of long page
-        lists is split: a peer refuses a larger frame unread, S19)."""
+    def frame_cap(self) -> int:
+        """The longest control frame (bytes) a peer accepts: ``max_frame_bytes``, which the
+        configuration keeps at or above the protocol's largest real message, and that
+        message (:func:`kvd.protocol.control.max_frame`, the same on every peer of a wire
+        version)."""
+        return min(self.settings.max_frame_bytes, control.max_frame())
+
+    def _batch(self, box: Outbox, instance: str | None) -> tuple[int, bytes, str | None]:
+        """``(n, frame, why)``: the first ``n`` messages of ``box`` as one frame -- those
+        sealed for the same ``instance`` (one seal per frame), at most ``MAX_BATCH``, and no
+        more than a peer takes (:meth:`frame_cap`; a batch of long page lists is split: a
+        peer refuses a larger frame unread, S19). ``why``: None, or why no peer would take
+        the first message alone (``n`` is 1 then, :func:`undeliverable`)."""
         msgs: list[ControlMessage] = []
         for msg, inst, _ in itertools.islice(box.queue, control.MAX_BATCH):
             if inst != instance:
                 break
             msgs.append(msg)
         frame = control.encode_many(msgs)
-        cap = min(self.settings.max_frame_bytes, control.max_frame())
-        while len(msgs) > 1 and len(frame) > cap:
+        cap = self.frame_cap()
+        why = undeliverable(frame, cap)
+        while len(msgs) > 1 and why is not None:
             msgs = msgs[:len(msgs) // 2]
             frame = control.encode_many(msgs)
-        return len(msgs), frame
+            why = undeliverable(frame, cap)
+        return len(msgs), frame, why
+
+    def _undeliverable(self, box: Outbox, why: str) -> None:
+        """Drop the first message of ``box`` (no peer would act on it) and tell whoever
+        queued it, at once (its room fails naming why, K16), not at its deadline."""
+        msg, _, on_fail = box.queue.popleft()
+        reason = f"{type(msg).__name__} to {box.endpoint} not sent: {why}"
+        log.error("%s", reason, extra=fields(peer=box.endpoint))
+        if on_fail is not None:
+            on_fail(reason)
 
     @staticmethod
     def _fail_queue(box: Outbox, reason: str) -> None:

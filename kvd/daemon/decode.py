@@ -32,6 +32,7 @@ from kvd.errors import (
     ClockSkew,
     KvdError,
     PeerUnreachable,
+    ProtocolError,
     RegistrationError,
     RoomError,
 )
@@ -54,7 +55,7 @@ from kvd.rooms.effects import AbortUnknown, Effect, Resolve, Send, WriteAux
 from kvd.rooms.receiver import ReceiverRooms, Target
 from kvd.rooms.state import UNKNOWN_ROOM, FailureKind, KVPoll, RoomFailure
 from kvd.schemas import Peer, Room
-from kvd.transfer.kvargs import RankArgs
+from kvd.transfer.kvargs import RankArgs, state_region_counts
 
 log = logging.getLogger("kvd.decode")
 
@@ -448,7 +449,12 @@ class DecodeSide(Side):
         msg = control.RegisterRank(self.core.instance_id, self.core.control.endpoint,
                                    ranks.attn_tp_rank, ranks.attn_tp_size, local.wire, pool)
         self.refused_full.pop(endpoint, None)  # this registration may be held: its answer says
-        if not await self.core.send(endpoint, msg, instance):  # sealed for that instance
+        try:
+            sent = await self.core.send(endpoint, msg, instance)  # sealed for that instance
+        except ProtocolError as exc:  # no peer would take it: the rooms fail now (K16)
+            raise RegistrationError(f"this rank's registration cannot go to {endpoint}: "
+                                    f"{exc}") from exc
+        if not sent:
             raise PeerUnreachable(f"cannot reach prefill rank {endpoint}")
         self.registered[endpoint] = instance
         self.last_sent[endpoint] = self.core.clock()
@@ -683,8 +689,9 @@ class DecodeSide(Side):
             self.rooms.forget_rooms()
         self.registered.clear()
         self.last_sent.clear()
+        slots, window = state_region_counts(args.wire)
         self.rooms.engine_registered(args.num_pages, args.num_aux_slots,
-                                     tuple(int(n) for n in args.aux_item_lens))
+                                     tuple(int(n) for n in args.aux_item_lens), slots, window)
 
     async def drain_done(self) -> None:
         """Nothing to deregister: a decode rank is not in any bootstrap table."""

@@ -23,15 +23,19 @@ class StandInPool:
     """KV/aux pools for one engine rank and their registration (no connection).
 
     ``kv[b]`` is a uint8 view ``[num_pages, item_len]`` of buffer ``b``;
-    ``aux`` a uint8 view ``[aux_slots, aux_item_len]``. ``pool``: ``"shm"`` (a /dev/shm
-    file kvd opens by name) or ``"fd"`` (a sealed memfd passed with SCM_RIGHTS).
+    ``aux`` a uint8 view ``[aux_slots, aux_item_len]`` (``aux_slots`` None: ``num_pages``).
+    ``pool``: ``"shm"`` (a /dev/shm file kvd opens by name) or ``"fd"`` (a sealed memfd
+    passed with SCM_RIGHTS).
     """
 
     def __init__(self, num_layers: int = 4, num_pages: int = 256, item_len: int = 4096,
-                 aux_slots: int = 16, aux_item_len: int = 64, seed: int = 0,
+                 aux_slots: int | None = None, aux_item_len: int = 64, seed: int = 0,
                  page_size: int = 16, head_dim: int = 64, dtype_size: int = 2,
                  shm_dir: str = "/dev/shm", pool: str = "shm") -> None:
         self.num_layers, self.num_pages, self.item_len = num_layers, num_pages, item_len
+        # as many aux slots as pages by default: a room may take the slot of its first page,
+        # so rooms on distinct pages have distinct slots (two live rooms never share one, K42)
+        aux_slots = num_pages if aux_slots is None else aux_slots
         n_bufs = 2 * num_layers
         size = ShmPool.size_for([num_pages * item_len] * n_bufs + [aux_slots * aux_item_len])
         self.pool: ShmPool | FdPool = (FdPool(size) if pool == "fd"
@@ -91,9 +95,13 @@ def wait_rooms(client: KvdClient, rooms: list[int], timeout: float = 30.0,
 
 def transfer_room(prefill: EngineStandIn, decode: EngineStandIn, bootstrap_addr: str,
                   room: int, src: npt.ArrayLike, dst: npt.ArrayLike, chunk: int,
-                  aux_src: int = 0, aux_dst: int = 0) -> tuple[Sender, Receiver]:
-    """Start room ``room``: receiver init, then the sender's chunks of ``chunk`` pages."""
-    src_a = np.asarray(src)
+                  aux_src: int = 0, aux_dst: int | None = None) -> tuple[Sender, Receiver]:
+    """Start room ``room``: receiver init, then the sender's chunks of ``chunk`` pages.
+    ``aux_dst`` None: the decode's slot of the room's first destination page (modulo its
+    slots), so live rooms on distinct pages have distinct aux slots (K42)."""
+    src_a, dst_a = np.asarray(src), np.asarray(dst)
+    if aux_dst is None:
+        aux_dst = int(dst_a.flat[0]) % len(decode.aux) if dst_a.size else 0
     recv = Receiver(decode.client, room, bootstrap_addr)
     recv.init(dst, aux_dst)
     send = Sender(prefill.client, room)

@@ -23,10 +23,12 @@ Rules this module guarantees (tested in ``tests/unit/rooms``):
   that no write is in flight (``quiesced``), or ``release`` seconds after the write
   bound every target was given (``RoomPages.write_within``), which the prefill side
   enforces too (K06, K22). ``clear`` refuses a room whose pages are not releasable.
-* **Pages written once (K42).** A room's destination pages are distinct, and no page
-  is named by two rooms of this rank whose pages are not releasable: ``init`` refuses
-  either, naming the page (and the room holding it). Pages of a releasable room (ended,
-  nothing in flight) are free for the next room.
+* **Every region written by one room (K42).** A room's destination regions -- KV pages,
+  its aux slot and, for hybrid models, its state slot and window pages -- are distinct,
+  and no region is named by two rooms of this rank whose pages are not releasable:
+  ``init`` refuses either, naming the region kind, the index and the room holding it
+  (one claim table keyed by ``(region kind, index)``, :class:`~kvd.rooms.claims.Claims`).
+  A releasable room's regions (ended, nothing in flight) are free for the next room.
 * **Termination.** Every non-terminal room has a deadline (:class:`Timeouts`);
   :meth:`ReceiverRooms.tick` fails it when passed, whatever happened to the tasks
   performing its effects; a failed send fails its room at once (K32).
@@ -54,10 +56,11 @@ import numpy as np
 from kvd.errors import LayoutError, ProtocolError, RoomError
 from kvd.protocol import control
 from kvd.protocol.codec import unpack_indices
+from kvd.rooms.claims import AUX, PAGE, STATE, WINDOW, Claims
 from kvd.rooms.deadlines import Deadlines, Key, after
 from kvd.rooms.effects import AbortUnknown, Effect, Ended, Resolve, Send, Wake, WriteAux
 from kvd.rooms.state import TERMINAL, FailureKind, KVPoll, RoomFailure, Timeouts
-from kvd.transfer.plan import Pages, check_distinct, check_page_range
+from kvd.transfer.plan import Pages, check_page_range
 
 ORIGIN = "decode"
 
@@ -99,6 +102,7 @@ class ReceiverRoom:
     write_deadline: float | None = None
     release_seen: bool = False
     via: str | None = None   # instance named by the bootstrap lookup it was resolved from
+    regions: dict[str, Pages] = field(default_factory=dict)  # claimed at init, by kind
 
     @property
     def done(self) -> bool:
@@ -148,7 +152,8 @@ class ReceiverRooms:
     :meth:`on_status`, :meth:`peer_lost`. Time: :meth:`tick`. Each returns the
     effects to perform, in order; engine events raise :class:`RoomError` for calls
     the engine got wrong (with the effects of whatever the call still changed).
-    ``num_pages``, ``num_aux_slots`` and ``aux_sizes`` (bytes per aux item, per buffer)
+    ``num_pages``, ``num_aux_slots``, ``aux_sizes`` (bytes per aux item, per buffer),
+    ``num_state_slots`` and ``num_window_pages`` (hybrid models; 0: none registered)
     describe the local pool once the engine registered.
     """
 
@@ -160,14 +165,15 @@ class ReceiverRooms:
         self.num_pages = 0
         self.num_aux_slots = 0
         self.aux_sizes: tuple[int, ...] = ()
+        self.num_state_slots = 0
+        self.num_window_pages = 0
         self.rooms: dict[int, ReceiverRoom] = {}
         self.dropped: Counter[str] = Counter()
         self._incs = itertools.count(first_inc if first_inc is not None else
                                      first_incarnation(instance))
-        # Page -> (room, incarnation) that last named it; checked lazily against the
-        # room's releasability, so it needs no update when a room's pages free up.
-        self._owner_room = np.zeros(0, dtype=np.int64)
-        self._owner_inc = np.zeros(0, dtype=np.int64)
+        # (region kind, index) -> (room, incarnation) that last named it; checked lazily
+        # against the room's releasability, so it needs no update when regions free up.
+        self.claims = Claims()
         self.released = False  # the engine's pool is going away (engine_released)
         #: rooms whose :meth:`poll` answer may have changed since :meth:`take_changed`
         self.changed: set[int] = set()
@@ -202,10 +208,12 @@ class ReceiverRooms:
     def init(self, room: int, dst_pages: bytes, aux_index: int, now: float,
              first_page: int = 0, state_index: int = -1,
              window_pages: bytes = b"") -> list[Effect]:
-        """``receiver.init``: destination pages (int32 LE bytes), aux slot, and the first
-        room page they receive (``first_page``: the pages before it are already here).
-        Raises RoomError for an unknown room, a second init, an index out of range, a page
-        named twice, or a page a live room of this rank holds (K42)."""
+        """``receiver.init``: destination pages (int32 LE bytes), aux slot, the first
+        room page they receive (``first_page``: the pages before it are already here) and,
+        for hybrid models, the state slot (-1: none) and window pages (int32 LE bytes).
+        Raises RoomError for an unknown room, a second init, an index out of range, more
+        pages than a RoomPages carries, a region named twice, or a region (page, aux slot,
+        state slot, window page) a live room of this rank holds (K42)."""
         r = self._room(room)
         if first_page < 0:
             raise RoomError(f"room {room}: first_page {first_page} < 0")
@@ -225,11 +233,10 @@ class ReceiverRooms:
         if len(window_pages) % 4 or len(window_pages) > 4 * control.MAX_WINDOW_PAGES:
             raise RoomError(f"room {room}: window pages must be at most "
                             f"{control.MAX_WINDOW_PAGES} int32 indices")
-        try:
-            check_distinct(pages, f"room {room} destination")
-        except LayoutError as exc:
-            raise RoomError(str(exc)) from exc
-        self._claim(r, pages, now)
+        if pages.size > control.MAX_ROOM_PAGES:  # no peer would take its RoomPages (K16)
+            raise RoomError(f"room {room}: {pages.size} destination pages, more than the "
+                            f"{control.MAX_ROOM_PAGES} one room may name")
+        self._claim(r, self._regions(pages, aux_index, state_index, window_pages), now)
         r.dst_pages, r.pages, r.aux_index, r.first_page = dst_pages, pages, aux_index, first_page
         r.state_index, r.window_pages = state_index, window_pages
         out: list[Effect] = []
@@ -298,15 +305,17 @@ class ReceiverRooms:
         self.rooms.clear()
         self._by_addr.clear()
         self.deadlines.clear()
-        self._owner_room = self._owner_room[:0]  # the memory they named is gone
-        self.num_pages = self.num_aux_slots = 0
+        self.num_pages = self.num_aux_slots = self.num_state_slots = self.num_window_pages = 0
         self.aux_sizes = ()
+        self.claims.reset({})  # the memory they named is gone
 
     def engine_registered(self, num_pages: int, num_aux_slots: int,
-                          aux_sizes: tuple[int, ...]) -> None:
+                          aux_sizes: tuple[int, ...], num_state_slots: int = 0,
+                          num_window_pages: int = 0) -> None:
         """The engine registered a pool (again): its size (pages, aux slots, bytes per aux
-        item per buffer); rooms can be created again."""
+        item per buffer, state slots, window pages); rooms can be created again."""
         self.num_pages, self.num_aux_slots, self.aux_sizes = num_pages, num_aux_slots, aux_sizes
+        self.num_state_slots, self.num_window_pages = num_state_slots, num_window_pages
         self.released = False
 
     # ---- results ----------------------------------------------------------------------
@@ -577,30 +586,29 @@ class ReceiverRooms:
             raise RoomError(f"unknown room {room} on this decode rank")
         return r
 
-    def _claim(self, r: ReceiverRoom, pages: Pages, now: float) -> None:
-        """Record ``r`` as the writer of ``pages``; RoomError naming the first page that a
-        room whose pages are not releasable still holds (two rooms writing one page: one
-        room's KV silently lost, K42)."""
-        if self._owner_room.size != self.num_pages:  # (re)registered: a fresh table
-            self._owner_room = np.full(self.num_pages, -1, dtype=np.int64)
-            self._owner_inc = np.zeros(self.num_pages, dtype=np.int64)
-        owners = self._owner_room[pages]
-        named = np.flatnonzero(owners >= 0)
-        if named.size:
-            incs = self._owner_inc[pages[named]]
-            for room, inc in {(int(a), int(b)) for a, b in zip(owners[named].tolist(),
-                                                               incs.tolist(), strict=True)}:
-                other = self.rooms.get(room)
-                if other is None or other.inc != inc or other is r or \
-                        other.releasable(now, self.timeouts):
-                    continue
-                k = int(named[np.flatnonzero((owners[named] == room) & (incs == inc))[0]])
-                raise RoomError(f"room {r.room} destination page {int(pages[k])} (position "
-                                f"{k}) is held by room {room}, which is live on this decode "
-                                f"rank (its pages are not releasable): two rooms' pages must "
-                                f"not overlap")
-        self._owner_room[pages] = r.room
-        self._owner_inc[pages] = r.inc
+    def _regions(self, pages: Pages, aux_index: int, state_index: int,
+                 window_pages: bytes) -> dict[str, Pages]:
+        """Every destination region a room names, by kind (int64 indices each)."""
+        one = np.array([aux_index, state_index], dtype=np.int64)
+        return {PAGE: pages, AUX: one[:1], STATE: one[1:] if state_index >= 0 else one[:0],
+                WINDOW: unpack_indices(window_pages) if window_pages else one[:0]}
+
+    def _claim(self, r: ReceiverRoom, regions: dict[str, Pages], now: float) -> None:
+        """Record ``r`` as the writer of ``regions``; RoomError naming the first region
+        that is named twice or that a room whose pages are not releasable still holds (two
+        rooms writing one region: one room's KV, state or first token silently lost, K42)."""
+        sizes = {PAGE: self.num_pages, AUX: self.num_aux_slots, STATE: self.num_state_slots,
+                 WINDOW: self.num_window_pages}
+        if self.claims.sizes != {k: n for k, n in sizes.items() if n > 0}:
+            self.claims.reset(sizes)  # (re)registered: a fresh table
+
+        def live(room: int, inc: int) -> bool:
+            other = self.rooms.get(room)
+            return other is not None and other.inc == inc and other is not r and \
+                not other.releasable(now, self.timeouts)
+
+        self.claims.claim((r.room, r.inc), regions, live)
+        r.regions = regions
 
     def _touch(self, r: ReceiverRoom) -> None:
         """``r`` changed: its poll may answer otherwise, and its next look may be due
@@ -616,14 +624,12 @@ class ReceiverRooms:
                 del self._by_addr[r.bootstrap_addr]
 
     def _forget(self, r: ReceiverRoom) -> None:
-        """Drop ``r`` from the table and free the pages it still names."""
+        """Drop ``r`` from the table and free the regions it still names."""
         del self.rooms[r.room]
         self._unindex(r)
         self.deadlines.forget(r.room, r.inc)
         self.changed.add(r.room)
-        if r.pages is not None and r.pages.size and self._owner_room.size == self.num_pages:
-            mine = (self._owner_room[r.pages] == r.room) & (self._owner_inc[r.pages] == r.inc)
-            self._owner_room[r.pages[mine]] = -1
+        self.claims.free((r.room, r.inc), r.regions)
 
     def _current(self, room: int, inc: int) -> ReceiverRoom | None:
         r = self.rooms.get(room)

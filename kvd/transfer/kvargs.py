@@ -129,3 +129,19 @@ def check_compatible(src: RankArgs, dst: RankArgs) -> None:
         problems.append(f"aux item len mismatch {a.aux_item_lens} vs {b.aux_item_lens}")
     if problems:
         raise RegistrationError("incompatible KV args (prefill vs decode): " + "; ".join(problems))
+
+
+def state_region_counts(wire: KVArgsWire) -> tuple[int, int]:
+    """``(state slots, window pages)`` a hybrid rank registered: whole slots every state
+    buffer holds, whole pages every window buffer holds (0 each without state or a window
+    pool). What the decode claims per room (K42, :mod:`kvd.rooms.claims`)."""
+    if wire.state is None:
+        return 0, 0
+    spec, lens = wire.state.spec, wire.state.lens
+    n = len(spec.buffers)
+    slots = min((int(m) // b.slot_bytes for b, m in zip(spec.buffers, lens, strict=False)
+                 if b.slot_bytes > 0), default=0)
+    items = [] if spec.window is None else spec.window.item_lens
+    pages = min((int(m) // int(i) for i, m in zip(items, lens[n:], strict=False) if i > 0),
+                default=0)
+    return slots, pages

@@ -207,14 +207,21 @@ class Engine:
                                            is_last=last and i + step >= len(pages)))
 
     async def receiver(self, room: int, pages: list[int] | None, bootstrap: str,
-                       aux: int = 0, dp_rank: int | None = None) -> None:
+                       aux: int | None = None, dp_rank: int | None = None) -> None:
         await self.call(rpc.ReceiverCreate(room=room, bootstrap_addr=bootstrap, dp_rank=dp_rank))
         if pages is not None:
             await self.init(room, pages, aux)
 
-    async def init(self, room: int, pages: list[int], aux: int = 0) -> None:
+    async def init(self, room: int, pages: list[int], aux: int | None = None) -> None:
+        """``receiver.init``; ``aux`` None: the room's own aux slot, ``room`` modulo the
+        pool's slots (as a real engine, which gives each live request its own, K42)."""
         await self.call(rpc.ReceiverInit(room=room, dst_pages=pack_indices(pages),
-                                         aux_index=aux))
+                                         aux_index=self.aux_slot(room) if aux is None else aux))
+
+    def aux_slot(self, room: int) -> int:
+        """The aux slot room ``room`` gets by default: ``room`` modulo the pool's slots."""
+        aux = getattr(self.pool, "aux", None)
+        return room % max(1, len(aux) if aux is not None else 1)
 
     async def poll(self, room: int) -> rpc.PollResult:
         return await self.call(rpc.Poll(rooms=[room]))
@@ -314,7 +321,7 @@ class Node:
 
     async def engine(self, seed: int = 0, engine_id: str = "", **pool: Any) -> Engine:
         """Register a stand-in engine (pools in the cluster's shm dir)."""
-        opts = {"num_layers": 2, "num_pages": 32, "item_len": 1024, "aux_slots": 8,
+        opts = {"num_layers": 2, "num_pages": 32, "item_len": 1024, "aux_slots": 64,
                 "aux_item_len": 16, "page_size": 4, "head_dim": 64} | pool
         sp = StandInPool(seed=seed, shm_dir=str(self.cluster.shm_dir), **opts)
         if engine_id:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvd.protocol import control
-from tests.inproc.harness import SUCCESS, Cluster, same_pages, settle, until
+from tests.inproc.harness import FAILED, SUCCESS, Cluster, same_pages, settle, until
 
 
 async def test_queued_room_messages_travel_as_batch_frames_in_order(cluster: Cluster) -> None:
@@ -82,3 +82,38 @@ async def test_a_batch_too_large_for_one_frame_is_split(cluster: Cluster) -> Non
                                                        instance_id="x"), instance="a")
     await until(lambda: len(sizes) >= 5 and not core.outboxes)
     assert all(s <= core.settings.max_frame_bytes for s in sizes)
+
+
+async def test_k16_a_room_whose_pages_no_peer_would_take_fails_at_once_naming_why(
+        cluster: Cluster) -> None:
+    """A peer drops a frame longer than its cap unread and unanswered (S19). The sender
+    checks each frame against the cap every peer accepts before it leaves: the room whose
+    RoomPages would not fit fails at once, naming the sizes, instead of waiting for its
+    deadline; a neighbour room on the same peer still moves. (The test lowers both sides'
+    caps to a few pages, standing for the protocol's largest message.)"""
+    p = await cluster.node("prefill")
+    d = await cluster.node("decode")
+    pe, de = await p.engine(seed=1), await d.engine(seed=2)
+    await de.receiver(1, [0], p.http_addr)  # registered with the prefill rank first
+    await pe.sender(1, [0])
+    await settle(cluster)
+    assert await de.status(1) == SUCCESS
+    core, peer = d.daemon.core, p.daemon.core
+    assert core is not None and peer is not None and peer.control.inbound is not None
+
+    def pages_frame(n: int) -> int:
+        return len(control.encode(control.RoomPages(
+            room=2, inc=2**40, endpoint=core.control.endpoint, instance_id=core.instance_id,
+            dst_pages=b"\x01" * (4 * n), aux_index=2, write_within=60.0)))
+
+    cap = (pages_frame(2) + pages_frame(20)) // 2
+    core.settings.max_frame_bytes = peer.control.inbound.max_frame = cap
+    clock = cluster.clock.now
+    await de.receiver(2, list(range(1, 21)), p.http_addr)  # 20 pages: over the cap
+    await de.receiver(3, [21, 22], p.http_addr)            # 2 pages: fits
+    await pe.sender(3, [5, 6])
+    await settle(cluster)
+    assert await de.status(2) == FAILED and cluster.clock.now == clock  # at once
+    kind, reason = await de.failure(2)
+    assert "RoomPages" in reason and f"exceeds the {cap}-byte frame" in reason, (kind, reason)
+    assert await de.status(3) == SUCCESS and same_pages(de, pe, [5, 6], [21, 22])

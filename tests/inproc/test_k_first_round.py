@@ -386,9 +386,9 @@ async def test_k19_sends_to_a_dead_or_frozen_prefill_fail_in_bounded_time(
     else:
         await p1.stop()
         cluster.bus.dead.add(p1.endpoint)
-    for room in range(100, 150):
-        await de.receiver(room, [room - 90], p1.http_addr)
-    await de.receiver(7, [7], p2.http_addr)
+    for room in range(100, 150):  # an aux slot of its own each, too (K42)
+        await de.receiver(room, [room - 90], p1.http_addr, aux=room - 90)
+    await de.receiver(7, [7], p2.http_addr, aux=7)
     await e2.sender(7, [8])
     await settle(cluster)
     for _ in range(d.daemon.settings.heartbeat_max_failures):

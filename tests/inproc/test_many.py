@@ -107,10 +107,10 @@ async def test_many_moves_rooms_byte_exact(cluster: Cluster) -> None:
     rooms = list(range(10, 18))
     res = await de.call(rpc.Many(calls=[c for r in rooms for c in (
         rpc.ReceiverCreate(room=r, bootstrap_addr=p.http_addr),
-        rpc.ReceiverInit(room=r, dst_pages=pack_indices([r - 10]), aux_index=r % 4))]))
+        rpc.ReceiverInit(room=r, dst_pages=pack_indices([r - 10]), aux_index=r - 10))]))
     assert all(o.ok for o in res.outcomes)
     res = await pe.call(rpc.Many(calls=[c for r in rooms for c in (
-        rpc.SenderCreate(room=r), rpc.SenderInit(room=r, num_pages=1, aux_index=r % 4),
+        rpc.SenderCreate(room=r), rpc.SenderInit(room=r, num_pages=1, aux_index=r - 10),
         rpc.SenderSend(room=r, pages=pack_indices([r + 5]), is_last=True))]))
     assert all(o.ok for o in res.outcomes)
     await settle(cluster)

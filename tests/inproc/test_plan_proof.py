@@ -44,6 +44,26 @@ async def test_k42_overlapping_live_rooms_are_refused_until_the_first_is_done(
     assert await de.status(2) == SUCCESS and same_pages(de, pe, [8, 9], [6, 7])
 
 
+async def test_k42_a_live_rooms_aux_slot_is_refused_and_each_first_token_lands_in_its_own(
+        cluster: Cluster) -> None:
+    """Two live rooms naming one aux slot: the second room's first token would overwrite
+    the first's. The second is refused naming the slot and room 1; with a slot of its own
+    both rooms move, each aux byte for byte in its own slot."""
+    p, _d, pe, de = await pair(cluster)
+    pe.pool.aux[1][:], pe.pool.aux[2][:] = 11, 22
+    await de.receiver(1, [5, 6], p.http_addr, aux=3)
+    with pytest.raises(RoomError, match=r"aux slot 3 \(position 0\) is held by room 1"):
+        await de.receiver(2, [7, 8], p.http_addr, aux=3)
+    await de.init(2, [7, 8], aux=4)
+    await pe.sender(1, [1, 2], aux=1)
+    await pe.sender(2, [3, 4], aux=2)
+    await settle(cluster)
+    assert [await de.status(r) for r in (1, 2)] == [SUCCESS, SUCCESS]
+    assert same_pages(de, pe, [1, 2, 3, 4], [5, 6, 7, 8])
+    assert (de.pool.aux[3] == 11).all() and (de.pool.aux[4] == 22).all()
+    await de.receiver(3, [9], p.http_addr, aux=3)  # room 1 succeeded: its slot is free
+
+
 async def test_k42_send_naming_a_source_page_twice_fails_the_room(cluster: Cluster) -> None:
     p, _d, pe, de = await pair(cluster)
     await de.receiver(3, [1, 2, 3], p.http_addr)

@@ -122,16 +122,21 @@ async def test_i22_pairing_refuses_a_decode_without_state_buffers(cluster: Clust
 
 async def test_i22_a_room_naming_a_state_slot_outside_the_pool_fails_with_layout(
         cluster: Cluster) -> None:
+    """The decode refuses its own slot past the pool at init (K42's claims know the pool);
+    a prefill naming a source slot past its pool fails the room, kind layout."""
     p = await cluster.node("prefill")
     pe = await hybrid(p, SPEC, source=SPEC.truth(1), seed=1)
     d = await cluster.node("decode")
     de = await hybrid(d, SPEC, seed=2)
-    await recv_room(de, 9, p.http_addr, state=SPEC.state_slots)  # one past the last slot
-    await send_room(pe, 9, state=0)
+    with pytest.raises(RoomError, match=r"state slot 4 \(position 0\) outside \[0, 4\)"):
+        await recv_room(de, 9, p.http_addr, state=SPEC.state_slots)  # one past the last slot
+    await de.call(rpc.ReceiverInit(room=9, dst_pages=pack_indices(DST_PAGES), aux_index=0,
+                                   state_index=0, window_pages=pack_indices(DST_WIN)))
+    await send_room(pe, 9, state=SPEC.state_slots)
     await settle(cluster)
     assert await de.status(9) == FAILED
     kind, reason = await de.failure(9)
-    assert kind == "layout" and "destination state index 4 outside the 4 slots" in reason
+    assert kind == "layout" and "state index 4 outside the 4 slots" in reason
 
 
 async def test_i22_window_pages_must_be_whole_int32_indices(cluster: Cluster) -> None:

@@ -78,7 +78,7 @@ def test_k09_aux_slot_reuse_over_the_control_plane(tmp_path: Path) -> None:
         bad_engine = EngineStandIn(bad.socket, seed=5, aux_slots=4, aux_item_len=8)
         try:
             r = Receiver(bad_engine.client, 5000, pair.bootstrap)
-            r.init([1], 0)
+            r.init([1], 1)
             time.sleep(0.3)
             s = Sender(p.client, 5000)
             s.init(1, 0)

@@ -55,7 +55,7 @@ def test_k10_last_chunk_longer_than_destination_fails_only_that_room(room_pair: 
     p, d = room_pair.p_engine, room_pair.d_engine
     room = next(room_ids)
     r = Receiver(d.client, room, room_pair.bootstrap)
-    r.init([10, 11], 0)
+    r.init([10, 11], 10)
     s = Sender(p.client, room)
     s.init(3, 0)
     s.send([20, 21, 22])

@@ -29,7 +29,7 @@ def test_i22_kv_dtype_mismatch_fails_the_first_room_and_never_writes(tmp_path: P
                           compat=Compat(model_id="m", kv_dtype="fp8_e4m3"))
         before = [b.copy() for b in de.buffers]
         r = Receiver(de.client, 1, p.http_addr)
-        r.init(np.array([1, 2]), 0)
+        r.init(np.array([1, 2]), 1)
         s = Sender(pe.client, 1)
         s.init(2, 0)
         s.send(np.array([3, 4]))

@@ -99,7 +99,7 @@ def test_k40_skew_is_measured_and_beyond_the_window_fails_the_room_fast(
             shown.stdout
 
         receiver = Receiver(engines[2].client, 41, boot.http_addr)
-        receiver.init([5], 0)
+        receiver.init([5], 5)
         sender = Sender(engines[0].client, 41)
         sender.init(1, 0)
         deadline = time.monotonic() + 60  # generous; the waiting timeout is 300 s

@@ -68,7 +68,7 @@ def test_etcd_registers_resolves_and_follows_death_and_restart(tmp_path: Path,
 
         rooms = list(range(10, 30))
         for room in rooms:  # bound to the prefill instance, never sent: in flight
-            Receiver(d.client, room, name).init([room], 0)
+            Receiver(d.client, room, name).init([room], room)
         _until("rooms bound", lambda: wait_many(d.client, rooms, 0.1) ==
                [KVPoll.WaitingForInput] * len(rooms))
         prefill.kill(signal.SIGKILL)
@@ -108,7 +108,7 @@ def test_etcd_outage_keeps_rooms_and_registrations_return(tmp_path: Path,
         _until("registered", lambda: _registrations(etcd, prefix))
         transfer_room(p, d, name, 1, [1], [2], chunk=1)
         assert wait_rooms(d.client, [1]) == [KVPoll.Success]
-        Receiver(d.client, 50, name).init([20, 21], 0)  # in flight across the outage
+        Receiver(d.client, 50, name).init([20, 21], 20)  # in flight across the outage
         _until("room 50 bound", lambda: wait_many(d.client, [50], 0.1) ==
                [KVPoll.WaitingForInput])
 
@@ -119,7 +119,7 @@ def test_etcd_outage_keeps_rooms_and_registrations_return(tmp_path: Path,
         assert wait_rooms(d.client, [2]) == [KVPoll.Success]
         assert d.pages_equal(p, [3, 4], [5, 6])
         time.sleep(max(0.0, t_down + view_ttl + 1.0 - time.monotonic()))  # view too old now
-        Receiver(d.client, 3, name).init([9], 0)  # a new lookup: refused, named
+        Receiver(d.client, 3, name).init([9], 9)  # a new lookup: refused, named
         assert wait_rooms(d.client, [3]) == [KVPoll.Failed]
         kind, reason = Receiver.attach(d.client, 3).failure()
         assert kind == "bootstrap" and "etcd unreachable" in reason and \
@@ -165,7 +165,7 @@ def test_etcd_restart_within_the_ttl_is_one_watch_event(tmp_path: Path,
         old = prefill.ready["instance_id"]
         rooms = list(range(10, 20))
         for room in rooms:
-            Receiver(d.client, room, name).init([room], 0)
+            Receiver(d.client, room, name).init([room], room)
         _until("rooms bound", lambda: wait_many(d.client, rooms, 0.1) ==
                [KVPoll.WaitingForInput] * len(rooms))
         prefill.kill(signal.SIGKILL)

@@ -87,7 +87,7 @@ def test_three_hosts_death_and_restart_are_learned_through_etcd(three_hosts: Non
         assert d.pages_equal(p, [1, 2], [3, 4])
         rooms = list(range(100, 120))
         for r in rooms:
-            Receiver(d.client, r, name).init([r], 0)
+            Receiver(d.client, r, name).init([r], r)
         deadline = time.monotonic() + 30
         while wait_many(d.client, rooms, 0.1) != [KVPoll.WaitingForInput] * len(rooms):
             assert time.monotonic() < deadline, "rooms not bound"

@@ -133,7 +133,7 @@ def test_k06_abort_mid_transfer_defers_release(tmp_path: Path) -> None:
         pages = np.arange(64)
         src1 = np.random.default_rng(1).permutation(128)[:64]
         r1 = Receiver(d.client, 1, pair.bootstrap)
-        r1.init(pages, 0)
+        r1.init(pages, int(pages[0]))
         s1 = Sender(p.client, 1)
         s1.init(64, 0)
         before = [b[32:64].copy() for b in d.kv]
@@ -199,7 +199,7 @@ def test_k16_every_state_has_a_deadline(tmp_path: Path) -> None:
         assert 1.0 < time.monotonic() - t0 < 3.0
         assert "timed out in Bootstrapping" in s.failure_reason()
         # D sends pages for a room P never creates: the buffered entry is dropped.
-        Receiver(d.client, 2, pair.bootstrap).init([1], 0)
+        Receiver(d.client, 2, pair.bootstrap).init([1], 1)
         time.sleep(0.5)
         assert health(pair.prefill)["tables"]["pending"] == 1
         time.sleep(2.0)
@@ -207,7 +207,7 @@ def test_k16_every_state_has_a_deadline(tmp_path: Path) -> None:
         # A transfer stuck in Transferring (3 s batches) fails at its 1.5 s deadline, and the
         # late end of the write does not turn it into Success.
         r = Receiver(d.client, 3, pair.bootstrap)
-        r.init([5], 0)
+        r.init([5], 5)
         s3 = Sender(p.client, 3)
         s3.init(1, 0)
         s3.send([6])
@@ -228,7 +228,7 @@ def test_k16_frozen_prefill_fails_waiting_room(tmp_path: Path) -> None:
     p, d = pair.p_engine, pair.d_engine
     try:
         r = Receiver(d.client, 1, pair.bootstrap)
-        r.init([1, 2], 0)
+        r.init([1, 2], 1)
         s = Sender(p.client, 1)  # P has R's pages now
         time.sleep(0.3)
         pair.prefill.kill(signal.SIGSTOP)
@@ -361,7 +361,7 @@ def test_sigkill_prefill_fails_rooms_and_restart_recovers(tmp_path: Path) -> Non
     try:
         rooms = list(range(1, 201))
         for room in rooms:  # receivers bound, senders never send: rooms stay in flight
-            Receiver(d.client, room, pair.bootstrap).init([room % 256], 0)
+            Receiver(d.client, room, pair.bootstrap).init([room % 256], room % 256)
         assert wait_many(d.client, rooms[-1:], 0.5)[0] == KVPoll.WaitingForInput
         pair.prefill.kill(signal.SIGKILL)
         t0 = time.monotonic()
@@ -416,7 +416,7 @@ def test_rooms_in_any_order_leave_tables_and_fds_at_baseline(tmp_path: Path) -> 
             for room in batch:
                 kind = rng.integers(0, 4)  # 0 success, 1 abort, 2 timeout, 3 receiver-only
                 r = Receiver(d.client, room, pair.bootstrap)
-                r.init([room % 256], 0)
+                r.init([room % 256], room % 256)
                 if kind in (0, 1):
                     s = Sender(p.client, room)
                     s.init(1, 0)
@@ -453,8 +453,8 @@ def test_k07_dead_decode_fails_fast_and_other_sessions_are_unaffected(tmp_path: 
     d2_engine = EngineStandIn(d2.socket, seed=7)
     p, d1 = pair.p_engine, pair.d_engine
     try:
-        Receiver(d1.client, 1, pair.bootstrap).init([1, 2], 0)
-        Receiver(d2_engine.client, 2, pair.bootstrap).init([3, 4], 0)
+        Receiver(d1.client, 1, pair.bootstrap).init([1, 2], 1)
+        Receiver(d2_engine.client, 2, pair.bootstrap).init([3, 4], 3)
         time.sleep(0.5)  # both rooms bound on the prefill side
         pair.decode.kill(signal.SIGKILL)
         pair.decode.proc.wait(5)

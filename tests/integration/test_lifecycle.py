@@ -35,7 +35,7 @@ def test_sigterm_drains_fails_the_rest_unlinks_socket_and_exits_0(tmp_path: Path
     p, d = pair.p_engine, pair.d_engine
     try:
         transfer_room(p, d, pair.bootstrap, 1, [1, 2], [3, 4], chunk=1)  # in flight: drains
-        Receiver(d.client, 2, pair.bootstrap).init([5], 0)
+        Receiver(d.client, 2, pair.bootstrap).init([5], 5)
         Sender(p.client, 2)  # never sends: failed at the end of the drain
         time.sleep(0.2)
         t0 = time.monotonic()
@@ -56,7 +56,7 @@ def test_draining_daemon_refuses_new_rooms(tmp_path: Path) -> None:
     pair = start_pair(tmp_path, d_opts={"drain_timeout": 3.0})
     _p, d = pair.p_engine, pair.d_engine
     try:
-        Receiver(d.client, 1, pair.bootstrap).init([1], 0)  # keeps the drain waiting
+        Receiver(d.client, 1, pair.bootstrap).init([1], 1)  # keeps the drain waiting
         pair.decode.kill(signal.SIGTERM)
         time.sleep(0.3)
         with pytest.raises(Exception, match="draining"):
@@ -70,7 +70,7 @@ def test_engine_disconnect_fails_its_rooms_and_unregisters_memory(tmp_path: Path
     pair = start_pair(tmp_path, d_opts={"release_timeout": 1.0})
     p, d = pair.p_engine, pair.d_engine
     try:
-        Receiver(d.client, 1, pair.bootstrap).init([1, 2], 0)
+        Receiver(d.client, 1, pair.bootstrap).init([1, 2], 1)
         time.sleep(0.3)
         d.client.close()  # the decode engine goes away
         s = Sender(p.client, 1)
@@ -96,7 +96,7 @@ def test_dead_kvd_reads_failed_and_client_reconnects_with_registration(tmp_path:
     p, d = pair.p_engine, pair.d_engine
     try:
         r = Receiver(d.client, 1, pair.bootstrap)
-        r.init([1], 0)
+        r.init([1], 1)
         old_table = d.client.table
         assert old_table is not None  # the engine reads statuses from kvd's table
         pair.decode.kill(signal.SIGKILL)
@@ -126,7 +126,7 @@ def test_k04_receivers_bound_to_a_finished_room_fail_at_once(tmp_path: Path) -> 
     try:
         receivers = [Receiver(e.client, 100, pair.bootstrap)
                      for e in (pair.d_engine, *engines)]
-        receivers[0].init([1, 2], 0)
+        receivers[0].init([1, 2], 1)
         time.sleep(0.3)
         s = Sender(p.client, 100)
         s.init(2, 0)
@@ -134,7 +134,7 @@ def test_k04_receivers_bound_to_a_finished_room_fail_at_once(tmp_path: Path) -> 
         assert receivers[0].wait(10) == KVPoll.Success
         t0 = time.monotonic()
         for i, r in enumerate(receivers[1:]):
-            r.init([5 + i, 6 + i], 0)
+            r.init([5 + i, 6 + i], 5 + i)
         for r in receivers[1:]:
             assert _poll_until(r.client, [100], {KVPoll.Failed}, 5) == [KVPoll.Failed]
             assert "duplicate room" in r.failure_reason()
@@ -166,7 +166,7 @@ def test_k19_frozen_or_dead_prefill_bounds_every_send(tmp_path: Path, fault: str
         rooms = list(range(10, 5010))
         t0 = time.monotonic()
         for room in rooms:
-            Receiver(d.client, room, pair.bootstrap).init([room], 0)
+            Receiver(d.client, room, pair.bootstrap).init([room], room)
         assert time.monotonic() - t0 < 30  # no RPC waited on the dead peer
         ok_room = 20_000
         transfer_room(h_engine, d, healthy.http_addr, ok_room, [2], [5100], chunk=1)

@@ -57,7 +57,7 @@ def test_k37_a_room_after_a_prefill_restart_succeeds_without_waiting_for_a_heart
     assert ended(r1) == KVPoll.Success
     until(lambda: (_row(d, p.http_addr) or {}).get("last_heartbeat"), "D probed P once", 30)
     bound = Receiver(de.client, 2, p.http_addr)  # bound to the old instance
-    bound.init([2], 0)
+    bound.init([2], 2)
     old = p.ready["instance_id"]
     p.kill(signal.SIGKILL)
     p.proc.wait(10)
@@ -95,7 +95,7 @@ def test_k38_a_lost_dp_group_fails_only_its_rooms(tmp_path: Path, stack: Cleanup
     assert ended(r10) == KVPoll.Success, r10.failure()
     assert de.pages_equal(e0, [4], [1])
     r11 = Receiver(de.client, 11, p0.http_addr)  # group 1
-    r11.init([2], 0)
+    r11.init([2], 2)
     assert ended(r11) == KVPoll.Failed
     kind, reason = r11.failure()
     assert kind == "bootstrap" and "DP group 1 has 0/1 ranks" in reason, reason

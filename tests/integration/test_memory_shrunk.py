@@ -160,7 +160,7 @@ def _next_call_refused(engine: EngineStandIn, side: str, bootstrap: str) -> None
         if side == "prefill":
             Sender(engine.client, 3).init(1, 0)
         else:
-            Receiver(engine.client, 3, bootstrap).init(np.array([3]), 0)
+            Receiver(engine.client, 3, bootstrap).init(np.array([3]), 3)
 
 
 def _serves_a_fresh_pool(pair: PdPair, side: str, daemon: DaemonProcess) -> None:

@@ -118,7 +118,7 @@ def test_metrics_move_after_rooms(pd_pair: PdPair, room_ids) -> None:
     assert wait_rooms(p.client, rooms) == [KVPoll.Success] * 3
     bad = next(room_ids)
     recv = Receiver(d.client, bad, pd_pair.bootstrap)
-    recv.init(np.arange(200, 204), 0)
+    recv.init(np.arange(200, 204), 200)
     Sender(p.client, bad).init(4, 0)
     recv.abort("metrics test")
     assert wait_rooms(p.client, [bad]) == [KVPoll.Failed]

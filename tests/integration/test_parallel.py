@@ -202,7 +202,7 @@ def test_k15_pp_stages_time_out_at_different_moments(tmp_path: Path) -> None:
         s0.clear()
         s1.clear()
         r = Receiver(c.decode[0][1].client, 9, c.bootstrap)
-        r.init([1, 2], 0)  # pages after the fact: P stores nothing that outlives the room
+        r.init([1, 2], 1)  # pages after the fact: P stores nothing that outlives the room
         time.sleep(0.5)
         assert poll_many(stage0.client, [9]) == [-1]
         assert poll_many(stage1.client, [9]) == [-1]

@@ -63,7 +63,7 @@ def test_partition_is_detected_fails_rooms_and_recovers(two_hosts: None, tmp_pat
         assert d.pages_equal(p, [1, 2], [3, 4])
         rooms = list(range(10, 30))
         for room in rooms:
-            Receiver(d.client, room, bootstrap).init([room], 0)
+            Receiver(d.client, room, bootstrap).init([room], room)
         _ip("-n", NS_P, "link", "set", "vkp", "down")  # the partition
         t0 = time.monotonic()
         while time.monotonic() - t0 < 10 and KVPoll.Failed not in poll_many(d.client, rooms):

@@ -224,7 +224,7 @@ def test_k21_abort_before_the_decode_came_is_delivered_with_its_reason(
     s.abort("client gone")
     s.clear()
     r = Receiver(d.client, room1, pd.bootstrap)
-    r.init(dst[:2], 0)
+    r.init(dst[:2], int(dst[0]))
     assert ended(r) == KVPoll.Failed
     kind, reason = r.failure()
     assert kind == "aborted" and "client gone" in reason, (kind, reason)
@@ -232,7 +232,7 @@ def test_k21_abort_before_the_decode_came_is_delivered_with_its_reason(
     s2 = Sender(p.client, room2)
     s2.abort("client gone")
     r2 = Receiver(d.client, room2, pd.bootstrap)
-    r2.init(dst[2:], 0)
+    r2.init(dst[2:], int(dst[2]))
     assert ended(r2) == KVPoll.Failed
     assert r2.failure() == ("aborted", s2.failure()[1])
     assert r.wait(BOUND) == KVPoll.Failed and r.releasable()  # nothing was ever sent
@@ -245,7 +245,7 @@ def test_k21_abort_before_the_decode_came_is_delivered_with_its_reason(
     # the tombstone answers a later incarnation of the room as well
     r.clear()
     r3 = Receiver(d.client, room1, pd.bootstrap)
-    r3.init([204], 0)
+    r3.init([204], 204)
     assert ended(r3) == KVPoll.Failed and r3.failure()[0] == "aborted"
     for room in (room1, room2):
         Receiver.attach(d.client, room).clear()
@@ -263,7 +263,7 @@ def test_k22a_a_decode_deadline_stops_the_prefill_writer(tmp_path: Path,
     p, d = pd.p_engine, pd.d_engine
     dst, src = [0, 1, 2, 3], [8, 9, 10, 11]
     r = Receiver(d.client, 30, pd.bootstrap)
-    r.init(dst, 0)
+    r.init(dst, int(dst[0]))
     s = Sender(p.client, 30)
     s.init(4, 0)
     until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound to D's pages")
@@ -402,14 +402,14 @@ def test_k23_failure_categories_on_real_daemons(tmp_path: Path, stack: Cleanup) 
     assert ended(r) == KVPoll.Failed
     got["transport"] = r.failure()[0]
     r = Receiver(d.client, 2, pd.bootstrap)
-    r.init([2], 0)
+    r.init([2], 2)
     r.abort("the client went away")
     got["aborted"] = r.failure()[0]
     r = Receiver(d.client, 3, f"127.0.0.1:{free_port()}")  # nobody serves bootstrap there
     assert ended(r) == KVPoll.Failed
     got["bootstrap"] = r.failure()[0]
     r = Receiver(d.client, 4, pd.bootstrap)
-    r.init([4], 0)
+    r.init([4], 4)
     s = Sender(p.client, 4)
     s.init(1, 0)
     until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound to D's pages")
@@ -422,17 +422,17 @@ def test_k23_failure_categories_on_real_daemons(tmp_path: Path, stack: Cleanup) 
     assert ended(r) == KVPoll.Success
     r.clear()  # P still holds room 5 (Success): a new receiver for it is a duplicate
     r = Receiver(d.client, 5, pd.bootstrap)
-    r.init([6], 0)
+    r.init([6], 6)
     assert ended(r) == KVPoll.Failed
     got["duplicate"] = r.failure()[0]
     r = Receiver(d.client, 6, pd.bootstrap)  # P's engine never creates room 6
-    r.init([7], 0)
+    r.init([7], 7)
     assert ended(r) == KVPoll.Failed
     got["timeout"] = r.failure()[0]
     for kind in ("layout", "transport"):
         assert failures(pd.prefill, kind) == 1, kind
     r = Receiver(d.client, 7, pd.bootstrap)
-    r.init([8], 0)
+    r.init([8], 8)
     until(lambda: r.poll() == KVPoll.WaitingForInput, "room 7 sent its pages")
     pd.prefill.kill(signal.SIGSTOP)  # heartbeats go unanswered
     assert ended(r) == KVPoll.Failed
@@ -466,7 +466,7 @@ def test_k24_a_frozen_decode_does_not_stall_another(tmp_path: Path, stack: Clean
     big = np.arange(1024)
     assert sum(kv[big].nbytes for kv in pe.kv) == 32 << 20
     r1 = Receiver(e1.client, 60, p.http_addr)
-    r1.init(big, 0)
+    r1.init(big, int(big[0]))
     s1 = Sender(pe.client, 60)
     s1.init(1024, 0)
     until(lambda: s1.poll() == KVPoll.WaitingForInput, "P bound to D1's pages")
@@ -543,7 +543,7 @@ def test_k26_a_retry_with_the_same_room_id_is_its_own_attempt(tmp_path: Path,
     assert not r1.releasable()
     assert r1.wait(BOUND) == KVPoll.Failed and r1.releasable()  # attempt 1's write returned
     r2 = Receiver(d.client, 80, pd.bootstrap)
-    r2.init([10, 11, 12, 13], 0)
+    r2.init([10, 11, 12, 13], 10)
     s2.send([24, 25, 26, 27])
     assert ended(r2) == KVPoll.Success, r2.failure()
     assert ended(s2) == KVPoll.Success, s2.failure()
@@ -579,7 +579,7 @@ def test_k27_a_long_wait_and_a_reconnect_keep_the_engine(tmp_path: Path,
     pd.d_engine = d  # type: ignore[assignment]  # closed by stop_pair
     mark = len(pd.decode.log.read_text())  # the log from here on
     slow = Receiver(d.client, 90, pd.bootstrap)  # its prefill engine has not started yet
-    slow.init([1, 2], 0)
+    slow.init([1, 2], 1)
     _s2, r2 = transfer_room(p, d, pd.bootstrap, 91, [5, 6], [3, 4], chunk=1)  # in flight
     assert slow.wait(5.0) == KVPoll.WaitingForInput  # longer than the client's timeout
     assert r2.wait(BOUND) == KVPoll.Success  # the next call works
@@ -623,7 +623,7 @@ def test_k28_a_restarted_decode_is_never_written_for_its_old_rooms(
     p = pd.p_engine
     senders = {}
     for room, dst in ((100, [0, 1]), (102, [2, 3])):
-        Receiver(pd.d_engine.client, room, pd.bootstrap).init(dst, 0)
+        Receiver(pd.d_engine.client, room, pd.bootstrap).init(dst, int(dst[0]))
         senders[room] = s = Sender(p.client, room)
         s.init(2, 0)
         until(lambda s=s: s.poll() == KVPoll.WaitingForInput, f"P bound R{room} to the old D")
@@ -639,7 +639,7 @@ def test_k28_a_restarted_decode_is_never_written_for_its_old_rooms(
     senders[102].send([6, 7])  # P does not know yet that D restarted
     assert ended(senders[102]) == KVPoll.Failed
     r2 = Receiver(d.client, 101, pd.bootstrap)  # registers the new instance with P
-    r2.init([5], 0)
+    r2.init([5], 5)
     assert ended(senders[100]) == KVPoll.Failed
     assert senders[100].failure()[0] == "peer", senders[100].failure()
     senders[100].send([2, 3])  # after the new instance registered: must not land
@@ -668,7 +668,7 @@ def test_k28_the_same_decode_registering_again_keeps_its_rooms(tmp_path: Path,
            "rank_port": free_port(), "instance_id": "dp1", "page_size": 16}
     assert signed("PUT", route, json=dp1).status_code == 200  # DP rank 1 (never used)
     r = Receiver(de.client, 200, p.http_addr, dp_rank=0)
-    r.init([1], 0)
+    r.init([1], 1)
     s = Sender(pe.client, 200)
     s.init(1, 0)
     until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound to D's pages")
@@ -702,7 +702,7 @@ def test_k29_an_abort_reaches_every_destination(tmp_path: Path, stack: Cleanup) 
     r0 = Receiver(e0.client, 110, p.http_addr)
     r0.init([0, 1], 0)
     r1 = Receiver(e1.client, 110, p.http_addr)
-    r1.init([2, 3], 0)
+    r1.init([2, 3], 2)
     s = Sender(pe.client, 110)
     s.init(2, 0)
     until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound to both decode ranks")
@@ -748,7 +748,7 @@ def test_k29_only_a_bound_decode_rank_may_abort(tmp_path: Path, stack: Cleanup) 
     transfer_room(p, oe, pd.bootstrap, 121, [1], [1], chunk=1)  # `other` registers with P
     assert wait_rooms(oe.client, [121], timeout=BOUND) == [KVPoll.Success]
     r = Receiver(d.client, 120, pd.bootstrap)
-    r.init([1], 0)
+    r.init([1], 1)
     s = Sender(p.client, 120)
     s.init(1, 0)
     until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound R to D")
@@ -778,13 +778,13 @@ def test_k30_a_refused_pairing_fails_both_sides_at_once(tmp_path: Path,
     p, d = pd.p_engine, pd.d_engine
     s = Sender(p.client, 130)
     r = Receiver(d.client, 130, pd.bootstrap)
-    r.init([1], 0)
+    r.init([1], 1)
     assert ended(r) == KVPoll.Failed and ended(s) == KVPoll.Failed
     assert r.failure()[0] == "registration" and s.failure()[0] == "registration", \
         (r.failure(), s.failure())
     assert "incompatible KV layouts" in r.failure()[1], r.failure()
     r2 = Receiver(d.client, 131, pd.bootstrap)  # the sender comes after the refusal
-    r2.init([2], 0)
+    r2.init([2], 2)
     assert ended(r2) == KVPoll.Failed
     s2 = Sender(p.client, 131)
     assert s2.poll() == KVPoll.Failed and s2.failure()[0] == "registration"
@@ -813,7 +813,7 @@ def test_k31_a_dead_prefill_is_forgotten_after_peer_ttl(tmp_path: Path,
     _g, g0 = transfer_room(ge, d, gone_addr, 141, [2], [2], chunk=1)
     assert ended(r0) == KVPoll.Success and ended(g0) == KVPoll.Success
     live = Receiver(d.client, 142, pd.bootstrap)  # keeps P in use
-    live.init([3], 0)
+    live.init([3], 3)
 
     def rows() -> set[str]:
         return {x["bootstrap"] for x in status(pd.decode)["peers"]}
@@ -861,7 +861,7 @@ def test_k32_rooms_whose_messages_cannot_be_delivered_end_at_the_send_timeout(
     pd.prefill.proc.wait(10)
     rooms = [Receiver(d.client, room, pd.bootstrap) for room in (151, 152)]
     for i, r in enumerate(rooms):
-        r.init([2 + i], 0)
+        r.init([2 + i], 2 + i)
     for r in rooms:
         assert ended(r) == KVPoll.Failed
         kind, reason = r.failure()
@@ -881,7 +881,7 @@ def test_k33_a_refused_second_receiver_never_inherits_the_first(
     p, d = room_pair.p_engine, room_pair.d_engine
     room = next(room_ids)
     first = Receiver(d.client, room, room_pair.bootstrap)
-    first.init([210, 211], 0)
+    first.init([210, 211], 210)
     second_pages = [212, 213]
     before = [kv[second_pages].copy() for kv in d.kv]
     with pytest.raises(RoomError, match="already active"):
@@ -911,7 +911,7 @@ def test_k34_an_abort_before_the_sender_exists_fails_it_at_once(
     p, d = room_pair.p_engine, room_pair.d_engine
     room = next(room_ids)
     r = Receiver(d.client, room, room_pair.bootstrap)
-    r.init([220], 0)
+    r.init([220], 220)
     until(lambda: health(room_pair.prefill)["tables"]["pending"] >= 1,
           "D's pages buffered on P")
     base = health(room_pair.prefill)["tables"]["early_aborts"]
@@ -936,7 +936,7 @@ def test_k34_an_abort_from_a_restarted_decode_still_reaches_the_prefill(
     ports = {"zmq_port": free_port(), "http_port": free_port()}
     pd = pair(stack, tmp_path, d_opts=ports)
     p = pd.p_engine
-    Receiver(pd.d_engine.client, 180, pd.bootstrap).init([1], 0)
+    Receiver(pd.d_engine.client, 180, pd.bootstrap).init([1], 1)
     until(lambda: health(pd.prefill)["tables"]["pending"] == 1, "D's pages buffered on P")
     pd.decode = _restart(stack, pd.decode, tmp_path, **ports)
     pd.d_engine.close()

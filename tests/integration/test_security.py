@@ -49,7 +49,7 @@ def test_forged_and_replayed_control_messages_are_rejected(pd_pair: PdPair, room
     d = pd_pair.d_engine
     room = next(room_ids)
     r = Receiver(d.client, room, pd_pair.bootstrap)
-    r.init([1], 0)
+    r.init([1], 1)
     time.sleep(0.3)
     prefill_ep = pd_pair.prefill.ready["control_endpoint"]
     status = control.RoomStatus(room=room, inc=1, status=int(KVPoll.Success), kind="",
@@ -434,8 +434,8 @@ def test_s09_frame_for_one_decode_is_useless_at_another(pd_pair: PdPair, room_id
         room = next(room_ids)
         r1 = Receiver(e1.client, room, pd_pair.bootstrap)
         r2 = Receiver(e2.client, room, pd_pair.bootstrap)
-        r1.init([1], 0)
-        r2.init([1], 0)
+        r1.init([1], 1)
+        r2.init([1], 1)
         deadline = time.monotonic() + 10
         while KVPoll.Bootstrapping in (r1.poll(), r2.poll()) and time.monotonic() < deadline:
             time.sleep(0.05)  # both resolved P: a report from P counts now
@@ -482,7 +482,7 @@ def test_s09_frame_for_a_prefill_is_useless_after_it_restarts(tmp_path: Path) ->
     try:
         assert p.ready["control_endpoint"] == ep and p.ready["instance_id"] != first
         receiver = Receiver(d_engine.client, 77, p.http_addr)
-        receiver.init([1], 0)
+        receiver.init([1], 1)
         sender = Sender(engine.client, 77)
         sender.init(1, 0)
         deadline = time.monotonic() + 10

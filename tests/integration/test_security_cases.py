@@ -309,7 +309,7 @@ def test_s06_prefill_ranks_register_again_after_the_bootstrap_server_restarts(
     stack.callback(de.close)
     src, dst = np.array([3, 7, 9]), np.array([40, 41, 50])
     recv = Receiver(de.client, 600, r0.http_addr)
-    recv.init(dst, 0)
+    recv.init(dst, 0)  # the only room on this decode
     senders = []
     for e in (e0, e1):
         s = Sender(e.client, 600)
@@ -402,7 +402,7 @@ def test_s11_a_decode_cannot_claim_another_peers_transfer_session(
     # D's room 701 is bound; the thief sends pages for it too (pages D does not use)
     before = snapshot(d)
     recv = Receiver(d.client, 701, pd.bootstrap)
-    recv.init([5, 6], 0)
+    recv.init([5, 6], 5)
     send = Sender(p.client, 701)
     send.init(2, 0)
     until(lambda: send.poll() == KVPoll.WaitingForInput, "P bound room 701 to D")
@@ -443,7 +443,7 @@ def test_s11_a_secret_holder_cannot_join_a_room_as_an_extra_destination(
         until(lambda: [r["peer"] for r in rooms(pd.prefill) if r["room"] == 721] ==
               [e_daemon.ready["control_endpoint"]], "P bound E to room 721")
     recv = Receiver(d.client, 721, pd.bootstrap)
-    recv.init([10, 11], 0)
+    recv.init([10, 11], 10)
     send.init(2, 0)
     if order == "after":
         until(lambda: send.poll() == KVPoll.WaitingForInput, "P bound room 721 to D")
@@ -511,7 +511,7 @@ def test_s13_pages_for_unknown_rooms_are_bounded_and_unregistered_ones_dropped(
     # a normal room from D: its sender exists before its pages (D's buffer is full)
     send = Sender(p.client, 901)
     recv = Receiver(d.client, 901, pd.bootstrap)
-    recv.init([30, 31], 0)
+    recv.init([30, 31], 30)
     send.init(2, 0)
     send.send([40, 41])
     assert ended(recv) == KVPoll.Success, recv.failure()

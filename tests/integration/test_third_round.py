@@ -60,7 +60,7 @@ def test_k43_aborted_rooms_queued_to_a_frozen_decode_are_not_written(
     recv, send = {}, {}
     for k in range(ROOMS):
         recv[k] = Receiver(d.client, 4300 + k, pd.bootstrap)
-        recv[k].init(dst[k], 0)
+        recv[k].init(dst[k], int(dst[k][0]))
         send[k] = Sender(p.client, 4300 + k)
         send[k].init(ROOM_PAGES, 0)
     until(lambda: all(s.poll() == KVPoll.WaitingForInput for s in send.values()),
@@ -113,7 +113,7 @@ def test_k44_a_decode_pool_registered_again_gets_no_write_of_an_old_room(
     p, d = pd.p_engine, pd.d_engine
     dst, src = np.arange(16), np.arange(16, 32)
     r = Receiver(d.client, 4400, pd.bootstrap)
-    r.init(dst, 0)
+    r.init(dst, int(dst[0]))
     s = Sender(p.client, 4400)
     s.init(16, 0)
     until(lambda: s.poll() == KVPoll.WaitingForInput, "P bound to D's pages")
@@ -148,7 +148,7 @@ def test_k46_a_room_whose_decode_died_is_ended_by_its_opener_token(
     token = new_token()
     s = Sender(pd.p_engine.client, 460, token_digest(token))
     s.init(1, 0)
-    Receiver(pd.d_engine.client, 460, pd.bootstrap).init([3], 0)
+    Receiver(pd.d_engine.client, 460, pd.bootstrap).init([3], 3)
     until(lambda: s.poll() == KVPoll.WaitingForInput, "R bound to D")
     pd.decode.proc.send_signal(signal.SIGKILL)
     url = f"http://{pd.bootstrap}/v1/rooms/release"

@@ -85,7 +85,7 @@ def test_s21_a_forged_abort_reason_cannot_forge_log_lines_or_status(
     pd, room = pd_pair, next(room_ids)
     sender = Sender(pd.p_engine.client, room)
     receiver = Receiver(pd.d_engine.client, room, pd.bootstrap)
-    receiver.init([40, 41], 0)
+    receiver.init([40, 41], 40)
     until(lambda: sender.poll() == KVPoll.WaitingForInput, "the prefill has the pages")
     receiver.abort(FORGED + "x" * (1 << 20))
     assert ended(receiver) == KVPoll.Failed and ended(sender) == KVPoll.Failed

@@ -155,6 +155,18 @@ def test_rank_not_below_size_refused() -> None:
     assert load_settings(role="decode", attn_tp_rank=3).attn_tp_size is None
 
 
+def test_k16_a_frame_cap_below_the_largest_control_message_is_refused() -> None:
+    """Peers do not exchange their caps: every peer must accept the protocol's largest real
+    message, else it drops real messages unread and their rooms wait (K16)."""
+    from kvd.protocol import control
+
+    most = control.max_frame()
+    with pytest.raises(ConfigError, match=rf"max_frame_bytes = {most - 1} is below the "
+                                          rf"largest control message .* \({most} bytes\)"):
+        load_settings(role="decode", max_frame_bytes=most - 1)
+    assert load_settings(role="decode", max_frame_bytes=most).max_frame_bytes == most
+
+
 def test_prefill_needs_bootstrap() -> None:
     with pytest.raises(ConfigError, match="bootstrap_addr"):
         load_settings(role="prefill")

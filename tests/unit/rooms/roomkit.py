@@ -12,7 +12,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvd.protocol import control
-from kvd.protocol.codec import pack_indices
+from kvd.protocol.codec import pack_indices, unpack_indices
+from kvd.rooms.claims import AUX as AUX_SLOT
+from kvd.rooms.claims import PAGE, REGION_KINDS, STATE, WINDOW
 from kvd.rooms.effects import Effect
 from kvd.rooms.receiver import ReceiverRooms, Target
 from kvd.rooms.sender import Limits, RankPosition, SenderRooms
@@ -112,3 +114,20 @@ def one(effects: Iterable[Effect], kind: type[E]) -> E:
     found = of(effects, kind)
     assert len(found) == 1, f"expected one {kind.__name__}, got {found}"
     return found[0]
+
+
+def live_regions(m: ReceiverRooms, now: float, timeouts: Timeouts = TIMEOUTS
+                 ) -> dict[str, set[int]]:
+    """Every destination region (kind -> indices) named by a room of ``m`` whose pages are
+    not releasable at ``now``; AssertionError when two of them name one (K42)."""
+    held: dict[str, set[int]] = {kind: set() for kind in REGION_KINDS}
+    for r in m.rooms.values():
+        if r.dst_pages is None or r.releasable(now, timeouts):
+            continue
+        named = {PAGE: set(unpack_indices(r.dst_pages).tolist()), AUX_SLOT: {r.aux_index},
+                 STATE: {r.state_index} - {-1},
+                 WINDOW: set(unpack_indices(r.window_pages).tolist())}
+        for kind, idx in named.items():
+            assert not held[kind] & idx, f"live rooms share {kind} {sorted(held[kind] & idx)}"
+            held[kind] |= idx
+    return held

@@ -522,7 +522,7 @@ def test_a_refusal_naming_a_new_instance_fails_only_rooms_bound_to_the_old_one()
     d, _ = waiting(P0)
     old = d.rooms[R].targets[0].instance  # type: ignore[index]
     d.create(R + 1, BOOT, None, 0.0)
-    d.init(R + 1, pack_indices([8, 9]), 1, 0.0)  # pages of its own: R's are still live (K42)
+    d.init(R + 1, pack_indices([8, 9]), 2, 0.0)  # pages and aux of its own: R is live (K42)
     d.resolved(R + 1, d.rooms[R + 1].inc, [Target(P0, "new")], 0.0)
     failure = RoomFailure(FailureKind.PEER, "restarted", "decode")
     out = d.peer_lost(BOOT, failure, 1.0, keep="new", endpoint=P0)

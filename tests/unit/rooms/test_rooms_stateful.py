@@ -70,11 +70,13 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
+from roomkit import live_regions
 
 from kvd.control.routing import resolve_targets
 from kvd.errors import RoomError
 from kvd.protocol import control
 from kvd.protocol.codec import pack_indices, unpack_indices
+from kvd.rooms.claims import AUX
 from kvd.rooms.effects import (
     AbortUnknown,
     CancelWrites,
@@ -545,6 +547,12 @@ class RoomsWorld(RuleBasedStateMachine):
         if len(free) < length(room):
             return
         pages = free[:length(room)]  # lowest first: freed pages are reused at once
+        if aux in live_regions(d.machine, self.now, TIMEOUTS)[AUX]:
+            # an engine naming an aux slot a live room holds is refused, nothing claimed (K42)
+            with pytest.raises(RoomError, match=rf"aux slot {aux} .*held by room"):
+                d.machine.init(room, pack_indices(pages), aux, self.now)
+            assert r.dst_pages is None
+            return
         for pg in pages:
             d.pool.owner[pg] = (room, r.inc)
         d.held[room] = Held(r.inc, pages)
@@ -858,6 +866,13 @@ class RoomsWorld(RuleBasedStateMachine):
                 assert deadline is not None and self.swept <= deadline, (
                     f"decode room {rr.room} in {rr.status.name} past its deadline {deadline}")
                 assert self.swept - rr.created <= TIMEOUTS.bootstrap + TIMEOUTS.waiting
+
+    @invariant()
+    def no_two_live_rooms_share_a_region(self) -> None:
+        """K42: no page, aux slot, state slot or window page is named by two rooms of one
+        decode rank whose writes may still land."""
+        for d in self.d:
+            live_regions(d.machine, self.now, TIMEOUTS)  # raises on a shared region
 
     @invariant()
     def status_table_is_the_machines_poll(self) -> None:
