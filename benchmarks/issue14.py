@@ -323,7 +323,7 @@ def bench_api(n: int = 3000, repeats: int = 3, rooms_each: int = 100) -> dict[st
         dd = start_daemon("decode", work, log_level="WARNING")
         stack.callback(dd.stop)
         pool = {"num_layers": LAYERS_ROOMS, "num_pages": 1024, "item_len": ITEM_ROOMS,
-                "aux_slots": 64, "aux_item_len": 64}
+                "aux_slots": 1024, "aux_item_len": 64}  # a slot per page (K42)
         pe = EngineStandIn(pd.socket, seed=1, **pool)
         stack.callback(pe.close)
         de = EngineStandIn(dd.socket, seed=2, **pool)
@@ -350,10 +350,10 @@ def bench_api(n: int = 3000, repeats: int = 3, rooms_each: int = 100) -> dict[st
                     room += 1
                     page = np.array([room % 1024])
                     s = Sender(client, room)
-                    s.init(1, room % 64)
+                    s.init(1, room % 1024)
                     r = Receiver(de.client, room, pd.http_addr)
                     t = time.perf_counter()
-                    r.init(page, room % 64)
+                    r.init(page, room % 1024)
                     inits.append(time.perf_counter() - t)
                     t = time.perf_counter()
                     s.send(page)

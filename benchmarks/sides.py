@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-PAGES, AUX_SLOTS, AUX_ITEM = 1024, 64, 64
+PAGES, AUX_SLOTS, AUX_ITEM = 1024, 1024, 64  # a slot per page (K42)
 SUCCESS, FAILED = 4, 0
 
 

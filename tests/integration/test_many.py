@@ -27,7 +27,7 @@ def test_call_many_moves_rooms_byte_exact_and_returns_refusals_in_place(
     dst = {r: (r * 3) % de.num_pages for r in rooms}
     out = de.client.call_many([c for r in rooms for c in (
         rpc.ReceiverCreate(room=r, bootstrap_addr=pd_pair.bootstrap),
-        rpc.ReceiverInit(room=r, dst_pages=pack_indices([dst[r]]), aux_index=0))])
+        rpc.ReceiverInit(room=r, dst_pages=pack_indices([dst[r]]), aux_index=dst[r]))])
     assert out == [None] * (2 * len(rooms))
     out = pe.client.call_many([c for r in rooms for c in (
         rpc.SenderCreate(room=r), rpc.SenderInit(room=r, num_pages=1, aux_index=0),

@@ -48,7 +48,7 @@ def test_rooms_move_byte_exact_with_both_engines_on_the_ring(ring_pair: PdPair) 
     src = {r: [(r * 5 + i) % pe.num_pages for i in range(6)] for r in rooms}
     dst = {r: [(r * 7 + i) % de.num_pages for i in range(6)] for r in rooms}
     pairs = [transfer_room(pe, de, ring_pair.bootstrap, r, src[r], dst[r], chunk=2,
-                           aux_src=r % 4, aux_dst=r % 4) for r in rooms]
+                           aux_src=r % 4, aux_dst=dst[r][0]) for r in rooms]  # own slot (K42)
     assert wait_rooms(de.client, rooms, BOUND) == [KVPoll.Success] * len(rooms)
     assert wait_rooms(pe.client, rooms, BOUND) == [KVPoll.Success] * len(rooms)
     for r in rooms:
@@ -172,8 +172,8 @@ def test_submit_all_runs_a_step_of_room_calls_in_one_wait_and_names_each_refusal
     dst = {r: [(r * 5 + i) % de.num_pages for i in range(3)] for r in rooms}
     recv_calls: list[rpc.RingCall] = [rpc.ReceiverCreate(room=r, bootstrap_addr=ring_pair.
                                                          bootstrap) for r in rooms]
-    recv_calls += [rpc.ReceiverInit(room=r, dst_pages=pack_indices(dst[r]), aux_index=0)
-                   for r in rooms]
+    recv_calls += [rpc.ReceiverInit(room=r, dst_pages=pack_indices(dst[r]),
+                                   aux_index=dst[r][0]) for r in rooms]  # own slot (K42)
     if path == "many":
         monkeypatch.setattr(pe.client, "_usable_ring", lambda: None)
     counted = CountingRoundtrips(pe.client, monkeypatch)
