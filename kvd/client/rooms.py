@@ -229,6 +229,7 @@ class Sender(_Room):
         super().__init__(client, room)
         self.num_pages = 0
         self.sent = 0
+        self.layered = False  # send_layers was used: kvd, not ``sent``, knows what is left
         client.submit(rpc.SenderCreate(room=room, release_digest=release_digest), wait=True)
 
     def init(self, num_pages: int, aux_index: int, state_index: int = -1,
@@ -252,6 +253,9 @@ class Sender(_Room):
         returns once the call is in the ring; a refusal comes back later (:attr:`refused`).
         """
         self._raise_refusal()
+        if is_last is None and self.layered:
+            raise ValueError(f"room {self.room}: pass is_last to send() once send_layers() "
+                             f"was used (pages named there are not counted in sent)")
         pages = np.asarray(page_indices)
         self.sent += int(pages.size)
         last = self.sent >= self.num_pages if is_last is None else is_last
@@ -270,9 +274,11 @@ class Sender(_Room):
         exclusive. ``is_last``: the room's last send (it carries aux); every layer of every
         page must have been sent by then. Raises :class:`~kvd.errors.RoomError` for a
         layer sent twice for a page, outside the pool's layers, or pages mixing new and
-        named ones (the room fails, kind ``layout``)."""
+        named ones (the room fails, kind ``layout``). After this, :meth:`send` needs an
+        explicit ``is_last`` (ValueError otherwise): pages named here are not in ``sent``."""
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         lo, hi = layers
+        self.layered = True
         self.client.call(rpc.SenderSendLayers(room=self.room, pages=pack_indices(pages),
                                               layer_start=int(lo), layer_end=int(hi),
                                               is_last=is_last))

@@ -38,7 +38,7 @@ from kvd.transfer.backends.base import TransferEngine
 from kvd.transfer.compat import aux_layout
 from kvd.transfer.executor import TransferExecutor
 from kvd.transfer.faults import FaultPlan
-from kvd.transfer.kvargs import RankArgs
+from kvd.transfer.kvargs import RankArgs, check_aux_for_control
 
 log = logging.getLogger("kvd")
 
@@ -331,6 +331,8 @@ class Core:
                             [*req.state_buffers, *req.group_buffers])
         try:
             args = RankArgs.of(self._wire(req, mem))
+            if self.settings.role == "prefill" and self.settings.aux_transport == "control":
+                check_aux_for_control(args)
             mem.register(self.engine)
         except BaseException:
             mem.release()

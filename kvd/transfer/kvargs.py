@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvd.errors import LayoutError, RegistrationError
-from kvd.protocol.control import KVArgsWire
+from kvd.protocol.control import MAX_AUX_BUFFERS, MAX_AUX_ITEM, KVArgsWire
 from kvd.transfer.groups import GROUP_ID_BASE, group_layouts, group_memory
 from kvd.transfer.plan import Addrs, Regions, _u64, aux_ids
 from kvd.transfer.state import STATE_ID_BASE
@@ -62,6 +62,28 @@ class RankArgs:
                                     f" is shorter than one aux item ({int(aux_items[b])} bytes)")
         group_layouts(wire, 0, 1)  # structure only: heads per TP rank are checked at pairing
         return RankArgs(wire, kv_ptrs, kv_items, aux_ptrs, aux_items, num_pages, slots, regions)
+
+
+def check_aux_for_control(args: RankArgs) -> None:
+    """A prefill with ``aux_transport = "control"`` sends each room's aux slot inside its
+    ``RoomStatus`` frame, whose aux fields are bounded (case S19): at most
+    :data:`~kvd.protocol.control.MAX_AUX_BUFFERS` buffers of at most
+    :data:`~kvd.protocol.control.MAX_AUX_ITEM` bytes per item. A registration beyond them
+    would make every room's final status a frame no decode takes, and the decode's room
+    would wait for its deadline (K16's kind): it is refused here instead, naming the bound.
+    Raises :class:`RegistrationError`."""
+    n = int(args.aux_item_lens.size)
+    if n > MAX_AUX_BUFFERS:
+        raise RegistrationError(f"invalid KV args for aux_transport = \"control\": {n} aux "
+                                f"buffers, at most {MAX_AUX_BUFFERS} travel in a RoomStatus "
+                                f"(use aux_transport = \"mooncake\")")
+    big = np.flatnonzero(args.aux_item_lens > MAX_AUX_ITEM)
+    if big.size:
+        b = int(big[0])
+        raise RegistrationError(f"invalid KV args for aux_transport = \"control\": aux buffer "
+                                f"{b}'s item is {int(args.aux_item_lens[b])} bytes, at most "
+                                f"{MAX_AUX_ITEM} travel in a RoomStatus (use aux_transport = "
+                                f"\"mooncake\")")
 
 
 def _state_memory(w: KVArgsWire) -> tuple[Addrs, Addrs]:

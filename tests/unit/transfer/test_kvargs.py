@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from kvd.errors import RegistrationError
-from kvd.protocol.control import KVArgsWire
-from kvd.transfer.kvargs import RankArgs, check_compatible
+from kvd.protocol.control import MAX_AUX_BUFFERS, MAX_AUX_ITEM, KVArgsWire
+from kvd.transfer.kvargs import RankArgs, check_aux_for_control, check_compatible
 
 
 def wire(num_layers: int = 2, is_mla: bool = False, item: int = 256, pages: int = 10,
@@ -187,3 +187,18 @@ def test_several_mismatches_listed_together() -> None:
                          RankArgs.of(wire(page_size=32, head_dim=128)))
     assert "page_size 16 vs 32" in str(exc.value)
     assert "head_dim 64 vs 128" in str(exc.value)
+
+
+def test_k16_aux_that_no_room_status_could_carry_is_refused_at_registration() -> None:
+    """aux_transport = "control": a prefill rank whose aux item is larger than a RoomStatus
+    carries (or that has more aux buffers) would send every room's final status in a frame
+    no decode takes; the registration is refused naming the bound instead (K16's kind)."""
+    check_aux_for_control(RankArgs.of(wire(aux_item=MAX_AUX_ITEM)))  # at the bound: fine
+    with pytest.raises(RegistrationError, match=f"item is {MAX_AUX_ITEM + 8} bytes, at most "
+                                                f"{MAX_AUX_ITEM}"):
+        check_aux_for_control(RankArgs.of(wire(aux_item=MAX_AUX_ITEM + 8)))
+    n = MAX_AUX_BUFFERS + 1
+    many = wire(aux_data_ptrs=[2**30 + 4096 * i for i in range(n)], aux_data_lens=[256] * n,
+                aux_item_lens=[64] * n)
+    with pytest.raises(RegistrationError, match=f"{n} aux buffers, at most {MAX_AUX_BUFFERS}"):
+        check_aux_for_control(RankArgs.of(many))
