@@ -21,10 +21,13 @@ import numpy.typing as npt
 from rich.console import Console
 from rich.table import Table
 
-from kvd.client import KvdClient, KVPoll, Receiver, Sender
-from kvd.launch import DaemonProcess, start_daemon
+from kvd.client import KVPoll, Receiver, Sender
+from kvd.launch import start_daemon
 from kvd.refengine import hybridmodel as hm
+from kvd.refengine.rank import DaemonRank
 from kvd.refengine.statepool import HybridShard, HybridSpec
+
+_Rank = DaemonRank[HybridShard]  # a rank of this demo beside its kvd
 
 U8 = npt.NDArray[np.uint8]
 
@@ -96,18 +99,6 @@ def room_pages(spec: HybridSpec, n_tokens: int, seed: int
     return list(range(n)), dst, list(range(w0, n)), d_win, w0
 
 
-class _Rank:
-    def __init__(self, daemon: DaemonProcess, shard: HybridShard) -> None:
-        self.daemon, self.shard = daemon, shard
-        self.client = KvdClient(daemon.socket)
-        self.client.call(shard.registration)
-
-    def close(self) -> int:
-        self.client.close()
-        self.shard.close()
-        return self.daemon.stop()
-
-
 def run_hybrid_rows(console: Console, prefill_tp: int = 1, decode_tp: int = 2,
                     n_prompts: int = 3, max_new_tokens: int = 16) -> int:
     """Run ``n_prompts`` seeded prompts PD over real daemons; print a table; 0 if every
@@ -123,11 +114,11 @@ def run_hybrid_rows(console: Console, prefill_tp: int = 1, decode_tp: int = 2,
                      else {"bootstrap_addr": ranks[0].daemon.http_addr})
             d = start_daemon("prefill", work, attn_tp_size=prefill_tp, attn_tp_rank=tp,
                              transfer_backend="mooncake", **where)
-            ranks.append(_Rank(d, HybridShard(spec, tp, prefill_tp, seed=tp + 1)))
+            ranks.append(DaemonRank(d, HybridShard(spec, tp, prefill_tp, seed=tp + 1)))
         for tp in range(decode_tp):
             d = start_daemon("decode", work, attn_tp_size=decode_tp, attn_tp_rank=tp,
                              transfer_backend="mooncake")
-            ranks.append(_Rank(d, HybridShard(spec, tp, decode_tp, seed=10 + tp)))
+            ranks.append(DaemonRank(d, HybridShard(spec, tp, decode_tp, seed=10 + tp)))
         for i in range(n_prompts):
             rows.append(_one(model, spec, ranks[:prefill_tp], ranks[prefill_tp:], i,
                              max_new_tokens))

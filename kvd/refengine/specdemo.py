@@ -24,12 +24,15 @@ import numpy.typing as npt
 from rich.console import Console
 from rich.table import Table
 
-from kvd.client import KvdClient, KVPoll, Receiver, Sender
-from kvd.launch import DaemonProcess, start_daemon
+from kvd.client import KVPoll, Receiver, Sender
+from kvd.launch import start_daemon
 from kvd.protocol.control import AuxField, Compat
 from kvd.refengine import specmodel as sm
 from kvd.refengine.grouppool import GroupDef, GroupShard
+from kvd.refengine.rank import DaemonRank
 from kvd.refengine.standin import ModelSpec
+
+_Rank = DaemonRank[GroupShard]  # a rank of this demo beside its kvd
 
 F32 = np.float32
 HIDDEN = sm.DIM * 4
@@ -65,18 +68,6 @@ def read_kv(shards: list[GroupShard], pages: list[int], length: int,
     return np.ascontiguousarray(np.concatenate(parts, axis=3))
 
 
-class _Rank:
-    def __init__(self, daemon: DaemonProcess, shard: GroupShard) -> None:
-        self.daemon, self.shard = daemon, shard
-        self.client = KvdClient(daemon.socket)
-        self.client.call(shard.registration)
-
-    def close(self) -> int:
-        self.client.close()
-        self.shard.close()
-        return self.daemon.stop()
-
-
 def run_spec_rows(console: Console, prefill_tp: int = 1, decode_tp: int = 2,
                   n_prompts: int = 3, max_new_tokens: int = 16) -> int:
     """Run ``n_prompts`` seeded prompts PD over real daemons; print a table; 0 if every row
@@ -92,11 +83,11 @@ def run_spec_rows(console: Console, prefill_tp: int = 1, decode_tp: int = 2,
                      else {"bootstrap_addr": ranks[0].daemon.http_addr})
             d = start_daemon("prefill", work, attn_tp_size=prefill_tp, attn_tp_rank=tp,
                              transfer_backend="mooncake", **where)
-            ranks.append(_Rank(d, _shard(tp, prefill_tp, tp + 1)))
+            ranks.append(DaemonRank(d, _shard(tp, prefill_tp, tp + 1)))
         for tp in range(decode_tp):
             d = start_daemon("decode", work, attn_tp_size=decode_tp, attn_tp_rank=tp,
                              transfer_backend="mooncake")
-            ranks.append(_Rank(d, _shard(tp, decode_tp, 10 + tp)))
+            ranks.append(DaemonRank(d, _shard(tp, decode_tp, 10 + tp)))
         for i in range(n_prompts):
             rows.append(_one(model, ranks[:prefill_tp], ranks[prefill_tp:], i, max_new_tokens))
     finally:
