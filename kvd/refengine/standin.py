@@ -35,21 +35,25 @@ class StandInPool:
         self.num_layers, self.num_pages, self.item_len = num_layers, num_pages, item_len
         # as many aux slots as pages by default: a room may take the slot of its first page,
         # so rooms on distinct pages have distinct slots (two live rooms never share one, K42)
+        # (aux_slots 0: no aux buffer at all, as vLLM's connector registers)
         aux_slots = num_pages if aux_slots is None else aux_slots
         n_bufs = 2 * num_layers
-        size = ShmPool.size_for([num_pages * item_len] * n_bufs + [aux_slots * aux_item_len])
+        aux_sizes = [aux_slots * aux_item_len] if aux_slots else []
+        size = ShmPool.size_for([num_pages * item_len] * n_bufs + aux_sizes)
         self.pool: ShmPool | FdPool = (FdPool(size) if pool == "fd"
                                        else ShmPool(size, shm_dir=shm_dir))
         views = [self.pool.alloc(num_pages * item_len) for _ in range(n_bufs)]
-        aux_view, aux_handle = self.pool.alloc(aux_slots * aux_item_len)
+        aux = [self.pool.alloc(n) for n in aux_sizes]
         rng = np.random.default_rng(seed)
         self.pool.bytes[:] = rng.integers(0, 256, self.pool.nbytes, dtype=np.uint8)
         self.kv = [v.reshape(num_pages, item_len) for v, _ in views]
-        self.aux = aux_view.reshape(aux_slots, aux_item_len)
+        self.aux = (aux[0][0].reshape(aux_slots, aux_item_len) if aux
+                    else np.zeros((0, aux_item_len), dtype=np.uint8))
         heads = max(1, item_len // (page_size * head_dim * dtype_size))
         self.registration = RegisterKV(
             kv_buffers=[h for _, h in views], kv_item_lens=[item_len] * n_bufs,
-            aux_buffers=[aux_handle], aux_item_lens=[aux_item_len], page_size=page_size,
+            aux_buffers=[h for _, h in aux], aux_item_lens=[aux_item_len] * len(aux),
+            page_size=page_size,
             num_kv_heads=heads, head_dim=head_dim, dtype_size=dtype_size, num_layers=num_layers)
 
     def pages_equal(self, other: StandInPool, src_pages: npt.ArrayLike,
