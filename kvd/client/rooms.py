@@ -224,12 +224,12 @@ class Sender(_Room):
 
     num_pages = 0  # pages announced by init(); a handle from attach() starts at 0
     sent = 0
+    layered = False  # send_layers was used: kvd, not ``sent``, knows what is left
 
     def __init__(self, client: KvdClient, room: int, release_digest: bytes = b"") -> None:
         super().__init__(client, room)
         self.num_pages = 0
         self.sent = 0
-        self.layered = False  # send_layers was used: kvd, not ``sent``, knows what is left
         client.submit(rpc.SenderCreate(room=room, release_digest=release_digest), wait=True)
 
     def init(self, num_pages: int, aux_index: int, state_index: int = -1,
