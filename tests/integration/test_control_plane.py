@@ -222,8 +222,16 @@ def test_k39_soak_many_decodes_come_and_go_and_the_prefill_returns_to_baseline(
         # the prefill renews before writing to it (a range is never shared by decodes
         # alive at once, and its ports stay free for a dead one's TIME_WAIT)
         first = 20000 + 8 * (i % SOAK_RANGES)
-        d = start_daemon("decode", tmp_path, log_level="WARNING",
-                         transfer_port_range=f"{first}-{first + 7}")
+        retry_until = time.monotonic() + 120  # a dead decode's ports sit in TIME_WAIT <= 60 s
+        while True:
+            try:
+                d = start_daemon("decode", tmp_path, log_level="WARNING",
+                                 transfer_port_range=f"{first}-{first + 7}")
+                break
+            except KvdError:  # every port of the range still taken: the decode comes later
+                if time.monotonic() > retry_until:
+                    raise
+                time.sleep(2.0)
         sessions.append(d.ready["session_id"])
         try:
             de = EngineStandIn(d.socket, seed=2)
