@@ -22,9 +22,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvd.client import KVPoll, Receiver, Sender
-from kvd.launch import start_daemon
 from kvd.refengine import hybridmodel as hm
-from kvd.refengine.rank import DaemonRank
+from kvd.refengine.rank import DaemonRank, start_ranks
 from kvd.refengine.statepool import HybridShard, HybridSpec
 
 _Rank = DaemonRank[HybridShard]  # a rank of this demo beside its kvd
@@ -109,16 +108,8 @@ def run_hybrid_rows(console: Console, prefill_tp: int = 1, decode_tp: int = 2,
     rows: list[tuple[int, bool, str]] = []
     codes: list[int] = []
     try:
-        for tp in range(prefill_tp):
-            where = ({"serve_bootstrap": True} if not ranks
-                     else {"bootstrap_addr": ranks[0].daemon.http_addr})
-            d = start_daemon("prefill", work, attn_tp_size=prefill_tp, attn_tp_rank=tp,
-                             transfer_backend="mooncake", **where)
-            ranks.append(DaemonRank(d, HybridShard(spec, tp, prefill_tp, seed=tp + 1)))
-        for tp in range(decode_tp):
-            d = start_daemon("decode", work, attn_tp_size=decode_tp, attn_tp_rank=tp,
-                             transfer_backend="mooncake")
-            ranks.append(DaemonRank(d, HybridShard(spec, tp, decode_tp, seed=10 + tp)))
+        start_ranks(ranks, work, prefill_tp, decode_tp, lambda role, tp, n: HybridShard(
+            spec, tp, n, seed=tp + (1 if role == "prefill" else 10)))
         for i in range(n_prompts):
             rows.append(_one(model, spec, ranks[:prefill_tp], ranks[prefill_tp:], i,
                              max_new_tokens))

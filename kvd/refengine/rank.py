@@ -4,10 +4,12 @@ that ends the client, the pool and the daemon."""
 
 from __future__ import annotations
 
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
 
 from kvd.client import KvdClient
-from kvd.launch import DaemonProcess
+from kvd.launch import DaemonProcess, start_daemon
 from kvd.protocol import rpc
 
 
@@ -36,3 +38,21 @@ class DaemonRank(Generic[S]):
         self.client.close()
         self.shard.close()
         return self.daemon.stop()
+
+
+def start_ranks(ranks: list[DaemonRank[S]], work: Path, prefill_tp: int, decode_tp: int,
+                shard: Callable[[str, int, int], S]) -> None:
+    """Start ``prefill_tp`` prefill kvds (rank 0 serves bootstrap) then ``decode_tp``
+    decode kvds in ``work`` (Mooncake TCP), each with ``shard(role, tp_rank, tp_size)``
+    registered, appended to ``ranks`` as they come up (so the caller closes what started
+    even when a later one fails). Raises what :func:`start_daemon` raises."""
+    for tp in range(prefill_tp):
+        where: dict[str, Any] = ({"serve_bootstrap": True} if tp == 0
+                                 else {"bootstrap_addr": ranks[0].daemon.http_addr})
+        d = start_daemon("prefill", work, attn_tp_size=prefill_tp, attn_tp_rank=tp,
+                         transfer_backend="mooncake", **where)
+        ranks.append(DaemonRank(d, shard("prefill", tp, prefill_tp)))
+    for tp in range(decode_tp):
+        d = start_daemon("decode", work, attn_tp_size=decode_tp, attn_tp_rank=tp,
+                         transfer_backend="mooncake")
+        ranks.append(DaemonRank(d, shard("decode", tp, decode_tp)))

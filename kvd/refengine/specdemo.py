@@ -25,11 +25,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvd.client import KVPoll, Receiver, Sender
-from kvd.launch import start_daemon
 from kvd.protocol.control import AuxField, Compat
 from kvd.refengine import specmodel as sm
 from kvd.refengine.grouppool import GroupDef, GroupShard
-from kvd.refengine.rank import DaemonRank
+from kvd.refengine.rank import DaemonRank, start_ranks
 from kvd.refengine.standin import ModelSpec
 
 _Rank = DaemonRank[GroupShard]  # a rank of this demo beside its kvd
@@ -78,16 +77,8 @@ def run_spec_rows(console: Console, prefill_tp: int = 1, decode_tp: int = 2,
     rows: list[tuple[int, int, int, bool, str]] = []
     codes: list[int] = []
     try:
-        for tp in range(prefill_tp):
-            where = ({"serve_bootstrap": True} if not ranks
-                     else {"bootstrap_addr": ranks[0].daemon.http_addr})
-            d = start_daemon("prefill", work, attn_tp_size=prefill_tp, attn_tp_rank=tp,
-                             transfer_backend="mooncake", **where)
-            ranks.append(DaemonRank(d, _shard(tp, prefill_tp, tp + 1)))
-        for tp in range(decode_tp):
-            d = start_daemon("decode", work, attn_tp_size=decode_tp, attn_tp_rank=tp,
-                             transfer_backend="mooncake")
-            ranks.append(DaemonRank(d, _shard(tp, decode_tp, 10 + tp)))
+        start_ranks(ranks, work, prefill_tp, decode_tp,
+                    lambda role, tp, n: _shard(tp, n, tp + (1 if role == "prefill" else 10)))
         for i in range(n_prompts):
             rows.append(_one(model, ranks[:prefill_tp], ranks[prefill_tp:], i, max_new_tokens))
     finally:
