@@ -272,12 +272,22 @@ class Sender(_Room):
         page named so far that still misses a layer. ``layers``: local layer indices of
         the pool this rank registered (its KV buffers' order, ``0 .. num_layers``), end
         exclusive. ``is_last``: the room's last send (it carries aux); every layer of every
-        page must have been sent by then. Raises :class:`~kvd.errors.RoomError` for a
-        layer sent twice for a page, outside the pool's layers, or pages mixing new and
-        named ones (the room fails, kind ``layout``). After this, :meth:`send` needs an
-        explicit ``is_last`` (ValueError otherwise): pages named here are not in ``sent``."""
+        page must have been sent by then. A last send may name no layers (``lo == hi``) and
+        no pages: it finishes a room whose every layer was sent, carrying aux (and a hybrid
+        model's state). Raises :class:`~kvd.errors.RoomError` naming what is wrong, and the
+        room fails (kind ``layout``), for a layer sent twice for a page, a range that is
+        empty (but on such a last send), reversed or ends past the pool's layers, pages
+        mixing new and named ones, no pages before the room named any, or a last send that
+        leaves layers unsent (the message names which pages miss which layers);
+        :class:`~kvd.errors.RoomError` without failing the room for a send after the last.
+        ValueError (nothing sent) for a negative layer index. After this, :meth:`send`
+        needs an explicit ``is_last`` (ValueError otherwise): pages named here are not in
+        ``sent``."""
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         lo, hi = layers
+        if lo < 0 or hi < 0:
+            raise ValueError(f"room {self.room}: layers [{lo}, {hi}): layer indices are "
+                             f"local layers of the pool, 0 or more")
         self.layered = True
         self.client.call(rpc.SenderSendLayers(room=self.room, pages=pack_indices(pages),
                                               layer_start=int(lo), layer_end=int(hi),
