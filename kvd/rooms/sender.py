@@ -148,15 +148,14 @@ class Piece:
     """One engine send as the pump takes it: source ``pages`` (int64, in room order) at
     room positions ``first + i`` (``pos`` None) or ``pos`` (int64, ascending), their
     layers ``[lo, hi)`` (local layers of this rank's pool; None: every layer), whether it
-    is the room's last (it carries aux), and ``complete``: how many leading room pages had
-    every layer named once it was accepted (re-tiled rooms write those, whole)."""
+    is the room's last (it carries aux). Re-tiled rooms do not take pieces: they write
+    what the room's (page, layer) cells allow (:meth:`SenderRooms._next_tokens`)."""
 
     pages: Pages
     is_last: bool
     first: int = 0
     pos: Pages | None = None
     layers: tuple[int, int] | None = None
-    complete: int = 0
 
     @property
     def end(self) -> int:
@@ -428,8 +427,7 @@ class SenderRooms:
             raise LayoutError(f"room {r.room}: the last send leaves layers unnamed: "
                               f"{cover.gaps()} (every layer of every page must be sent by "
                               f"the last send)")
-        return Piece(piece.pages, piece.is_last, piece.first, piece.pos, piece.layers,
-                     cover.complete_prefix())
+        return piece
 
     def _layer_mask(self, r: SenderRoom, layers: tuple[int, int]) -> int:
         """The mask of a send's layer range ``[lo, hi)``. Raises LayoutError for a range
