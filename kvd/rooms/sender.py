@@ -193,7 +193,7 @@ class SenderRoom:
     required: int | None = None
     dests: dict[str, Dest] = field(default_factory=dict)
     chunks: deque[Piece] = field(default_factory=deque)
-    offset: int = 0  # sender pages handed to writes (re-tiled: taken from the queue)
+    offset: int = 0  # sender pages handed to writes (re-tiled: with every layer named)
     written: Pages | None = None  # re-tiled rooms: room tokens written so far, per layer
     writing: bool = False
     last_sent: bool = False  # the chunk with is_last was handed to a write
@@ -289,13 +289,14 @@ class SenderRooms:
     **Page sizes** (issue 22 item 3). A room whose decode ranks all have this rank's page
     size moves whole pages as the engine sent them. Otherwise it moves tokens: the
     engine's chunks are re-cut so every write but the last ends on a page boundary of
-    every destination (a decode page is written by one write only; the rest of a chunk
-    waits for the next), and the last ends at the room's token count ``T``: the largest
-    both sides' pages hold, ``min(prefill pages x Ps, decode pages x Pd)`` (the engines
-    name pages, not tokens; slots past the request's last token lie in the room's own
-    pages on both sides). A decode whose pages do not fit ``T`` -- a page it would get
-    no token in, or too few for a chunk -- fails the room, kind ``layout``, as an index
-    length mismatch does with equal pages.
+    every destination (a (decode page, layer) is written by one write only; the rest of a
+    chunk waits for the next), layer by layer: a layer range moves as soon as the pages
+    it was named for reach such a boundary (layer streaming), and the last ends at the
+    room's token count ``T``: the largest both sides' pages hold, ``min(prefill pages x
+    Ps, decode pages x Pd)`` (the engines name pages, not tokens; slots past the
+    request's last token lie in the room's own pages on both sides). A decode whose pages
+    do not fit ``T`` -- a page it would get no token in, or too few for a chunk -- fails
+    the room, kind ``layout``, as an index length mismatch does with equal pages.
     """
 
     def __init__(self, timeouts: Timeouts | None = None, position: RankPosition | None = None,
@@ -374,16 +375,20 @@ class SenderRooms:
         (layer streaming, issue 22 item 4): of new ``pages`` (a chunk, named for the
         first time), of ``pages`` named before, or, with no pages, of every page named so
         far that misses a layer. Each (page, layer) may be named once; the last send
-        (``is_last``, it carries aux) must leave every layer of every page named.
+        (``is_last``, it carries aux) must leave every layer of every page named. A last
+        send of no layers (``lo == hi``) and no pages finishes a room whose every layer
+        was named (aux and state only).
 
         A chunk for a room that already ended is dropped (the engine learns the outcome
         from ``poll``: aborts race with sends); a chunk after the room's last one raises
         RoomError (it used to be dropped silently). A page outside the local pool, one
         this room already named (in this chunk or an earlier one: K42) without a layer
-        range, a layer outside ``[0, num_layers)`` or named twice for a page, pages that mix
-        new and named ones, or a last send that leaves a layer unnamed fail the room and
-        raise RoomError (the reports to its decode ranks leave with the next
-        :meth:`tick`)."""
+        range, a layer range that is empty (but on a finishing send), reversed or outside
+        ``[0, num_layers)``, a layer named twice for a page, pages that mix new and named
+        ones, a range of no page before the room named any, a finishing send naming pages,
+        or a last send that leaves a layer unnamed (the message names which pages miss
+        which layers) fail the room, kind ``layout``, and raise RoomError (the reports to
+        its decode ranks leave with the next :meth:`tick`)."""
         r = self._room(room)
         if r.done:
             return []
