@@ -254,8 +254,9 @@ class _Room:
     def clear(self, timeout: float = 30.0) -> None:
         """Forget the room (an unfinished one is aborted). On decode, if a prefill write may
         still be in flight, this waits up to ``timeout`` s for the pages to become
-        releasable; raises RoomError if they still are not. A room whose create kvd refused
-        (ring path) was never this handle's: nothing is sent."""
+        releasable (``timeout`` 0: not at all); raises RoomError if they still are not. A
+        room whose create kvd refused (ring path) was never this handle's: nothing is
+        sent."""
         handle = self._handle
         if handle is not None and not self.lost:  # wait for the create (clear waits anyway)
             try:
@@ -272,6 +273,8 @@ class _Room:
         try:
             self._submit(rpc.Clear(room=self.room), wait=True)
         except RoomError:
+            if timeout <= 0:
+                raise
             self._call(rpc.Wait(rooms=[self.room], timeout=timeout))
             self._submit(rpc.Clear(room=self.room), wait=True)
         if self.client.ring is not None:  # every earlier call ran: its refusal is in,
