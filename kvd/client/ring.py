@@ -118,12 +118,12 @@ class EngineRing:
             after = 0
             if key is not None and key >= 0:
                 create_ran = self.sub.tail > key  # read before the completions
-                self.collect()
+                self.collect_new()
                 if key in self.unborn:
                     raise self.failed[key]
                 after = 0 if create_ran else self.out.head - key  # in the ring: <= capacity
             else:
-                self.collect()
+                self.collect_new()
             seq = self.out.push(data, after)
             if seq is not None:
                 break
@@ -145,7 +145,7 @@ class EngineRing:
         completions: a call that ``tail`` passed with no refusal read after it
         succeeded."""
         ran = self.sub.tail > self.last.get(key, key)
-        self.collect()
+        self.collect_new()
         refusal = self.failed.get(key)
         return ran and refusal is None, refusal
 
@@ -175,6 +175,13 @@ class EngineRing:
         return self.collect(seq)
 
     # ---- completions -------------------------------------------------------------------
+
+    def collect_new(self) -> None:
+        """:meth:`collect` if kvd wrote a completion not read yet, or if calls known done
+        are many (they leave :attr:`inflight`); else nothing (no completion: nothing to
+        learn, a word read)."""
+        if self.comp.head != self.inbox.tail or len(self.inflight) > self.sub.capacity:
+            self.collect()
 
     def collect(self, want: int = -1) -> KvdError | None:
         """Read every completion kvd wrote; a refusal of call ``want`` is returned, the

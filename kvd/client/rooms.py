@@ -164,7 +164,11 @@ class _Room:
     def refusal(self) -> KvdError | None:
         """A refusal of an earlier call of this room that nobody waited for (ring path:
         its create, an init, a send): the room is failed for this engine from then on."""
-        if self.refused is None and self._handle is not None:
+        ring = self.client.ring
+        if self.refused is not None or ring is None or (
+                ring.comp.head == ring.inbox.tail and not ring.refused and not ring.failed):
+            return self.refused  # no completion unread, none kept: nothing new (no lock)
+        if self._handle is not None:
             try:
                 self._live_handle()
             except KvdUnreachable as exc:
