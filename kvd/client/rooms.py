@@ -109,6 +109,7 @@ class _Room:
         #: the create's handle while kvd may not have run it (ring path): the room's calls
         #: depend on it, and kvd runs none of them if it refused the create
         self._handle: Handle | None = None
+        self._created = False  # kvd ran the handle's create (refused or not)
 
     @classmethod
     def attach(cls, client: KvdClient, room: int) -> Any:
@@ -198,11 +199,27 @@ class _Room:
         if refusal is not None:
             raise refusal
 
+    def wait_created(self) -> None:
+        """Before a read of the room's status (a poll, a wait; an adapter's own reads):
+        while kvd may not have run this room's create (ring path), wait until it did (no
+        longer than the socket ``Poll`` that would run it first), so that a refused
+        create reads Failed, never the status of another incarnation of the room. At
+        once otherwise. Never raises: kvd unreachable marks the room lost."""
+        if self._handle is None or self._created or self.lost:
+            return
+        try:
+            self.client.wait_created(self._handle)
+        except KvdUnreachable as exc:
+            self.lost = f"kvd unreachable: {exc}"
+            return
+        self._created = True
+
     def poll(self) -> KVPoll | int:
         """Current KVPoll of this room (``UNKNOWN_ROOM`` once cleared; ``Failed`` for good
         once kvd was unreachable — a restarted kvd does not know the room — or refused one
-        of its calls sent through the ring). Read from kvd's status table when it answers
-        (no syscall)."""
+        of its calls sent through the ring, its create included). Read from kvd's status
+        table when it answers (no syscall)."""
+        self.wait_created()
         if self.client.ring is not None and self._refusal() is not None:
             return KVPoll.Failed
         view = None if self.lost else self.client.read_table_one(self.room)
@@ -215,11 +232,18 @@ class _Room:
         """Block until the room ends (and, on decode, its pages are releasable) or
         ``timeout`` s pass; returns its KVPoll. Longer than the client's RPC timeout
         is fine: the client waits in several calls."""
+        self.wait_created()
+        if self.client.ring is not None and self._refusal() is not None:
+            return KVPoll.Failed
         result = self._call(rpc.Wait(rooms=[self.room], timeout=timeout))
         return KVPoll.Failed if result is None else _status(result.statuses[0])
 
     def releasable(self) -> bool:
-        """May the engine reuse this room's pages? (Always True on prefill.)"""
+        """May the engine reuse this room's pages? (Always True on prefill, and for a room
+        whose create kvd refused: kvd holds none of its pages.)"""
+        self.wait_created()
+        if self._handle is not None and self.client.unborn(self._handle):
+            return True
         view = None if self.lost else self.client.read_table_one(self.room)
         if view is not None:
             return view[1]
@@ -229,6 +253,7 @@ class _Room:
     def failure(self) -> tuple[str, str]:
         """``(kind, reason)`` of the room's failure (``kind`` a FailureKind value;
         ``("", "room is not failed")`` otherwise)."""
+        self.wait_created()
         if self.client.ring is not None and (refusal := self._refusal()) is not None:
             return rpc.error_kind(refusal), f"kvd refused a call of room {self.room}: {refusal}"
         result: rpc.PollResult | None = self._call(rpc.Poll(rooms=[self.room]))
@@ -347,6 +372,9 @@ class Sender(_Room):
         layer sent twice for a page, outside the pool's layers, or pages mixing new and
         named ones (the room fails, kind ``layout``). After this, :meth:`send` needs an
         explicit ``is_last`` (ValueError otherwise): pages named here are not in ``sent``."""
+        self.wait_created()  # over the socket: no record to depend on the create
+        if self._handle is not None and self.client.unborn(self._handle):
+            self._raise_refusal()
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         lo, hi = layers
         self.layered = True

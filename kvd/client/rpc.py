@@ -242,6 +242,20 @@ class KvdClient:
             except (DaemonGone, TimeoutError, ProtocolError) as exc:
                 self._ring_broken(exc)
 
+    def wait_created(self, handle: Handle) -> None:
+        """Block until kvd ran ``handle``'s create (at once if it did, or if its ring is
+        gone); raises as :meth:`submit` with ``wait``."""
+        with self._lock:
+            ring = handle.ring
+            if ring is not self.ring or ring.done(handle.key):
+                return
+            try:
+                ring.wait_done(handle.key, self.timeout)
+            except RingClosed:
+                self._close_ring()
+            except (DaemonGone, TimeoutError, ProtocolError) as exc:
+                self._ring_broken(exc)
+
     def unborn(self, handle: Handle) -> bool:
         """Whether kvd refused ``handle``'s create itself (known once it ran)."""
         return handle.key in handle.ring.unborn

@@ -201,9 +201,10 @@ def test_a_duplicate_create_through_the_ring_is_refused_at_the_next_call_and_har
         ring_pair: PdPair) -> None:
     """A create through the ring is not waited for (``Sender(...)`` and ``Receiver(...)``
     return once the record is in the ring). A duplicate of a live room is refused later:
-    the duplicate's handle reads Failed naming the refusal, its next init raises it, and
-    its abort and clear are never run -- the live room, created through the same client,
-    moves byte for byte (over the socket the duplicate's constructor raised instead)."""
+    the duplicate's handle reads Failed naming the refusal (its wait and poll never read
+    the live room's status), its next init raises it, and its abort and clear are never
+    run -- the live room, created through the same client, moves byte for byte (over the
+    socket the duplicate's constructor raised instead)."""
     pe, de = ring_pair.p_engine, ring_pair.d_engine
     room = 8800
     recv = Receiver(de.client, room, ring_pair.bootstrap)
@@ -213,7 +214,9 @@ def test_a_duplicate_create_through_the_ring_is_refused_at_the_next_call_and_har
     dup_s = Sender(pe.client, room)  # returns: the refusal comes back later
     dup_r = Receiver(de.client, room, ring_pair.bootstrap)
     for dup in (dup_s, dup_r):
-        until(lambda d=dup: d.poll() == KVPoll.Failed, "the duplicate's refusal read back")
+        t = time.monotonic()  # not the live room's wait: that room waits for its send
+        assert dup.wait(BOUND) == KVPoll.Failed and time.monotonic() - t < BOUND / 2
+        assert dup.poll() == KVPoll.Failed and dup.releasable()
         assert "already active" in dup.failure()[1]
         with pytest.raises(RoomError, match="already active"):
             dup.init([1], 0) if dup is dup_r else dup.init(1, 0)

@@ -219,8 +219,11 @@ def _poll_board(side: Any) -> int:
     """A sender's or receiver's KVPoll from the manager's shared poll board (no RPC of its
     own); a room kvd no longer knows is Failed; terminal states are remembered."""
     handle = getattr(side, "sender", None) or getattr(side, "receiver", None)
-    refusal = (handle.refusal() if handle is not None  # its create, an init, a send
-               else side.kv_mgr.client.ring_refusal(side.bootstrap_room))
+    if handle is not None:  # its create, an init, a send (a refused create reads
+        handle.wait_created()  # Failed, never the board's other incarnation)
+        refusal = handle.refusal()
+    else:
+        refusal = side.kv_mgr.client.ring_refusal(side.bootstrap_room)
     if refusal is not None:  # a call through the ring that kvd refused: as a
         # refused RPC, a receiver aborts its room (the prefill stops), a sender fails
         fail = getattr(side, "abort_with", side._fail)
