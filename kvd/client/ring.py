@@ -92,6 +92,12 @@ class EngineRing:
         self.owner: dict[int, int] = {}
         #: handle key -> the first refusal of the handle's keyed calls
         self.failed: dict[int, KvdError] = {}
+        #: the last record whose publication wrote ``wake_kvd``. While kvd has not run it,
+        #: kvd is woken already and runs every record published before its drain ends:
+        #: it consumes that record, then sets ``sleeping`` and reads ``head`` again (a
+        #: fence between), while the engine publishes ``head`` and then reads ``tail`` (a
+        #: fence between), so one of them sees the other's word. No second write.
+        self.woke = -1
         #: handle key -> its last keyed call's id
         self.last: dict[int, int] = {}
         #: handle keys whose create itself was refused
@@ -133,9 +139,10 @@ class EngineRing:
             key = seq if key == NEW else key
             self.owner[seq] = key
             self.last[key] = seq
-        fence()  # head published before kvd's flag is read (kvd does the converse)
-        if self.sub.sleeping:
+        fence()  # head published before kvd's words are read (kvd does the converse)
+        if self.sub.sleeping and self.sub.tail > self.woke:
             os.eventfd_write(self.wake_kvd, 1)
+            self.woke = seq
         return seq
 
     def handle(self, key: int) -> tuple[bool, KvdError | None]:
