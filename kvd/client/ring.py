@@ -98,6 +98,7 @@ class EngineRing:
         #: fence between), while the engine publishes ``head`` and then reads ``tail`` (a
         #: fence between), so one of them sees the other's word. No second write.
         self.woke = -1
+        self._prune_at = self.sub.capacity
         #: handle key -> its last keyed call's id
         self.last: dict[int, int] = {}
         #: handle keys whose create itself was refused
@@ -222,6 +223,10 @@ class EngineRing:
                 break
             del self.inflight[first]
             self.owner.pop(first, None)
+        if len(self.last) > self._prune_at:  # handles whose calls all ran, none refused:
+            self.last = {k: v for k, v in self.last.items()  # settled (their refusals
+                         if v >= tail or k in self.failed}  # were read above)
+            self._prune_at = 2 * len(self.last) + self.sub.capacity
         return found
 
     # ---- waiting -----------------------------------------------------------------------

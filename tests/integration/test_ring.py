@@ -230,3 +230,20 @@ def test_a_duplicate_create_through_the_ring_is_refused_at_the_next_call_and_har
     recv.clear()
     live.clear()
     assert live.poll() == -1 and recv.poll() == -1
+
+
+def test_handles_of_rooms_cleared_elsewhere_leave_what_the_ring_keeps_bounded(
+        ring_pair: PdPair) -> None:
+    """Rooms created through their handle and ended by other means (a step's batch, a
+    handle from ``attach``): what the engine's ring keeps per handle stays bounded by its
+    capacity, not by the rooms it ever carried."""
+    pe = ring_pair.p_engine
+    ring = pe.client.ring
+    assert ring is not None
+    cap = ring.sub.capacity
+    for room in range(9000, 9000 + 3 * cap):
+        s = Sender(pe.client, room)
+        s.init(1, 0)
+        assert pe.client.submit_all([rpc.Abort(room=room, reason="test"),
+                                     rpc.Clear(room=room)]) == {}
+    assert len(ring.last) <= 2 * cap and len(ring.inflight) <= cap
