@@ -1,0 +1,94 @@
+"""Issue 22 from a hostile user's side, in process: every field of the compatibility
+fingerprint mismatched in turn (each fails the pair's first room at registration, naming
+the field, with no byte written), one engine that names no fingerprint against one that
+does, and page sizes that do not divide each other (16 <-> 24 tokens), served byte for byte
+against a token-by-token copy."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvd.protocol import codec
+from kvd.protocol.control import Compat
+from kvd.refengine.standin import ModelSpec
+from tests.inproc.harness import FAILED, SUCCESS, Cluster, settle
+from tests.inproc.test_retile import _room, token_copy
+
+SPEC = ModelSpec(num_layers=2, total_kv_heads=4, head_dim=8, page_size=4, num_pages=16)
+BASE = Compat(model_id="qwen", kv_dtype="bfloat16", scale_layout="none", layer_types="AA",
+              spec_config="")
+OTHER = {"model_id": "llama", "kv_dtype": "fp8_e4m3", "scale_layout": "per_tensor",
+         "layer_types": "AL", "spec_config": "eagle3:3"}
+
+
+async def _refused_pair(cluster: Cluster, prefill: Compat | None,
+                        decode: Compat | None) -> tuple[str, str]:
+    p = await cluster.node("prefill")
+    d = await cluster.node("decode")
+    pe = await p.shard_engine(SPEC, source=SPEC.global_kv(1), seed=1, compat=prefill)
+    de = await d.shard_engine(SPEC, seed=2, compat=decode)
+    await de.receiver(1, [1], p.http_addr)
+    await pe.sender(1, [2])
+    await settle(cluster)
+    assert await de.status(1) == FAILED and await pe.status(1) == FAILED
+    assert not cluster.fabric.writes  # no byte moved
+    return await de.failure(1)
+
+
+@pytest.mark.parametrize("field", sorted(OTHER))
+async def test_i22_each_engine_fingerprint_field_mismatched_fails_the_first_room(
+        cluster: Cluster, field: str) -> None:
+    decode = msgspec.structs.replace(BASE, **{field: OTHER[field]})
+    kind, reason = await _refused_pair(cluster, BASE, decode)
+    assert kind == "registration"
+    assert f"{field} {getattr(BASE, field)!r} vs {OTHER[field]!r}" in reason
+
+
+async def test_i22_a_decode_of_another_wire_version_fails_the_first_room(
+        cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon stamps its own wire version: a decode daemon of another version (as an
+    older kvd would be) is refused at pairing, naming both versions."""
+    p = await cluster.node("prefill")
+    d = await cluster.node("decode")
+    pe = await p.shard_engine(SPEC, source=SPEC.global_kv(1), seed=1, compat=BASE)
+    monkeypatch.setattr(codec, "VERSION", codec.VERSION + 1)
+    de = await d.shard_engine(SPEC, seed=2, compat=BASE)
+    monkeypatch.undo()
+    await de.receiver(1, [1], p.http_addr)
+    await pe.sender(1, [2])
+    await settle(cluster)
+    assert await de.status(1) == FAILED and not cluster.fabric.writes
+    kind, reason = await de.failure(1)
+    assert kind == "registration"
+    assert f"wire_version {codec.VERSION} vs {codec.VERSION + 1}" in reason
+
+
+async def test_i22_an_engine_naming_no_fingerprint_against_one_naming_a_model_is_refused(
+        cluster: Cluster) -> None:
+    """An engine that says nothing (``compat=None``) is not a wildcard: its model id is
+    empty, which differs from the other side's."""
+    kind, reason = await _refused_pair(cluster, BASE, None)
+    assert kind == "registration" and "model_id 'qwen' vs ''" in reason
+
+
+# 16 <-> 24: neither divides the other (lcm 48); 96 tokens on both sides, or fewer on one
+ODD = [(16, 24, [0, 1, 2, 3, 4, 5], [7, 8, 9, 10], 0, [2, 2, 2]),
+       (16, 24, [0, 1, 2, 3, 4], [7, 8, 9, 10], 0, [1, 1, 1, 1, 1]),
+       (24, 16, [0, 1, 2, 3], [7, 8, 9, 10, 11, 12], 0, [1, 3]),
+       (24, 16, [0, 1, 2, 3], [7, 8, 9, 10, 11, 12], 2, [4]),
+       (16, 24, [0, 1, 2, 3, 4, 5], [7, 8, 9, 10], 1, [3, 3])]
+
+
+@pytest.mark.parametrize(("ps", "pd", "src", "dst", "first", "chunks"), ODD)
+async def test_i22_page_sizes_that_do_not_divide_move_byte_for_byte(
+        cluster: Cluster, ps: int, pd: int, src: list[int], dst: list[int], first: int,
+        chunks: list[int]) -> None:
+    pe, de, before = await _room(cluster, ps, pd, src, dst, first, chunks)
+    assert await pe.status(9) == SUCCESS and await de.status(9) == SUCCESS
+    want = token_copy(de, pe, before, src, dst, ps, pd, first * pd,
+                      min(len(src) * ps, len(dst) * pd))
+    for got, exp in zip(de.pool.kv, want, strict=True):
+        assert np.array_equal(got, exp)
+    assert (de.pool.aux[3] == pe.pool.aux[1]).all()
