@@ -6,11 +6,13 @@ against a token-by-token copy."""
 
 from __future__ import annotations
 
+import contextlib
+
 import msgspec
 import numpy as np
 import pytest
 
-from kvd.protocol import codec
+from kvd.protocol import codec, rpc
 from kvd.protocol.control import Compat
 from kvd.refengine.standin import ModelSpec
 from tests.inproc.harness import FAILED, SUCCESS, Cluster, settle
@@ -92,3 +94,82 @@ async def test_i22_page_sizes_that_do_not_divide_move_byte_for_byte(
     for got, exp in zip(de.pool.kv, want, strict=True):
         assert np.array_equal(got, exp)
     assert (de.pool.aux[3] == pe.pool.aux[1]).all()
+
+
+# ---- a draft group, or a state slot, named on one side only ----------------------------
+
+
+async def test_i22_a_draft_group_only_on_the_decode_is_refused(cluster: Cluster) -> None:
+    """The reverse of test_groups' case: the decode registers a draft group that no
+    prefill stage holds (the decode would read a draft KV nobody wrote)."""
+    from tests.inproc.test_groups import GROUPS, INDEXER, group_engine
+    from tests.inproc.test_groups import SPEC as GSPEC
+    p = await cluster.node("prefill")
+    d = await cluster.node("decode")
+    pe = await group_engine(p, (INDEXER,), source=GSPEC.global_kv(1),
+                            group_source={INDEXER.name: INDEXER.truth(GSPEC, 1)}, seed=1)
+    de = await group_engine(d, GROUPS, seed=2)
+    await de.receiver(1, [1], p.http_addr)
+    await pe.sender(1, [2])
+    await settle(cluster)
+    kind, reason = await de.failure(1)
+    assert kind == "registration" and "'draft'" in reason, reason
+    assert not cluster.fabric.writes
+
+
+@pytest.mark.parametrize(("prefill_state", "decode_state"), [(-1, 0), (0, -1), (-5, 0),
+                                                             (0, -5)])
+async def test_i22_a_hybrid_room_with_a_state_slot_on_one_side_only_never_succeeds(
+        cluster: Cluster, prefill_state: int, decode_state: int) -> None:
+    """A hybrid room whose prefill or decode names no state slot (or a negative one) is
+    refused at init or fails, kind layout: a decode never reads Success with its state slot
+    unwritten."""
+    from kvd.errors import RoomError
+    from tests.inproc.test_state_rooms import SPEC as HSPEC
+    from tests.inproc.test_state_rooms import hybrid, recv_room, send_room
+    p = await cluster.node("prefill")
+    d = await cluster.node("decode")
+    pe = await hybrid(p, HSPEC, source=HSPEC.truth(1), seed=1)
+    de = await hybrid(d, HSPEC, seed=2)
+    try:
+        await recv_room(de, 9, p.http_addr, state=decode_state)
+    except RoomError:
+        return  # refused at init, before anything moves
+    with contextlib.suppress(RoomError):
+        await send_room(pe, 9, state=prefill_state)
+    await settle(cluster)
+    assert await de.status(9) == FAILED
+    kind, reason = await de.failure(9)
+    assert kind == "layout", reason
+
+
+# ---- layer streaming racing an abort, a clear and a room id used again -----------------
+
+
+@pytest.mark.parametrize("end", ["abort", "clear"])
+async def test_i22_a_layer_write_in_flight_when_the_room_ends_and_its_id_returns(
+        cluster: Cluster, end: str) -> None:
+    """Layer 0 is being written (the decode frozen) when the prefill engine aborts or clears
+    the room and creates the same id again, streaming every layer: the decode's pages are not
+    releasable while the old write is in flight; once it returned, only layer 0 of the old
+    attempt landed (the new attempt has no decode room to write) and nothing else moved."""
+    from tests.inproc.test_layers import DST, LAYERS, SRC, _landed, _layers, _pair
+    pe, de, before = await _pair(cluster)
+    d = de.node
+    cluster.fabric.hold(d.session)
+    await _layers(pe, SRC, 0, 1)
+    await settle(cluster)
+    if end == "abort":
+        await pe.call(rpc.Abort(room=9, reason="client gone"))
+    await pe.call(rpc.Clear(room=9))
+    await pe.call(rpc.SenderCreate(room=9))
+    await pe.call(rpc.SenderInit(room=9, num_pages=len(SRC), aux_index=1))
+    await _layers(pe, SRC, 0, LAYERS, last=True)
+    await settle(cluster)
+    assert await de.status(9) == FAILED
+    assert not await de.releasable(9)  # the old layer-0 write is still in flight
+    cluster.fabric.release(d.session)
+    await settle(cluster)
+    assert await de.releasable(9)
+    assert await pe.status(9) != SUCCESS
+    assert _landed(pe, de, before, {0}, len(DST))  # the old write, waited out, and no more
