@@ -49,12 +49,24 @@ def poll_array(client: KvdClient, rooms: npt.ArrayLike) -> npt.NDArray[np.int8]:
     ids = np.asarray(rooms, dtype=np.uint64).reshape(-1)
     read = client.read_table(ids)
     if read is None:
-        return np.asarray(_poll_socket(client, ids.tolist()), dtype=np.int8)
-    statuses, _, hit = read
-    if hit.all():
-        return statuses
-    miss = np.flatnonzero(~hit)
-    statuses[miss] = _poll_socket(client, ids[miss].tolist())
+        statuses = np.asarray(_poll_socket(client, ids.tolist()), dtype=np.int8)
+    else:
+        statuses, _, hit = read
+        if not hit.all():
+            miss = np.flatnonzero(~hit)
+            statuses[miss] = _poll_socket(client, ids[miss].tolist())
+    return _refused_failed(client, ids, statuses)
+
+
+def _refused_failed(client: KvdClient, ids: npt.NDArray[np.uint64],
+                    statuses: npt.NDArray[np.int8]) -> npt.NDArray[np.int8]:
+    """``statuses`` with every room that holds a ring refusal read Failed: a room call the
+    engine did not wait for and kvd refused fails the room for the engine, whichever way
+    it reads it (:meth:`KvdClient.ring_refused`; no work per room when there is none)."""
+    if client.ring is not None:
+        refused = client.ring_refused(ids)
+        if refused is not None:
+            statuses[refused] = int(KVPoll.Failed)
     return statuses
 
 
@@ -75,7 +87,7 @@ def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
     never hangs on a dead daemon. A malformed answer (a value that is no status, not one
     status per room) raises :class:`~kvd.errors.ProtocolError`.
     """
-    if client.table is not None:
+    if client.table is not None or client.ring is not None:
         return _statuses(poll_array(client, rooms).tolist())
     try:
         result: rpc.PollResult = client.call(rpc.Poll(rooms=list(rooms)))
@@ -86,12 +98,23 @@ def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
 
 def wait_many(client: KvdClient, rooms: list[int], timeout: float) -> list[KVPoll | int]:
     """Block (in kvd, one RPC) until every room ended — and, on decode, its pages are
-    releasable — or ``timeout`` s passed; returns their KVPoll (Failed if kvd is gone)."""
-    try:
-        result = client.wait(list(rooms), timeout)
-    except KvdUnreachable:
-        return [KVPoll.Failed] * len(rooms)
-    return _statuses(result.statuses)
+    releasable — or ``timeout`` s passed; returns their KVPoll (Failed if kvd is gone).
+    A room holding a ring refusal reads Failed at once and is not waited for."""
+    refused = None
+    if client.ring is not None and rooms:
+        refused = client.ring_refused(np.asarray(rooms, dtype=np.uint64).reshape(-1))
+    waited = list(rooms) if refused is None else \
+        [r for r, bad in zip(rooms, refused.tolist(), strict=True) if not bad]
+    out: list[KVPoll | int] = [KVPoll.Failed] * len(rooms)
+    if waited:
+        try:
+            result = client.wait(waited, timeout)
+        except KvdUnreachable:
+            return out
+        got = iter(_statuses(result.statuses))
+        out = [KVPoll.Failed if refused is not None and refused[i] else next(got)
+               for i in range(len(rooms))]
+    return out
 
 
 class _Room:
@@ -160,7 +183,10 @@ class _Room:
     def wait(self, timeout: float) -> KVPoll | int:
         """Block until the room ends (and, on decode, its pages are releasable) or
         ``timeout`` s pass; returns its KVPoll. Longer than the client's RPC timeout
-        is fine: the client waits in several calls."""
+        is fine: the client waits in several calls. Failed at once when kvd refused one
+        of its calls sent through the ring."""
+        if self.client.ring is not None and self._refusal() is not None:
+            return KVPoll.Failed
         result = self._call(rpc.Wait(rooms=[self.room], timeout=timeout))
         return KVPoll.Failed if result is None else _status(result.statuses[0])
 

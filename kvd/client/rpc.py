@@ -159,6 +159,8 @@ class KvdClient:
                 self._registration, self._replay = call, False
                 self._open_table()
                 self._open_ring()
+        if isinstance(call, rpc.Clear | rpc.Many):
+            self._forget_refusals(_cleared(call))
         return result
 
     def submit(self, call: rpc.RingCall, wait: bool = False) -> None:
@@ -199,6 +201,8 @@ class KvdClient:
                 self._ring_broken(exc)
         if refusal is not None:
             raise refusal
+        if isinstance(call, rpc.Clear):
+            self._forget_refusals([call.room])
 
     def submit_all(self, calls: list[rpc.RingCall]) -> dict[int, KvdError]:
         """Run ``calls`` (room calls) in order and wait ONCE for all of them (issue 21: an
@@ -258,6 +262,26 @@ class KvdClient:
     def ring_refusal(self, room: int) -> KvdError | None:
         """The refusal of a call on ``room`` that :meth:`submit` did not wait for (taken),
         or None."""
+        ring = self._collected()
+        return None if ring is None else ring.refused.pop(room, None)
+
+    def ring_refused(self, rooms: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_] | None:
+        """Which of ``rooms`` (uint64, 1-D) hold a refusal of a call :meth:`submit` did not
+        wait for (kept, not taken: the room object's ``failure()`` still names it); None
+        when none does (the common case: no work per room). Such a room reads Failed for
+        the engine on every read path (:func:`~kvd.client.poll_many`,
+        :func:`~kvd.client.poll_array`, :func:`~kvd.client.wait_many`, the room object),
+        though kvd itself may still hold it unfailed: its refused call never ran."""
+        ring = self._collected()
+        if ring is None or not ring.refused:
+            return None
+        held = np.fromiter(ring.refused.keys(), dtype=np.uint64, count=len(ring.refused))
+        hit = np.isin(rooms, held)
+        return hit if hit.any() else None
+
+    def _collected(self) -> EngineRing | None:
+        """The ring with every completion kvd wrote read into its kept refusals (None: no
+        ring, or it no longer reads)."""
         ring = self.ring
         if ring is None:
             return None
@@ -269,7 +293,15 @@ class KvdClient:
                     ring.collect()
                 except (ProtocolError, OSError):
                     return None
-        return ring.refused.pop(room, None)
+        return ring
+
+    def _forget_refusals(self, rooms: list[int]) -> None:
+        """``rooms`` were cleared: their kept refusals go with them (after every completion
+        kvd wrote before the clear was read), so a room of the same id later starts clean."""
+        ring = self._collected()
+        if ring is not None and ring.refused:
+            for room in rooms:
+                ring.refused.pop(room, None)
 
     def _usable_ring(self) -> EngineRing | None:
         """The ring, if kvd is known alive (a fresh status table) and no reconnect waits."""
@@ -534,6 +566,15 @@ class KvdClient:
                 with contextlib.suppress(KvdError):
                     self._roundtrip(rpc.Release(), None)
             self._drop()
+
+
+def _cleared(call: rpc.Call) -> list[int]:
+    """The rooms a Clear (or the Clears of a Many) names."""
+    if isinstance(call, rpc.Clear):
+        return [call.room]
+    if isinstance(call, rpc.Many):
+        return [c.room for c in call.calls if isinstance(c, rpc.Clear)]
+    return []
 
 
 def _check_answered(rooms: list[int], result: rpc.PollResult) -> None:
