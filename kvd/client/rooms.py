@@ -159,7 +159,7 @@ class _Room:
         """A refusal of an earlier call of this room that nobody waited for (ring path):
         the room is failed for this engine from then on."""
         if self.refused is None:
-            self.refused = self.client.ring_refusal(self.room)
+            self.refused = self.client.room_refusal(self.room)
         return self.refused
 
     def _raise_refusal(self) -> None:
@@ -236,9 +236,8 @@ class _Room:
         except RoomError:
             self._call(rpc.Wait(rooms=[self.room], timeout=timeout))
             self._submit(rpc.Clear(room=self.room), wait=True)
-        if self.client.ring is not None:  # every earlier call ran: its refusal is in,
-            self.client.ring_refusal(self.room)  # dropped with the room (a room of the
-        self.refused = None  # same id later starts clean)
+        # the client dropped the room's kept refusal with the Clear (KvdClient.submit): a
+        self.refused = None  # room of the same id later starts clean
 
 
 class Sender(_Room):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import mmap
 import os
 import secrets
@@ -120,6 +121,8 @@ class KvdClient:
         self._ring_sizes = rpc.OpenRing(capacity=ring_capacity,
                                         record_bytes=ring_record_bytes)
         self.ring: EngineRing | None = None
+        #: refusals :meth:`ring_refusal` handed out, by room, until the room is cleared
+        self._refusal_taken: dict[int, KvdError] = {}
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -260,10 +263,26 @@ class KvdClient:
         return refused
 
     def ring_refusal(self, room: int) -> KvdError | None:
-        """The refusal of a call on ``room`` that :meth:`submit` did not wait for (taken),
-        or None."""
+        """The refusal of a call on ``room`` that :meth:`submit` did not wait for, handed
+        out once (taken: a later call answers None), or None. The room still reads Failed
+        on every read path (:meth:`room_refusal`, :meth:`ring_refused`) until it is
+        cleared."""
         ring = self._collected()
-        return None if ring is None else ring.refused.pop(room, None)
+        if ring is None:
+            return None
+        refusal = ring.refused.pop(room, None)
+        if refusal is not None:
+            self._refusal_taken[room] = refusal
+        return refusal
+
+    def room_refusal(self, room: int) -> KvdError | None:
+        """The refusal kept for ``room`` (a call :meth:`submit` did not wait for that kvd
+        refused), taken by :meth:`ring_refusal` or not; None when there is none. Kept until
+        the room is cleared, by any path."""
+        ring = self._collected()
+        if ring is None:
+            return None
+        return ring.refused.get(room) or self._refusal_taken.get(room)
 
     def ring_refused(self, rooms: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_] | None:
         """Which of ``rooms`` (uint64, 1-D) hold a refusal of a call :meth:`submit` did not
@@ -273,9 +292,10 @@ class KvdClient:
         :func:`~kvd.client.poll_array`, :func:`~kvd.client.wait_many`, the room object),
         though kvd itself may still hold it unfailed: its refused call never ran."""
         ring = self._collected()
-        if ring is None or not ring.refused:
+        if ring is None or not (ring.refused or self._refusal_taken):
             return None
-        held = np.fromiter(ring.refused.keys(), dtype=np.uint64, count=len(ring.refused))
+        held = np.fromiter(itertools.chain(ring.refused.keys(), self._refusal_taken.keys()),
+                           dtype=np.uint64)
         hit = np.isin(rooms, held)
         return hit if hit.any() else None
 
@@ -299,9 +319,10 @@ class KvdClient:
         """``rooms`` were cleared: their kept refusals go with them (after every completion
         kvd wrote before the clear was read), so a room of the same id later starts clean."""
         ring = self._collected()
-        if ring is not None and ring.refused:
+        if ring is not None and (ring.refused or self._refusal_taken):
             for room in rooms:
                 ring.refused.pop(room, None)
+                self._refusal_taken.pop(room, None)
 
     def _usable_ring(self) -> EngineRing | None:
         """The ring, if kvd is known alive (a fresh status table) and no reconnect waits."""
@@ -340,6 +361,7 @@ class KvdClient:
                     os.close(fd)
 
     def _close_ring(self) -> None:
+        self._refusal_taken.clear()
         ring, self.ring = self.ring, None
         if ring is not None:
             ring.close()

@@ -54,6 +54,9 @@ def test_a_refused_ring_init_reads_failed_through_every_batch_read(ring_pair: Pd
     assert poll_many(d, [900])[0] != KVPoll.Failed  # room 900 is not touched
     # the batch reads leave the refusal to the room: its failure still names it
     assert b.poll() == KVPoll.Failed and "aux slot 3" in b.failure()[1]
+    # and the room object having looked does not take it from the batch reads
+    assert poll_many(d, [901]) == [KVPoll.Failed]
+    assert Receiver.attach(d, 901).poll() == KVPoll.Failed  # another handle on the room
     a.clear()
     b.clear()
     assert poll_many(d, [900, 901]) == [-1, -1]
