@@ -104,3 +104,60 @@ async def test_a_room_id_cleared_and_used_again_reads_its_new_room_never_the_old
     await pe.call(rpc.SenderCreate(room=7))
     assert table.read_one(7) == (BOOTSTRAPPING, True)  # a prefill's pages: always
     assert table.read_one(8) is None and table.read_one(7 + table.nbuckets) is None
+
+
+# ---- a lying engine: each kind of bad record or cursor, one at a time ------------------
+
+
+def _lie(ring: RingEngine, how: str) -> None:
+    """Publish (or fake) the next record in a way kvd must not believe."""
+    from kvd.protocol.ring import RECORD_HEAD
+    sub, at = ring.sub, ring.sub._at(ring.out.head)
+    good = ring_record(ring, rpc.SenderCreate(room=77))
+    if how == "id_mismatch":
+        ring.out.push(codec.encode(rpc.Request(id=ring.out.head + 5,
+                                               call=rpc.SenderCreate(room=77))))
+        return
+    if how in ("head_back", "head_jump"):
+        ring.out.push(good)
+        sub.publish_head(ring.out.head - 3 if how == "head_back"
+                         else ring.out.head + sub.capacity + 1)
+        return
+    ring.out.push(good)
+    if how == "length_over":
+        sub.mv[at + 8:at + 12] = (sub.max_payload + 1).to_bytes(4, "little")
+    elif how == "length_short":
+        sub.mv[at + 8:at + 12] = (len(good) - 3).to_bytes(4, "little")
+    elif how == "seq_ahead":
+        sub.mv[at:at + 8] = (ring.out.head + 7).to_bytes(8, "little")
+    elif how == "seq_back":
+        sub.mv[at:at + 8] = (ring.out.head - 2).to_bytes(8, "little")
+    assert RECORD_HEAD == 16
+
+
+LIES = ["id_mismatch", "head_back", "head_jump", "length_over", "length_short", "seq_ahead",
+        "seq_back"]
+
+
+@pytest.mark.parametrize("how", LIES)
+async def test_each_lie_fails_only_the_channel_and_the_rooms_it_carried(
+        cluster: Cluster, how: str) -> None:
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1)
+    ring = await RingEngine.open(pe, capacity=8, record_bytes=512)
+    try:
+        await pe.call(rpc.SenderCreate(room=50))  # the socket's room
+        for r in (2, 3):
+            ring.push(rpc.SenderCreate(room=r))
+        await ring.drained()
+        _lie(ring, how)
+        ring.wake()
+        await settle(cluster)
+        channel = p.daemon.rings[pe.conn.id]
+        assert channel.failed and ring.sub.closed and ring.comp.closed, how
+        assert p.side.poll([2, 3, 77]).statuses in ([FAILED, FAILED, UNKNOWN],)
+        assert (await pe.call(rpc.Poll(rooms=[50]))).statuses == [BOOTSTRAPPING]
+        await pe.call(rpc.SenderCreate(room=51))  # the socket still serves new rooms
+        assert p.side.poll([51]).statuses == [BOOTSTRAPPING]
+    finally:
+        ring.close()

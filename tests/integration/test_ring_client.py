@@ -1,5 +1,6 @@
-"""A ring refusal read through every status path (issue 21): real daemons, engine clients
-with ``use_ring=True``. A room call the engine did not wait for (``Receiver.init``,
+"""The engine's client on the ring (issue 21) between real processes, engine clients with
+``use_ring=True``: two threads of one client submitting at once, and a ring refusal read
+through every status path. A room call the engine did not wait for (``Receiver.init``,
 ``Sender.send``) and kvd refused makes the room read Failed for the engine -- through the
 room object, and equally through ``poll_many``, ``poll_array`` and ``wait_many``, the
 batch reads an engine (and its adapter) polls a whole step with. A Clear, whichever way it
@@ -7,13 +8,14 @@ went, drops the kept refusal with the room, so the same id later starts clean.""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 
-from kvd.client import KVPoll, Receiver, poll_array, poll_many, wait_many
+from kvd.client import KVPoll, Receiver, Sender, poll_array, poll_many, wait_many
 from kvd.protocol import rpc
 from tests.conftest import PdPair, start_pair, stop_pair
 
@@ -81,3 +83,35 @@ def test_a_clear_over_the_socket_drops_the_kept_refusal_with_the_room(
     until(ring.drained, "kvd ran the new init")
     assert again.poll() != KVPoll.Failed and poll_many(d, [911]) != [KVPoll.Failed]
     again.clear()
+
+
+def test_two_threads_of_one_client_submit_at_once(ring_pair: PdPair) -> None:
+    """KvdClient is thread-safe (one call at a time): two threads create, init, send,
+    abort and clear 100 rooms each through one client's ring with no error, every call
+    ran once (the ring's tail moved by exactly their count) and no room is left."""
+    pe = ring_pair.p_engine.client
+    ring = pe.ring
+    assert ring is not None
+    before = ring.sub.tail
+    errors: list[BaseException] = []
+
+    def rooms(base: int) -> None:
+        try:
+            for r in range(base, base + 100):
+                s = Sender(pe, r)
+                s.init(num_pages=2, aux_index=0)
+                s.send(np.array([1]), is_last=False)
+                s.abort("a test")
+                s.clear()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=rooms, args=(b,)) for b in (20_000, 30_000)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(BOUND)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert pe.ring is ring and ring.sub.tail - before == 2 * 100 * 5
+    ids = list(range(20_000, 20_100)) + list(range(30_000, 30_100))
+    assert set(poll_many(pe, ids)) == {-1}
