@@ -173,3 +173,24 @@ async def test_i22_a_layer_write_in_flight_when_the_room_ends_and_its_id_returns
     assert await de.releasable(9)
     assert await pe.status(9) != SUCCESS
     assert _landed(pe, de, before, {0}, len(DST))  # the old write, waited out, and no more
+
+
+async def test_i22_one_decode_rank_of_another_model_fails_the_room_on_every_rank(
+        cluster: Cluster) -> None:
+    """Decode TP 2 whose rank 1 serves another model: the prefill room waits for every
+    decode rank, so neither rank is written -- not even rank 0, whose fingerprint matches --
+    and both ranks' rooms fail, rank 1's naming the field."""
+    p = await cluster.node("prefill")
+    pe = await p.shard_engine(SPEC, source=SPEC.global_kv(1), seed=1, compat=BASE)
+    ds = [await cluster.node("decode", attn_tp_size=2, attn_tp_rank=r) for r in range(2)]
+    other = msgspec.structs.replace(BASE, model_id="llama")
+    des = [await d.shard_engine(SPEC, r, 2, seed=10 + r, compat=c)
+           for r, (d, c) in enumerate(zip(ds, (BASE, other), strict=True))]
+    for de in des:
+        await de.receiver(1, [1], p.http_addr)
+    await pe.sender(1, [2])
+    await settle(cluster)
+    assert [await de.status(1) for de in des] == [FAILED, FAILED]
+    assert await pe.status(1) == FAILED
+    assert "model_id 'qwen' vs 'llama'" in (await des[1].failure(1))[1]
+    assert not cluster.fabric.writes
