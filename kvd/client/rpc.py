@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import mmap
 import os
 import secrets
@@ -294,8 +293,8 @@ class KvdClient:
         ring = self._collected()
         if ring is None or not (ring.refused or self._refusal_taken):
             return None
-        held = np.fromiter(itertools.chain(ring.refused.keys(), self._refusal_taken.keys()),
-                           dtype=np.uint64)
+        # one C-level copy of each dict (another thread's collect may add to them)
+        held = np.array([*ring.refused, *self._refusal_taken], dtype=np.uint64)
         hit = np.isin(rooms, held)
         return hit if hit.any() else None
 
