@@ -124,6 +124,7 @@ class _Room:
         self.client = client
         self.room = room
         self.lost = ""  # set once kvd was unreachable: the room is Failed for good
+        self.epoch = client.epoch  # the kvd instance it lives in (KvdClient.epoch)
         #: kvd refused a call of this room sent through the ring without waiting (a send,
         #: an init): the room reads Failed here, and its next send or init raises it
         self.refused: KvdError | None = None
@@ -136,19 +137,28 @@ class _Room:
         _Room.__init__(obj, client, room)
         return obj
 
+    def _gone(self) -> bool:
+        """Whether the room is lost: kvd was unreachable, or the client registered since
+        with another kvd instance (kvd restarted, K27), which never knew the room."""
+        if not self.lost and self.epoch != self.client.epoch:
+            self.lost = (f"kvd restarted (now instance {self.client.instance or '?'}): it "
+                         f"does not know room {self.room}, which the previous kvd held")
+        return bool(self.lost)
+
     def _call(self, call: rpc.Call) -> Any:
-        if self.lost:
+        if self._gone():
             return None
         try:
-            return self.client.call(call)
+            result = self.client.call(call)
         except KvdUnreachable as exc:
             self.lost = f"kvd unreachable: {exc}"
             return None
+        return None if self._gone() else result  # reconnected to a new kvd inside the call
 
     def _submit(self, call: rpc.RingCall, wait: bool = False) -> None:
         """``call`` through the client's ring (:meth:`KvdClient.submit`; the socket without
         one); kvd unreachable marks the room lost, as :meth:`_call` does."""
-        if self.lost:
+        if self._gone():
             return
         try:
             self.client.submit(call, wait)
@@ -169,12 +179,13 @@ class _Room:
 
     def poll(self) -> KVPoll | int:
         """Current KVPoll of this room (``UNKNOWN_ROOM`` once cleared; ``Failed`` for good
-        once kvd was unreachable — a restarted kvd does not know the room — or refused one
-        of its calls sent through the ring). Read from kvd's status table when it answers
+        once kvd was unreachable or the client registered again with a restarted kvd --
+        it does not know the room, K27 -- or kvd refused one of its calls sent through
+        the ring). Read from kvd's status table when it answers
         (no syscall)."""
         if self.client.ring is not None and self._refusal() is not None:
             return KVPoll.Failed
-        view = None if self.lost else self.client.read_table_one(self.room)
+        view = None if self._gone() else self.client.read_table_one(self.room)
         if view is not None:
             return _status(view[0])
         result = self._call(rpc.Poll(rooms=[self.room]))
@@ -192,7 +203,7 @@ class _Room:
 
     def releasable(self) -> bool:
         """May the engine reuse this room's pages? (Always True on prefill.)"""
-        view = None if self.lost else self.client.read_table_one(self.room)
+        view = None if self._gone() else self.client.read_table_one(self.room)
         if view is not None:
             return view[1]
         result = self._call(rpc.Poll(rooms=[self.room]))
@@ -256,6 +267,7 @@ class Sender(_Room):
         self.num_pages = 0
         self.sent = 0
         client.submit(rpc.SenderCreate(room=room, release_digest=release_digest), wait=True)
+        self.epoch = client.epoch  # the kvd that ran the create (it may have reconnected)
 
     def init(self, num_pages: int, aux_index: int, state_index: int = -1,
              window_pages: npt.ArrayLike | None = None) -> None:
@@ -321,6 +333,7 @@ class Receiver(_Room):
         self.bootstrap_addr, self.dp_rank = bootstrap_addr, dp_rank
         client.submit(rpc.ReceiverCreate(room=room, bootstrap_addr=bootstrap_addr,
                                          dp_rank=dp_rank), wait=True)
+        self.epoch = client.epoch  # the kvd that ran the create (it may have reconnected)
 
     def init(self, dst_page_indices: npt.ArrayLike, aux_index: int,
              first_page: int = 0, state_index: int = -1,

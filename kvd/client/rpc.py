@@ -65,7 +65,9 @@ class KvdClient:
     reconnects), and the kvd error named by a failed reply otherwise. After a
     reconnect (kvd restarted, or the connection dropped) the engine's last
     ``RegisterKV`` is sent again first, with this client's ``engine_id``, so the
-    same daemon keeps the engine's rooms and a new one learns its buffers.
+    same daemon keeps the engine's rooms and a new one learns its buffers (a new one,
+    another ``instance_id``, starts a new :attr:`epoch`: a room object made before reads
+    Failed, K27).
     Results: :class:`~kvd.protocol.rpc.PollResult` for ``Poll``/``Wait`` (one status per
     room asked, checked), :class:`~kvd.protocol.rpc.RegisterResult` for ``RegisterKV``.
     A reply that is malformed (undecodable, another request's id, not one status per
@@ -120,8 +122,22 @@ class KvdClient:
         self._ring_sizes = rpc.OpenRing(capacity=ring_capacity,
                                         record_bytes=ring_record_bytes)
         self.ring: EngineRing | None = None
+        #: the kvd instance that answered the last registration, and how many times a
+        #: registration found another one (a restarted kvd: rooms of an earlier epoch are
+        #: gone, and read Failed through their room objects)
+        self.instance = ""
+        self.epoch = 0
         #: refusals :meth:`ring_refusal` handed out, by room, until the room is cleared
         self._refusal_taken: dict[int, KvdError] = {}
+
+    def _served_by(self, result: rpc.RegisterResult) -> None:
+        """A registration answered: a kvd instance other than the one that served the
+        previous registration (it restarted) starts a new :attr:`epoch` -- it never knew
+        the rooms made before (K27)."""
+        instance = result.instance_id
+        if instance and self.instance and instance != self.instance:
+            self.epoch += 1
+        self.instance = instance or self.instance
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -158,6 +174,7 @@ class KvdClient:
         with self._lock:
             result = self._exchange(call, kind)
             if isinstance(call, rpc.RegisterKV):
+                self._served_by(result)
                 self._registration, self._replay = call, False
                 self._open_table()
                 self._open_ring()
@@ -486,7 +503,7 @@ class KvdClient:
             try:
                 if self._replay and self._registration is not None and \
                         not isinstance(call, rpc.RegisterKV):
-                    self._roundtrip(self._registration, None)
+                    self._served_by(self._roundtrip(self._registration, rpc.RegisterResult))
                     self.reconnects += 1
                     self._replay = False
                     self._open_table()
