@@ -193,7 +193,8 @@ class EngineRing:
 
     def collect(self, want: int = -1) -> KvdError | None:
         """Read every completion kvd wrote; a refusal of call ``want`` is returned, the
-        others are kept by room in :attr:`refused`; calls known done leave
+        others are kept by room in :attr:`refused` (but those of a handle whose create kvd
+        refused: the id's live room is another incarnation); calls known done leave
         :attr:`inflight`. ProtocolError for a corrupt completion ring."""
         tail = self.sub.tail  # before the completions: every refusal of a call before it
         found: KvdError | None = None
@@ -213,7 +214,9 @@ class EngineRing:
                     self.unborn.add(key)
             if reply.id == want:
                 found = exc
-            elif key is None:
+            elif key is None or key not in self.unborn:
+                # the room's own (its create ran): the room reads Failed on every read
+                # path; a refused create's calls concern another incarnation of the id
                 self.refused.setdefault(room, exc)
         if took and self.sub.sleeping and not self.drained():
             os.eventfd_write(self.wake_kvd, 1)  # kvd may have stopped at a full completion ring

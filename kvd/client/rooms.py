@@ -50,12 +50,24 @@ def poll_array(client: KvdClient, rooms: npt.ArrayLike) -> npt.NDArray[np.int8]:
     ids = np.asarray(rooms, dtype=np.uint64).reshape(-1)
     read = client.read_table(ids)
     if read is None:
-        return np.asarray(_poll_socket(client, ids.tolist()), dtype=np.int8)
-    statuses, _, hit = read
-    if hit.all():
-        return statuses
-    miss = np.flatnonzero(~hit)
-    statuses[miss] = _poll_socket(client, ids[miss].tolist())
+        statuses = np.asarray(_poll_socket(client, ids.tolist()), dtype=np.int8)
+    else:
+        statuses, _, hit = read
+        if not hit.all():
+            miss = np.flatnonzero(~hit)
+            statuses[miss] = _poll_socket(client, ids[miss].tolist())
+    return _refused_failed(client, ids, statuses)
+
+
+def _refused_failed(client: KvdClient, ids: npt.NDArray[np.uint64],
+                    statuses: npt.NDArray[np.int8]) -> npt.NDArray[np.int8]:
+    """``statuses`` with every room that holds a ring refusal read Failed: a room call the
+    engine did not wait for and kvd refused fails the room for the engine, whichever way
+    it reads it (:meth:`KvdClient.ring_refused`; no work per room when there is none)."""
+    if client.ring is not None:
+        refused = client.ring_refused(ids)
+        if refused is not None:
+            statuses[refused] = int(KVPoll.Failed)
     return statuses
 
 
@@ -76,7 +88,7 @@ def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
     never hangs on a dead daemon. A malformed answer (a value that is no status, not one
     status per room) raises :class:`~kvd.errors.ProtocolError`.
     """
-    if client.table is not None:
+    if client.table is not None or client.ring is not None:
         return _statuses(poll_array(client, rooms).tolist())
     try:
         result: rpc.PollResult = client.call(rpc.Poll(rooms=list(rooms)))
@@ -87,12 +99,23 @@ def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
 
 def wait_many(client: KvdClient, rooms: list[int], timeout: float) -> list[KVPoll | int]:
     """Block (in kvd, one RPC) until every room ended — and, on decode, its pages are
-    releasable — or ``timeout`` s passed; returns their KVPoll (Failed if kvd is gone)."""
-    try:
-        result = client.wait(list(rooms), timeout)
-    except KvdUnreachable:
-        return [KVPoll.Failed] * len(rooms)
-    return _statuses(result.statuses)
+    releasable — or ``timeout`` s passed; returns their KVPoll (Failed if kvd is gone).
+    A room holding a ring refusal reads Failed at once and is not waited for."""
+    refused = None
+    if client.ring is not None and rooms:
+        refused = client.ring_refused(np.asarray(rooms, dtype=np.uint64).reshape(-1))
+    waited = list(rooms) if refused is None else \
+        [r for r, bad in zip(rooms, refused.tolist(), strict=True) if not bad]
+    out: list[KVPoll | int] = [KVPoll.Failed] * len(rooms)
+    if waited:
+        try:
+            result = client.wait(waited, timeout)
+        except KvdUnreachable:
+            return out
+        got = iter(_statuses(result.statuses))
+        out = [KVPoll.Failed if refused is not None and refused[i] else next(got)
+               for i in range(len(rooms))]
+    return out
 
 
 class _Room:
@@ -102,6 +125,7 @@ class _Room:
         self.client = client
         self.room = room
         self.lost = ""  # set once kvd was unreachable: the room is Failed for good
+        self.epoch = client.epoch  # the kvd instance it lives in (KvdClient.epoch)
         #: kvd refused a call of this room sent through the ring without waiting (its
         #: create, an init, a send): the room reads Failed here, and its next send or init
         #: raises it
@@ -119,14 +143,23 @@ class _Room:
         _Room.__init__(obj, client, room)
         return obj
 
+    def _gone(self) -> bool:
+        """Whether the room is lost: kvd was unreachable, or the client registered since
+        with another kvd instance (kvd restarted, K27), which never knew the room."""
+        if not self.lost and self.epoch != self.client.epoch:
+            self.lost = (f"kvd restarted (now instance {self.client.instance or '?'}): it "
+                         f"does not know room {self.room}, which the previous kvd held")
+        return bool(self.lost)
+
     def _call(self, call: rpc.Call) -> Any:
-        if self.lost:
+        if self._gone():
             return None
         try:
-            return self.client.call(call)
+            result = self.client.call(call)
         except KvdUnreachable as exc:
             self.lost = f"kvd unreachable: {exc}"
             return None
+        return None if self._gone() else result  # reconnected to a new kvd inside the call
 
     def _create(self, call: rpc.SenderCreate | rpc.ReceiverCreate) -> None:
         """The room's create: through the ring without waiting (its refusal is read at
@@ -152,7 +185,7 @@ class _Room:
         """``call`` through the client's ring (:meth:`KvdClient.submit`; the socket without
         one), depending on the room's create while kvd may not have run it; kvd
         unreachable marks the room lost, as :meth:`_call` does."""
-        if self.lost:
+        if self._gone():
             return
         try:
             handle = self._live_handle()
@@ -167,7 +200,7 @@ class _Room:
         its create, an init, a send): the room is failed for this engine from then on."""
         ring = self.client.ring
         if self.refused is not None or ring is None or (
-                ring.comp.head == ring.inbox.tail and not ring.refused and not ring.failed):
+                ring.comp.head == ring.inbox.tail and not self.client.holds_refusals()):
             return self.refused  # no completion unread, none kept: nothing new (no lock)
         if self._handle is not None:
             try:
@@ -175,7 +208,7 @@ class _Room:
             except KvdUnreachable as exc:
                 self.lost = f"kvd unreachable: {exc}"
         if self.refused is None:
-            self.refused = self.client.ring_refusal(self.room)
+            self.refused = self.client.room_refusal(self.room)
         return self.refused
 
     _refusal = refusal
@@ -216,13 +249,14 @@ class _Room:
 
     def poll(self) -> KVPoll | int:
         """Current KVPoll of this room (``UNKNOWN_ROOM`` once cleared; ``Failed`` for good
-        once kvd was unreachable — a restarted kvd does not know the room — or refused one
-        of its calls sent through the ring, its create included). Read from kvd's status
-        table when it answers (no syscall)."""
+        once kvd was unreachable or the client registered again with a restarted kvd --
+        it does not know the room, K27 -- or kvd refused one of its calls sent through
+        the ring, its create included). Read from kvd's status table when it answers (no
+        syscall)."""
         self.wait_created()
         if self.client.ring is not None and self._refusal() is not None:
             return KVPoll.Failed
-        view = None if self.lost else self.client.read_table_one(self.room)
+        view = None if self._gone() else self.client.read_table_one(self.room)
         if view is not None:
             return _status(view[0])
         result = self._call(rpc.Poll(rooms=[self.room]))
@@ -231,7 +265,8 @@ class _Room:
     def wait(self, timeout: float) -> KVPoll | int:
         """Block until the room ends (and, on decode, its pages are releasable) or
         ``timeout`` s pass; returns its KVPoll. Longer than the client's RPC timeout
-        is fine: the client waits in several calls."""
+        is fine: the client waits in several calls. Failed at once when kvd refused one
+        of its calls sent through the ring."""
         self.wait_created()
         if self.client.ring is not None and self._refusal() is not None:
             return KVPoll.Failed
@@ -244,7 +279,7 @@ class _Room:
         self.wait_created()
         if self._handle is not None and self.client.unborn(self._handle):
             return True
-        view = None if self.lost else self.client.read_table_one(self.room)
+        view = None if self._gone() else self.client.read_table_one(self.room)
         if view is not None:
             return view[1]
         result = self._call(rpc.Poll(rooms=[self.room]))
@@ -306,9 +341,8 @@ class _Room:
                 raise
             self._call(rpc.Wait(rooms=[self.room], timeout=timeout))
             self._submit(rpc.Clear(room=self.room), wait=True)
-        if self.client.ring is not None:  # every earlier call ran: its refusal is in,
-            self.client.ring_refusal(self.room)  # dropped with the room (a room of the
-        self.refused = None  # same id later starts clean)
+        # the client dropped the room's kept refusal with the Clear (KvdClient.submit): a
+        self.refused = None  # room of the same id later starts clean
 
 
 class Sender(_Room):
@@ -327,6 +361,7 @@ class Sender(_Room):
         self.num_pages = 0
         self.sent = 0
         self._create(rpc.SenderCreate(room=room, release_digest=release_digest))
+        self.epoch = client.epoch  # the kvd that took the create (it may have reconnected)
 
     def init(self, num_pages: int, aux_index: int, state_index: int = -1,
              window_pages: npt.ArrayLike | None = None) -> None:
@@ -405,6 +440,7 @@ class Receiver(_Room):
         self.bootstrap_addr, self.dp_rank = bootstrap_addr, dp_rank
         self._create(rpc.ReceiverCreate(room=room, bootstrap_addr=bootstrap_addr,
                                         dp_rank=dp_rank))
+        self.epoch = client.epoch  # the kvd that took the create (it may have reconnected)
 
     def init(self, dst_page_indices: npt.ArrayLike, aux_index: int,
              first_page: int = 0, state_index: int = -1,

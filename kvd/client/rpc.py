@@ -65,7 +65,9 @@ class KvdClient:
     reconnects), and the kvd error named by a failed reply otherwise. After a
     reconnect (kvd restarted, or the connection dropped) the engine's last
     ``RegisterKV`` is sent again first, with this client's ``engine_id``, so the
-    same daemon keeps the engine's rooms and a new one learns its buffers.
+    same daemon keeps the engine's rooms and a new one learns its buffers (a new one,
+    another ``instance_id``, starts a new :attr:`epoch`: a room object made before reads
+    Failed, K27).
     Results: :class:`~kvd.protocol.rpc.PollResult` for ``Poll``/``Wait`` (one status per
     room asked, checked), :class:`~kvd.protocol.rpc.RegisterResult` for ``RegisterKV``.
     A reply that is malformed (undecodable, another request's id, not one status per
@@ -120,6 +122,22 @@ class KvdClient:
         self._ring_sizes = rpc.OpenRing(capacity=ring_capacity,
                                         record_bytes=ring_record_bytes)
         self.ring: EngineRing | None = None
+        #: the kvd instance that answered the last registration, and how many times a
+        #: registration found another one (a restarted kvd: rooms of an earlier epoch are
+        #: gone, and read Failed through their room objects)
+        self.instance = ""
+        self.epoch = 0
+        #: refusals :meth:`ring_refusal` handed out, by room, until the room is cleared
+        self._refusal_taken: dict[int, KvdError] = {}
+
+    def _served_by(self, result: rpc.RegisterResult) -> None:
+        """A registration answered: a kvd instance other than the one that served the
+        previous registration (it restarted) starts a new :attr:`epoch` -- it never knew
+        the rooms made before (K27)."""
+        instance = result.instance_id
+        if instance and self.instance and instance != self.instance:
+            self.epoch += 1
+        self.instance = instance or self.instance
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -156,9 +174,12 @@ class KvdClient:
         with self._lock:
             result = self._exchange(call, kind)
             if isinstance(call, rpc.RegisterKV):
+                self._served_by(result)
                 self._registration, self._replay = call, False
                 self._open_table()
                 self._open_ring()
+        if isinstance(call, rpc.Clear | rpc.Many):
+            self._forget_refusals(_cleared(call))
         return result
 
     def submit(self, call: rpc.RingCall, wait: bool = False,
@@ -174,8 +195,11 @@ class KvdClient:
         (:class:`KvdUnreachable` when kvd's socket end closed or it ran nothing within
         ``timeout``); the create's refusal (nothing sent) when kvd refused ``handle``'s
         create; a ring kvd closed while this call waited raises ProtocolError (kvd
-        aborted the rooms the ring carried) and later calls use the socket."""
+        aborted the rooms the ring carried) and later calls use the socket. A waited
+        Clear drops the room's kept refusals (a room of the same id later starts clean)."""
         self._submit(call, wait, handle)
+        if wait and isinstance(call, rpc.Clear):
+            self._forget_refusals([call.room])
 
     def create(self, call: rpc.SenderCreate | rpc.ReceiverCreate) -> Handle | None:
         """A room's create through the ring WITHOUT waiting for kvd: the room's later
@@ -321,8 +345,51 @@ class KvdClient:
         return refused
 
     def ring_refusal(self, room: int) -> KvdError | None:
-        """The refusal of a call on ``room`` that :meth:`submit` did not wait for (taken),
-        or None."""
+        """The refusal of a call on ``room`` that :meth:`submit` did not wait for, handed
+        out once (taken: a later call answers None), or None. The room still reads Failed
+        on every read path (:meth:`room_refusal`, :meth:`ring_refused`) until it is
+        cleared."""
+        ring = self._collected()
+        if ring is None:
+            return None
+        refusal = ring.refused.pop(room, None)
+        if refusal is not None:
+            self._refusal_taken[room] = refusal
+        return refusal
+
+    def holds_refusals(self) -> bool:
+        """Whether any refusal of a call :meth:`submit` did not wait for is kept (for a
+        room or a handle): False lets a reader skip looking for one (no lock)."""
+        ring = self.ring
+        return ring is not None and bool(ring.refused or ring.failed or self._refusal_taken)
+
+    def room_refusal(self, room: int) -> KvdError | None:
+        """The refusal kept for ``room`` (a call :meth:`submit` did not wait for that kvd
+        refused), taken by :meth:`ring_refusal` or not; None when there is none. Kept until
+        the room is cleared, by any path."""
+        ring = self._collected()
+        if ring is None:
+            return None
+        return ring.refused.get(room) or self._refusal_taken.get(room)
+
+    def ring_refused(self, rooms: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_] | None:
+        """Which of ``rooms`` (uint64, 1-D) hold a refusal of a call :meth:`submit` did not
+        wait for (kept, not taken: the room object's ``failure()`` still names it); None
+        when none does (the common case: no work per room). Such a room reads Failed for
+        the engine on every read path (:func:`~kvd.client.poll_many`,
+        :func:`~kvd.client.poll_array`, :func:`~kvd.client.wait_many`, the room object),
+        though kvd itself may still hold it unfailed: its refused call never ran."""
+        ring = self._collected()
+        if ring is None or not (ring.refused or self._refusal_taken):
+            return None
+        # one C-level copy of each dict (another thread's collect may add to them)
+        held = np.array([*ring.refused, *self._refusal_taken], dtype=np.uint64)
+        hit = np.isin(rooms, held)
+        return hit if hit.any() else None
+
+    def _collected(self) -> EngineRing | None:
+        """The ring with every completion kvd wrote read into its kept refusals (None: no
+        ring, or it no longer reads)."""
         ring = self.ring
         if ring is None:
             return None
@@ -334,7 +401,16 @@ class KvdClient:
                     ring.collect()
                 except (ProtocolError, OSError):
                     return None
-        return ring.refused.pop(room, None)
+        return ring
+
+    def _forget_refusals(self, rooms: list[int]) -> None:
+        """``rooms`` were cleared: their kept refusals go with them (after every completion
+        kvd wrote before the clear was read), so a room of the same id later starts clean."""
+        ring = self._collected()
+        if ring is not None and (ring.refused or self._refusal_taken):
+            for room in rooms:
+                ring.refused.pop(room, None)
+                self._refusal_taken.pop(room, None)
 
     def _usable_ring(self) -> EngineRing | None:
         """The ring, if kvd is known alive (a fresh status table) and no reconnect waits."""
@@ -373,6 +449,7 @@ class KvdClient:
                     os.close(fd)
 
     def _close_ring(self) -> None:
+        self._refusal_taken.clear()
         ring, self.ring = self.ring, None
         if ring is not None:
             ring.close()
@@ -498,7 +575,7 @@ class KvdClient:
             try:
                 if self._replay and self._registration is not None and \
                         not isinstance(call, rpc.RegisterKV):
-                    self._roundtrip(self._registration, None)
+                    self._served_by(self._roundtrip(self._registration, rpc.RegisterResult))
                     self.reconnects += 1
                     self._replay = False
                     self._open_table()
@@ -599,6 +676,15 @@ class KvdClient:
                 with contextlib.suppress(KvdError):
                     self._roundtrip(rpc.Release(), None)
             self._drop()
+
+
+def _cleared(call: rpc.Call) -> list[int]:
+    """The rooms a Clear (or the Clears of a Many) names."""
+    if isinstance(call, rpc.Clear):
+        return [call.room]
+    if isinstance(call, rpc.Many):
+        return [c.room for c in call.calls if isinstance(c, rpc.Clear)]
+    return []
 
 
 def _check_answered(rooms: list[int], result: rpc.PollResult) -> None:

@@ -553,7 +553,8 @@ class Daemon:
         local = core.local
         assert local is not None
         return rpc.RegisterResult(num_pages=local.num_pages, num_aux_slots=local.num_aux_slots,
-                                  session_id=core.engine.session_id)
+                                  session_id=core.engine.session_id,
+                                  instance_id=self.settings.instance_id)
 
     def _engine_ranks(self, call: rpc.RegisterKV) -> Ranks:
         """The engine's ranks checked against the settings (unset ones taken from the

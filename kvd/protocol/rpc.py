@@ -317,12 +317,15 @@ class PollResult(msgspec.Struct, frozen=True):
 
 
 class RegisterResult(msgspec.Struct, frozen=True):
-    """Answer to :class:`RegisterKV`: pages and aux slots every buffer holds, and this
-    kvd's transfer address (opaque)."""
+    """Answer to :class:`RegisterKV`: pages and aux slots every buffer holds, this kvd's
+    transfer address (opaque) and its ``instance_id`` (a new one at every start: a client
+    that registered again and finds another one knows its earlier rooms are gone, K27;
+    ``""`` from an older kvd)."""
 
     num_pages: int
     num_aux_slots: int
     session_id: str
+    instance_id: str = ""
 
 
 class Reply(msgspec.Struct, frozen=True):

@@ -20,6 +20,7 @@ class _Answers:
     """A client whose every call answers ``statuses``."""
 
     table = None  # no status table: every poll asks
+    ring = None  # no submission ring: no refusal is kept
 
     def __init__(self, statuses: list[int]) -> None:
         self.statuses = statuses
