@@ -147,16 +147,17 @@ def test_hybrid_groups_move_full_blocks_then_the_window_blocks_on_both_sides() -
     p = scheduler(producer=True, groups=groups)
     req = request("p", {"do_remote_decode": True, "bootstrap_room": 3}, prompt=100,
                   status=RequestStatus.FINISHED_LENGTH_CAPPED)
-    # 100 tokens: 4 full blocks; the decode keeps tokens 37.. -> window blocks 1..3
+    # 100 tokens, the decode loads 99: 4 full blocks; it keeps tokens 36.. -> window
+    # blocks 1..3
     delay, reply = p.finished(req, ([10, 11, 12, 13], [0, 21, 22, 23]))
     assert delay and reply is not None
     assert p.meta.sends[0].block_ids == [10, 11, 12, 13, 21, 22, 23]
     d = scheduler(groups=groups)
     params = {"do_remote_prefill": True, "bootstrap_room": 3, "bootstrap_addr": "h:1"}
     dreq = request("d", params, prompt=100)
-    assert d.matched_tokens(dreq, 0) == (100, True)
+    assert d.matched_tokens(dreq, 0) == (99, True)  # the decode computes the last token
     d.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7, 8], [0, 1, 2, 3])),
-                  100)
+                  99)
     (recv,) = d.meta.recvs
     assert recv.block_ids == [5, 6, 7, 8, 1, 2, 3] and recv.first_page == 0
 

@@ -13,6 +13,7 @@ from kvd.adapters.vllm.spec import (
     check_groups,
     check_layer_compact,
     groups_signature,
+    loaded_tokens,
     num_samples,
     pages_for,
     prefill_reply,
@@ -199,3 +200,21 @@ def test_register_kv_of_shared_group_tensors_numbers_buffers_and_sends_the_group
                       dtype_size=4, total_kv_heads=3, shared=True, compat=compat)
     assert (reg.num_layers, reg.layer_start, reg.fused_kv) == (3, 0, True)
     assert reg.compat == compat
+
+
+def test_a_decode_with_window_groups_loads_all_but_the_last_prompt_token() -> None:
+    """vLLM's decode keeps window blocks from token ``L - W + 1`` after loading ``L``
+    tokens; loading ``T - 1`` keeps token ``T - W``, which its last prompt token attends
+    to. A prefill that freed that token's block (``T - W + 1`` a multiple of the block
+    size) names the null block: refused, so the decode computes the prompt itself."""
+    assert loaded_tokens([FULL32], 127) == 127
+    assert loaded_tokens([FULL32, WIN32], 127) == 126 and loaded_tokens([WIN32], 1) == 0
+    for t in range(2, 300):
+        kept = window_blocks(t - 1, 64, 32)
+        assert kept.start * 32 <= max(0, t - 64)  # token T - W is in a named block
+    # T = 127: the prefill kept window blocks from token 64 on ([0, 0, 3, 4]); block 1
+    # (tokens 32..63) holds token 63, which the decode needs
+    with pytest.raises(KvdAdapterError, match="null block"):
+        room_blocks([FULL32, WIN32], ([5, 6, 7, 8], [0, 0, 3, 4]), loaded_tokens([WIN32], 127))
+    assert room_blocks([FULL32, WIN32], ([5, 6, 7, 8], [0, 9, 3, 4]), 121) == [
+        5, 6, 7, 8, 9, 3, 4]

@@ -99,6 +99,7 @@ from kvd.adapters.vllm.spec import (
     RemotePrefill,
     check_groups,
     groups_signature,
+    loaded_tokens,
     num_samples,
     prefill_reply,
     register_kv,
@@ -382,7 +383,7 @@ class _Scheduler:
         that does not end on a block boundary cannot be expressed in pages: declined (the
         decode computes the prompt and the room is aborted in ``after_alloc``)."""
         remote = self._remote(request)
-        count = len(request.prompt_token_ids or ()) - num_computed
+        count = loaded_tokens(self.groups, len(request.prompt_token_ids or ())) - num_computed
         if remote is None or count <= 0 or num_computed % self.block_size:
             return 0, False
         if num_computed and (len(self.groups) > 1 or self.groups[0].kind != "full"):
@@ -414,8 +415,10 @@ class _Scheduler:
                                               remote.dp_rank))
             return
         try:
-            block_ids = room_blocks(self.groups, self._of_groups(blocks.get_block_ids()),
-                                    len(request.prompt_token_ids or ()), pending.first_page)
+            block_ids = room_blocks(
+                self.groups, self._of_groups(blocks.get_block_ids()),
+                loaded_tokens(self.groups, len(request.prompt_token_ids or ())),
+                pending.first_page)
         except KvdAdapterError as exc:
             log.warning("request %s: %s; computing it locally", request.request_id, exc)
             self.meta.aborts.append(AbortTask(request.request_id, room, remote.bootstrap_addr,
@@ -494,7 +497,7 @@ class _Scheduler:
             return False, None
         try:
             pages = room_blocks(self.groups, self._of_groups(block_ids),
-                                request.num_prompt_tokens)
+                                loaded_tokens(self.groups, request.num_prompt_tokens))
             rooms = sample_rooms(room_of(params), num_samples(params))
         except KvdAdapterError as exc:
             log.warning("request %s: %s; no KV hand-off", request.request_id, exc)
@@ -938,3 +941,5 @@ class _Worker:
         self.client.close()
         if self.shm is not None:
             self.shm.close()
+
+

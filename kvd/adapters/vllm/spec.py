@@ -416,12 +416,26 @@ def groups_signature(groups: list[CacheGroup]) -> str:
                     for g in groups)
 
 
+def loaded_tokens(groups: list[CacheGroup], num_prompt_tokens: int) -> int:
+    """The prompt tokens a decode loads through kvd: all of them with full-attention groups
+    only (vLLM then recomputes the last one), all but the last one with a window group, so
+    that the decode computes the last token itself from a window it holds. Loading all
+    ``T`` tokens, vLLM's decode keeps window blocks from token ``T - window + 1`` on
+    (``SlidingWindowManager.get_num_skipped_tokens(T)``) and then recomputes token ``T - 1``,
+    which attends to token ``T - window``: when that token opens a block (``T - window + 1``
+    a multiple of the block size), its block is the null block (seen on vLLM 0.32 CPU as
+    PD tokens that differ from the colocated engine's). Loading ``T - 1`` keeps it."""
+    if any(g.kind == "window" for g in groups):
+        return max(0, num_prompt_tokens - 1)
+    return num_prompt_tokens
+
+
 def window_blocks(num_tokens: int, window: int, block_size: int) -> range:
-    """Block indices of a window group the decode needs after a prompt of ``num_tokens``
-    tokens: from the block of token ``num_tokens - window + 1`` (the first one vLLM keeps on
-    a decode that loads ``num_tokens`` tokens: ``SlidingWindowManager.
-    get_num_skipped_tokens``) to the prompt's last block. At most ``ceil(window /
-    block_size) + 1`` blocks."""
+    """Block indices of a window group the decode needs after it loaded ``num_tokens``
+    tokens (:func:`loaded_tokens`): from the block of token ``num_tokens - window + 1``
+    (the first one vLLM keeps on a decode that loads ``num_tokens`` tokens:
+    ``SlidingWindowManager.get_num_skipped_tokens``) to the last loaded token's block. At
+    most ``ceil(window / block_size) + 1`` blocks."""
     first = max(0, num_tokens - window + 1) // block_size
     return range(first, pages_for(num_tokens, block_size))
 
@@ -432,7 +446,8 @@ NULL_BLOCK = 0
 
 def room_blocks(groups: list[CacheGroup], block_ids: tuple[list[int], ...] | list[list[int]],
                 num_tokens: int, first_page: int = 0) -> list[int]:
-    """The room's pages of a request of ``num_tokens`` prompt tokens whose blocks per group
+    """The room's pages of a request whose decode loads ``num_tokens`` prompt tokens
+    (:func:`loaded_tokens`), whose blocks per group
     are ``block_ids``: every full group's blocks ``[first_page, ceil(T / block_size))``,
     then every window group's :func:`window_blocks`, in group order (the same on both
     sides; ``first_page``: a decode's local prefix hit, only with one group). Room page
