@@ -85,11 +85,11 @@ def test_k35_an_aborted_decode_request_cancels_its_room_and_the_engine_steps_onc
     s.build_meta(SimpleNamespace(total_num_scheduled_tokens=0))
     assert not s.has_queued()
     req.status = RequestStatus.FINISHED_ABORTED
-    assert s.finished(req, [1, 2, 3, 4]) == (False, None)
+    assert s.finished(req, ([1, 2, 3, 4],)) == (False, None)
     assert s.meta.cancels == ["r"] and s.has_queued()  # one more step delivers it
     never = request("n", {"do_remote_prefill": True, "bootstrap_room": 11,
                           "bootstrap_addr": "h:1"}, status=RequestStatus.FINISHED_ABORTED)
-    s.finished(never, [])  # aborted before it was ever scheduled: its room is aborted
+    s.finished(never, ([],))  # aborted before it was ever scheduled: its room is aborted
     assert [a.room for a in s.meta.aborts] == [11]
 
 

@@ -424,7 +424,9 @@ def loaded_tokens(groups: list[CacheGroup], num_prompt_tokens: int) -> int:
     (``SlidingWindowManager.get_num_skipped_tokens(T)``) and then recomputes token ``T - 1``,
     which attends to token ``T - window``: when that token opens a block (``T - window + 1``
     a multiple of the block size), its block is the null block (seen on vLLM 0.32 CPU as
-    PD tokens that differ from the colocated engine's). Loading ``T - 1`` keeps it."""
+    PD tokens that differ from the colocated engine's). Loading ``T - 1`` keeps it; the
+    prefill, which kept only what its own next token attends to, may have freed it, and
+    :func:`room_blocks` then refuses the hand-off."""
     if any(g.kind == "window" for g in groups):
         return max(0, num_prompt_tokens - 1)
     return num_prompt_tokens
@@ -447,13 +449,14 @@ NULL_BLOCK = 0
 def room_blocks(groups: list[CacheGroup], block_ids: tuple[list[int], ...] | list[list[int]],
                 num_tokens: int, first_page: int = 0) -> list[int]:
     """The room's pages of a request whose decode loads ``num_tokens`` prompt tokens
-    (:func:`loaded_tokens`), whose blocks per group
-    are ``block_ids``: every full group's blocks ``[first_page, ceil(T / block_size))``,
-    then every window group's :func:`window_blocks`, in group order (the same on both
-    sides; ``first_page``: a decode's local prefix hit, only with one group). Room page
-    ``i`` of the prefill is room page ``i`` of the decode. KvdAdapterError if a group holds
-    fewer blocks, a window block is the null block, or a prefix hit comes with several
-    groups."""
+    (:func:`loaded_tokens`) and whose blocks per group are ``block_ids``: every full
+    group's blocks ``[first_page, ceil(num_tokens / block_size))``, then every window
+    group's :func:`window_blocks`, each kind in group order (the same on both sides, so
+    room page ``i`` of the prefill is room page ``i`` of the decode; ``first_page``: a
+    decode's local prefix hit, only with one full group). KvdAdapterError if a group holds
+    fewer blocks, a window block is the null block (the prefill freed a block the decode
+    needs: the request is not handed off, the decode computes it), or a prefix hit comes
+    with window groups."""
     if len(block_ids) != len(groups):
         raise KvdAdapterError(f"{len(block_ids)} block lists for {len(groups)} KV cache groups")
     if first_page and (len(groups) > 1 or groups[0].kind != "full"):
