@@ -157,3 +157,38 @@ def ensure_widened_model(base: str | os.PathLike[str], factor: int = 2) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def ensure_windowed_model(base: str | os.PathLike[str], window: int = 64) -> Path:
+    """The Llama-style model at ``base`` with a sliding window of ``window`` tokens on every
+    even layer (``layer_types``: sliding, full, sliding, ...), next to it
+    (``<base>-window-<window>``): the same weights (linked, else copied), another model --
+    a hybrid of full-attention and sliding-window layers, which vLLM serves with two KV
+    cache groups. Made once."""
+    import json
+
+    src = Path(base)
+    dest = src.parent / f"{src.name}-window-{window}"
+    if (dest / "config.json").is_file():
+        return dest
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(sliding_window=window, layer_types=[
+        "sliding_attention" if i % 2 == 0 else "full_attention"
+        for i in range(cfg["num_hidden_layers"])])
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=src.parent))
+    try:
+        for f in src.iterdir():
+            if f.is_file() and f.name != "config.json":
+                try:
+                    os.link(f, tmp / f.name)
+                except OSError:
+                    shutil.copy(f, tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        try:
+            tmp.rename(dest)
+        except OSError:
+            if not (dest / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest

@@ -45,13 +45,19 @@ def test_kv_args_become_shm_handles_with_derived_geometry() -> None:
 
 
 def test_unsupported_kv_args_are_refused_with_the_reason() -> None:
-    pool = ShmPool(1 << 16)
+    pool = ShmPool(1 << 17)
     try:
         maps = read_maps()
         with pytest.raises(KVArgsError, match="draft KV buffers"):
             registration(_args(pool, num_draft_entries=2), False, maps)
         with pytest.raises(KVArgsError, match="state buffers"):
             registration(_args(pool, state_data_ptrs=[[1]]), False, maps)
+        with pytest.raises(KVArgsError, match=r"state buffers \(mamba, swa: "):
+            registration(_args(pool, state_data_ptrs=[[1, 2], [], [3]], state_types=[
+                SimpleNamespace(value="mamba"), "dsa", "swa"]), False, maps)
+        with pytest.raises(KVArgsError, match=r"state buffers \(state: "):
+            registration(_args(pool, state_data_ptrs=[5, 6]), False, maps)  # an older flat list
+        registration(_args(pool, state_data_ptrs=[[]], state_types=["mamba"]), False, maps)
         with pytest.raises(KVArgsError, match="whole layers"):
             args = _args(pool)
             args.kv_data_ptrs.pop()

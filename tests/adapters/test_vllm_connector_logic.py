@@ -18,7 +18,7 @@ pytestmark = [
 BLOCK = 32
 
 
-def scheduler(producer: bool = False) -> Any:
+def scheduler(producer: bool = False, groups: Any = None) -> Any:
     from kvd.adapters.vllm.connector import _Scheduler
     from kvd.adapters.vllm.spec import ConnectorConfig
 
@@ -27,7 +27,8 @@ def scheduler(producer: bool = False) -> Any:
                           parallel_config=SimpleNamespace(tensor_parallel_size=1,
                                                           data_parallel_rank=0))
     extra = {"kvd_socket": "/s", **({"bootstrap_addr": "h:1"} if producer else {})}
-    return _Scheduler(cfg, ConnectorConfig.from_extra(extra, producer))
+    return _Scheduler(cfg, ConnectorConfig.from_extra(extra, producer), groups,
+                      tuple(range(len(groups or [0]))))
 
 
 def request(req_id: str, params: dict[str, Any], prompt: int = 100, status: Any = None
@@ -84,11 +85,11 @@ def test_k35_an_aborted_decode_request_cancels_its_room_and_the_engine_steps_onc
     s.build_meta(SimpleNamespace(total_num_scheduled_tokens=0))
     assert not s.has_queued()
     req.status = RequestStatus.FINISHED_ABORTED
-    assert s.finished(req, [1, 2, 3, 4]) == (False, None)
+    assert s.finished(req, ([1, 2, 3, 4],)) == (False, None)
     assert s.meta.cancels == ["r"] and s.has_queued()  # one more step delivers it
     never = request("n", {"do_remote_prefill": True, "bootstrap_room": 11,
                           "bootstrap_addr": "h:1"}, status=RequestStatus.FINISHED_ABORTED)
-    s.finished(never, [])  # aborted before it was ever scheduled: its room is aborted
+    s.finished(never, ([],))  # aborted before it was ever scheduled: its room is aborted
     assert [a.room for a in s.meta.aborts] == [11]
 
 
@@ -98,10 +99,94 @@ def test_the_prefill_sends_one_room_per_sample() -> None:
     s = scheduler(producer=True)
     req = request("p", {"do_remote_decode": True, "bootstrap_room": 3, "num_samples": 3},
                   prompt=70, status=RequestStatus.FINISHED_LENGTH_CAPPED)
-    delay, reply = s.finished(req, [7, 8, 9, 10])
+    delay, reply = s.finished(req, ([7, 8, 9, 10],))
     assert delay and reply is not None
     (task,) = s.meta.sends
     assert task.block_ids == [7, 8, 9] and task.rooms[0] == 3 and len(set(task.rooms)) == 3
     assert reply["bootstrap_rooms"] == list(task.rooms) and reply["bootstrap_room"] == 3
     stopped = request("q", {"do_remote_decode": True}, status=RequestStatus.FINISHED_STOPPED)
-    assert s.finished(stopped, [1]) == (False, None)  # ended by EOS: nothing to hand off
+    assert s.finished(stopped, ([1],)) == (False, None)  # ended by EOS: nothing to hand off
+
+
+WINDOW = 64  # a sliding-window group of 64 tokens beside a full-attention group
+
+
+def hybrid_groups() -> list[Any]:
+    """The groups :func:`cache_groups` derives from vLLM's own specs of a model with
+    full-attention and sliding-window layers."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        SlidingWindowSpec,
+    )
+
+    from kvd.adapters.vllm.connector import cache_groups
+
+    full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=3, head_size=64,
+                             dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=3, head_size=64,
+                               dtype=torch.float32, sliding_window=WINDOW)
+    config = KVCacheConfig(num_blocks=100, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn"], full),
+        KVCacheGroupSpec(["model.layers.0.self_attn.attn"], window)])
+    groups, ids = cache_groups(config)
+    assert ids == (0, 1)
+    return groups
+
+
+def test_hybrid_groups_move_full_blocks_then_the_window_blocks_on_both_sides() -> None:
+    """A prefill of a full + sliding-window model sends its full group's prompt blocks,
+    then the window group's blocks of the last tokens; the decode names as many, in the
+    same order, so room page i means the same layer's block on both sides."""
+    from vllm.v1.request import RequestStatus
+
+    groups = hybrid_groups()
+    assert [(g.kind, g.window) for g in groups] == [("full", 0), ("window", WINDOW)]
+    p = scheduler(producer=True, groups=groups)
+    req = request("p", {"do_remote_decode": True, "bootstrap_room": 3}, prompt=100,
+                  status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    # 100 tokens, the decode loads 99: 4 full blocks; it keeps tokens 36.. -> window
+    # blocks 1..3
+    delay, reply = p.finished(req, ([10, 11, 12, 13], [0, 21, 22, 23]))
+    assert delay and reply is not None
+    assert p.meta.sends[0].block_ids == [10, 11, 12, 13, 21, 22, 23]
+    d = scheduler(groups=groups)
+    params = {"do_remote_prefill": True, "bootstrap_room": 3, "bootstrap_addr": "h:1"}
+    dreq = request("d", params, prompt=100)
+    assert d.matched_tokens(dreq, 0) == (99, True)  # the decode computes the last token
+    d.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7, 8], [0, 1, 2, 3])),
+                  99)
+    (recv,) = d.meta.recvs
+    assert recv.block_ids == [5, 6, 7, 8, 1, 2, 3] and recv.first_page == 0
+
+
+def test_hybrid_decode_prefix_hit_computes_locally_and_aborts_the_room() -> None:
+    """A local hit is not a prefix of a hybrid room's pages: the decode declines the
+    remote KV (computes the prompt) and the room is aborted, nothing is received."""
+    d = scheduler(groups=hybrid_groups())
+    params = {"do_remote_prefill": True, "bootstrap_room": 9, "bootstrap_addr": "h:1"}
+    req = request("d", params, prompt=100)
+    assert d.matched_tokens(req, BLOCK) == (0, False)
+    d.after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([5, 6, 7, 8], [0, 1, 2, 3])), 0)
+    assert not d.meta.recvs and [a.room for a in d.meta.aborts] == [9]
+
+
+def test_a_mamba_group_is_refused_at_registration_naming_it() -> None:
+    """A KV cache group of Mamba state: the worker refuses before registering (the engine
+    does not start), naming the group and its layers; never a decode without its state."""
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from kvd.adapters.vllm.connector import cache_groups
+    from kvd.adapters.vllm.spec import KvdAdapterError, check_groups
+
+    mamba = MambaSpec(block_size=1024, shapes=((3, 512), (8, 64, 16)),
+                      dtypes=(torch.float32, torch.float32))
+    config = KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.0.mixer"], mamba)])
+    groups, _ = cache_groups(config)
+    with pytest.raises(KvdAdapterError, match=r"group 0 holds state \(MambaSpec\), "
+                                              r"layers model.layers.0.mixer"):
+        check_groups(groups)

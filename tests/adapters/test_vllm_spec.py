@@ -5,17 +5,23 @@ from __future__ import annotations
 import pytest
 
 from kvd.adapters.vllm.spec import (
+    CacheGroup,
     ConnectorConfig,
     KvdAdapterError,
     LayerCache,
     RemotePrefill,
+    check_groups,
     check_layer_compact,
+    groups_signature,
+    loaded_tokens,
     num_samples,
     pages_for,
     prefill_reply,
     register_kv,
+    room_blocks,
     room_of,
     sample_rooms,
+    window_blocks,
 )
 from kvd.protocol.rpc import EngineRanks, ShmHandle
 
@@ -129,3 +135,86 @@ def test_layouts_kvd_cannot_move_whole_blocks_are_refused() -> None:
     with pytest.raises(KvdAdapterError, match="not consecutive"):
         register_kv(gap, [ShmHandle("/dev/shm/p", 0, 1)] * 2, block_size=32, num_kv_heads=1,
                     head_dim=1, dtype_size=1, total_kv_heads=1)
+
+
+FULL32 = CacheGroup("full", 32)
+WIN32 = CacheGroup("window", 32, 64)
+
+
+def test_window_blocks_hold_the_tokens_the_decode_keeps_and_no_more() -> None:
+    """vLLM's decode keeps tokens from ``T - W + 1`` on after loading ``T``; the window
+    blocks are exactly those holding them, never more than ``ceil(W / P) + 1``."""
+    assert list(window_blocks(100, 64, 32)) == [1, 2, 3]   # tokens 37..99
+    assert list(window_blocks(10, 64, 32)) == [0]           # the whole prompt is in it
+    assert list(window_blocks(96, 64, 32)) == [1, 2]        # tokens 33..95
+    for t in range(1, 400):
+        for w, p in ((64, 32), (17, 16), (4096, 32), (1, 16)):
+            blocks = window_blocks(t, w, p)
+            keep = range(max(0, t - w + 1), t)
+            assert blocks.start <= keep.start // p and blocks.stop == -(-t // p)
+            assert len(blocks) <= -(-w // p) + 1
+
+
+def test_room_blocks_are_full_groups_then_window_groups_in_group_order() -> None:
+    ids = ([1, 2, 3, 4], [0, 11, 12, 13], [5, 6, 7, 8])
+    groups = [FULL32, WIN32, CacheGroup("full", 32)]
+    assert room_blocks(groups, ids, 100) == [1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 13]
+    assert room_blocks([FULL32], ([1, 2, 3, 4],), 100, first_page=2) == [3, 4]
+    with pytest.raises(KvdAdapterError, match="null block"):
+        room_blocks([FULL32, WIN32], ([1, 2, 3, 4], [0, 0, 12, 13]), 100)
+    with pytest.raises(KvdAdapterError, match="holds 3 blocks"):
+        room_blocks([FULL32, WIN32], ([1, 2, 3], [0, 11, 12, 13]), 100)
+    with pytest.raises(KvdAdapterError, match="prefix hit"):
+        room_blocks([FULL32, WIN32], ids[:2], 100, first_page=1)
+
+
+def test_groups_the_connector_cannot_move_are_refused_with_one_reason() -> None:
+    check_groups([FULL32, WIN32])
+    with pytest.raises(KvdAdapterError, match=r"group 1 holds state \(MambaSpec\), layers "
+                                              r"a, b, c\.\.\.: the kvd connector moves "
+                                              r"full-attention and sliding-window KV only"):
+        check_groups([FULL32, CacheGroup("state (MambaSpec)", 32, layers=("a", "b", "c", "d"))])
+    with pytest.raises(KvdAdapterError, match=r"differ in block size \[16, 32\]"):
+        check_groups([FULL32, CacheGroup("window", 16, 64)])
+    with pytest.raises(KvdAdapterError, match="pipeline parallelism 2"):
+        check_groups([FULL32, WIN32], pp_size=2)
+    with pytest.raises(KvdAdapterError, match="no KV cache group"):
+        check_groups([])
+    assert groups_signature([FULL32, WIN32]) == "full@32 window@32:64"
+
+
+def test_register_kv_of_shared_group_tensors_numbers_buffers_and_sends_the_groups() -> None:
+    """Tensors shared by several groups are named by any of their layers: registered as
+    buffers 0.., the groups in the fingerprint."""
+    from kvd.protocol.control import Compat
+
+    item = 3 * 32 * 2 * 64 * 4
+    layers = [LayerCache(f"model.layers.{i}.self_attn.attn", i, 0x100000 * (k + 1), 4, item,
+                         item, True, (3, 32, 128)) for k, i in enumerate((0, 2, 4))]
+    handles = [ShmHandle(path=f"/dev/shm/x{i}", offset=0, length=4 * item) for i in range(3)]
+    compat = Compat(kv_dtype="float32", layer_types=groups_signature([FULL32, WIN32]))
+    with pytest.raises(KvdAdapterError, match="not consecutive"):
+        register_kv(layers, handles, block_size=32, num_kv_heads=3, head_dim=64,
+                    dtype_size=4, total_kv_heads=3)
+    reg = register_kv(layers, handles, block_size=32, num_kv_heads=3, head_dim=64,
+                      dtype_size=4, total_kv_heads=3, shared=True, compat=compat)
+    assert (reg.num_layers, reg.layer_start, reg.fused_kv) == (3, 0, True)
+    assert reg.compat == compat
+
+
+def test_a_decode_with_window_groups_loads_all_but_the_last_prompt_token() -> None:
+    """vLLM's decode keeps window blocks from token ``L - W + 1`` after loading ``L``
+    tokens; loading ``T - 1`` keeps token ``T - W``, which its last prompt token attends
+    to. A prefill that freed that token's block (``T - W + 1`` a multiple of the block
+    size) names the null block: refused, so the decode computes the prompt itself."""
+    assert loaded_tokens([FULL32], 127) == 127
+    assert loaded_tokens([FULL32, WIN32], 127) == 126 and loaded_tokens([WIN32], 1) == 0
+    for t in range(2, 300):
+        kept = window_blocks(t - 1, 64, 32)
+        assert kept.start * 32 <= max(0, t - 64)  # token T - W is in a named block
+    # T = 127: the prefill kept window blocks from token 64 on ([0, 0, 3, 4]); block 1
+    # (tokens 32..63) holds token 63, which the decode needs
+    with pytest.raises(KvdAdapterError, match="null block"):
+        room_blocks([FULL32, WIN32], ([5, 6, 7, 8], [0, 0, 3, 4]), loaded_tokens([WIN32], 127))
+    assert room_blocks([FULL32, WIN32], ([5, 6, 7, 8], [0, 9, 3, 4]), 121) == [
+        5, 6, 7, 8, 9, 3, 4]

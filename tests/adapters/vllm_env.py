@@ -81,7 +81,8 @@ class PdCluster:
     takes them from the engine) and ``kvd proxy`` in front."""
 
     def __init__(self, model: Path, work: Path, n_prefill: int = 1, decode_tp: int = 1,
-                 decode_cpus: str = "0-1") -> None:
+                 decode_cpus: str = "0-1", hybrid: bool = False,
+                 decode_args: list[str] | None = None) -> None:
         self.work = work
         env = launch.engine_env()
         self.kvd_p = [start_daemon("prefill", work, serve_bootstrap=True)
@@ -90,12 +91,13 @@ class PdCluster:
                       for r in range(decode_tp)]
         self.prefill = [launch.start_engine(launch.engine_command(
             sys.executable, model, free_port(),
-            launch.kv_transfer_config("kv_producer", k.socket, k.http_addr)),
-            work / f"prefill-{i}.log", env) for i, k in enumerate(self.kvd_p)]
+            launch.kv_transfer_config("kv_producer", k.socket, k.http_addr),
+            hybrid=hybrid), work / f"prefill-{i}.log", env) for i, k in enumerate(self.kvd_p)]
         d_cfg = launch.kv_transfer_config("kv_consumer", str(work / "d-{tp_rank}.sock"))
         tp_args = ["--tensor-parallel-size", str(decode_tp)] if decode_tp > 1 else []
         self.decode = launch.start_engine(launch.engine_command(
-            sys.executable, model, free_port(), d_cfg, tp_args), work / "decode.log",
+            sys.executable, model, free_port(), d_cfg, [*tp_args, *(decode_args or [])],
+            hybrid=hybrid), work / "decode.log",
             launch.engine_env(decode_cpus))
         self.proxy_url = f"http://127.0.0.1:{free_port()}"
         self.proxy: subprocess.Popen[bytes] | None = None

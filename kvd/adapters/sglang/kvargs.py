@@ -10,10 +10,14 @@ any other (a memfd, an unlinked file) is passed as a descriptor (``fd`` handle, 
 ``prefill_start_layer`` carry over; the element size comes from ``kv_cache_dtype_str``
 and ``head_dim`` from the item length.
 
-Not supported (refused with the reason): draft KV buffers (speculative decoding),
-state buffers (Mamba/SWA/DSA pools) and device (GPU) pointers. kvd itself moves state
-slots and window pages (``RegisterKV.state``, docs/transfer.md); this adapter does not yet
-describe SGLang's state pools (their per-layer shapes and head-split axes) in those terms.
+Not supported (refused at registration, naming what): draft KV buffers (speculative
+decoding), state buffers (SGLang 0.5.2x's ``state_types`` components: ``mamba``, ``swa``,
+``dsa``... each named) and device (GPU) pointers. kvd itself moves state slots, window
+pages and extra paged caches (``RegisterKV.state``, ``RegisterKV.groups``,
+docs/transfer.md); this adapter does not yet describe SGLang's pools in those terms:
+``KVArgs`` carries no state dtype, its conv states are sliced per sub-block
+(``state_conv_shard_groups``) rather than head-major, and a room's ``state_indices`` are
+not passed to kvd (:mod:`kvd.adapters.sglang.conn` fails such a room).
 """
 
 from __future__ import annotations
@@ -56,12 +60,30 @@ def _handles(ptrs: list[int], lens: list[int], maps: list[Mapping], shm_dir: str
         raise KVArgsError(f"{what}: pointer and length lists differ in length") from exc
 
 
+def state_kinds(args: Any) -> list[str]:
+    """The kinds of the state components ``args`` registers buffers for (SGLang 0.5.2x:
+    ``state_types`` beside ``state_data_ptrs``, one list of buffers per component; older
+    versions: one flat list), e.g. ``["mamba", "swa"]``; ``"state"`` where no type is
+    named."""
+    ptrs = list(getattr(args, "state_data_ptrs", None) or [])
+    types = list(getattr(args, "state_types", None) or [])
+    nested = any(isinstance(p, list | tuple) for p in ptrs)
+    comps = ptrs if nested else ([ptrs] if any(ptrs) else [])
+    kinds = []
+    for i, comp in enumerate(comps):
+        if any(comp):
+            t = types[i] if i < len(types) else "state"
+            kinds.append(str(getattr(t, "value", t)))
+    return kinds
+
+
 def _unsupported(args: Any) -> list[str]:
     problems = []
     if int(getattr(args, "num_draft_entries", 0) or 0):
         problems.append("draft KV buffers (speculative decoding)")
-    if any(getattr(args, "state_data_ptrs", None) or []):
-        problems.append("state buffers (Mamba/SWA/DSA pools)")
+    kinds = state_kinds(args)
+    if kinds:
+        problems.append(f"state buffers ({', '.join(kinds)}: Mamba/SWA/DSA pools)")
     return problems
 
 

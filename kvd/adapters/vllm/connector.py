@@ -9,8 +9,13 @@ Load it without patching vLLM::
                                "kvd_socket": "/run/kvd/gpu{tp_rank}/kvd.sock",
                                "bootstrap_addr": "10.0.0.1:8998"}}'   # producer only
 
-(plus ``--disable-hybrid-kv-cache-manager``: the connector does not declare HMA support).
-See :mod:`kvd.adapters.vllm.spec` for the transfer params and the KV args.
+The connector supports vLLM's hybrid KV cache manager (``SupportsHMA``): a model with
+full-attention and sliding-window layers has a KV cache group of each, and a room's pages
+are every group's blocks (:func:`kvd.adapters.vllm.spec.room_blocks`); a model with a
+group of another kind (Mamba / linear-attention state...) is refused when the worker
+registers, naming the group. With ``--disable-hybrid-kv-cache-manager`` vLLM keeps one
+group (sliding-window layers then cache every block). See :mod:`kvd.adapters.vllm.spec`
+for the transfer params and the KV args.
 
 Flow of one request (vLLM's push-style P/D, as in its Mooncake connector, with kvd doing
 the bytes): the proxy (``kvd proxy``) prefills with ``max_tokens=1`` and
@@ -64,6 +69,7 @@ see :func:`cuda_ipc_handle`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -77,6 +83,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
@@ -84,15 +91,20 @@ from vllm.v1.request import RequestStatus
 from kvd.adapters.vllm.idle import IdleSleeper
 from kvd.adapters.vllm.shm import ShmAllocation
 from kvd.adapters.vllm.spec import (
+    FULL,
+    CacheGroup,
     ConnectorConfig,
     KvdAdapterError,
     LayerCache,
     RemotePrefill,
+    check_groups,
+    groups_signature,
+    loaded_tokens,
     num_samples,
-    pages_for,
     prefill_reply,
     register_kv,
     release_digest_of,
+    room_blocks,
     room_of,
     sample_rooms,
 )
@@ -101,6 +113,7 @@ from kvd.client import KvdClient, KVPoll, Receiver, Sender
 from kvd.errors import KvdError, KvdUnreachable
 from kvd.protocol import rpc
 from kvd.protocol.codec import pack_indices
+from kvd.protocol.control import Compat
 from kvd.protocol.memory import MemoryHandle
 
 if TYPE_CHECKING:
@@ -176,7 +189,7 @@ class KvdConnectorMetadata(KVConnectorMetadata):
 
 # ---------------------------------------------------------------- the connector
 
-class KvdConnector(KVConnectorBase_V1):
+class KvdConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector whose transfers are done by the engine rank's kvd sidecar."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
@@ -188,10 +201,11 @@ class KvdConnector(KVConnectorBase_V1):
                                                  kt.is_kv_producer)
         self.scheduler: _Scheduler | None = None
         self.worker: _Worker | None = None
+        self.groups, self.group_ids = cache_groups(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = _Scheduler(vllm_config, self.config)
+            self.scheduler = _Scheduler(vllm_config, self.config, self.groups, self.group_ids)
         else:
-            self.worker = _Worker(vllm_config, self.config)
+            self.worker = _Worker(vllm_config, self.config, self.groups)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -217,6 +231,12 @@ class KvdConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
+        return self.scheduler.finished(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """As ``request_finished``, with every KV cache group's blocks (hybrid models)."""
+        assert self.scheduler is not None
         return self.scheduler.finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -231,7 +251,7 @@ class KvdConnector(KVConnectorBase_V1):
         return self.scheduler is not None and self.scheduler.has_queued()
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
-        return tuple(self._kv_cache_config.transfer_group_ids)
+        return self.group_ids
 
     # -- worker side
     def get_mem_pool_context(self) -> contextlib.AbstractContextManager[Any] | None:
@@ -309,11 +329,15 @@ class _Pending:
 class _Scheduler:
     """Decides which requests move KV and queues the work for the workers."""
 
-    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig,
+                 groups: list[CacheGroup] | None = None,
+                 group_ids: tuple[int, ...] = (0,)) -> None:
         kt = vllm_config.kv_transfer_config
         assert kt is not None
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
+        self.groups = groups or [dataclasses.replace(FULL, block_size=self.block_size)]
+        self.group_ids = group_ids  # the groups' positions in vLLM's block lists
         self.engine_id = str(kt.engine_id)
         parallel = vllm_config.parallel_config
         self.tp_size = parallel.tensor_parallel_size
@@ -359,9 +383,11 @@ class _Scheduler:
         that does not end on a block boundary cannot be expressed in pages: declined (the
         decode computes the prompt and the room is aborted in ``after_alloc``)."""
         remote = self._remote(request)
-        count = len(request.prompt_token_ids or ()) - num_computed
+        count = loaded_tokens(self.groups, len(request.prompt_token_ids or ())) - num_computed
         if remote is None or count <= 0 or num_computed % self.block_size:
             return 0, False
+        if num_computed and (len(self.groups) > 1 or self.groups[0].kind != "full"):
+            return 0, False  # a hit with window groups is not a prefix of the room's pages
         pending = self.pending.get(request.request_id)
         room = pending.room if pending is not None else self._claim(remote)
         if room is None:
@@ -388,12 +414,27 @@ class _Scheduler:
                                               "decode computes this prompt locally",
                                               remote.dp_rank))
             return
-        group = blocks.get_block_ids()[0]
-        end = pages_for(len(request.prompt_token_ids or ()), self.block_size)
-        block_ids = [int(b) for b in group[pending.first_page:end]]
+        try:
+            block_ids = room_blocks(
+                self.groups, self._of_groups(blocks.get_block_ids()),
+                loaded_tokens(self.groups, len(request.prompt_token_ids or ())),
+                pending.first_page)
+        except KvdAdapterError as exc:
+            log.warning("request %s: %s; computing it locally", request.request_id, exc)
+            self.meta.aborts.append(AbortTask(request.request_id, room, remote.bootstrap_addr,
+                                              f"decode cannot name its pages: {exc}",
+                                              remote.dp_rank))
+            return
         self.meta.recvs.append(RecvTask(request.request_id, room, remote.bootstrap_addr,
                                         block_ids, pending.first_page, remote.dp_rank))
         self.receiving.add(request.request_id)
+
+    def _of_groups(self, block_ids: tuple[list[int], ...] | list[list[int]]
+                   ) -> list[list[int]]:
+        """The block lists of the groups the connector moves (vLLM's transfer groups)."""
+        if len(block_ids) == len(self.groups):
+            return list(block_ids)
+        return [block_ids[i] for i in self.group_ids]
 
     def _claim(self, remote: RemotePrefill) -> int | None:
         """The next unclaimed room of the request (each sample its own, K33); None when
@@ -422,8 +463,9 @@ class _Scheduler:
         for req_id in (*(output.finished_sending or ()), *(output.finished_recving or ())):
             self.inflight.pop(req_id, None)
 
-    def finished(self, request: Request, block_ids: list[int]) -> tuple[bool,
-                                                                         dict[str, Any] | None]:
+    def finished(self, request: Request, block_ids: tuple[list[int], ...]
+                 ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's blocks per KV cache group."""
         params = request.kv_transfer_params
         if not params:
             return False, None
@@ -450,16 +492,16 @@ class _Scheduler:
         return self._hand_off(request, params, block_ids)
 
     def _hand_off(self, request: Request, params: dict[str, Any],
-                  block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        n = pages_for(request.num_prompt_tokens, self.block_size)
-        if len(block_ids) < n or self.config.bootstrap_addr is None:
+                  block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        if self.config.bootstrap_addr is None:
             return False, None
         try:
+            pages = room_blocks(self.groups, self._of_groups(block_ids),
+                                loaded_tokens(self.groups, request.num_prompt_tokens))
             rooms = sample_rooms(room_of(params), num_samples(params))
         except KvdAdapterError as exc:
             log.warning("request %s: %s; no KV hand-off", request.request_id, exc)
             return False, None
-        pages = [int(b) for b in block_ids[:n]]
         self.meta.sends.append(SendTask(request.request_id, tuple(rooms), pages,
                                         release_digest_of(params)))
         return True, prefill_reply(rooms, self.config.bootstrap_addr, pages, self.engine_id,
@@ -495,6 +537,38 @@ class _Transfer:
     @property
     def ok(self) -> bool:
         return all(r.state == KVPoll.Success for r in self.rooms)
+
+
+def cache_groups(kv_cache_config: KVCacheConfig | None
+                 ) -> tuple[list[CacheGroup], tuple[int, ...]]:
+    """vLLM's transferable KV cache groups as :class:`CacheGroup` s (their kind named
+    by vLLM's spec class when the connector cannot move it: :func:`check_groups` refuses
+    those), and their positions in vLLM's per-group block lists. No config (an older
+    vLLM): one full group of the engine's block size."""
+    if kv_cache_config is None:
+        return [], (0,)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    ids = tuple(getattr(kv_cache_config, "transfer_group_ids",
+                        range(len(kv_cache_config.kv_cache_groups))))
+    out = []
+    for i in ids:
+        g = kv_cache_config.kv_cache_groups[i]
+        spec, names = g.kv_cache_spec, tuple(g.layer_names)
+        kind = type(spec).__name__
+        if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+            out.append(CacheGroup("full", spec.block_size, layers=names))
+        elif type(spec) is SlidingWindowSpec:
+            out.append(CacheGroup("window", spec.block_size, spec.sliding_window, names))
+        else:
+            what = f"state ({kind})" if isinstance(spec, MambaSpec) else f"a {kind} cache"
+            out.append(CacheGroup(what, spec.block_size, layers=names))
+    return out, ids
 
 
 def layer_cache(name: str, tensor: torch.Tensor) -> LayerCache:
@@ -541,7 +615,8 @@ def _abort_call(task: AbortTask) -> rpc.RingCall:
 class _Worker:
     """Registers the KV cache with the local kvd and drives its rooms."""
 
-    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig,
+                 groups: list[CacheGroup] | None = None) -> None:
         from vllm.distributed.parallel_state import (
             get_pp_group,
             get_tensor_model_parallel_rank,
@@ -549,6 +624,8 @@ class _Worker:
         )
 
         self.vllm_config, self.config = vllm_config, config
+        self.groups = groups or [dataclasses.replace(
+            FULL, block_size=vllm_config.cache_config.block_size)]
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         pp = get_pp_group()
@@ -574,11 +651,17 @@ class _Worker:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe the layers' KV cache views and this worker's ranks to kvd (RegisterKV).
-        Raises KvdAdapterError for a layout kvd cannot move and kvd's error if it refuses
-        (e.g. ranks that contradict kvd's settings)."""
+        Raises KvdAdapterError for a layout or a KV cache group kvd cannot move (before
+        anything is sent: the engine does not start) and kvd's error if it refuses (e.g.
+        ranks that contradict kvd's settings). Several groups share tensors (one layer of
+        each per tensor): each tensor is registered once."""
+        check_groups(self.groups, self.pp_size)
         seen: dict[int, tuple[str, torch.Tensor]] = {}
         for name, tensor in kv_caches.items():
-            seen.setdefault(tensor.data_ptr(), (name, tensor))  # layers sharing a cache
+            first = seen.setdefault(tensor.data_ptr(), (name, tensor))  # layers sharing a cache
+            if (first[1].shape, first[1].stride()) != (tensor.shape, tensor.stride()):
+                raise KvdAdapterError(f"vLLM KV cache layout not supported by kvd: {name} "
+                                      f"and {first[0]} share memory in different shapes")
         views = sorted(((layer_cache(n, t), t) for n, t in seen.values()),
                        key=lambda p: p[0].layer)
         layers = [c for c, _ in views]
@@ -589,12 +672,14 @@ class _Worker:
             num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
             dtype_size=views[0][1].element_size(),
             total_kv_heads=model.get_total_num_kv_heads(), is_mla=bool(model.use_mla),
-            ranks=self._ranks())
+            ranks=self._ranks(), shared=len(self.groups) > 1,
+            compat=Compat(kv_dtype=str(views[0][1].dtype).removeprefix("torch."),
+                          layer_types=groups_signature(self.groups)))
         self.client.call(registration)
-        log.info("kvd: registered %d KV layers (%d blocks of %d bytes each, %s) with %s",
-                 len(layers), layers[0].num_blocks, layers[0].block_stride,
+        log.info("kvd: registered %d KV layers (%d blocks of %d bytes each, %s; groups %s) "
+                 "with %s", len(layers), layers[0].num_blocks, layers[0].block_stride,
                  "fused K/V heads" if registration.fused_kv else "whole blocks",
-                 self.client.path)
+                 groups_signature(self.groups), self.client.path)
 
     def _handle(self, tensor: torch.Tensor, addr: int, length: int) -> MemoryHandle:
         if tensor.is_cuda:
@@ -856,3 +941,5 @@ class _Worker:
         self.client.close()
         if self.shm is not None:
             self.shm.close()
+
+

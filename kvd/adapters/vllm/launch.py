@@ -67,15 +67,17 @@ def kv_transfer_config(role: str, kvd_socket: str, bootstrap_addr: str | None = 
 
 def engine_command(python: str, model: str | Path, port: int,
                    kv_config: dict[str, Any] | None = None,
-                   extra_args: list[str] | None = None) -> list[str]:
-    """The server command line; ``kv_config`` from :func:`kv_transfer_config` or None."""
+                   extra_args: list[str] | None = None, hybrid: bool = False) -> list[str]:
+    """The server command line; ``kv_config`` from :func:`kv_transfer_config` or None.
+    With a connector, vLLM's hybrid KV cache manager is off (one KV cache group) unless
+    ``hybrid``: then a model with sliding-window layers keeps a group of them."""
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "2048", "--block-size", str(BLOCK_SIZE),
            "--enforce-eager", "--seed", "0", "--max-num-seqs", "8"]
     if kv_config is not None:
-        cmd += ["--kv-transfer-config", json.dumps(kv_config),
-                "--disable-hybrid-kv-cache-manager"]
+        cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+        cmd += [] if hybrid else ["--disable-hybrid-kv-cache-manager"]
     return cmd + list(extra_args or [])
 
 

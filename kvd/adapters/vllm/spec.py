@@ -45,6 +45,17 @@ prefill and decode by head slices, as for any HND pool (decode TP a multiple of 
 TP or the reverse; GQA replication included). A layer whose block is not shaped like that
 (a GPU layout) is registered as whole blocks (``is_mla=True``, one buffer per layer): byte
 exact between EQUAL TP sizes only, and kvd refuses other pairs at registration.
+
+KV cache groups (hybrid models, :func:`check_groups`, :func:`room_blocks`): with vLLM's
+hybrid KV cache manager a model whose layers keep different caches has several groups,
+each with its own block table: full attention, sliding window. vLLM lays the groups over
+each other (``KVCacheTensor``: a tensor is shared by one layer of every group, and a block
+id belongs to one group at a time), so the connector registers the distinct tensors once,
+as plain paged KV, and a room's pages are every group's blocks in group order: a full
+group's prompt blocks, a window group's blocks holding the tokens the decode still attends
+to. Moving block ``b`` of every tensor moves exactly the layer of the group that owns
+``b``. A group of any other kind (Mamba / linear-attention state, chunked local
+attention, cross attention...) is refused at registration, naming the group.
 """
 
 from __future__ import annotations
@@ -56,6 +67,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvd.protocol.control import Compat
 from kvd.protocol.memory import MemoryHandle
 from kvd.protocol.release import ReleaseError, check_token, token_digest
 from kvd.protocol.rpc import EngineRanks, RegisterKV
@@ -307,22 +319,27 @@ def check_layer_compact(layers: list[LayerCache]) -> list[str]:
                  if b[0] < a[1]]
     sizes = {c.block_bytes for c in layers}
     if len(sizes) > 1:
-        problems.append(f"layers differ in block size {sorted(sizes)} (hybrid models need "
-                        f"disable_hybrid_kv_cache_manager and one KV cache group)")
+        problems.append(f"layers differ in block size {sorted(sizes)} (their KV cache "
+                        f"groups are not attention groups of one shape)")
     return problems
 
 
 def register_kv(layers: list[LayerCache], handles: list[MemoryHandle], *, block_size: int,
                 num_kv_heads: int, head_dim: int, dtype_size: int,
                 total_kv_heads: int, is_mla: bool = False,
-                ranks: EngineRanks | None = None) -> RegisterKV:
+                ranks: EngineRanks | None = None, shared: bool = False,
+                compat: Compat | None = None) -> RegisterKV:
     """The kvd registration of ``layers`` (sorted by layer; ``handles[i]`` covers
     ``layers[i]``'s ``num_blocks * block_stride`` bytes), one buffer per layer with
     ``item_len = block_stride``: fused-KV MHA (HND, ``num_kv_heads`` of ``total_kv_heads``
     heads on this rank; any TP pair) when every block is shaped like vLLM's CPU cache,
     else whole blocks (``is_mla=True``: equal TP only; see the module docstring). No aux
     buffers (vLLM's decode recomputes the last prompt token, so nothing rides along).
-    ``ranks``: the worker's TP/DP/PP position, sent to kvd.
+    ``ranks``: the worker's TP/DP/PP position, sent to kvd. ``shared``: ``layers`` are the
+    tensors of several KV cache groups laid over each other (one per tensor, named by its
+    first layer): buffer ``i`` is registered as layer ``i`` and the layer numbers are not
+    checked. ``compat``: the fingerprint fields (:func:`groups_signature` in
+    ``layer_types``).
 
     KvdAdapterError if the layers are not layer-compact or not consecutive layers.
     """
@@ -330,6 +347,8 @@ def register_kv(layers: list[LayerCache], handles: list[MemoryHandle], *, block_
     indices = [c.layer for c in layers]
     if not indices:
         problems.append("no KV cache layers")
+    elif shared:
+        indices = list(range(len(layers)))
     elif indices != list(range(indices[0], indices[0] + len(indices))):
         problems.append(f"layers {indices} are not consecutive")
     if problems:
@@ -343,4 +362,117 @@ def register_kv(layers: list[LayerCache], handles: list[MemoryHandle], *, block_
                       dtype_size=dtype_size, num_layers=len(layers), layer_start=indices[0],
                       is_mla=not fused, layout="HND",
                       total_kv_heads=total_kv_heads, fused_kv=fused,
-                      ranks=ranks)
+                      ranks=ranks, compat=compat)
+
+
+# ---------------------------------------------------------------- KV cache groups
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One of vLLM's KV cache groups as the connector moves it: ``kind`` ``"full"`` (full
+    attention: every prompt block moves) or ``"window"`` (sliding window: the blocks of the
+    tokens the decode still attends to), ``block_size`` tokens per block, ``window`` tokens
+    a window layer attends to (its own token included; window groups only), ``layers``
+    (names, for messages)."""
+
+    kind: str
+    block_size: int
+    window: int = 0
+    layers: tuple[str, ...] = ()
+
+
+FULL = CacheGroup("full", 0)
+
+
+def check_groups(groups: list[CacheGroup], pp_size: int = 1) -> None:
+    """Refuse, with one reason, KV cache groups the connector cannot move byte-exactly:
+    no group, a kind other than ``full``/``window`` (the caller names the vLLM spec in
+    ``kind``, e.g. ``"state (MambaSpec)"``), groups of different block sizes, several
+    groups under pipeline parallelism. KvdAdapterError."""
+    if not groups:
+        raise KvdAdapterError("vLLM has no KV cache group to move")
+    for i, g in enumerate(groups):
+        if g.kind not in ("full", "window"):
+            first = f", layers {', '.join(g.layers[:3])}{'...' if len(g.layers) > 3 else ''}"
+            raise KvdAdapterError(
+                f"KV cache group {i} holds {g.kind}{first if g.layers else ''}: the kvd "
+                f"connector moves full-attention and sliding-window KV only (it does not "
+                f"describe vLLM's state pages as kvd state slots), so it refuses the model "
+                f"rather than serve a decode without that cache")
+        if g.kind == "window" and g.window < 1:
+            raise KvdAdapterError(f"KV cache group {i}: sliding window {g.window} tokens")
+    sizes = sorted({g.block_size for g in groups})
+    if len(sizes) > 1:
+        raise KvdAdapterError(f"KV cache groups differ in block size {sizes}")
+    if len(groups) > 1 and pp_size > 1:
+        raise KvdAdapterError(f"{len(groups)} KV cache groups with pipeline parallelism "
+                              f"{pp_size} (the stages' layer ranges are not described)")
+
+
+def groups_signature(groups: list[CacheGroup]) -> str:
+    """The groups as one string for the fingerprint (``Compat.layer_types``), e.g.
+    ``"full@32 window@32:64"``: a pair that moves other blocks is refused at pairing."""
+    return " ".join(f"{g.kind}@{g.block_size}" + (f":{g.window}" if g.kind == "window" else "")
+                    for g in groups)
+
+
+def loaded_tokens(groups: list[CacheGroup], num_prompt_tokens: int) -> int:
+    """The prompt tokens a decode loads through kvd: all of them with full-attention groups
+    only (vLLM then recomputes the last one), all but the last one with a window group, so
+    that the decode computes the last token itself from a window it holds. Loading all
+    ``T`` tokens, vLLM's decode keeps window blocks from token ``T - window + 1`` on
+    (``SlidingWindowManager.get_num_skipped_tokens(T)``) and then recomputes token ``T - 1``,
+    which attends to token ``T - window``: when that token opens a block (``T - window + 1``
+    a multiple of the block size), its block is the null block (seen on vLLM 0.32 CPU as
+    PD tokens that differ from the colocated engine's). Loading ``T - 1`` keeps it; the
+    prefill, which kept only what its own next token attends to, may have freed it, and
+    :func:`room_blocks` then refuses the hand-off."""
+    if any(g.kind == "window" for g in groups):
+        return max(0, num_prompt_tokens - 1)
+    return num_prompt_tokens
+
+
+def window_blocks(num_tokens: int, window: int, block_size: int) -> range:
+    """Block indices of a window group the decode needs after it loaded ``num_tokens``
+    tokens (:func:`loaded_tokens`): from the block of token ``num_tokens - window + 1``
+    (the first one vLLM keeps on a decode that loads ``num_tokens`` tokens:
+    ``SlidingWindowManager.get_num_skipped_tokens``) to the last loaded token's block. At
+    most ``ceil(window / block_size) + 1`` blocks."""
+    first = max(0, num_tokens - window + 1) // block_size
+    return range(first, pages_for(num_tokens, block_size))
+
+
+NULL_BLOCK = 0
+"""vLLM's null block (``BlockPool.null_block``): a window group's skipped blocks name it."""
+
+
+def room_blocks(groups: list[CacheGroup], block_ids: tuple[list[int], ...] | list[list[int]],
+                num_tokens: int, first_page: int = 0) -> list[int]:
+    """The room's pages of a request whose decode loads ``num_tokens`` prompt tokens
+    (:func:`loaded_tokens`) and whose blocks per group are ``block_ids``: every full
+    group's blocks ``[first_page, ceil(num_tokens / block_size))``, then every window
+    group's :func:`window_blocks`, each kind in group order (the same on both sides, so
+    room page ``i`` of the prefill is room page ``i`` of the decode; ``first_page``: a
+    decode's local prefix hit, only with one full group). KvdAdapterError if a group holds
+    fewer blocks, a window block is the null block (the prefill freed a block the decode
+    needs: the request is not handed off, the decode computes it), or a prefix hit comes
+    with window groups."""
+    if len(block_ids) != len(groups):
+        raise KvdAdapterError(f"{len(block_ids)} block lists for {len(groups)} KV cache groups")
+    if first_page and (len(groups) > 1 or groups[0].kind != "full"):
+        raise KvdAdapterError("a local prefix hit with sliding-window groups")
+    out: list[int] = []
+    for kind in ("full", "window"):
+        for g, ids in zip(groups, block_ids, strict=True):
+            if g.kind != kind:
+                continue
+            want = (range(first_page, pages_for(num_tokens, g.block_size)) if kind == "full"
+                    else window_blocks(num_tokens, g.window, g.block_size))
+            if len(ids) < want.stop:
+                raise KvdAdapterError(f"a {kind} KV cache group holds {len(ids)} blocks, "
+                                      f"the prompt needs {want.stop}")
+            picked = [int(ids[b]) for b in want]
+            if kind == "window" and NULL_BLOCK in picked:
+                raise KvdAdapterError(f"window blocks {picked} name the null block")
+            out += picked
+    return out
