@@ -192,3 +192,60 @@ def ensure_windowed_model(base: str | os.PathLike[str], window: int = 64) -> Pat
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+MAMBA_HYBRID_CONFIG: dict[str, Any] = {
+    "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid",
+    "hidden_size": 256, "intermediate_size": 512, "shared_intermediate_size": 512,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "layer_types": ["mamba", "attention", "mamba", "attention"],
+    "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_n_groups": 1, "mamba_d_state": 16,
+    "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
+    "mamba_conv_bias": True, "mamba_proj_bias": False,
+    "num_local_experts": 0, "num_experts_per_tok": 0,
+    "attention_multiplier": 0.0625, "embedding_multiplier": 1.0, "residual_multiplier": 1.0,
+    "logits_scaling": 1.0, "position_embedding_type": "rope", "attention_bias": False,
+    "vocab_size": 49152, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+    "hidden_act": "silu", "tie_word_embeddings": True, "initializer_range": 0.02,
+    "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2,
+    "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+    "torch_dtype": "float32"}
+"""A tiny GraniteMoeHybrid (Granite 4 family): Mamba2 layers 0 and 2, attention layers 1
+and 3, hidden size 256, SmolLM2's vocabulary (49152 tokens)."""
+
+
+def ensure_mamba_hybrid_model(tokenizer_from: str | os.PathLike[str], seed: int = 0,
+                              dest: str | os.PathLike[str] | None = None) -> Path:
+    """A tiny Mamba2 + attention hybrid (:data:`MAMBA_HYBRID_CONFIG`) with seeded random
+    weights (``transformers``' own initialisation under ``torch.manual_seed(seed)``) and
+    the tokenizer (and chat template) of the model at ``tokenizer_from``, written once to
+    ``dest`` (default: ``<tokenizer_from>-mamba-hybrid-<seed>`` next to it). No hybrid
+    checkpoint ships in a package; random weights still give prompt-dependent tokens,
+    unlike vLLM's ``--load-format dummy`` (tiny uniform weights: one token repeated).
+    About 60 MB of float32 weights; needs ``torch`` and ``transformers``."""
+    src = Path(tokenizer_from)
+    out = Path(dest) if dest is not None else src.parent / f"{src.name}-mamba-hybrid-{seed}"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**MAMBA_HYBRID_CONFIG)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        for f in src.iterdir():
+            if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_t",
+                                                  "generation_config")):
+                shutil.copy(f, tmp / f.name)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -78,11 +78,14 @@ def until(predicate: Callable[[], Any], bound: float, what: str) -> Any:
 class PdCluster:
     """``n_prefill`` prefill instances (each: kvd serving bootstrap + vLLM producer, TP 1),
     one decode instance of TP ``decode_tp`` (one kvd per rank, rank settings unset: kvd
-    takes them from the engine) and ``kvd proxy`` in front."""
+    takes them from the engine) and ``kvd proxy`` in front. ``prefill_args`` /
+    ``decode_args``: more engine flags; ``extra``: more ``kv_connector_extra_config`` per
+    side (``{"prefill": {...}, "decode": {...}}``)."""
 
     def __init__(self, model: Path, work: Path, n_prefill: int = 1, decode_tp: int = 1,
                  decode_cpus: str = "0-1", hybrid: bool = False,
-                 decode_args: list[str] | None = None) -> None:
+                 decode_args: list[str] | None = None, prefill_args: list[str] | None = None,
+                 extra: dict[str, Any] | None = None) -> None:
         self.work = work
         env = launch.engine_env()
         self.kvd_p = [start_daemon("prefill", work, serve_bootstrap=True)
@@ -91,9 +94,12 @@ class PdCluster:
                       for r in range(decode_tp)]
         self.prefill = [launch.start_engine(launch.engine_command(
             sys.executable, model, free_port(),
-            launch.kv_transfer_config("kv_producer", k.socket, k.http_addr),
-            hybrid=hybrid), work / f"prefill-{i}.log", env) for i, k in enumerate(self.kvd_p)]
-        d_cfg = launch.kv_transfer_config("kv_consumer", str(work / "d-{tp_rank}.sock"))
+            launch.kv_transfer_config("kv_producer", k.socket, k.http_addr,
+                                      **(extra or {}).get("prefill", {})),
+            prefill_args, hybrid=hybrid), work / f"prefill-{i}.log", env)
+            for i, k in enumerate(self.kvd_p)]
+        d_cfg = launch.kv_transfer_config("kv_consumer", str(work / "d-{tp_rank}.sock"),
+                                          **(extra or {}).get("decode", {}))
         tp_args = ["--tensor-parallel-size", str(decode_tp)] if decode_tp > 1 else []
         self.decode = launch.start_engine(launch.engine_command(
             sys.executable, model, free_port(), d_cfg, [*tp_args, *(decode_args or [])],

@@ -10,9 +10,10 @@ Load it without patching vLLM::
                                "bootstrap_addr": "10.0.0.1:8998"}}'   # producer only
 
 The connector supports vLLM's hybrid KV cache manager (``SupportsHMA``): a model with
-full-attention and sliding-window layers has a KV cache group of each, and a room's pages
-are every group's blocks (:func:`kvd.adapters.vllm.spec.room_blocks`); a model with a
-group of another kind (Mamba / linear-attention state...) is refused when the worker
+full-attention, sliding-window and Mamba layers has a KV cache group of each, and a room's
+pages are every group's blocks (:func:`kvd.adapters.vllm.spec.room_blocks`); with Mamba
+state the prefill computes all but the last prompt token (``on_new_request``). A model with
+a group of another kind (chunked local attention...) is refused when the worker
 registers, naming the group. With ``--disable-hybrid-kv-cache-manager`` vLLM keeps one
 group (sliding-window layers then cache every block). See :mod:`kvd.adapters.vllm.spec`
 for the transfer params and the KV args.
@@ -92,6 +93,7 @@ from kvd.adapters.vllm.idle import IdleSleeper
 from kvd.adapters.vllm.shm import ShmAllocation
 from kvd.adapters.vllm.spec import (
     FULL,
+    TRUNCATED,
     CacheGroup,
     ConnectorConfig,
     KvdAdapterError,
@@ -99,14 +101,18 @@ from kvd.adapters.vllm.spec import (
     RemotePrefill,
     check_groups,
     groups_signature,
+    handed_tokens,
+    has_state,
     loaded_tokens,
     num_samples,
+    page_views,
     prefill_reply,
     register_kv,
     release_digest_of,
     room_blocks,
     room_of,
     sample_rooms,
+    truncation,
 )
 from kvd.adapters.vllm.stats import KvdConnectorStats, KvdPromMetrics
 from kvd.client import KvdClient, KVPoll, Receiver, Sender
@@ -201,7 +207,8 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
                                                  kt.is_kv_producer)
         self.scheduler: _Scheduler | None = None
         self.worker: _Worker | None = None
-        self.groups, self.group_ids = cache_groups(kv_cache_config)
+        self.groups, self.group_ids = cache_groups(
+            kv_cache_config, vllm_config.parallel_config.tensor_parallel_size)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = _Scheduler(vllm_config, self.config, self.groups, self.group_ids)
         else:
@@ -214,6 +221,12 @@ class KvdConnector(KVConnectorBase_V1, SupportsHMA):
         return None if model is None or model.use_mla else "LBHNC"
 
     # -- scheduler side
+    def on_new_request(self, request: Request) -> None:
+        """A prefill request of a model with Mamba state computes all but its last prompt
+        token (:func:`~kvd.adapters.vllm.spec.prefill_backoff`)."""
+        if self.scheduler is not None:
+            self.scheduler.new_request(request)
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
@@ -378,6 +391,19 @@ class _Scheduler:
         request.kv_transfer_params = params
         return params
 
+    def new_request(self, request: Request) -> None:
+        """Drop the prompt tokens the decode computes from a prefill request that will be
+        handed off (:func:`~kvd.adapters.vllm.spec.truncation`; as vLLM's NIXL connector
+        does: prompt, all tokens, count, and one output token), marking its params."""
+        drop = truncation(self.groups, request.kv_transfer_params, request.num_prompt_tokens)
+        if not drop or request.prompt_token_ids is None:
+            return
+        del request.prompt_token_ids[-drop:]
+        del request._all_token_ids[-drop:]
+        request.num_prompt_tokens -= drop
+        request.max_tokens = 1
+        self._own_params(request)[TRUNCATED] = drop
+
     def matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
         """The prompt tokens after the local prefix-cache hit load asynchronously. A hit
         that does not end on a block boundary cannot be expressed in pages: declined (the
@@ -495,9 +521,10 @@ class _Scheduler:
                   block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         if self.config.bootstrap_addr is None:
             return False, None
+        dropped = int(params.get(TRUNCATED, 0))
         try:
-            pages = room_blocks(self.groups, self._of_groups(block_ids),
-                                loaded_tokens(self.groups, request.num_prompt_tokens))
+            pages = room_blocks(self.groups, self._of_groups(block_ids), handed_tokens(
+                self.groups, request.num_prompt_tokens, bool(dropped)))
             rooms = sample_rooms(room_of(params), num_samples(params))
         except KvdAdapterError as exc:
             log.warning("request %s: %s; no KV hand-off", request.request_id, exc)
@@ -505,7 +532,8 @@ class _Scheduler:
         self.meta.sends.append(SendTask(request.request_id, tuple(rooms), pages,
                                         release_digest_of(params)))
         return True, prefill_reply(rooms, self.config.bootstrap_addr, pages, self.engine_id,
-                                   self.tp_size, request.num_prompt_tokens, self.dp_rank)
+                                   self.tp_size, request.num_prompt_tokens + dropped,
+                                   self.dp_rank)
 
 
 # ---------------------------------------------------------------- worker side
@@ -539,12 +567,13 @@ class _Transfer:
         return all(r.state == KVPoll.Success for r in self.rooms)
 
 
-def cache_groups(kv_cache_config: KVCacheConfig | None
+def cache_groups(kv_cache_config: KVCacheConfig | None, tp_size: int = 1
                  ) -> tuple[list[CacheGroup], tuple[int, ...]]:
     """vLLM's transferable KV cache groups as :class:`CacheGroup` s (their kind named
     by vLLM's spec class when the connector cannot move it: :func:`check_groups` refuses
-    those), and their positions in vLLM's per-group block lists. No config (an older
-    vLLM): one full group of the engine's block size."""
+    those), and their positions in vLLM's per-group block lists. A ``MambaSpec`` group is
+    ``state``, with its per-rank shapes, dtypes and ``tp_size`` (TP ranks) for the
+    fingerprint. No config (an older vLLM): one full group of the engine's block size."""
     if kv_cache_config is None:
         return [], (0,)
     from vllm.v1.kv_cache_interface import (
@@ -565,10 +594,21 @@ def cache_groups(kv_cache_config: KVCacheConfig | None
             out.append(CacheGroup("full", spec.block_size, layers=names))
         elif type(spec) is SlidingWindowSpec:
             out.append(CacheGroup("window", spec.block_size, spec.sliding_window, names))
+        elif isinstance(spec, MambaSpec):
+            out.append(CacheGroup(
+                "state", spec.block_size, layers=names, spec_blocks=spec.num_speculative_blocks,
+                state=_state_signature(spec, tp_size),
+                prefix_cached=spec.mamba_cache_mode != "none"))
         else:
-            what = f"state ({kind})" if isinstance(spec, MambaSpec) else f"a {kind} cache"
-            out.append(CacheGroup(what, spec.block_size, layers=names))
+            out.append(CacheGroup(f"a {kind} cache", spec.block_size, layers=names))
     return out, ids
+
+
+def _state_signature(spec: Any, tp_size: int) -> str:
+    """``tp<N>:<shape>,<shape>:<dtype>,<dtype>`` of a ``MambaSpec`` (per-rank shapes)."""
+    shapes = ",".join("x".join(str(d) for d in s) for s in spec.shapes)
+    dtypes = ",".join(str(d).removeprefix("torch.") for d in spec.dtypes)
+    return f"tp{1 if spec.tp_replicated else tp_size}:{shapes}:{dtypes}"
 
 
 def layer_cache(name: str, tensor: torch.Tensor) -> LayerCache:
@@ -656,24 +696,25 @@ class _Worker:
         ranks that contradict kvd's settings). Several groups share tensors (one layer of
         each per tensor): each tensor is registered once."""
         check_groups(self.groups, self.pp_size)
-        seen: dict[int, tuple[str, torch.Tensor]] = {}
-        for name, tensor in kv_caches.items():
-            first = seen.setdefault(tensor.data_ptr(), (name, tensor))  # layers sharing a cache
-            if (first[1].shape, first[1].stride()) != (tensor.shape, tensor.stride()):
-                raise KvdAdapterError(f"vLLM KV cache layout not supported by kvd: {name} "
-                                      f"and {first[0]} share memory in different shapes")
-        views = sorted(((layer_cache(n, t), t) for n, t in seen.values()),
-                       key=lambda p: p[0].layer)
-        layers = [c for c, _ in views]
-        handles = [self._handle(t, c.addr, c.num_blocks * c.block_stride) for c, t in views]
+        views: dict[int, list[tuple[LayerCache, torch.Tensor]]] = {}
+        for name, cache in kv_caches.items():
+            for tensor in cache if isinstance(cache, list | tuple) else (cache,):
+                views.setdefault(tensor.data_ptr(), []).append((layer_cache(name, tensor),
+                                                                tensor))
+        regions = sorted(((page_views([c for c, _ in vs]), vs[0][1]) for vs in views.values()),
+                         key=lambda p: p[0].layer)
+        layers = [c for c, _ in regions]
+        handles = [self._handle(t, c.addr, c.num_blocks * c.block_stride) for c, t in regions]
+        dtype = next((t.dtype for c, t in regions if t.is_floating_point()), regions[0][1].dtype)
         model, parallel = self.vllm_config.model_config, self.vllm_config.parallel_config
         registration = register_kv(
             layers, handles, block_size=self.vllm_config.cache_config.block_size,
             num_kv_heads=model.get_num_kv_heads(parallel), head_dim=model.get_head_size(),
-            dtype_size=views[0][1].element_size(),
-            total_kv_heads=model.get_total_num_kv_heads(), is_mla=bool(model.use_mla),
+            dtype_size=dtype.itemsize,
+            total_kv_heads=model.get_total_num_kv_heads(),
+            is_mla=bool(model.use_mla) or has_state(self.groups),
             ranks=self._ranks(), shared=len(self.groups) > 1,
-            compat=Compat(kv_dtype=str(views[0][1].dtype).removeprefix("torch."),
+            compat=Compat(kv_dtype=str(dtype).removeprefix("torch."),
                           layer_types=groups_signature(self.groups)))
         self.client.call(registration)
         log.info("kvd: registered %d KV layers (%d blocks of %d bytes each, %s; groups %s) "

@@ -48,18 +48,25 @@ exact between EQUAL TP sizes only, and kvd refuses other pairs at registration.
 
 KV cache groups (hybrid models, :func:`check_groups`, :func:`room_blocks`): with vLLM's
 hybrid KV cache manager a model whose layers keep different caches has several groups,
-each with its own block table: full attention, sliding window. vLLM lays the groups over
-each other (``KVCacheTensor``: a tensor is shared by one layer of every group, and a block
-id belongs to one group at a time), so the connector registers the distinct tensors once,
-as plain paged KV, and a room's pages are every group's blocks in group order: a full
+each with its own block table: full attention, sliding window, Mamba state. vLLM lays the
+groups over each other (``KVCacheTensor``: a tensor is shared by one layer of every group,
+and a block id belongs to one group at a time; a Mamba layer's conv and SSM state are one
+page padded to the attention page size), so the connector registers the distinct tensors
+once, as paged KV, and a room's pages are every group's blocks in kind order: a full
 group's prompt blocks, a window group's blocks holding the tokens the decode still attends
-to. Moving block ``b`` of every tensor moves exactly the layer of the group that owns
-``b``. A group of any other kind (Mamba / linear-attention state, chunked local
-attention, cross attention...) is refused at registration, naming the group.
+to, a state group's running-state block. Moving block ``b`` of every tensor moves exactly
+the layers of the group that owns ``b``. With a state group the pages are whole blocks
+(equal TP only; the per-rank state shapes and the TP size are in the fingerprint) and the
+prefill computes all but the last prompt token (:func:`prefill_backoff`): the state then
+holds the prompt but its last token, from which the decode, computing that token itself,
+continues (vLLM's NIXL connector "backs off" the same token). A group of any other kind
+(chunked local attention, cross attention...), or Mamba state with prefix caching (state
+checkpoints per block), is refused at registration, naming the group.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import secrets
@@ -370,38 +377,57 @@ def register_kv(layers: list[LayerCache], handles: list[MemoryHandle], *, block_
 @dataclass(frozen=True)
 class CacheGroup:
     """One of vLLM's KV cache groups as the connector moves it: ``kind`` ``"full"`` (full
-    attention: every prompt block moves) or ``"window"`` (sliding window: the blocks of the
-    tokens the decode still attends to), ``block_size`` tokens per block, ``window`` tokens
+    attention: every prompt block moves), ``"window"`` (sliding window: the blocks of the
+    tokens the decode still attends to) or ``"state"`` (Mamba / linear-attention state:
+    the request's running-state block), ``block_size`` tokens per block, ``window`` tokens
     a window layer attends to (its own token included; window groups only), ``layers``
-    (names, for messages)."""
+    (names, for messages). State groups: ``spec_blocks`` speculative scratch blocks vLLM
+    appends after the state block, ``state`` the per-rank state shapes, dtypes and TP size
+    (fingerprint), ``prefix_cached`` whether vLLM checkpoints the state per block (prefix
+    caching, ``mamba_cache_mode`` other than ``"none"``: refused)."""
 
     kind: str
     block_size: int
     window: int = 0
     layers: tuple[str, ...] = ()
+    spec_blocks: int = 0
+    state: str = ""
+    prefix_cached: bool = False
 
 
 FULL = CacheGroup("full", 0)
+PAGED_KINDS = ("full", "window")
+KINDS = (*PAGED_KINDS, "state")
 
 
 def check_groups(groups: list[CacheGroup], pp_size: int = 1) -> None:
     """Refuse, with one reason, KV cache groups the connector cannot move byte-exactly:
-    no group, a kind other than ``full``/``window`` (the caller names the vLLM spec in
-    ``kind``, e.g. ``"state (MambaSpec)"``), groups of different block sizes, several
-    groups under pipeline parallelism. KvdAdapterError."""
+    no group, a kind other than ``full``/``window``/``state`` (the caller names the vLLM
+    spec in ``kind``, e.g. ``"a ChunkedLocalAttentionSpec cache"``), a state group with
+    prefix caching, paged groups of different block sizes (a state group's block size is
+    vLLM's bookkeeping, not a page), only state groups, several groups under pipeline
+    parallelism. KvdAdapterError."""
     if not groups:
         raise KvdAdapterError("vLLM has no KV cache group to move")
     for i, g in enumerate(groups):
-        if g.kind not in ("full", "window"):
-            first = f", layers {', '.join(g.layers[:3])}{'...' if len(g.layers) > 3 else ''}"
+        names = f", layers {', '.join(g.layers[:3])}{'...' if len(g.layers) > 3 else ''}"
+        if g.kind not in KINDS:
             raise KvdAdapterError(
-                f"KV cache group {i} holds {g.kind}{first if g.layers else ''}: the kvd "
-                f"connector moves full-attention and sliding-window KV only (it does not "
-                f"describe vLLM's state pages as kvd state slots), so it refuses the model "
-                f"rather than serve a decode without that cache")
+                f"KV cache group {i} holds {g.kind}{names if g.layers else ''}: the kvd "
+                f"connector moves full-attention and sliding-window KV and Mamba state "
+                f"only, so it refuses the model rather than serve a decode without that "
+                f"cache")
+        if g.kind == "state" and g.prefix_cached:
+            raise KvdAdapterError(
+                f"KV cache group {i} holds Mamba state with prefix caching"
+                f"{names if g.layers else ''}: vLLM then keeps a state checkpoint per "
+                f"block and the kvd connector moves one running state; start the engines "
+                f"with --no-enable-prefix-caching")
         if g.kind == "window" and g.window < 1:
             raise KvdAdapterError(f"KV cache group {i}: sliding window {g.window} tokens")
-    sizes = sorted({g.block_size for g in groups})
+    sizes = sorted({g.block_size for g in groups if g.kind in PAGED_KINDS})
+    if not sizes:
+        raise KvdAdapterError("only state KV cache groups: no attention pages to move")
     if len(sizes) > 1:
         raise KvdAdapterError(f"KV cache groups differ in block size {sizes}")
     if len(groups) > 1 and pp_size > 1:
@@ -409,17 +435,63 @@ def check_groups(groups: list[CacheGroup], pp_size: int = 1) -> None:
                               f"{pp_size} (the stages' layer ranges are not described)")
 
 
+def has_state(groups: list[CacheGroup]) -> bool:
+    """Does a group keep per-request state (whole-block pages, equal TP only)?"""
+    return any(g.kind == "state" for g in groups)
+
+
 def groups_signature(groups: list[CacheGroup]) -> str:
     """The groups as one string for the fingerprint (``Compat.layer_types``), e.g.
-    ``"full@32 window@32:64"``: a pair that moves other blocks is refused at pairing."""
-    return " ".join(f"{g.kind}@{g.block_size}" + (f":{g.window}" if g.kind == "window" else "")
-                    for g in groups)
+    ``"full@32 window@32:64"`` or ``"state@1024:tp1:3x544,8x64x16:float32,float32
+    full@64"``: a pair that moves other blocks, or state of other shapes (another TP
+    size), is refused at pairing."""
+    def one(g: CacheGroup) -> str:
+        extra = f":{g.window}" if g.kind == "window" else f":{g.state}" if g.state else ""
+        return f"{g.kind}@{g.block_size}{extra}"
+    return " ".join(one(g) for g in groups)
+
+
+def prefill_backoff(groups: list[CacheGroup]) -> int:
+    """Prompt tokens a prefill leaves out for the decode to compute: 1 with a state group
+    (the state is a running summary, so the prefill must stop one token short for the
+    decode to compute the last prompt token from it; vLLM's NIXL connector,
+    ``_prefill_backoff``), else 0."""
+    return 1 if has_state(groups) else 0
+
+
+def truncation(groups: list[CacheGroup], params: Mapping[str, Any] | None,
+               num_prompt_tokens: int) -> int:
+    """Tokens to drop from the end of a new prefill request's prompt: :func:`prefill_backoff`
+    for a request handed to a decode (``do_remote_decode``) whose prompt has more tokens
+    than that and that was not truncated yet (``TRUNCATED`` in its params), else 0."""
+    backoff = prefill_backoff(groups)
+    if not (backoff and params and params.get("do_remote_decode")) or params.get(TRUNCATED):
+        return 0
+    return backoff if num_prompt_tokens > backoff else 0
+
+
+TRUNCATED = "_kvd_truncated"
+"""The key the connector sets in a truncated prefill request's own transfer params."""
+
+
+def handed_tokens(groups: list[CacheGroup], num_prompt_tokens: int, truncated: bool) -> int:
+    """Prompt tokens whose pages a prefill request of ``num_prompt_tokens`` tokens (as it
+    ran) hands off: with a state group the whole (truncated) prompt, else
+    :func:`loaded_tokens`. KvdAdapterError for a state group whose request was not
+    truncated (its state is one token past where the decode continues)."""
+    if prefill_backoff(groups):
+        if not truncated:
+            raise KvdAdapterError("the prefill computed the whole prompt (not truncated): "
+                                  "its state is past the token the decode computes")
+        return num_prompt_tokens
+    return loaded_tokens(groups, num_prompt_tokens)
 
 
 def loaded_tokens(groups: list[CacheGroup], num_prompt_tokens: int) -> int:
     """The prompt tokens a decode loads through kvd: all of them with full-attention groups
-    only (vLLM then recomputes the last one), all but the last one with a window group, so
-    that the decode computes the last token itself from a window it holds. Loading all
+    only (vLLM then recomputes the last one), all but the last one with a window or state
+    group, so that the decode computes the last token itself from a window it holds or
+    from the state of the prompt before it (:func:`prefill_backoff`). Loading all
     ``T`` tokens, vLLM's decode keeps window blocks from token ``T - window + 1`` on
     (``SlidingWindowManager.get_num_skipped_tokens(T)``) and then recomputes token ``T - 1``,
     which attends to token ``T - window``: when that token opens a block (``T - window + 1``
@@ -427,7 +499,7 @@ def loaded_tokens(groups: list[CacheGroup], num_prompt_tokens: int) -> int:
     PD tokens that differ from the colocated engine's). Loading ``T - 1`` keeps it; the
     prefill, which kept only what its own next token attends to, may have freed it, and
     :func:`room_blocks` then refuses the hand-off."""
-    if any(g.kind == "window" for g in groups):
+    if any(g.kind in ("window", "state") for g in groups):
         return max(0, num_prompt_tokens - 1)
     return num_prompt_tokens
 
@@ -442,6 +514,17 @@ def window_blocks(num_tokens: int, window: int, block_size: int) -> range:
     return range(first, pages_for(num_tokens, block_size))
 
 
+def state_block(ids: list[int], spec_blocks: int) -> int:
+    """A state group's running-state block of a request whose group blocks are ``ids``:
+    the last one before the ``spec_blocks`` speculative scratch blocks (vLLM's
+    ``clip_ssm_state_blocks``). KvdAdapterError when there is none or it is the null
+    block."""
+    kept = ids[:len(ids) - min(spec_blocks, max(0, len(ids) - 1))]
+    if not kept or int(kept[-1]) == NULL_BLOCK:
+        raise KvdAdapterError(f"state blocks {list(ids)} name no state block")
+    return int(kept[-1])
+
+
 NULL_BLOCK = 0
 """vLLM's null block (``BlockPool.null_block``): a window group's skipped blocks name it."""
 
@@ -451,20 +534,24 @@ def room_blocks(groups: list[CacheGroup], block_ids: tuple[list[int], ...] | lis
     """The room's pages of a request whose decode loads ``num_tokens`` prompt tokens
     (:func:`loaded_tokens`) and whose blocks per group are ``block_ids``: every full
     group's blocks ``[first_page, ceil(num_tokens / block_size))``, then every window
-    group's :func:`window_blocks`, each kind in group order (the same on both sides, so
-    room page ``i`` of the prefill is room page ``i`` of the decode; ``first_page``: a
-    decode's local prefix hit, only with one full group). KvdAdapterError if a group holds
-    fewer blocks, a window block is the null block (the prefill freed a block the decode
-    needs: the request is not handed off, the decode computes it), or a prefix hit comes
-    with window groups."""
+    group's :func:`window_blocks`, then every state group's :func:`state_block`, each kind
+    in group order (the same on both sides, so room page ``i`` of the prefill is room page
+    ``i`` of the decode; ``first_page``: a decode's local prefix hit, only with one full
+    group). KvdAdapterError if a group holds fewer blocks, a window block is the null
+    block (the prefill freed a block the decode needs: the request is not handed off, the
+    decode computes it), a state group names no state block, or a prefix hit comes with
+    window or state groups."""
     if len(block_ids) != len(groups):
         raise KvdAdapterError(f"{len(block_ids)} block lists for {len(groups)} KV cache groups")
     if first_page and (len(groups) > 1 or groups[0].kind != "full"):
-        raise KvdAdapterError("a local prefix hit with sliding-window groups")
+        raise KvdAdapterError("a local prefix hit with sliding-window or state groups")
     out: list[int] = []
-    for kind in ("full", "window"):
+    for kind in KINDS:
         for g, ids in zip(groups, block_ids, strict=True):
             if g.kind != kind:
+                continue
+            if kind == "state":
+                out.append(state_block(list(ids), g.spec_blocks))
                 continue
             want = (range(first_page, pages_for(num_tokens, g.block_size)) if kind == "full"
                     else window_blocks(num_tokens, g.window, g.block_size))
@@ -476,3 +563,28 @@ def room_blocks(groups: list[CacheGroup], block_ids: tuple[list[int], ...] | lis
                 raise KvdAdapterError(f"window blocks {picked} name the null block")
             out += picked
     return out
+
+
+def page_views(views: list[LayerCache]) -> LayerCache:
+    """The one region several KV cache groups' views of one tensor describe (vLLM lays the
+    groups over each other: the views start at the same address): the view whose block is
+    its whole block stride (an attention layer's), else the first view widened to whole
+    blocks (a Mamba layer's page: conv and SSM state, then the padding vLLM adds so that
+    its page equals the attention page -- moved too, it is part of the page).
+    KvdAdapterError if the views differ in block count or stride, or a view's block does
+    not fit in its stride."""
+    first = views[0]
+    problems = [f"{v.name} and {first.name} share memory in different block layouts "
+                f"({v.num_blocks} x {v.block_stride} vs {first.num_blocks} x "
+                f"{first.block_stride} bytes)" for v in views[1:]
+                if (v.num_blocks, v.block_stride) != (first.num_blocks, first.block_stride)]
+    problems += [f"{v.name}: block content is not one run inside its {v.block_stride}-byte "
+                 f"block" for v in views if not v.dense or v.block_bytes > v.block_stride]
+    if problems:
+        raise KvdAdapterError("vLLM KV cache layout not supported by kvd: "
+                              + "; ".join(problems))
+    whole = [v for v in views if v.block_bytes == v.block_stride]
+    if whole:
+        return whole[0]
+    return dataclasses.replace(first, block_bytes=first.block_stride,
+                               block_shape=(first.block_stride,))
