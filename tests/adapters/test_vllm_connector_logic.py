@@ -173,20 +173,106 @@ def test_hybrid_decode_prefix_hit_computes_locally_and_aborts_the_room() -> None
     assert not d.meta.recvs and [a.room for a in d.meta.aborts] == [9]
 
 
-def test_a_mamba_group_is_refused_at_registration_naming_it() -> None:
-    """A KV cache group of Mamba state: the worker refuses before registering (the engine
-    does not start), naming the group and its layers; never a decode without its state."""
+def mamba_groups(mode: str = "none", tp_size: int = 1) -> list[Any]:
+    """The groups :func:`cache_groups` derives from vLLM's own specs of a Mamba2 +
+    attention hybrid (GraniteMoeHybrid: the state group first, blocks of 64 tokens)."""
     import torch
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+    )
 
     from kvd.adapters.vllm.connector import cache_groups
+
+    mamba = MambaSpec(block_size=1024, shapes=((3, 544 // tp_size), (8 // tp_size, 64, 16)),
+                      dtypes=(torch.float32, torch.float32), page_size_padded=65536,
+                      mamba_cache_mode=mode)
+    full = FullAttentionSpec(block_size=64, num_kv_heads=2 // tp_size, head_size=64,
+                             dtype=torch.float32)
+    config = KVCacheConfig(num_blocks=100, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["model.layers.0.mixer", "model.layers.2.mixer"], mamba),
+        KVCacheGroupSpec(["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
+                         full)])
+    groups, ids = cache_groups(config, tp_size)
+    assert ids == (0, 1)
+    return groups
+
+
+def test_a_mamba_hybrid_moves_its_state_block_after_the_full_blocks_on_both_sides() -> None:
+    """vLLM's MambaSpec is a state group. The prefill drops the last prompt token of a
+    request it hands off (vLLM's own Request fields), so its state is that of the prompt
+    before it, and sends the full blocks of the tokens it ran, then the state block; the
+    decode loads as many tokens (computing the last one itself) into the same pages, in
+    the same order. The reply counts the whole prompt."""
+    from vllm.v1.request import RequestStatus
+
+    from kvd.adapters.vllm.spec import check_groups, groups_signature
+
+    groups = mamba_groups()
+    assert [(g.kind, g.spec_blocks) for g in groups] == [("state", 0), ("full", 0)]
+    check_groups(groups)
+    assert groups_signature(groups) == "state@1024:tp1:3x544,8x64x16:float32,float32 full@64"
+    p = scheduler(producer=True, groups=groups)
+    req = request("p", {"do_remote_decode": True, "bootstrap_room": 3}, prompt=130)
+    req._all_token_ids, req.max_tokens = list(req.prompt_token_ids), 16
+    p.new_request(req)
+    assert (len(req.prompt_token_ids), len(req._all_token_ids), req.num_prompt_tokens,
+            req.max_tokens) == (129, 129, 129, 1)
+    p.new_request(req)  # a second call (a rescheduled request) drops nothing more
+    assert req.num_prompt_tokens == 129
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay, reply = p.finished(req, ([9], [10, 11, 12]))
+    assert delay and reply is not None and reply["num_prompt_tokens"] == 130
+    assert p.meta.sends[0].block_ids == [10, 11, 12, 9]
+    plain = request("q", {"bootstrap_room": 4}, prompt=130)  # asked directly: untouched
+    p.new_request(plain)
+    assert plain.num_prompt_tokens == 130
+    d = scheduler(groups=groups)
+    dreq = request("d", {"do_remote_prefill": True, "bootstrap_room": 3,
+                         "bootstrap_addr": "h:1"}, prompt=130)
+    assert d.matched_tokens(dreq, 0) == (129, True)
+    d.after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: ([5], [6, 7, 8])), 129)
+    (recv,) = d.meta.recvs
+    assert recv.block_ids == [6, 7, 8, 5] and recv.first_page == 0
+
+
+def test_a_prefill_that_ran_the_whole_prompt_does_not_hand_off_a_state() -> None:
+    """A one-token prompt cannot be truncated: its state is past where a decode would
+    continue, so the prefill hands nothing off (the decode computes the prompt)."""
+    from vllm.v1.request import RequestStatus
+
+    p = scheduler(producer=True, groups=mamba_groups())
+    req = request("p", {"do_remote_decode": True, "bootstrap_room": 3}, prompt=1)
+    req._all_token_ids, req.max_tokens = [0], 16
+    p.new_request(req)
+    assert req.num_prompt_tokens == 1
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert p.finished(req, ([9], [10])) == (False, None) and not p.meta.sends
+
+
+def test_mamba_state_with_prefix_caching_is_refused_at_registration() -> None:
+    """vLLM's prefix caching keeps a Mamba state checkpoint per block (``mamba_cache_mode``
+    ``align``): refused before registering, naming the group and the flag to use."""
     from kvd.adapters.vllm.spec import KvdAdapterError, check_groups
 
-    mamba = MambaSpec(block_size=1024, shapes=((3, 512), (8, 64, 16)),
-                      dtypes=(torch.float32, torch.float32))
-    config = KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["model.layers.0.mixer"], mamba)])
-    groups, _ = cache_groups(config)
-    with pytest.raises(KvdAdapterError, match=r"group 0 holds state \(MambaSpec\), "
-                                              r"layers model.layers.0.mixer"):
-        check_groups(groups)
+    with pytest.raises(KvdAdapterError, match=r"group 0 holds Mamba state with prefix caching, "
+                                              r"layers model.layers.0.mixer, model.layers.2"
+                                              r".mixer: .*--no-enable-prefix-caching"):
+        check_groups(mamba_groups("align"))
+
+
+def test_a_decode_of_another_tp_size_is_refused_at_pairing_by_the_state_shapes() -> None:
+    """Whole state blocks are byte-exact between equal TP sizes only: the per-rank state
+    shapes and the TP size are in the fingerprint, so a TP 1 prefill and a TP 2 decode
+    are refused at pairing naming both, never planned."""
+    from kvd.adapters.vllm.spec import groups_signature
+    from kvd.errors import RegistrationError
+    from kvd.protocol.control import Compat
+    from kvd.transfer.compat import check_compat
+
+    one, two = groups_signature(mamba_groups()), groups_signature(mamba_groups(tp_size=2))
+    assert "tp2:3x272,4x64x16" in two
+    with pytest.raises(RegistrationError, match=r"layer_types.*tp1.*tp2"):
+        check_compat(Compat(layer_types=one), Compat(layer_types=two))

@@ -17,6 +17,9 @@ and every complete attention block the prefill handed off must lie byte for byte
 decode's cache (each engine's KV cache is a file in its own shared-memory folder). The
 state block itself is overwritten in place by the decode's next step, so what shows that
 it arrived intact is the decode's tokens: each completion equals the colocated one.
+
+An engine with vLLM's default prefix caching is refused when its worker registers (first,
+alone: one engine at a time on a small machine).
 """
 
 from __future__ import annotations
@@ -92,6 +95,33 @@ def cluster(mamba_model: Path, shm: Path, tmp_path_factory: pytest.TempPathFacto
         yield c
     finally:
         c.stop("test-vllm-mamba")
+
+
+@pytest.mark.timeout(600)
+def test_mamba_with_prefix_caching_is_refused_when_the_worker_registers(
+        mamba_model: Path, tmp_path: Path) -> None:
+    """vLLM's default prefix caching checkpoints Mamba state per block: the worker refuses
+    before it registers anything (no kvd needed), naming the group and the flag; the
+    engine does not start. Runs before the cluster starts (one engine at a time)."""
+    import sys
+
+    from kvd.adapters.vllm import launch
+    from tests.adapters.vllm_env import free_port
+
+    cmd = launch.engine_command(sys.executable, mamba_model, free_port(),
+                                launch.kv_transfer_config("kv_consumer",
+                                                          str(tmp_path / "none.sock")),
+                                ["--max-model-len", "1024"], hybrid=True)
+    engine = launch.start_engine(cmd, tmp_path / "engine.log", launch.engine_env())
+    try:
+        with pytest.raises(RuntimeError, match="vLLM exited"):
+            launch.wait_healthy(engine, 400)
+    finally:
+        engine.stop()
+    log = engine.log.read_text(errors="replace")
+    assert ("KvdAdapterError: KV cache group 0 holds Mamba state with prefix caching, "
+            "layers model.layers.0.mixer, model.layers.2.mixer") in log
+    assert "--no-enable-prefix-caching" in log
 
 
 def pages(folder: Path) -> set[bytes]:

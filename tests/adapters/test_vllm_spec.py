@@ -13,14 +13,18 @@ from kvd.adapters.vllm.spec import (
     check_groups,
     check_layer_compact,
     groups_signature,
+    handed_tokens,
     loaded_tokens,
     num_samples,
+    page_views,
     pages_for,
     prefill_reply,
     register_kv,
     room_blocks,
     room_of,
     sample_rooms,
+    state_block,
+    truncation,
     window_blocks,
 )
 from kvd.protocol.rpc import EngineRanks, ShmHandle
@@ -170,10 +174,12 @@ def test_room_blocks_are_full_groups_then_window_groups_in_group_order() -> None
 
 def test_groups_the_connector_cannot_move_are_refused_with_one_reason() -> None:
     check_groups([FULL32, WIN32])
-    with pytest.raises(KvdAdapterError, match=r"group 1 holds state \(MambaSpec\), layers "
-                                              r"a, b, c\.\.\.: the kvd connector moves "
-                                              r"full-attention and sliding-window KV only"):
-        check_groups([FULL32, CacheGroup("state (MambaSpec)", 32, layers=("a", "b", "c", "d"))])
+    with pytest.raises(KvdAdapterError, match=r"group 1 holds a CrossAttentionSpec cache, "
+                                              r"layers a, b, c\.\.\.: the kvd connector "
+                                              r"moves full-attention and sliding-window KV "
+                                              r"and Mamba state only"):
+        check_groups([FULL32, CacheGroup("a CrossAttentionSpec cache", 32,
+                                         layers=("a", "b", "c", "d"))])
     with pytest.raises(KvdAdapterError, match=r"differ in block size \[16, 32\]"):
         check_groups([FULL32, CacheGroup("window", 16, 64)])
     with pytest.raises(KvdAdapterError, match="pipeline parallelism 2"):
@@ -218,3 +224,84 @@ def test_a_decode_with_window_groups_loads_all_but_the_last_prompt_token() -> No
         room_blocks([FULL32, WIN32], ([5, 6, 7, 8], [0, 0, 3, 4]), loaded_tokens([WIN32], 127))
     assert room_blocks([FULL32, WIN32], ([5, 6, 7, 8], [0, 9, 3, 4]), 121) == [
         5, 6, 7, 8, 9, 3, 4]
+
+
+STATE = CacheGroup("state", 1024, layers=("model.layers.0.mixer",),
+                   state="tp1:3x544,8x64x16:float32,float32")
+FULL64 = CacheGroup("full", 64)
+
+
+def test_a_state_group_adds_its_running_state_block_after_the_paged_groups() -> None:
+    """A room of a Mamba hybrid: the full group's blocks of the tokens the decode loads
+    (all but the last), then the state block (vLLM's, less speculative scratch blocks);
+    a missing or null state block, or a prefix hit, is refused."""
+    assert loaded_tokens([STATE, FULL64], 130) == 129
+    assert room_blocks([STATE, FULL64], ([7], [1, 2, 3]), 129) == [1, 2, 3, 7]
+    assert room_blocks([FULL64, STATE], ([1, 2], [7]), 128) == [1, 2, 7]
+    assert state_block([7], 0) == 7 and state_block([4, 7, 8, 9], 2) == 7
+    assert state_block([7], 2) == 7  # before the scratch blocks are allocated
+    for bad in ([], [0], [5, 0]):
+        with pytest.raises(KvdAdapterError, match="no state block"):
+            room_blocks([STATE, FULL64], (bad, [1, 2, 3]), 129)
+    with pytest.raises(KvdAdapterError, match="prefix hit"):
+        room_blocks([STATE, FULL64], ([7], [1, 2, 3]), 129, first_page=1)
+
+
+def test_a_prefill_with_state_computes_all_but_the_last_prompt_token() -> None:
+    """The prefill drops the last prompt token of a request it hands off (once; not a
+    1-token prompt, not a plain request, not without state) and hands off the pages of the
+    prompt it ran; one it could not truncate is not handed off (its state is one token past
+    where the decode continues)."""
+    remote = {"do_remote_decode": True}
+    assert truncation([STATE, FULL64], remote, 130) == 1
+    assert truncation([STATE, FULL64], {**remote, "_kvd_truncated": 1}, 129) == 0
+    assert truncation([STATE, FULL64], remote, 1) == 0
+    assert truncation([STATE, FULL64], {}, 130) == truncation([STATE, FULL64], None, 130) == 0
+    assert truncation([FULL64, CacheGroup("window", 64, 128)], remote, 130) == 0
+    assert handed_tokens([STATE, FULL64], 129, truncated=True) == 129
+    assert handed_tokens([FULL64], 130, truncated=False) == 130
+    with pytest.raises(KvdAdapterError, match="not truncated"):
+        handed_tokens([STATE, FULL64], 130, truncated=False)
+
+
+def test_state_groups_are_checked_and_fingerprinted_with_their_tp_shapes() -> None:
+    """A state group's block size is not a page size (only paged groups must agree); its
+    per-rank shapes and TP size are in the fingerprint, so a decode of another TP size
+    (other state shapes: whole blocks cannot be resliced) is refused at pairing; prefix
+    caching (a state checkpoint per block) and state alone are refused at registration."""
+    from kvd.errors import RegistrationError
+    from kvd.protocol.control import Compat
+    from kvd.transfer.compat import check_compat
+
+    check_groups([STATE, FULL64])
+    one = groups_signature([STATE, FULL64])
+    assert one == "state@1024:tp1:3x544,8x64x16:float32,float32 full@64"
+    two = groups_signature([CacheGroup("state", 1024, state="tp2:3x272,4x64x16:float32,"
+                                       "float32"), FULL64])
+    with pytest.raises(RegistrationError, match="layer_types"):
+        check_compat(Compat(layer_types=one), Compat(layer_types=two))
+    cached = CacheGroup("state", 64, layers=("model.layers.0.mixer",), prefix_cached=True)
+    with pytest.raises(KvdAdapterError, match=r"group 0 holds Mamba state with prefix caching, "
+                                              r"layers model.layers.0.mixer: .*"
+                                              r"--no-enable-prefix-caching"):
+        check_groups([cached, FULL64])
+    with pytest.raises(KvdAdapterError, match="only state KV cache groups"):
+        check_groups([STATE])
+
+
+def test_page_views_of_shared_tensors_are_whole_pages() -> None:
+    """A Mamba layer's view (conv + SSM state, 39296 bytes) and an attention layer's view
+    (65536 bytes) of one tensor: the region is the attention view; a state-only tensor is
+    widened to whole pages (the padding moves too); views that disagree are refused."""
+    attn = LayerCache("model.layers.1.self_attn.attn", 1, 0x10000, 8, 65536, 65536, True,
+                      (2, 64, 128))
+    state = LayerCache("model.layers.0.mixer", 0, 0x10000, 8, 65536, 39296, True,
+                       (1, 1, 39296))
+    assert page_views([state, attn]) == attn
+    wide = page_views([state])
+    assert (wide.block_bytes, wide.block_stride, wide.layer) == (65536, 65536, 0)
+    assert check_layer_compact([wide]) == []
+    with pytest.raises(KvdAdapterError, match="different block layouts"):
+        page_views([state, LayerCache("x", 1, 0x10000, 4, 65536, 65536, True)])
+    with pytest.raises(KvdAdapterError, match="not one run"):
+        page_views([LayerCache("y", 0, 0x10000, 8, 65536, 39296, False)])
