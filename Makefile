@@ -92,7 +92,8 @@ $(VLLM_STAMP): pyproject.toml constraints.txt scripts/system-deps.sh
 
 # tests/adapters: the connector (2 prefills + 1 decode behind `kvd proxy`, decode prefix
 # caching, K33 n=2, K35 client leaving), heterogeneous TP (prefill TP 1 -> decode TP 2),
-# the proxy against fakes, and the SGLang backend conformance tests.
+# hybrid models (sliding window; Mamba2 state: a tiny seeded GraniteMoeHybrid), the proxy
+# against fakes, and the SGLang backend conformance tests.
 test-vllm: venv-vllm
 	$(VLLM_PY) -m pytest tests/adapters tests/unit/proxy -s -p no:cacheprovider
 
