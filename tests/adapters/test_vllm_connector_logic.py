@@ -276,3 +276,39 @@ def test_a_decode_of_another_tp_size_is_refused_at_pairing_by_the_state_shapes()
     assert "tp2:3x272,4x64x16" in two
     with pytest.raises(RegistrationError, match=r"layer_types.*tp1.*tp2"):
         check_compat(Compat(layer_types=one), Compat(layer_types=two))
+
+
+def test_a_mamba_hybrids_shared_tensors_register_once_as_whole_pages() -> None:
+    """vLLM 0.32's CPU layout of a Mamba2 + attention hybrid: one buffer, a tensor per
+    layer slot shared by a Mamba layer (its state page as int8, 39296 of 65536 bytes) and
+    an attention layer (float32 KV, the whole page). Each slot is one region, described by
+    the attention view; registered as whole 65536-byte blocks (Mamba: equal TP only)."""
+    import torch
+
+    from kvd.adapters.vllm.connector import cache_regions
+    from kvd.adapters.vllm.spec import has_state, register_kv
+    from kvd.protocol.rpc import ShmHandle
+
+    blocks, page = 8, 65536
+    raw = torch.zeros(2 * blocks * page, dtype=torch.int8)
+    caches: dict[str, Any] = {}
+    for slot, (mixer, attn) in enumerate(((0, 1), (2, 3))):
+        base = raw[slot * blocks * page:]
+        caches[f"model.layers.{mixer}.mixer"] = torch.as_strided(
+            base, (blocks, 1, 1, 39296), (page, 39296, 39296, 1))
+        caches[f"model.layers.{attn}.self_attn.attn"] = torch.as_strided(
+            base.view(torch.float32), (blocks, 2, 64, 128), (page // 4, 8192, 128, 1))
+    regions = cache_regions(caches)
+    assert [(c.name, t.dtype) for c, t in regions] == [
+        ("model.layers.1.self_attn.attn", torch.float32),
+        ("model.layers.3.self_attn.attn", torch.float32)]
+    only_state = cache_regions({k: v for k, v in caches.items() if "mixer" in k})
+    assert [(c.layer, c.block_bytes) for c, _ in only_state] == [(0, page), (2, page)]
+    groups = mamba_groups()
+    handles = [ShmHandle(path="/dev/shm/x", offset=i * blocks * page, length=blocks * page)
+               for i in range(2)]
+    reg = register_kv([c for c, _ in regions], handles, block_size=64, num_kv_heads=2,
+                      head_dim=64, dtype_size=4, total_kv_heads=2,
+                      is_mla=has_state(groups), shared=True)
+    assert (reg.is_mla, reg.fused_kv, reg.kv_item_lens, reg.num_layers) == (
+        True, False, [page, page], 2)

@@ -611,6 +611,26 @@ def _state_signature(spec: Any, tp_size: int) -> str:
     return f"tp{1 if spec.tp_replicated else tp_size}:{shapes}:{dtypes}"
 
 
+def cache_regions(kv_caches: dict[str, Any]) -> list[tuple[LayerCache, torch.Tensor]]:
+    """The distinct memory regions of vLLM's per-layer KV cache views, by layer: views
+    that start at one address (layers of several KV cache groups laid over one tensor,
+    e.g. a Mamba layer's state page and an attention layer's KV) are one region
+    (:func:`~kvd.adapters.vllm.spec.page_views`), described by the view it picks and that
+    view's tensor. A list of tensors (as some vLLM versions give a Mamba layer: conv, SSM)
+    counts each; one starting inside another's page overlaps it, which
+    :func:`~kvd.adapters.vllm.spec.register_kv` refuses. KvdAdapterError if views of one
+    address disagree."""
+    views: dict[int, list[tuple[LayerCache, torch.Tensor]]] = {}
+    for name, cache in kv_caches.items():
+        for tensor in cache if isinstance(cache, list | tuple) else (cache,):
+            views.setdefault(tensor.data_ptr(), []).append((layer_cache(name, tensor), tensor))
+    out = []
+    for vs in views.values():
+        region = page_views([c for c, _ in vs])
+        out.append((region, next(t for c, t in vs if c.name == region.name)))
+    return sorted(out, key=lambda p: p[0].layer)
+
+
 def layer_cache(name: str, tensor: torch.Tensor) -> LayerCache:
     """Describe one of vLLM's per-layer KV cache views (dim 0 = blocks)."""
     from vllm.model_executor.models.utils import extract_layer_index
@@ -696,16 +716,10 @@ class _Worker:
         ranks that contradict kvd's settings). Several groups share tensors (one layer of
         each per tensor): each tensor is registered once."""
         check_groups(self.groups, self.pp_size)
-        views: dict[int, list[tuple[LayerCache, torch.Tensor]]] = {}
-        for name, cache in kv_caches.items():
-            for tensor in cache if isinstance(cache, list | tuple) else (cache,):
-                views.setdefault(tensor.data_ptr(), []).append((layer_cache(name, tensor),
-                                                                tensor))
-        regions = sorted(((page_views([c for c, _ in vs]), vs[0][1]) for vs in views.values()),
-                         key=lambda p: p[0].layer)
+        regions = cache_regions(kv_caches)
         layers = [c for c, _ in regions]
         handles = [self._handle(t, c.addr, c.num_blocks * c.block_stride) for c, t in regions]
-        dtype = next((t.dtype for c, t in regions if t.is_floating_point()), regions[0][1].dtype)
+        dtype = next((t.dtype for _, t in regions if t.is_floating_point()), torch.uint8)
         model, parallel = self.vllm_config.model_config, self.vllm_config.parallel_config
         registration = register_kv(
             layers, handles, block_size=self.vllm_config.cache_config.block_size,
