@@ -228,7 +228,10 @@ def test_a_mamba_hybrid_moves_its_state_block_after_the_full_blocks_on_both_side
     assert p.meta.sends[0].block_ids == [10, 11, 12, 9]
     plain = request("q", {"bootstrap_room": 4}, prompt=130)  # asked directly: untouched
     p.new_request(plain)
-    assert plain.num_prompt_tokens == 130
+    logprobs = request("l", {"do_remote_decode": True}, prompt=130)  # skips prefix caches
+    logprobs.get_skip_reading_prefix_cache = lambda: True
+    p.new_request(logprobs)
+    assert plain.num_prompt_tokens == logprobs.num_prompt_tokens == 130
     d = scheduler(groups=groups)
     dreq = request("d", {"do_remote_prefill": True, "bootstrap_room": 3,
                          "bootstrap_addr": "h:1"}, prompt=130)

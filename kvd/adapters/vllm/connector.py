@@ -394,9 +394,12 @@ class _Scheduler:
     def new_request(self, request: Request) -> None:
         """Drop the prompt tokens the decode computes from a prefill request that will be
         handed off (:func:`~kvd.adapters.vllm.spec.truncation`; as vLLM's NIXL connector
-        does: prompt, all tokens, count, and one output token), marking its params."""
+        does: prompt, all tokens, count, and one output token), marking its params. Not a
+        request that skips the prefix cache (prompt logprobs): a decode loads none of its
+        KV, and the prefill then hands nothing off."""
         drop = truncation(self.groups, request.kv_transfer_params, request.num_prompt_tokens)
-        if not drop or request.prompt_token_ids is None:
+        skips = getattr(request, "get_skip_reading_prefix_cache", lambda: False)()
+        if not drop or skips or request.prompt_token_ids is None:
             return
         del request.prompt_token_ids[-drop:]
         del request._all_token_ids[-drop:]
