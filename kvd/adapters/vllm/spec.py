@@ -465,9 +465,9 @@ def truncation(groups: list[CacheGroup], params: Mapping[str, Any] | None,
     for a request handed to a decode (``do_remote_decode``) whose prompt has more tokens
     than that and that was not truncated yet (``TRUNCATED`` in its params), else 0."""
     backoff = prefill_backoff(groups)
-    if not (backoff and params and params.get("do_remote_decode")) or params.get(TRUNCATED):
+    if not backoff or not params or not params.get("do_remote_decode"):
         return 0
-    return backoff if num_prompt_tokens > backoff else 0
+    return backoff if num_prompt_tokens > backoff and not params.get(TRUNCATED) else 0
 
 
 TRUNCATED = "_kvd_truncated"
