@@ -48,7 +48,6 @@ import multiprocessing as mp
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -69,6 +68,9 @@ GOAL = 0.25
 LAYERS, ITEM = 4, 4096  # a 1-page room: 8 KV entries + aux (as P4)
 SUCCESS, FAILED, WAITING = 4, 0, 2
 PHASES = ("start", "poll", "clear")
+#: A round that takes longer than this (s) is counted as stalled (its rooms' writes sat
+#: in flight: see docs/performance.md, P9).
+STALL_S = 0.5
 
 
 def _place(engine: list[int] | None, other: list[int] | None) -> None:
@@ -105,6 +107,7 @@ class _KvdEngine:
 
     def __init__(self, spec: dict[str, Any]) -> None:
         import sides
+
         from kvd.client import Receiver, Sender, poll_array
         from kvd.protocol import rpc
         from kvd.protocol.codec import pack_indices
@@ -221,7 +224,7 @@ def _run_rounds(eng: Any, cmd: dict[str, Any], expected: list[np.ndarray] | None
     """``cmd['rounds']`` rounds of :data:`ROUND` rooms from ``cmd['first']``; see the module
     doc. Returns per-phase sums (ns), rooms, steps, failures and bad pages."""
     meter, mode, step_s = _Meter(), cmd["mode"], cmd["step_s"]
-    failed = bad = steps = 0
+    failed = bad = steps = stalled = 0
     proc0, thr0, t0 = time.process_time_ns(), time.thread_time_ns(), time.perf_counter()
     for k in range(cmd["rounds"]):
         _place(cmd["engine_cpus"], cmd["other_cpus"])
@@ -231,7 +234,8 @@ def _run_rounds(eng: Any, cmd: dict[str, Any], expected: list[np.ndarray] | None
         eng.start(ids, mode)
         meter.end()
         pending = np.array(ids, dtype=np.uint64)
-        deadline = time.monotonic() + 60
+        began = time.monotonic()
+        deadline = began + 60
         while pending.size:
             if steps and time.monotonic() > deadline:
                 raise RuntimeError(f"{mode}: rooms {pending.tolist()[:4]}... not done in 60 s")
@@ -255,9 +259,11 @@ def _run_rounds(eng: Any, cmd: dict[str, Any], expected: list[np.ndarray] | None
                 pending = pending[~ended]
             if pending.size:
                 time.sleep(step_s)
+        stalled += time.monotonic() - began > STALL_S
     rooms = cmd["rounds"] * ROUND
     thr = time.thread_time_ns() - thr0
     return {"rooms": rooms, "steps": steps, "failed": failed, "bad_bytes": bad,
+            "stalled_rounds": stalled,
             "wall_ns": meter.wall, "cpu_ns": meter.cpu, "thread_cpu_ns": thr,
             "other_threads_cpu_ns": time.process_time_ns() - proc0 - thr,
             "seconds": time.perf_counter() - t0}
@@ -386,7 +392,7 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     for role in ("prefill", "decode"):
         rs = [r[role] for r in runs]
 
-        def med(f: Any) -> float:
+        def med(f: Any, rs: list[dict[str, Any]] = rs) -> float:
             return statistics.median(f(r) / r["rooms"] for r in rs)
 
         out[role] = {
@@ -398,6 +404,10 @@ def _summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "other_threads_cpu_us": med(lambda r: r["other_threads_cpu_ns"] / 1e3),
             "daemon_cpu_us": med(lambda r: r.get("daemon_cpu_s", 0.0) * 1e6),
             "polls_per_room": med(lambda r: r["steps"]),
+            "poll_cpu_us_per_poll": statistics.median(
+                r["cpu_ns"]["poll"] / 1e3 / max(r["steps"], 1) for r in rs),
+            "stalled_rounds": sum(r["stalled_rounds"] for r in rs),
+            "rounds": sum(r["rooms"] for r in rs) // ROUND,
             "failed": sum(r["failed"] for r in rs), "bad_bytes": sum(r["bad_bytes"] for r in rs)}
     return out
 
