@@ -288,14 +288,15 @@ def _engine_main(spec: dict[str, Any], conn: Any) -> None:
 class _Engines:
     """A prefill and a decode engine process of one system (``kvd`` or ``sglang``)."""
 
-    def __init__(self, system: str, work: str) -> None:
+    def __init__(self, system: str, work: str, **settings: Any) -> None:
         ctx = mp.get_context("spawn")
         self.daemons: list[Any] = []
         if system == "kvd":
             from kvd.launch import start_daemon
 
-            p = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING")
-            d = start_daemon("decode", work, log_level="WARNING")
+            p = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING",
+                             **settings)
+            d = start_daemon("decode", work, log_level="WARNING", **settings)
             self.daemons = [p, d]
             specs = [{"system": system, "role": r, "socket": dm.socket, "bootstrap": p.http_addr}
                      for r, dm in (("prefill", p), ("decode", d))]
@@ -350,9 +351,10 @@ class _Engines:
 
 
 def measure(rounds: int = 8, repeats: int = 3, step_s: float = 1e-3,
-            where: tuple[str, ...] = issue14.PLACEMENTS) -> dict[str, Any]:
+            where: tuple[str, ...] = issue14.PLACEMENTS, **settings: Any) -> dict[str, Any]:
     """Per placement, per system, per role: medians over ``repeats`` interleaved runs of
-    ``rounds`` rounds. Raises ValueError for ``rounds`` or ``repeats`` < 1."""
+    ``rounds`` rounds; ``settings`` go to both kvd daemons (e.g. ``transfer_tcp_pool``).
+    Raises ValueError for ``rounds`` or ``repeats`` < 1."""
     if rounds < 1 or repeats < 1:
         raise ValueError(f"P9 needs rounds >= 1 and repeats >= 1 (got {rounds}, {repeats})")
     systems = ["kvd", "kvd_step", *(["sglang"] if issue14.have_sglang() else [])]
@@ -362,7 +364,7 @@ def measure(rounds: int = 8, repeats: int = 3, step_s: float = 1e-3,
                                                         for w in cpus}
     load = [issue14.machine_load()]
     with contextlib.ExitStack() as stack:
-        kvd = _Engines("kvd", issue14._work())
+        kvd = _Engines("kvd", issue14._work(), **settings)
         stack.callback(kvd.close)
         engines = {"kvd": kvd, "kvd_step": kvd}
         if "sglang" in systems:
@@ -382,7 +384,7 @@ def measure(rounds: int = 8, repeats: int = 3, step_s: float = 1e-3,
     per = {w: {s: _summary(v) for s, v in by.items()} for w, by in runs.items()}
     return {"rows": rows_of(per), "per_room_us": per, "runs": runs, "load": load,
             "rounds": rounds, "round": ROUND, "repeats": repeats, "step_s": step_s,
-            "cpus": sorted(allowed)}
+            "cpus": sorted(allowed), "kvd_settings": settings}
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -453,15 +455,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step-ms", type=float, default=1.0, help="scheduler step period, ms")
     ap.add_argument("--where", default=",".join(issue14.PLACEMENTS),
                     help="placements: free,same,cross")
+    ap.add_argument("--tcp-pool", action="store_true",
+                    help="kvd daemons with transfer_tcp_pool = true (Mooncake's TCP pool)")
     args = ap.parse_args(argv)
     out = measure(args.rounds, args.repeats, args.step_ms / 1e3,
-                  tuple(args.where.split(",")))
+                  tuple(args.where.split(",")),
+                  **({"transfer_tcp_pool": True} if args.tcp_pool else {}))
     from rich.console import Console
 
     Console(width=200).print(rowlib.table(out["rows"], f"P9 (load {out['load'][0]})"))
     print(json.dumps(out["per_room_us"], indent=1))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "p9.json").write_text(json.dumps(out, indent=1))
+    (RESULTS / f"p9{'-tcp-pool' if args.tcp_pool else ''}.json").write_text(
+        json.dumps(out, indent=1))
     return 0
 
 
