@@ -190,12 +190,14 @@ def bench_bulk(mib: int, layers: int, repeats: int, sizes: tuple[int, ...] = (12
 # ---- P4 / P5 / P6: rooms ---------------------------------------------------------------
 
 
-def bench_rooms(repeats: int, max_rooms: int, rate_rooms: int, ring: bool = True
-                ) -> dict[str, Any]:
+def bench_rooms(repeats: int, max_rooms: int, rate_rooms: int, ring: bool = True,
+                **settings: Any) -> dict[str, Any]:
     """P4 (and the send/init part of P5), kvd and SGLang interleaved, medians; with
-    ``ring``, also kvd with the engine channel (``kvd_ring``)."""
+    ``ring``, also kvd with the engine channel (``kvd_ring``). ``settings`` go to every
+    kvd daemon (e.g. ``transfer_tcp_pool``)."""
     systems = ["kvd", "sglang"] if have_sglang() else ["kvd"]
-    pairs = {s: rooms.Pair(s, LAYERS_ROOMS, ITEM_ROOMS, _work()) for s in systems}
+    pairs = {s: rooms.Pair(s, LAYERS_ROOMS, ITEM_ROOMS, _work(),
+                           **(settings if s == "kvd" else {})) for s in systems}
     # "kvd_many": the same kvd pair, each engine round's calls in one Many round trip
     # (absent from kvd before the Many call: before/after runs of an older checkout);
     # "kvd_ring": a second kvd pair whose engines use the submission ring and the status
@@ -204,7 +206,8 @@ def bench_rooms(repeats: int, max_rooms: int, rate_rooms: int, ring: bool = True
 
     variants = [*systems, *(["kvd_many"] if hasattr(KvdClient, "call_many") else [])]
     if ring and hasattr(KvdClient, "submit_all"):
-        pairs["kvd_ring"] = rooms.Pair("kvd", LAYERS_ROOMS, ITEM_ROOMS, _work(), ring=True)
+        pairs["kvd_ring"] = rooms.Pair("kvd", LAYERS_ROOMS, ITEM_ROOMS, _work(), ring=True,
+                                       **settings)
         variants.append("kvd_ring")
         systems = [*systems, "kvd_ring"]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {"max": [], "100": [], "500": []}

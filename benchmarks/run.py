@@ -313,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate-rooms", type=int, default=1000,
                     help="P4: rooms per run at 100 and 500 rooms/s")
     ap.add_argument("--rows", default="P1,P4,P5,P6,P8", help="issue14: which rows")
+    ap.add_argument("--tcp-pool", action="store_true",
+                    help="P4 and P9: kvd daemons with transfer_tcp_pool = true (Mooncake's "
+                         "per-peer TCP connection pool; off by default since K39)")
     ap.add_argument("--api-calls", type=int, default=3000,
                     help="P5: calls per placement for the trivial RPC and the echo")
     ap.add_argument("--api-rooms", type=int, default=100,
@@ -351,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     if "p9" in only:
         import p9_bench
 
-        results["p9"] = p9_bench.measure(args.p9_rounds, args.repeats, args.p9_step_ms / 1e3)
+        results["p9"] = p9_bench.measure(args.p9_rounds, args.repeats, args.p9_step_ms / 1e3,
+                                         **_kvd_settings(args))
         table_rows |= results["p9"]["rows"]
     if "transfer" in only:
         results["transfer"], ok = _bench_transfer(console, args)
@@ -407,6 +411,11 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(results, indent=2, default=str))
     console.print(f"saved {out}")
     return 0 if ok else 1
+
+
+def _kvd_settings(args: Any) -> dict[str, Any]:
+    """Daemon settings the options ask for (``--tcp-pool``)."""
+    return {"transfer_tcp_pool": True} if args.tcp_pool else {}
 
 
 def _new_result_path() -> Path:
@@ -467,7 +476,8 @@ def _bench_issue14(console: Console, args: Any) -> tuple[dict[str, Any], bool]:
     if "P1" in rows:
         out["P1"] = issue14.bench_bulk(args.mib, args.layers, args.repeats)
     if "P4" in rows:
-        out["P4"] = issue14.bench_rooms(args.repeats, args.max_rooms, args.rate_rooms)
+        out["P4"] = issue14.bench_rooms(args.repeats, args.max_rooms, args.rate_rooms,
+                                        **_kvd_settings(args))
     if "P5" in rows:
         out["P5"] = issue14.bench_api(args.api_calls, args.repeats, args.api_rooms)
     if "P6" in rows:
