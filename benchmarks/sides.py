@@ -44,9 +44,9 @@ class KvdSide:
         # ring: room calls through the submission ring, polls from the status table
         # (issue 21); step() then submits a round's calls with ONE wait (submit_all)
         self.ring, self._poll_array = ring, poll_array
-        self.eng = EngineStandIn(socket, use_ring=ring, num_layers=layers, num_pages=pages,
-                                 item_len=item, aux_slots=AUX_SLOTS, aux_item_len=AUX_ITEM,
-                                 seed=7)
+        opts = {"use_ring": True} if ring else {}  # (an older kvd's stand-in has no ring)
+        self.eng = EngineStandIn(socket, num_layers=layers, num_pages=pages, item_len=item,
+                                 aux_slots=AUX_SLOTS, aux_item_len=AUX_ITEM, seed=7, **opts)
         if ring and self.eng.client.ring is None:
             raise RuntimeError("kvd served no submission ring (engine_channel off?)")
         if role == "prefill":
