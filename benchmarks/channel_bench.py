@@ -9,7 +9,8 @@ the baseline). Measured, interleaved, medians of ``repeats`` blocks:
   table's numpy gather), :func:`kvd.client.poll_many` with a list, and the socket's
   ``Poll`` (``poll_many`` on the table-less client);
 - one room's ``Sender.poll()``;
-- ``Receiver.init`` / ``Sender.send`` of 1-page rooms one at a time on an idle pair,
+- ``Receiver(...)`` (its create), ``Receiver.init`` / ``Sender.send`` of 1-page rooms
+  one at a time on an idle pair,
   through the submission ring (both engines' clients have ``use_ring=True``) and over
   the socket (a second, ring-less client on each daemon), alternating room by room;
 - ``Sender.send`` of a round of :data:`ROUND` rooms back to back (an engine step's
@@ -67,7 +68,7 @@ def measure(repeats: int = 5, rooms_each: int = 100, polls: int = 300) -> dict[s
     res: dict[str, list[float]] = {k: [] for k in (
         "poll_array_table", "poll_array_random", "poll_many_table", "poll_socket", "poll_one_table",
         "poll_one_socket", "send_ring", "init_ring", "send_socket", "init_socket",
-        "round_ring", "round_socket")}
+        "create_ring", "create_socket", "round_ring", "round_socket")}
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as work:
         pd = start_daemon("prefill", work, serve_bootstrap=True, log_level="WARNING")
         stack.callback(pd.stop)
@@ -107,7 +108,8 @@ def measure(repeats: int = 5, rooms_each: int = 100, polls: int = 300) -> dict[s
             res["poll_socket"].append(_p50_us(lambda: poll_many(plain, ids), polls // 3))
             res["poll_one_table"].append(_p50_us(one.poll, polls))
             res["poll_one_socket"].append(_p50_us(one_plain.poll, polls))
-            times: dict[str, list[float]] = {f"{k}_{m}": [] for k in ("send", "init", "round")
+            times: dict[str, list[float]] = {f"{k}_{m}": [] for k in ("send", "init", "create",
+                                                                      "round")
                                               for m in paths}
             for _ in range(rooms_each):
                 for mode, (pc, dc) in paths.items():
@@ -142,6 +144,10 @@ def measure(repeats: int = 5, rooms_each: int = 100, polls: int = 300) -> dict[s
         "P5.init": _row(m["init_ring"], m["init_socket"], f"<= {GOAL_US:g} us",
                         m["init_ring"] <= GOAL_US,
                         "Receiver.init p50, idle pair, one room at a time: ring vs socket"),
+        "P5.create": _row(m["create_ring"], m["create_socket"], f"<= {GOAL_US:g} us",
+                          m["create_ring"] <= GOAL_US,
+                          "Receiver(...) (its create) p50, idle pair, one room at a time: "
+                          "ring vs socket"),
         "P5.send_round": _row(m["round_ring"], m["round_socket"], f"<= {GOAL_US:g} us",
                               m["round_ring"] <= GOAL_US,
                               f"Sender.send p50 in a round of {ROUND} rooms back to back: "
@@ -160,7 +166,9 @@ def _one_room(pc: Any, dc: Any, bootstrap: str, room: int, times: dict[str, list
     page = np.array([room % 1024])
     s = Sender(pc, room)
     s.init(1, room % 64)
+    t = time.perf_counter()
     r = Receiver(dc, room, bootstrap)
+    times[f"create_{mode}"].append(time.perf_counter() - t)
     t = time.perf_counter()
     r.init(page, room % 64)
     times[f"init_{mode}"].append(time.perf_counter() - t)

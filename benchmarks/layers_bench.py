@@ -16,9 +16,12 @@ hidden under compute: ``1 - exposed(layers) / exposed(whole)`` (goal >= 0.5), bo
 per repeat (the two modes back to back) and then their median.
 
 ``--layers`` keeps only the model's first N decoder layers (its size as a parameter: compute
-and KV shrink alike, so the ratios hold); ``--tokens`` is the prompt length.
+and KV shrink alike, so the ratios hold); ``--tokens`` is the prompt length;
+``--page-size``/``--decode-page-size`` the prefill's and the decode's tokens per page (a
+decode of another page size is written in tokens, re-tiled, layer ranges included).
 
 Usage: python benchmarks/layers_bench.py [--tokens 8192] [--layers 30] [--repeats 3]
+       [--page-size 16] [--decode-page-size 64]
 """
 
 from __future__ import annotations
@@ -40,19 +43,22 @@ PAGE_SIZE = 16
 GOAL_HIDDEN = 0.5
 
 
-def run(tokens: int = 8192, layers: int = 0, repeats: int = 3) -> dict[str, Any]:
-    """Measure both modes; returns the row (seconds, ratios) with every run's numbers."""
+def run(tokens: int = 8192, layers: int = 0, repeats: int = 3, page_size: int = PAGE_SIZE,
+        decode_page_size: int = 0) -> dict[str, Any]:
+    """Measure both modes; returns the row (seconds, ratios) with every run's numbers.
+    ``decode_page_size`` 0: the prefill's."""
+    dps = decode_page_size or page_size
     model = RefModel.load()
     if layers:
         model.keep_layers(layers)
     ids = [1 + (i * 7919) % (model.vocab_size - 1) for i in range(tokens)]
-    pages = -(-tokens // PAGE_SIZE)
+    pages, d_pages = -(-tokens // page_size), -(-tokens // dps)
     work = Path(tempfile.mkdtemp(prefix="kvd-bench-layers-"))
     slow = {"waiting_timeout": 3600.0, "transfer_timeout": 3600.0, "log_level": "WARNING"}
     prefill = start_daemon("prefill", work, serve_bootstrap=True, **slow)
     decode = start_daemon("decode", work, **slow)
-    p_pool = PagedKVPool(model, pages + 1, PAGE_SIZE, 4, seed=1)
-    d_pool = PagedKVPool(model, pages + 1, PAGE_SIZE, 4, seed=100)
+    p_pool = PagedKVPool(model, pages + 1, page_size, 4, seed=1)
+    d_pool = PagedKVPool(model, d_pages + 1, dps, 4, seed=100)
     p_client, d_client = KvdClient(prefill.socket, timeout=600), KvdClient(decode.socket,
                                                                             timeout=600)
     runs: dict[str, list[dict[str, float]]] = {"whole": [], "layers": []}
@@ -74,17 +80,19 @@ def run(tokens: int = 8192, layers: int = 0, repeats: int = 3) -> dict[str, Any]
         d_pool.shm.close()
         prefill.stop()
         decode.stop()
-    return _row(runs, tokens, model.num_layers, p_pool.item_len * 2 * model.num_layers * pages)
+    row = _row(runs, tokens, model.num_layers, p_pool.item_len * 2 * model.num_layers * pages)
+    return {"page_size": page_size, "decode_page_size": dps, **row}
 
 
 def _one(engine: PrefillEngine, d_pool: PagedKVPool, d_client: KvdClient, boot: str,
          room: int, ids: list[int], stream: bool) -> dict[str, float]:
     """One room: the decode waits with its pages, the prefill runs; times in s."""
-    dst, slot = d_pool.alloc(-(-len(ids) // PAGE_SIZE)), min(d_pool.free_aux)
+    dst, slot = d_pool.alloc(-(-len(ids) // d_pool.page_size)), min(d_pool.free_aux)
     receiver = Receiver(d_client, room, boot)
     receiver.init(dst, slot)
     started = time.perf_counter()
-    out = engine.prefill(room, ids, chunk_pages=len(dst), stream_layers=stream)
+    # whole: one chunk of every prefill page
+    out = engine.prefill(room, ids, chunk_pages=len(ids), stream_layers=stream)
     state = receiver.wait(600.0)
     ttft = time.perf_counter() - started
     if state != KVPoll.Success or out["state"] != int(KVPoll.Success):
@@ -117,8 +125,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--layers", type=int, default=0, help="keep the first N layers (0: all)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--page-size", type=int, default=PAGE_SIZE, help="prefill tokens per page")
+    ap.add_argument("--decode-page-size", type=int, default=0,
+                    help="decode tokens per page (0: the prefill's)")
     args = ap.parse_args(argv)
-    print(json.dumps(run(args.tokens, args.layers, args.repeats), indent=1))
+    print(json.dumps(run(args.tokens, args.layers, args.repeats, args.page_size,
+                         args.decode_page_size), indent=1))
     return 0
 
 

@@ -6,8 +6,16 @@ bump, plus an ``eventfd`` write only when kvd said it sleeps -- no syscall while
 draining. kvd publishes the submission ring's ``tail`` past a record once its call ran,
 and writes a refused call's :class:`~kvd.protocol.rpc.Reply` (with the call's id) into the
 completion ring before that, so "``tail`` passed my call and no refusal came" means the
-call succeeded. Not thread-safe: :class:`~kvd.client.rpc.KvdClient` calls it under its
-lock.
+call succeeded.
+
+A *handle* is a room's calls made through one object (:class:`~kvd.client.rooms.Sender`,
+:class:`~kvd.client.rooms.Receiver`) whose create was not waited for: its key is the
+create's call id. While the create has not run, each later call of the handle depends on
+it (the record's ``after``): kvd runs it only if the create was not refused, so a refused
+create's calls never act on another incarnation of the room. Refusals of a handle's keyed
+calls are kept by key (:attr:`failed`), not by room, so another handle on the same room
+(the live incarnation a duplicate create was refused for) never reads them. Not
+thread-safe: :class:`~kvd.client.rpc.KvdClient` calls it under its lock.
 """
 
 from __future__ import annotations
@@ -22,6 +30,18 @@ from collections.abc import Callable
 from kvd.errors import KvdError, ProtocolError
 from kvd.protocol import codec, rpc
 from kvd.protocol.ring import Consumer, Producer, Ring, fence
+
+#: :meth:`EngineRing.submit`'s ``key`` for a create that opens a handle.
+NEW = -1
+
+
+class Handle:
+    """A handle's key (its create's call id) in the ring it went through."""
+
+    __slots__ = ("key", "ring")
+
+    def __init__(self, ring: EngineRing, key: int) -> None:
+        self.ring, self.key = ring, key
 
 
 class RingClosed(Exception):
@@ -68,6 +88,21 @@ class EngineRing:
         self.inflight: dict[int, int] = {}
         #: refusals of calls nobody waited for: room -> the first one
         self.refused: dict[int, KvdError] = {}
+        #: call id -> handle key, for calls of a handle not yet known done
+        self.owner: dict[int, int] = {}
+        #: handle key -> the first refusal of the handle's keyed calls
+        self.failed: dict[int, KvdError] = {}
+        #: the last record whose publication wrote ``wake_kvd``. While kvd has not run it,
+        #: kvd is woken already and runs every record published before its drain ends:
+        #: it consumes that record, then sets ``sleeping`` and reads ``head`` again (a
+        #: fence between), while the engine publishes ``head`` and then reads ``tail`` (a
+        #: fence between), so one of them sees the other's word. No second write.
+        self.woke = -1
+        self._prune_at = self.sub.capacity
+        #: handle key -> its last keyed call's id
+        self.last: dict[int, int] = {}
+        #: handle keys whose create itself was refused
+        self.unborn: set[int] = set()
 
     # ---- submitting --------------------------------------------------------------------
 
@@ -77,22 +112,58 @@ class EngineRing:
         data = codec.encode(rpc.Request(id=self.out.head, call=call))
         return data if len(data) <= self.max_payload else None
 
-    def submit(self, data: bytes, room: int, timeout: float) -> int:
+    def submit(self, data: bytes, room: int, timeout: float, key: int | None = None) -> int:
         """Publish the record ``data`` (from :meth:`encode`, just now); its call id. Waits
-        up to ``timeout`` s for room in a full ring. Raises RingClosed, DaemonGone,
-        TimeoutError, ProtocolError (a corrupt ring)."""
+        up to ``timeout`` s for room in a full ring. ``key``: None, a call of no handle;
+        :data:`NEW`, a create that opens a handle (its key is its own call id); a handle's
+        key, a later call of that handle (it depends on the create while the create has
+        not run). Raises the create's refusal (a KvdError, nothing published) when kvd
+        refused the handle's create; RingClosed,
+        DaemonGone, TimeoutError, ProtocolError (a corrupt ring)."""
         self._check_open()
         while True:
-            self.collect()
-            seq = self.out.push(data)
+            after = 0
+            if key is not None and key >= 0:
+                create_ran = self.sub.tail > key  # read before the completions
+                self.collect_new()
+                if key in self.unborn:
+                    raise self.failed[key]
+                after = 0 if create_ran else self.out.head - key  # in the ring: <= capacity
+            else:
+                self.collect_new()
+            seq = self.out.push(data, after)
             if seq is not None:
                 break
             self._wait(lambda: self.out.free() > 0, timeout)
         self.inflight[seq] = room
-        fence()  # head published before kvd's flag is read (kvd does the converse)
-        if self.sub.sleeping:
+        if key is not None and (key >= 0 or key == NEW):
+            key = seq if key == NEW else key
+            self.owner[seq] = key
+            self.last[key] = seq
+        fence()  # head published before kvd's words are read (kvd does the converse)
+        if self.sub.sleeping and self.sub.tail > self.woke:
             os.eventfd_write(self.wake_kvd, 1)
+            self.woke = seq
         return seq
+
+    def handle(self, key: int) -> tuple[bool, KvdError | None]:
+        """``(settled, refusal)`` of the handle ``key``: settled once kvd ran every keyed
+        call of it and refused none; the first refusal of its keyed calls (kept: the
+        handle's for good; :meth:`forget` drops it). ``tail`` is read before the
+        completions: a call that ``tail`` passed with no refusal read after it
+        succeeded."""
+        ran = self.sub.tail > self.last.get(key, key)
+        self.collect_new()
+        refusal = self.failed.get(key)
+        return ran and refusal is None, refusal
+
+    def forget(self, key: int) -> None:
+        """The handle ``key`` is done with (settled, or its room cleared): drop what is
+        kept for it (a keyed call not run yet keeps its refusal nowhere: forget a
+        handle only once :meth:`handle` says settled, or for good)."""
+        self.failed.pop(key, None)
+        self.last.pop(key, None)
+        self.unborn.discard(key)
 
     def done(self, seq: int) -> bool:
         """Whether kvd ran call ``seq`` (its refusal, if any, is in the completion ring)."""
@@ -113,6 +184,13 @@ class EngineRing:
 
     # ---- completions -------------------------------------------------------------------
 
+    def collect_new(self) -> None:
+        """:meth:`collect` if kvd wrote a completion not read yet, or if calls known done
+        are many (they leave :attr:`inflight`); else nothing (no completion: nothing to
+        learn, a word read)."""
+        if self.comp.head != self.inbox.tail or len(self.inflight) > self.sub.capacity:
+            self.collect()
+
     def collect(self, want: int = -1) -> KvdError | None:
         """Read every completion kvd wrote; a refusal of call ``want`` is returned, the
         others are kept by room in :attr:`refused`; calls known done leave
@@ -125,12 +203,17 @@ class EngineRing:
             self.inbox.done()
             took += 1
             room = self.inflight.pop(reply.id, None)
+            key = self.owner.pop(reply.id, None)
             if reply.ok or room is None:
                 continue  # nothing to tell (kvd writes refusals of calls made here only)
             exc = rpc.error_from(reply.kind, reply.error)
+            if key is not None and key in self.last:  # the handle's, waited for or not
+                self.failed.setdefault(key, exc)
+                if reply.id == key:
+                    self.unborn.add(key)
             if reply.id == want:
                 found = exc
-            else:
+            elif key is None:
                 self.refused.setdefault(room, exc)
         if took and self.sub.sleeping and not self.drained():
             os.eventfd_write(self.wake_kvd, 1)  # kvd may have stopped at a full completion ring
@@ -139,6 +222,11 @@ class EngineRing:
             if first >= tail:
                 break
             del self.inflight[first]
+            self.owner.pop(first, None)
+        if len(self.last) > self._prune_at:  # handles whose calls all ran, none refused:
+            self.last = {k: v for k, v in self.last.items()  # settled (their refusals
+                         if v >= tail or k in self.failed}  # were read above)
+            self._prune_at = 2 * len(self.last) + self.sub.capacity
         return found
 
     # ---- waiting -----------------------------------------------------------------------

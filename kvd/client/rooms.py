@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvd.client.ring import Handle
 from kvd.client.rpc import KvdClient
 from kvd.errors import KvdError, KvdUnreachable, KVTransferError, ProtocolError, RoomError
 from kvd.protocol import rpc
@@ -101,9 +102,14 @@ class _Room:
         self.client = client
         self.room = room
         self.lost = ""  # set once kvd was unreachable: the room is Failed for good
-        #: kvd refused a call of this room sent through the ring without waiting (a send,
-        #: an init): the room reads Failed here, and its next send or init raises it
+        #: kvd refused a call of this room sent through the ring without waiting (its
+        #: create, an init, a send): the room reads Failed here, and its next send or init
+        #: raises it
         self.refused: KvdError | None = None
+        #: the create's handle while kvd may not have run it (ring path): the room's calls
+        #: depend on it, and kvd runs none of them if it refused the create
+        self._handle: Handle | None = None
+        self._created = False  # kvd ran the handle's create (refused or not)
 
     @classmethod
     def attach(cls, client: KvdClient, room: int) -> Any:
@@ -122,33 +128,98 @@ class _Room:
             self.lost = f"kvd unreachable: {exc}"
             return None
 
+    def _create(self, call: rpc.SenderCreate | rpc.ReceiverCreate) -> None:
+        """The room's create: through the ring without waiting (its refusal is read at
+        the room's next call or poll, :meth:`refusal`), or over the socket, raising its
+        refusal here (RoomError: the room is already active, ...)."""
+        self._handle = self.client.create(call)
+
+    def _live_handle(self) -> Handle | None:
+        """The create's handle while kvd may not have run the create, else None; a
+        refusal of the create (or of a call that depended on it) becomes the room's."""
+        handle = self._handle
+        if handle is None:
+            return None
+        settled, refusal = self.client.handle_state(handle)
+        if refusal is not None:
+            self.refused = self.refused or refusal
+        elif settled:
+            self._handle = None
+            self.client.forget_handle(handle)
+        return self._handle
+
     def _submit(self, call: rpc.RingCall, wait: bool = False) -> None:
         """``call`` through the client's ring (:meth:`KvdClient.submit`; the socket without
-        one); kvd unreachable marks the room lost, as :meth:`_call` does."""
+        one), depending on the room's create while kvd may not have run it; kvd
+        unreachable marks the room lost, as :meth:`_call` does."""
         if self.lost:
             return
         try:
-            self.client.submit(call, wait)
+            handle = self._live_handle()
+            if handle is not None and self.client.unborn(handle):
+                return  # kvd refused the create: nothing of this handle's to act on
+            self.client.submit(call, wait, handle)
         except KvdUnreachable as exc:
             self.lost = f"kvd unreachable: {exc}"
 
-    def _refusal(self) -> KvdError | None:
-        """A refusal of an earlier call of this room that nobody waited for (ring path):
-        the room is failed for this engine from then on."""
+    def refusal(self) -> KvdError | None:
+        """A refusal of an earlier call of this room that nobody waited for (ring path:
+        its create, an init, a send): the room is failed for this engine from then on."""
+        ring = self.client.ring
+        if self.refused is not None or ring is None or (
+                ring.comp.head == ring.inbox.tail and not ring.refused and not ring.failed):
+            return self.refused  # no completion unread, none kept: nothing new (no lock)
+        if self._handle is not None:
+            try:
+                self._live_handle()
+            except KvdUnreachable as exc:
+                self.lost = f"kvd unreachable: {exc}"
         if self.refused is None:
             self.refused = self.client.ring_refusal(self.room)
         return self.refused
+
+    _refusal = refusal
+
+    def _submit_raising(self, call: rpc.RingCall) -> None:
+        """An init or a send: through the ring without waiting (depending on the create
+        while kvd may not have run it), or over the socket; a refusal of the room's
+        earlier calls that arrives meanwhile is raised (and kept, :attr:`refused`)."""
+        try:
+            self.client.submit(call, False, self._handle)
+        except KvdUnreachable:
+            raise
+        except KvdError as exc:
+            handle = self._handle
+            if handle is not None and self.client.unborn(handle):
+                self.refused = self.refused or exc  # the create's, raised by the ring
+            raise
 
     def _raise_refusal(self) -> None:
         refusal = self._refusal()
         if refusal is not None:
             raise refusal
 
+    def wait_created(self) -> None:
+        """Before a read of the room's status (a poll, a wait; an adapter's own reads):
+        while kvd may not have run this room's create (ring path), wait until it did (no
+        longer than the socket ``Poll`` that would run it first), so that a refused
+        create reads Failed, never the status of another incarnation of the room. At
+        once otherwise. Never raises: kvd unreachable marks the room lost."""
+        if self._handle is None or self._created or self.lost:
+            return
+        try:
+            self.client.wait_created(self._handle)
+        except KvdUnreachable as exc:
+            self.lost = f"kvd unreachable: {exc}"
+            return
+        self._created = True
+
     def poll(self) -> KVPoll | int:
         """Current KVPoll of this room (``UNKNOWN_ROOM`` once cleared; ``Failed`` for good
         once kvd was unreachable — a restarted kvd does not know the room — or refused one
-        of its calls sent through the ring). Read from kvd's status table when it answers
-        (no syscall)."""
+        of its calls sent through the ring, its create included). Read from kvd's status
+        table when it answers (no syscall)."""
+        self.wait_created()
         if self.client.ring is not None and self._refusal() is not None:
             return KVPoll.Failed
         view = None if self.lost else self.client.read_table_one(self.room)
@@ -161,11 +232,18 @@ class _Room:
         """Block until the room ends (and, on decode, its pages are releasable) or
         ``timeout`` s pass; returns its KVPoll. Longer than the client's RPC timeout
         is fine: the client waits in several calls."""
+        self.wait_created()
+        if self.client.ring is not None and self._refusal() is not None:
+            return KVPoll.Failed
         result = self._call(rpc.Wait(rooms=[self.room], timeout=timeout))
         return KVPoll.Failed if result is None else _status(result.statuses[0])
 
     def releasable(self) -> bool:
-        """May the engine reuse this room's pages? (Always True on prefill.)"""
+        """May the engine reuse this room's pages? (Always True on prefill, and for a room
+        whose create kvd refused: kvd holds none of its pages.)"""
+        self.wait_created()
+        if self._handle is not None and self.client.unborn(self._handle):
+            return True
         view = None if self.lost else self.client.read_table_one(self.room)
         if view is not None:
             return view[1]
@@ -175,6 +253,7 @@ class _Room:
     def failure(self) -> tuple[str, str]:
         """``(kind, reason)`` of the room's failure (``kind`` a FailureKind value;
         ``("", "room is not failed")`` otherwise)."""
+        self.wait_created()
         if self.client.ring is not None and (refusal := self._refusal()) is not None:
             return rpc.error_kind(refusal), f"kvd refused a call of room {self.room}: {refusal}"
         result: rpc.PollResult | None = self._call(rpc.Poll(rooms=[self.room]))
@@ -204,10 +283,27 @@ class _Room:
     def clear(self, timeout: float = 30.0) -> None:
         """Forget the room (an unfinished one is aborted). On decode, if a prefill write may
         still be in flight, this waits up to ``timeout`` s for the pages to become
-        releasable; raises RoomError if they still are not."""
+        releasable (``timeout`` 0: not at all); raises RoomError if they still are not. A
+        room whose create kvd refused (ring path) was never this handle's: nothing is
+        sent."""
+        handle = self._handle
+        if handle is not None and not self.lost:  # wait for the create (clear waits anyway)
+            try:
+                self.client.handle_state(handle, wait=True)
+            except KvdUnreachable as exc:
+                self.lost = f"kvd unreachable: {exc}"
+                return
+            unborn = self.client.unborn(handle)
+            self._handle = None
+            self.client.forget_handle(handle)
+            if unborn:  # kvd refused the create: the room (if any) is another handle's
+                self.refused = None
+                return
         try:
             self._submit(rpc.Clear(room=self.room), wait=True)
         except RoomError:
+            if timeout <= 0:
+                raise
             self._call(rpc.Wait(rooms=[self.room], timeout=timeout))
             self._submit(rpc.Clear(room=self.room), wait=True)
         if self.client.ring is not None:  # every earlier call ran: its refusal is in,
@@ -230,7 +326,7 @@ class Sender(_Room):
         super().__init__(client, room)
         self.num_pages = 0
         self.sent = 0
-        client.submit(rpc.SenderCreate(room=room, release_digest=release_digest), wait=True)
+        self._create(rpc.SenderCreate(room=room, release_digest=release_digest))
 
     def init(self, num_pages: int, aux_index: int, state_index: int = -1,
              window_pages: npt.ArrayLike | None = None) -> None:
@@ -241,9 +337,9 @@ class Sender(_Room):
         self._raise_refusal()
         self.num_pages = num_pages
         win = b"" if window_pages is None else pack_indices(window_pages)
-        self.client.submit(rpc.SenderInit(room=self.room, num_pages=num_pages,
-                                          aux_index=aux_index, state_index=state_index,
-                                          window_pages=win))
+        self._submit_raising(rpc.SenderInit(room=self.room, num_pages=num_pages,
+                                            aux_index=aux_index, state_index=state_index,
+                                            window_pages=win))
 
     def send(self, page_indices: npt.ArrayLike, is_last: bool | None = None) -> None:
         """Send one chunk of source page indices (int, 1-D).
@@ -259,8 +355,8 @@ class Sender(_Room):
         pages = np.asarray(page_indices)
         self.sent += int(pages.size)
         last = self.sent >= self.num_pages if is_last is None else is_last
-        self.client.submit(rpc.SenderSend(room=self.room, pages=pack_indices(pages),
-                                          is_last=last))
+        self._submit_raising(rpc.SenderSend(room=self.room, pages=pack_indices(pages),
+                                            is_last=last))
 
     def send_layers(self, page_indices: npt.ArrayLike, layers: tuple[int, int],
                     is_last: bool = False) -> None:
@@ -272,12 +368,25 @@ class Sender(_Room):
         page named so far that still misses a layer. ``layers``: local layer indices of
         the pool this rank registered (its KV buffers' order, ``0 .. num_layers``), end
         exclusive. ``is_last``: the room's last send (it carries aux); every layer of every
-        page must have been sent by then. Raises :class:`~kvd.errors.RoomError` for a
-        layer sent twice for a page, outside the pool's layers, or pages mixing new and
-        named ones (the room fails, kind ``layout``). After this, :meth:`send` needs an
-        explicit ``is_last`` (ValueError otherwise): pages named here are not in ``sent``."""
+        page must have been sent by then. A last send may name no layers (``lo == hi``) and
+        no pages: it finishes a room whose every layer was sent, carrying aux (and a hybrid
+        model's state). Raises :class:`~kvd.errors.RoomError` naming what is wrong, and the
+        room fails (kind ``layout``), for a layer sent twice for a page, a range that is
+        empty (but on such a last send), reversed or ends past the pool's layers, pages
+        mixing new and named ones, no pages before the room named any, or a last send that
+        leaves layers unsent (the message names which pages miss which layers);
+        :class:`~kvd.errors.RoomError` without failing the room for a send after the last.
+        ValueError (nothing sent) for a negative layer index. After this, :meth:`send`
+        needs an explicit ``is_last`` (ValueError otherwise): pages named here are not in
+        ``sent``."""
+        self.wait_created()  # over the socket: no record to depend on the create
+        if self._handle is not None and self.client.unborn(self._handle):
+            self._raise_refusal()
         pages = np.asarray(page_indices, dtype=np.int64).reshape(-1)
         lo, hi = layers
+        if lo < 0 or hi < 0:
+            raise ValueError(f"room {self.room}: layers [{lo}, {hi}): layer indices are "
+                             f"local layers of the pool, 0 or more")
         self.layered = True
         self.client.call(rpc.SenderSendLayers(room=self.room, pages=pack_indices(pages),
                                               layer_start=int(lo), layer_end=int(hi),
@@ -294,8 +403,8 @@ class Receiver(_Room):
                  dp_rank: int | None = None) -> None:
         super().__init__(client, room)
         self.bootstrap_addr, self.dp_rank = bootstrap_addr, dp_rank
-        client.submit(rpc.ReceiverCreate(room=room, bootstrap_addr=bootstrap_addr,
-                                         dp_rank=dp_rank), wait=True)
+        self._create(rpc.ReceiverCreate(room=room, bootstrap_addr=bootstrap_addr,
+                                        dp_rank=dp_rank))
 
     def init(self, dst_page_indices: npt.ArrayLike, aux_index: int,
              first_page: int = 0, state_index: int = -1,
@@ -310,7 +419,7 @@ class Receiver(_Room):
         Through the client's ring, as :meth:`Sender.send`."""
         self._raise_refusal()
         win = b"" if window_pages is None else pack_indices(window_pages)
-        self.client.submit(rpc.ReceiverInit(room=self.room,
-                                            dst_pages=pack_indices(dst_page_indices),
-                                            aux_index=aux_index, first_page=first_page,
-                                            state_index=state_index, window_pages=win))
+        self._submit_raising(rpc.ReceiverInit(room=self.room,
+                                              dst_pages=pack_indices(dst_page_indices),
+                                              aux_index=aux_index, first_page=first_page,
+                                              state_index=state_index, window_pages=win))

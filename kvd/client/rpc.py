@@ -19,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvd.client.peer import EXPECTED_UID_ENV, check_peer, parse_expected_uid, trust_for
-from kvd.client.ring import DaemonGone, EngineRing, RingClosed
+from kvd.client.ring import NEW, DaemonGone, EngineRing, Handle, RingClosed
 from kvd.engine_rpc.socket_path import default_engine_socket
 from kvd.errors import KvdError, KvdUnreachable, ProtocolError
 from kvd.protocol import rpc
@@ -161,33 +161,53 @@ class KvdClient:
                 self._open_ring()
         return result
 
-    def submit(self, call: rpc.RingCall, wait: bool = False) -> None:
+    def submit(self, call: rpc.RingCall, wait: bool = False,
+               handle: Handle | None = None) -> None:
         """A room call (create, init, send, abort, clear) through the submission ring:
         one record, no syscall while kvd is draining. With ``wait``, block until kvd ran
         it and raise its refusal, as :meth:`call` would; without, return at once: a
-        refusal comes back later, kept for its room (:meth:`ring_refusal`). Calls run in
-        the order they were made, whether each went over the ring or the socket (kvd
+        refusal comes back later, kept for its room (:meth:`ring_refusal`) or, for a call
+        of ``handle`` (:meth:`create`), for the handle (:meth:`handle_state`). Calls run
+        in the order they were made, whether each went over the ring or the socket (kvd
         drains the ring before every socket call). Without a usable ring, or for a call
         larger than a record, it is :meth:`call`. Raises what :meth:`call` raises
         (:class:`KvdUnreachable` when kvd's socket end closed or it ran nothing within
-        ``timeout``); a ring kvd closed while this call waited raises ProtocolError (kvd
+        ``timeout``); the create's refusal (nothing sent) when kvd refused ``handle``'s
+        create; a ring kvd closed while this call waited raises ProtocolError (kvd
         aborted the rooms the ring carried) and later calls use the socket."""
+        self._submit(call, wait, handle)
+
+    def create(self, call: rpc.SenderCreate | rpc.ReceiverCreate) -> Handle | None:
+        """A room's create through the ring WITHOUT waiting for kvd: the room's later
+        calls go with the returned :class:`~kvd.client.ring.Handle` (:meth:`submit`),
+        each depending on the create until it ran, so kvd runs none of them if it refused
+        the create; the refusal is read with :meth:`handle_state` (at the handle's next
+        call or poll). Without a usable ring (or for a create larger than a record) the
+        create goes over the socket, its refusal raised here, and the answer is None.
+        Raises what :meth:`submit` raises."""
+        return self._submit(call, False, NEW)
+
+    def _submit(self, call: rpc.RingCall, wait: bool,
+                handle: Handle | int | None) -> Handle | None:
+        key = handle.key if isinstance(handle, Handle) else handle
         with self._lock:
             ring = self._usable_ring()
             data = ring.encode(call) if ring is not None else None
+            if isinstance(handle, Handle) and ring is not handle.ring:
+                key = None  # its ring is gone (kvd aborted what it carried): plain calls
             if ring is None or data is None:
                 self._exchange(call, None)
-                return
+                return None
             try:
-                seq = ring.submit(data, call.room, self.timeout)
+                seq = ring.submit(data, call.room, self.timeout, key)
             except RingClosed:
                 self._close_ring()
                 self._exchange(call, None)
-                return
+                return None
             except (DaemonGone, TimeoutError, ProtocolError) as exc:
                 self._ring_broken(exc)
             if not wait:
-                return
+                return Handle(ring, seq) if key == NEW else None
             try:
                 ring.wait_done(seq, self.timeout)
                 refusal = ring.result_of(seq)
@@ -199,6 +219,51 @@ class KvdClient:
                 self._ring_broken(exc)
         if refusal is not None:
             raise refusal
+        return None
+
+    def handle_state(self, handle: Handle, wait: bool = False
+                     ) -> tuple[bool, KvdError | None]:
+        """``(settled, refusal)`` of ``handle``: settled once kvd ran every call of it and
+        refused none, or once its ring is gone (kvd aborted the rooms it carried: the
+        room's status says the rest); ``refusal``: the first refusal of the handle's
+        calls. With ``wait``, block until kvd ran every call of it first (raises as
+        :meth:`submit` with ``wait``)."""
+        with self._lock:
+            ring = handle.ring
+            if ring is not self.ring:
+                return True, None
+            try:
+                if wait:
+                    ring.wait_done(ring.last.get(handle.key, handle.key), self.timeout)
+                return ring.handle(handle.key)
+            except RingClosed:
+                self._close_ring()
+                return True, None
+            except (DaemonGone, TimeoutError, ProtocolError) as exc:
+                self._ring_broken(exc)
+
+    def wait_created(self, handle: Handle) -> None:
+        """Block until kvd ran ``handle``'s create (at once if it did, or if its ring is
+        gone); raises as :meth:`submit` with ``wait``."""
+        with self._lock:
+            ring = handle.ring
+            if ring is not self.ring or ring.done(handle.key):
+                return
+            try:
+                ring.wait_done(handle.key, self.timeout)
+            except RingClosed:
+                self._close_ring()
+            except (DaemonGone, TimeoutError, ProtocolError) as exc:
+                self._ring_broken(exc)
+
+    def unborn(self, handle: Handle) -> bool:
+        """Whether kvd refused ``handle``'s create itself (known once it ran)."""
+        return handle.key in handle.ring.unborn
+
+    def forget_handle(self, handle: Handle) -> None:
+        """Drop what the ring keeps for ``handle`` (its room was cleared)."""
+        with self._lock:
+            handle.ring.forget(handle.key)
 
     def submit_all(self, calls: list[rpc.RingCall]) -> dict[int, KvdError]:
         """Run ``calls`` (room calls) in order and wait ONCE for all of them (issue 21: an

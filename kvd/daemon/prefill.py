@@ -448,28 +448,25 @@ class PrefillSide(Side):
             return self._plan_state(eff, d, peer, Descriptors.empty())
         local = self._local()
         pair, src_pages = self._pair(d.endpoint, peer), eff.src_pages[d.src_from:]
+        # extra paged caches (draft KV, indexer K) ride with the write of the pool's last
+        # layer: each (page or token, last layer) is written once, so each group byte is
+        pool_end = eff.layers is None or eff.layers[1] == pair.src.num_layers
         if eff.layers is not None:  # layer streaming: this write's layers, planned and proved
             pair = pair.layers(*eff.layers)
-        if d.tokens is None:
-            desc = pair.plan(src_pages, d.dst_pages)
-        else:  # re-tiled (issue 22 item 3): the room's tokens [lo, hi) to this decode
-            lo, hi = d.tokens
-            desc = pair.plan_tokens(src_pages, d.dst_pages, lo, hi, eff.src_first, d.dst_first)
         s, ranks = self.core.settings, self.core.position()
         last_stage = ranks.pp_rank == ranks.pp_size - 1  # only the last stage has outputs
         aux = None
         if eff.is_last and last_stage and s.aux_transport == "mooncake" and \
                 local.aux_ptrs.size and eff.aux_index is not None and pair.writes_aux:
-            desc = desc.concat(plan_aux(local.aux_ptrs, peer.args.aux_ptrs, local.aux_item_lens,
-                                        eff.aux_index, d.aux_index))
-            aux = (peer.args.aux_ptrs, peer.args.aux_item_lens, d.aux_index)
-        check_plan_bounds(desc, local.regions, peer.args.regions, f"room {eff.room}")
+            aux = (plan_aux(local.aux_ptrs, peer.args.aux_ptrs, local.aux_item_lens,
+                            eff.aux_index, d.aux_index),
+                   (peer.args.aux_ptrs, peer.args.aux_item_lens, d.aux_index))
         what = f"room {eff.room} to {d.endpoint}"
-        if d.tokens is None:
-            pair.prove(desc, src_pages, d.dst_pages, aux, what)
-        else:
-            pair.prove_tokens(desc, d.dst_pages, *d.tokens, d.dst_first, aux, what)
-        if peer.groups:  # draft KV, indexer K: the same pages (issue 22 items 1, 2)
+        # pages, or (re-tiled, issue 22 item 3) the room's tokens [lo, hi) to this decode
+        desc = pair.plan_chunk(src_pages, d.dst_pages, d.tokens, eff.src_first, d.dst_first,
+                               aux, what)
+        check_plan_bounds(desc, local.regions, peer.args.regions, f"room {eff.room}")
+        if peer.groups and pool_end:  # draft KV, indexer K: the same pages (items 1, 2)
             extra = plan_room_groups(peer.groups, src_pages, d.dst_pages, d.tokens,
                                      eff.src_first, d.dst_first, what)
             check_plan_bounds(extra, local.regions, peer.args.regions, f"room {eff.room}")
@@ -483,8 +480,10 @@ class PrefillSide(Side):
         if not eff.is_last or peer.state is None:
             return desc
         mine, theirs = eff.state or StateRef(), d.state or StateRef()
+        # a re-tiled room's last write ends at its token count T: its window in tokens
         extra = plan_room_state(peer.state, mine.index, theirs.index, mine.window,
-                                theirs.window, f"room {eff.room} to {d.endpoint}")
+                                theirs.window, f"room {eff.room} to {d.endpoint}",
+                                None if d.tokens is None else d.tokens[1])
         check_plan_bounds(extra, self._local().regions, peer.args.regions, f"room {eff.room}")
         return desc.concat(extra)
 

@@ -18,13 +18,18 @@ too, a bound on any wake-up lost all the same.
 Each record is decoded with the socket path's codec (:func:`kvd.protocol.rpc.decode_request`)
 and run by the socket path's handler (``handle``: ``Daemon.dispatch_now``); a refusal
 goes to the completion ring as a :class:`~kvd.protocol.rpc.Reply` with the call's id,
-and only then is the record consumed (``tail`` published). A record kvd cannot trust --
-a header out of bounds, a record out of sequence or over its length, a frame that does
-not decode, a call id that is not the record's seq, a call a ring does not carry, a
-completion ring the engine filled with nonsense -- fails the channel: logged once, both
-rings marked ``closed``, every room the ring carried aborted (``on_fail``). The
-daemon, its other connections and rooms are untouched; the engine goes on over the
-socket.
+and only then is the record consumed (``tail`` published). A record that depends on an
+earlier one (:meth:`~kvd.protocol.ring.Ring.depends`: the engine's calls of a room whose
+create it did not wait for) runs only if that call was not refused; otherwise it is
+refused too, with the earlier refusal's kind and a text naming it, and never reaches the
+handler (so a refused create's init, send, abort or clear cannot act on another
+incarnation of the room). A record kvd cannot trust -- a header out of bounds, a
+record out of sequence or over its length, a dependency more than a ring's capacity
+back, a frame that does not decode, a call id that is not the record's seq, a call a
+ring does not carry, a completion ring the engine filled with nonsense -- fails the
+channel: logged once, both rings marked ``closed``, every room the ring carried aborted
+(``on_fail``). The daemon, its other connections and rooms are untouched; the engine
+goes on over the socket.
 
 kvd's cursors (the submission ``tail``, the completion ``head``) are kept here and only
 published into the shared header (:class:`~kvd.protocol.ring.Consumer`,
@@ -114,6 +119,9 @@ class RingChannel:
         self.sub.sleeping = True  # the engine's first record wakes kvd
         self.inbox, self.outbox = Consumer(self.sub), Producer(self.comp)
         self.rooms: set[int] = set()  # rooms the ring carried, not cleared since
+        #: refusals of the last ``capacity`` records, by seq: ``(kind, error)`` (a record
+        #: may depend only on one that was in the ring with it)
+        self.refusals: dict[int, tuple[str, str]] = {}
         self.failed = ""
         self.closed = False
         self._draining = False
@@ -206,6 +214,19 @@ class RingChannel:
             raise ProtocolError(f"ring record {seq} carries {type(call).__name__}, which "
                                 f"a ring does not carry")
         room = call.room  # type: ignore[union-attr]
+        dep = self.sub.depends(seq)
+        refusals = self.refusals
+        while refusals and next(iter(refusals)) < seq - self.capacity:
+            del refusals[next(iter(refusals))]
+        if dep is not None:
+            if dep < seq - self.capacity:
+                raise ProtocolError(f"ring record {seq} depends on record {dep}, more than "
+                                    f"{self.capacity} records back")
+            if dep in refusals:
+                kind, error = refusals[dep]
+                self._refuse(seq, kind, f"room {room}: {type(call).__name__} not run: call "
+                                        f"{dep} it depends on was refused: {error}", error)
+                return
         try:
             with log_context(**message_context(call)):
                 self.handle(call)
@@ -213,7 +234,7 @@ class RingChannel:
             if not isinstance(exc, KvdError):
                 log.exception("engine call %s failed", type(call).__name__)
             kind, error = rpc.failure(exc)
-            self._complete(rpc.Reply(id=seq, ok=False, error=error, kind=kind))
+            self._refuse(seq, kind, error)
             return
         if isinstance(call, rpc.Clear):
             self.rooms.discard(room)
@@ -222,6 +243,13 @@ class RingChannel:
         if len(self.rooms) > self._prune_at:
             self.rooms = {r for r in self.rooms if self.known(r)}
             self._prune_at = 2 * len(self.rooms) + PRUNE_AT
+
+    def _refuse(self, seq: int, kind: str, error: str, root: str = "") -> None:
+        """Call ``seq`` was refused: its answer in the completion ring, and the first
+        refusal of its chain (``root``, else ``error``: a chain's texts do not grow) kept
+        for the records that depend on it."""
+        self.refusals[seq] = (kind, root or error)
+        self._complete(rpc.Reply(id=seq, ok=False, error=error, kind=kind))
 
     def _complete(self, reply: rpc.Reply) -> None:
         """Put ``reply`` in the completion ring (its error text cut to fit a record)."""

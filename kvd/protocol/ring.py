@@ -3,10 +3,15 @@ PURE: numpy over a buffer.
 
 The engine produces room calls into a submission ring and kvd its refusals into a
 completion ring (:mod:`kvd.engine_rpc.ring`, :mod:`kvd.client.rpc`); each side trusts
-nothing the other wrote. Layout (little-endian ``uint64`` words, :data:`VERSION` 2)::
+nothing the other wrote. Layout (little-endian ``uint64`` words, :data:`VERSION` 3)::
 
     header   8 words: MAGIC, VERSION, capacity, record_bytes, head, tail, sleeping, closed
-    records  capacity x record_bytes: seq (u64), length (u32), 0 (u32), payload
+    records  capacity x record_bytes: seq (u64), length (u32), after (u32), payload
+
+``after`` is 0, or how many records back lies the record this one depends on
+(:meth:`Ring.depends`): the consumer runs a record only if the one it depends on
+succeeded. The ring carries the number; what "succeeded" means is its user's (kvd: the
+call was not refused, :mod:`kvd.engine_rpc.ring`).
 
 ``capacity`` is a power of two; record ``seq`` lives at ``seq & (capacity - 1)``. The
 producer writes the payload and length, then the record's ``seq``, then ``head = seq +
@@ -38,16 +43,20 @@ import numpy as np
 from kvd.errors import ProtocolError
 
 MAGIC = 0x6B76645F72696E67  # b"kvd_ring" read as a big-endian integer
-#: History: 1 -- first layout (issue 21); 2 -- header word 7 is ``closed``.
-VERSION = 2
+#: History: 1 -- first layout (issue 21); 2 -- header word 7 is ``closed``; 3 -- a
+#: record's reserved word is ``after`` (the record it depends on, counted back).
+VERSION = 3
 HEADER_WORDS = 8
 WORD = 8
-RECORD_HEAD = 16  # seq + length + reserved
+RECORD_HEAD = 16  # seq + length + after
 #: Bounds a reader enforces on any header it opens.
 MAX_CAPACITY = 1 << 16
 MAX_RECORD_BYTES = 1 << 16
 _MAGIC, _VERSION, _CAPACITY, _RECORD, _HEAD, _TAIL, _SLEEPING, _CLOSED = range(8)
-_RECORD_HEAD = struct.Struct("<QII")  # seq, length, reserved
+_RECORD_HEAD = struct.Struct("<QII")  # seq, length, after
+#: The farthest back a record may depend on (``after`` is a u32).
+MAX_AFTER = (1 << 32) - 1
+_AFTER = struct.Struct("<I")
 _U64 = (1 << 64) - 1
 
 
@@ -155,25 +164,29 @@ class Ring:
 
     # ---- producer -------------------------------------------------------------------
 
-    def push(self, payload: bytes) -> int | None:
-        """Publish ``payload``; its seq, or None when the ring is full. ValueError for a
-        payload over ``max_payload`` bytes (send it another way)."""
+    def push(self, payload: bytes, after: int = 0) -> int | None:
+        """Publish ``payload`` (depending on the record ``after`` records back, 0: none);
+        its seq, or None when the ring is full. ValueError for a payload over
+        ``max_payload`` bytes (send it another way) or ``after`` out of bounds."""
         if len(payload) > self.max_payload:
             raise ValueError(f"a record carries at most {self.max_payload} bytes, got "
                              f"{len(payload)}")
         seq = self.head
         if seq - self.tail >= self.capacity:
             return None
-        self.write_record(seq, payload)
+        self.write_record(seq, payload, after)
         self.publish_head(seq + 1)
         return seq
 
-    def write_record(self, seq: int, payload: bytes) -> None:
+    def write_record(self, seq: int, payload: bytes, after: int = 0) -> None:
         """The record's bytes without publishing it (``head`` unchanged): what a producer
-        that dies half way leaves behind."""
+        that dies half way leaves behind. ValueError for ``after`` outside
+        ``[0, min(seq, MAX_AFTER)]``."""
+        if not 0 <= after <= min(seq, MAX_AFTER):
+            raise ValueError(f"record {seq} cannot depend on the record {after} back")
         at = self._at(seq)
         self.mv[at + RECORD_HEAD:at + RECORD_HEAD + len(payload)] = payload
-        _RECORD_HEAD.pack_into(self.mv, at, seq & _U64, len(payload), 0)
+        _RECORD_HEAD.pack_into(self.mv, at, seq & _U64, len(payload), after)
 
     # ---- consumer -------------------------------------------------------------------
 
@@ -210,6 +223,18 @@ class Ring:
                                 f"{self.max_payload}")
         return bytes(self.mv[at + RECORD_HEAD:at + RECORD_HEAD + length])
 
+    def depends(self, seq: int) -> int | None:
+        """The seq of the record that record ``seq`` depends on, or None (it depends on
+        none). ProtocolError for one before the ring's first record (a producer that
+        wrote nonsense). Read after :meth:`record` checked the record's seq."""
+        (after,) = _AFTER.unpack_from(self.mv, self._at(seq) + 12)
+        if not after:
+            return None
+        if after > seq:
+            raise ProtocolError(f"ring record {seq} depends on the record {after} back, "
+                                f"before the first")
+        return seq - after
+
 
 class Producer:
     """One process's producing end of ``ring``, its ``head`` kept here (starting at
@@ -228,19 +253,32 @@ class Producer:
                                 f"{self.head} (capacity {self.ring.capacity})")
         return self.ring.capacity - used
 
-    def push(self, payload: bytes) -> int | None:
-        """Publish ``payload``; its seq, or None when the ring is full. ValueError for a
-        payload over ``max_payload`` bytes; ProtocolError as :meth:`free`."""
+    def push(self, payload: bytes, after: int = 0) -> int | None:
+        """Publish ``payload`` (depending on the record ``after`` records back, 0: none);
+        its seq, or None when the ring is full. ValueError for a payload over
+        ``max_payload`` bytes or ``after`` out of bounds; ProtocolError as :meth:`free`.
+        (:meth:`free` and :meth:`Ring.write_record` written out: an engine's every room
+        call runs this, often on a thread just back from a wait, where each Python call
+        costs about a microsecond.)"""
         ring = self.ring
-        if len(payload) > ring.max_payload:
-            raise ValueError(f"a record carries at most {ring.max_payload} bytes, got "
-                             f"{len(payload)}")
-        if not self.free():
-            return None
+        size = len(payload)
+        if size > ring.max_payload:
+            raise ValueError(f"a record carries at most {ring.max_payload} bytes, got {size}")
         seq = self.head
-        ring.write_record(seq, payload)
+        used = seq - ring.q[_TAIL]
+        if not 0 <= used <= ring.capacity:
+            raise ProtocolError(f"ring tail {ring.q[_TAIL]} is {used} records behind head "
+                                f"{seq} (capacity {ring.capacity})")
+        if used == ring.capacity:
+            return None
+        if not 0 <= after <= min(seq, MAX_AFTER):
+            raise ValueError(f"record {seq} cannot depend on the record {after} back")
+        at = HEADER_WORDS * WORD + (seq & (ring.capacity - 1)) * ring.record_bytes
+        mv = ring.mv
+        mv[at + RECORD_HEAD:at + RECORD_HEAD + size] = payload
+        _RECORD_HEAD.pack_into(mv, at, seq & _U64, size, after)
         self.head = seq + 1
-        ring.publish_head(self.head)
+        ring.q[_HEAD] = self.head & _U64
         return seq
 
 

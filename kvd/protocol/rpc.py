@@ -222,7 +222,9 @@ class OpenRing(msgspec.Struct, tag="open_ring", frozen=True):
     without the length prefix) whose ``id`` is the record's seq and whose call is one of
     :data:`RingCall`; kvd answers a refused call with a :class:`Reply` frame of that ``id``
     in the completion ring, and publishes the submission ring's ``tail`` past a record
-    only once its call ran (and its refusal, if any, is in the completion ring)."""
+    only once its call ran (and its refusal, if any, is in the completion ring). A record
+    that depends on an earlier one (its ``after``, :mod:`kvd.protocol.ring`) is run only
+    if that call was not refused, else refused with that refusal's kind."""
 
     capacity: int = 256
     record_bytes: int = 4096

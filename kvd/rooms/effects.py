@@ -110,7 +110,7 @@ class Write:
 
     ``layers``: None for every layer; else ``(lo, hi)``, the local layers ``[lo, hi)`` of
     this rank's pool this write moves of its pages (layer streaming, issue 22 item 4;
-    never set together with ``tokens``)."""
+    with ``tokens``, those layers of the room tokens ``tokens``)."""
 
     room: int
     attempt: int

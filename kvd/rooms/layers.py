@@ -30,6 +30,21 @@ def layer_mask(lo: int, hi: int) -> int:
     return ((1 << hi) - 1) ^ ((1 << lo) - 1)
 
 
+def _layer_list(mask: int) -> str:
+    """Layers of a bit mask as ranges: ``0-2, 5``."""
+    out, bit = [], 0
+    while mask >> bit:
+        if not mask >> bit & 1:
+            bit += 1
+            continue
+        end = bit
+        while mask >> (end + 1) & 1:
+            end += 1
+        out.append(str(bit) if end == bit else f"{bit}-{end}")
+        bit = end + 1
+    return ", ".join(out)
+
+
 def runs_of(positions: Pages) -> Runs:
     """Ascending distinct room positions (int64) as maximal runs ``[start, end)``."""
     if positions.size == 0:
@@ -115,6 +130,39 @@ class Coverage:
             if m != self.full:
                 return a
         return self.size
+
+    def layer_prefixes(self) -> Pages:
+        """int64 ``[num_layers]``: per layer, how many leading pages have it named (re-tiled
+        rooms write a layer's tokens up to there, :meth:`SenderRooms.send`)."""
+        out = np.full(self.num_layers, self.size, dtype=np.int64)
+        open_ = self.full  # layers named on every page so far
+        for a, m in zip(self._starts, self._masks, strict=True):
+            stop = open_ & ~m
+            while stop:
+                low = stop & -stop
+                out[low.bit_length() - 1] = a
+                stop ^= low
+            open_ &= m
+            if not open_:
+                break
+        return out
+
+    def gaps(self, most: int = 4) -> str:
+        """Which pages miss which layers, for a message: up to ``most`` runs as ``room pages
+        [0, 4) miss layers 2-5`` joined by ``; `` (``...`` when there are more); empty when
+        every cell is named."""
+        parts: list[str] = []
+        for a, b, m in zip(self._starts, self._ends, self._masks, strict=True):
+            missing = self.full & ~m
+            if not missing:
+                continue
+            if len(parts) == most:
+                parts.append("...")
+                break
+            pages = f"room page {a} misses" if b == a + 1 else f"room pages [{a}, {b}) miss"
+            parts.append(f"{pages} layer{'s' if missing & (missing - 1) else ''} "
+                         f"{_layer_list(missing)}")
+        return "; ".join(parts)
 
     def first_gap(self) -> tuple[int, int] | None:
         """``(position, layer)`` of the first cell not named yet, or None."""

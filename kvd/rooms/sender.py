@@ -148,21 +148,34 @@ class Piece:
     """One engine send as the pump takes it: source ``pages`` (int64, in room order) at
     room positions ``first + i`` (``pos`` None) or ``pos`` (int64, ascending), their
     layers ``[lo, hi)`` (local layers of this rank's pool; None: every layer), whether it
-    is the room's last (it carries aux), and ``complete``: how many leading room pages had
-    every layer named once it was accepted (re-tiled rooms write those, whole)."""
+    is the room's last (it carries aux). Re-tiled rooms do not take pieces: they write
+    what the room's (page, layer) cells allow (:meth:`SenderRooms._next_tokens`)."""
 
     pages: Pages
     is_last: bool
     first: int = 0
     pos: Pages | None = None
     layers: tuple[int, int] | None = None
-    complete: int = 0
 
     @property
     def end(self) -> int:
         """One past its last room position."""
         return self.first + int(self.pages.size) if self.pos is None else \
             int(self.pos[-1]) + 1 if self.pos.size else 0
+
+
+@dataclass(frozen=True)
+class TokenStep:
+    """One re-tiled write: room tokens ``[lo, hi)`` of local layers ``[l0, l1)``, whether
+    it is the room's last, and ``room_end``: the room's token count ``T`` once the last
+    send was accepted (None before)."""
+
+    lo: int
+    hi: int
+    l0: int
+    l1: int
+    is_last: bool
+    room_end: int | None
 
 
 @dataclass
@@ -180,10 +193,11 @@ class SenderRoom:
     required: int | None = None
     dests: dict[str, Dest] = field(default_factory=dict)
     chunks: deque[Piece] = field(default_factory=deque)
-    offset: int = 0  # sender pages handed to writes (re-tiled: taken from the queue)
-    tokens: int = 0  # re-tiled rooms: room tokens written so far
+    offset: int = 0  # sender pages handed to writes (re-tiled: with every layer named)
+    written: Pages | None = None  # re-tiled rooms: room tokens written so far, per layer
     writing: bool = False
     last_sent: bool = False  # the chunk with is_last was handed to a write
+    last_named: bool = False  # the engine's last send (is_last) was accepted
     nbytes: int = 0
     seconds: float = 0.0
     src_pages: list[Pages] = field(default_factory=list)  # every chunk's, for K42
@@ -275,13 +289,14 @@ class SenderRooms:
     **Page sizes** (issue 22 item 3). A room whose decode ranks all have this rank's page
     size moves whole pages as the engine sent them. Otherwise it moves tokens: the
     engine's chunks are re-cut so every write but the last ends on a page boundary of
-    every destination (a decode page is written by one write only; the rest of a chunk
-    waits for the next), and the last ends at the room's token count ``T``: the largest
-    both sides' pages hold, ``min(prefill pages x Ps, decode pages x Pd)`` (the engines
-    name pages, not tokens; slots past the request's last token lie in the room's own
-    pages on both sides). A decode whose pages do not fit ``T`` -- a page it would get
-    no token in, or too few for a chunk -- fails the room, kind ``layout``, as an index
-    length mismatch does with equal pages.
+    every destination (a (decode page, layer) is written by one write only; the rest of a
+    chunk waits for the next), layer by layer: a layer range moves as soon as the pages
+    it was named for reach such a boundary (layer streaming), and the last ends at the
+    room's token count ``T``: the largest both sides' pages hold, ``min(prefill pages x
+    Ps, decode pages x Pd)`` (the engines name pages, not tokens; slots past the
+    request's last token lie in the room's own pages on both sides). A decode whose pages
+    do not fit ``T`` -- a page it would get no token in, or too few for a chunk -- fails
+    the room, kind ``layout``, as an index length mismatch does with equal pages.
     """
 
     def __init__(self, timeouts: Timeouts | None = None, position: RankPosition | None = None,
@@ -360,28 +375,35 @@ class SenderRooms:
         (layer streaming, issue 22 item 4): of new ``pages`` (a chunk, named for the
         first time), of ``pages`` named before, or, with no pages, of every page named so
         far that misses a layer. Each (page, layer) may be named once; the last send
-        (``is_last``, it carries aux) must leave every layer of every page named.
+        (``is_last``, it carries aux) must leave every layer of every page named. A last
+        send of no layers (``lo == hi``) and no pages finishes a room whose every layer
+        was named (aux and state only).
 
         A chunk for a room that already ended is dropped (the engine learns the outcome
         from ``poll``: aborts race with sends); a chunk after the room's last one raises
         RoomError (it used to be dropped silently). A page outside the local pool, one
         this room already named (in this chunk or an earlier one: K42) without a layer
-        range, a layer outside ``[0, num_layers)`` or named twice for a page, pages that mix
-        new and named ones, or a last send that leaves a layer unnamed fail the room and
-        raise RoomError (the reports to its decode ranks leave with the next
-        :meth:`tick`)."""
+        range, a layer range that is empty (but on a finishing send), reversed or outside
+        ``[0, num_layers)``, a layer named twice for a page, pages that mix new and named
+        ones, a range of no page before the room named any, a finishing send naming pages,
+        or a last send that leaves a layer unnamed (the message names which pages miss
+        which layers) fail the room, kind ``layout``, and raise RoomError (the reports to
+        its decode ranks leave with the next :meth:`tick`)."""
         r = self._room(room)
         if r.done:
             return []
-        if r.last_sent or any(p.is_last for p in r.chunks):
-            raise RoomError(f"room {room}: a chunk after the last one (is_last) was refused: "
-                            f"its {pages.size} pages are not written")
+        if r.last_sent or r.last_named:
+            what = f"a chunk of {pages.size} pages" if layers is None else \
+                f"layers [{layers[0]}, {layers[1]}) of {pages.size} pages"
+            raise RoomError(f"room {room}: {what} sent after the room's last send (is_last) "
+                            f"was refused: none of it is written (the room goes on)")
         out: list[Effect] = []
         try:
             piece = self._piece(r, pages, is_last, layers)
         except LayoutError as exc:
             self._fail(r, RoomFailure(FailureKind.LAYOUT, str(exc), ORIGIN), now, out)
             raise RoomError(str(exc), out) from exc  # the failure's effects still happen
+        r.last_named = is_last
         r.chunks.append(piece)
         self._kick(r, now, out)
         return out
@@ -395,27 +417,36 @@ class SenderRooms:
         if r.cover is None:
             r.cover = Coverage(nl)
         cover = r.cover
-        if layers is None:
-            mask = cover.full
-        else:
-            lo, hi = layers
-            if not 0 <= lo < hi <= self.num_layers:
-                raise LayoutError(f"room {r.room}: layers [{lo}, {hi}) outside the "
-                                  f"{self.num_layers} layers of this rank's pool")
-            mask = layer_mask(lo, hi)
+        if layers is not None and layers[0] == layers[1] and is_last:
+            if pages.size:  # the finishing send: aux (and state) only, once all was named
+                raise LayoutError(f"room {r.room}: a last send of no layers ([{layers[0]}, "
+                                  f"{layers[1]})) names {pages.size} pages: it may name none")
+            layers = None
+        mask = cover.full if layers is None else self._layer_mask(r, layers)
         known = self._named(r, pages) if layers is not None else None
         if known is None:
             piece = self._new_pages(r, pages, is_last, layers, mask, what)
         else:
             piece = self._named_pages(r, pages, known, is_last, layers, mask)
-        if is_last:
-            gap = cover.first_gap()
-            if gap is not None:
-                raise LayoutError(f"room {r.room}: the last send leaves layer {gap[1]} of room "
-                                  f"page {gap[0]} unnamed (every layer of every page must be "
-                                  f"sent before the last)")
-        return Piece(piece.pages, piece.is_last, piece.first, piece.pos, piece.layers,
-                     cover.complete_prefix())
+        if is_last and cover.first_gap() is not None:
+            raise LayoutError(f"room {r.room}: the last send leaves layers unnamed: "
+                              f"{cover.gaps()} (every layer of every page must be sent by "
+                              f"the last send)")
+        return piece
+
+    def _layer_mask(self, r: SenderRoom, layers: tuple[int, int]) -> int:
+        """The mask of a send's layer range ``[lo, hi)``. Raises LayoutError for a range
+        that is empty (only a last send may name no layers), reversed, or ends outside this
+        rank's pool."""
+        lo, hi = layers
+        if lo >= hi:
+            raise LayoutError(f"room {r.room}: layers [{lo}, {hi}) name no layer: a layer "
+                              f"range is lo < hi (only the room's last send, is_last, may "
+                              f"name no layers, and then no pages)")
+        if not 0 <= lo < hi <= self.num_layers:
+            raise LayoutError(f"room {r.room}: layers [{lo}, {hi}) end outside the "
+                              f"{self.num_layers} layers of this rank's pool")
+        return layer_mask(lo, hi)
 
     def _new_pages(self, r: SenderRoom, pages: Pages, is_last: bool,
                    layers: tuple[int, int] | None, mask: int, what: str) -> Piece:
@@ -444,6 +475,9 @@ class SenderRooms:
         else:
             runs = cover.open_runs()
             pos = positions_of(runs)
+            if not cover.size:
+                raise LayoutError(f"room {r.room}: layers {layers} of no page: the room "
+                                  f"named no page yet (a first layer range names its pages)")
             if not pos.size:
                 raise LayoutError(f"room {r.room}: layers {layers} of no page: every page "
                                   f"named so far has every layer")
@@ -880,8 +914,11 @@ class SenderRooms:
 
     def _kick(self, r: SenderRoom, now: float, out: list[Effect]) -> None:
         """Start writing the next chunk if the room can."""
-        if r.writing or not r.chunks or r.status not in (KVPoll.WaitingForInput,
-                                                          KVPoll.Transferring):
+        if r.writing or r.status not in (KVPoll.WaitingForInput, KVPoll.Transferring):
+            return
+        retiled = self._retiled(r)
+        step = self._next_tokens(r) if retiled else None
+        if (step is None) if retiled else not r.chunks:
             return
         if now > min(d.write_deadline for d in r.dests.values()):
             self._fail(r, RoomFailure(FailureKind.TIMEOUT, f"room {r.room}: the decode's "
@@ -890,8 +927,8 @@ class SenderRooms:
             return
         if self._overdue(r, now, out):
             return
-        if self._retiled(r):
-            self._kick_tokens(r, now, out)
+        if step is not None:
+            self._write_tokens(r, step, now, out)
             return
         piece = r.chunks.popleft()
         dests = []
@@ -915,46 +952,79 @@ class SenderRooms:
             not d.is_dummy and d.peer.page_size and d.peer.page_size != self.page_size
             for d in r.dests.values())
 
-    def _kick_tokens(self, r: SenderRoom, now: float, out: list[Effect]) -> None:
-        """The re-tiled chunk pump (see the class docstring): take queued chunks until
-        one gives whole destination pages beyond what was written, or the last came."""
-        is_last, hi = False, r.tokens
-        while r.chunks and not is_last and hi <= r.tokens:
-            piece = r.chunks.popleft()  # a layer send: its pages move whole, once complete
-            is_last, r.offset = piece.is_last, piece.complete
-            hi = self._room_tokens(r) if is_last else self._cut(r)
-        if not is_last and hi <= r.tokens:
-            return  # no whole destination page yet: the pages wait for the next chunk
+    def _next_tokens(self, r: SenderRoom) -> TokenStep | None:
+        """The re-tiled pump's next write (see the class docstring), or None while nothing
+        new is writable. Per layer ``l`` the room's tokens written so far (``r.written``)
+        and those its pages allow: up to the last boundary of every destination's pages
+        (the lcm of their page sizes) that the leading pages with layer ``l`` named reach,
+        or, once the last send was accepted, the room's token count ``T``. The next write
+        moves one token range of the first run of consecutive layers that agree on both,
+        so layer ranges of re-tiled pages move as they are named (layer streaming), and
+        each (decode page, layer) is named by one write only. The write that leaves
+        nothing more to write after the last send is the last (aux rides on it; it moves
+        no tokens when every token was written before)."""
+        if r.cover is None:
+            return None
+        r.chunks.clear()  # what they named is in r.cover
+        cover, ps = r.cover, self.page_size
+        if r.written is None:
+            r.written = np.zeros(cover.num_layers, dtype=np.int64)
+        done = r.written
+        r.offset = cover.complete_prefix()
+        if r.last_named:
+            room_end = self._room_tokens(r)
+            target = np.full(done.size, room_end, dtype=np.int64)
+        else:
+            room_end = None
+            step = self._lcm(r)
+            target = np.maximum(cover.layer_prefixes() * ps // step * step, done)
+        todo = np.flatnonzero(target > done)
+        if not todo.size:
+            return None if room_end is None else TokenStep(room_end, room_end, 0, done.size,
+                                                           True, room_end)
+        l0 = int(todo[0])
+        lo, hi = int(done[l0]), int(target[l0])
+        same = (done[l0:] == lo) & (target[l0:] == hi)
+        l1 = l0 + (int(np.argmin(same)) if not same.all() else int(same.size))
+        last = room_end is not None and not (target[l1:] > done[l1:]).any()
+        return TokenStep(lo, hi, l0, l1, last, room_end)
+
+    def _write_tokens(self, r: SenderRoom, step: TokenStep, now: float,
+                      out: list[Effect]) -> None:
+        """Start the re-tiled write ``step``; fail the room (kind ``layout``) when the
+        room's pages on either side hold no common token count."""
         ps = self.page_size
-        if is_last and (r.offset - 1) * ps >= hi:
+        if step.room_end is not None and (r.offset - 1) * ps >= step.room_end:
             self._fail(r, RoomFailure(FailureKind.LAYOUT, f"room {r.room}: index length "
                                       f"mismatch: the prefill's last page gets no token of "
-                                      f"the room's {hi} ({r.offset} pages of {ps} tokens; "
-                                      f"decode: {r.peers})", ORIGIN), now, out)
+                                      f"the room's {step.room_end} ({r.offset} pages of {ps} "
+                                      f"tokens; decode: {r.peers})", ORIGIN), now, out)
             return
         dests = []
         for endpoint, d in r.dests.items():
-            dest = self._token_dest(r, d, endpoint, hi, is_last)
+            dest = self._token_dest(r, d, endpoint, step)
             if isinstance(dest, str):
                 self._fail(r, RoomFailure(FailureKind.LAYOUT, f"room {r.room}: index length "
                                           f"mismatch: {dest} (decode {endpoint})", ORIGIN),
                            now, out)
                 return
             dests.append(dest)
-        lo = r.tokens
-        first, end = lo // ps, -(-hi // ps)
+        assert r.written is not None and r.cover is not None
+        first, end = step.lo // ps, -(-step.hi // ps)
         src = np.concatenate(r.src_pages)[first:end] if r.src_pages else np.zeros(0, np.int64)
-        r.tokens = hi
-        self._start_write(r, src, tuple(dests), is_last, now, out, first, (lo, hi))
+        r.written[step.l0:step.l1] = step.hi
+        whole = step.l1 - step.l0 == r.cover.num_layers
+        self._start_write(r, src, tuple(dests), step.is_last, now, out, first,
+                          (step.lo, step.hi), None if whole else (step.l0, step.l1))
 
-    def _cut(self, r: SenderRoom) -> int:
-        """The last token boundary the pages received so far reach that is a page
-        boundary of every destination (the lcm of their page sizes)."""
+    def _lcm(self, r: SenderRoom) -> int:
+        """The lcm of every destination's page size: re-tiled writes but the last end on
+        a multiple of it (a page boundary of every destination)."""
         step = 1
         for d in r.dests.values():
             if not d.is_dummy and d.peer.page_size:
-                step = np.lcm(step, d.peer.page_size)
-        return r.offset * self.page_size // int(step) * int(step)
+                step = int(np.lcm(step, d.peer.page_size))
+        return step
 
     def _room_tokens(self, r: SenderRoom) -> int:
         """``T``: the most tokens both this rank's pages and every destination's hold."""
@@ -962,22 +1032,24 @@ class SenderRooms:
                 if not d.is_dummy]
         return min([r.offset * self.page_size, *ends])
 
-    def _token_dest(self, r: SenderRoom, d: Dest, endpoint: str, hi: int,
-                    is_last: bool) -> WriteDest | str:
-        """What destination ``d`` receives of room tokens ``[r.tokens, hi)``: the part from
-        its first page on; or why its pages do not fit (a message)."""
-        state = d.state if is_last else None
+    def _token_dest(self, r: SenderRoom, d: Dest, endpoint: str,
+                    step: TokenStep) -> WriteDest | str:
+        """What destination ``d`` receives of room tokens ``[step.lo, step.hi)``: the part
+        from its first page on; or why its pages do not fit (a message)."""
+        state = d.state if step.is_last else None
+        hi = step.hi
         if d.is_dummy:
             return WriteDest(endpoint, d.pages[:0], d.aux_index, True, d.peer.payload,
                              state=state, tokens=(hi, hi))
         pd, n = d.peer.page_size, d.pages.size
         end = (d.first + n) * pd
-        if hi > end or (is_last and end - pd >= hi):
+        room_end = step.room_end
+        if hi > end or (room_end is not None and end - pd >= room_end):
             have = f"{r.offset} pages of {self.page_size} tokens here, {d.first} + {n} pages " \
-                   f"of {pd} there"
+                f"of {pd} there"
             return f"tokens up to {hi} do not fit ({have})" if hi > end else \
-                f"its last page gets no token of the room's {hi} ({have})"
-        lo = max(r.tokens, d.first * pd)
+                f"its last page gets no token of the room's {room_end} ({have})"
+        lo = max(step.lo, d.first * pd)
         if lo >= hi:
             return WriteDest(endpoint, d.pages[:0], d.aux_index, False, d.peer.payload,
                              state=state, dst_first=d.first + n, tokens=(hi, hi))

@@ -194,22 +194,17 @@ def plan_room_groups(plans: tuple[GroupPairPlan, ...], src_pages: np.ndarray,
                      what: str = "plan") -> Descriptors:
     """Every group's share of one chunk this source writes, proved: the chunk's pages
     ``src_pages`` -> ``dst_pages`` (int64 ``[P]``; page path), or with ``tokens = (lo, hi)``
-    the room's tokens re-tiled (:meth:`PairPlan.plan_tokens`: ``src_first``/``dst_first``
-    are the first room page of each list). Each group is planned and proved on its own
-    (``PairPlan.prove`` / ``prove_tokens``, naming the group), its buffer ids moved to the
+    the room's tokens re-tiled (``src_first``/``dst_first`` are the first room page of
+    each list). Each group is planned and proved on its own by the path every paged kind
+    takes (:meth:`PairPlan.plan_chunk`, the failure naming the group), its buffer ids moved to the
     ranks' region ids. Raises :class:`PlanRefused` and :class:`~kvd.errors.LayoutError` as
     those."""
     out = Descriptors.empty()
     for g in plans:
         if not g.writes:
             continue
-        label = f"{what}, group {g.name!r}"
-        if tokens is None:
-            desc = g.pair.plan(src_pages, dst_pages)
-            g.pair.prove(desc, src_pages, dst_pages, None, label)
-        else:
-            desc = g.pair.plan_tokens(src_pages, dst_pages, *tokens, src_first, dst_first)
-            g.pair.prove_tokens(desc, dst_pages, *tokens, dst_first, None, label)
+        desc = g.pair.plan_chunk(src_pages, dst_pages, tokens, src_first, dst_first,
+                                 what=f"{what}, group {g.name!r}")
         out = out.concat(_shift(desc, g.s_base, g.d_base))
     return out
 

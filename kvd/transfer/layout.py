@@ -647,6 +647,32 @@ class PairPlan:
         return ((int(self.s_ptr.max(initial=0)), int(self.s_item.max(initial=0))),
                 (int(self.d_ptr.max(initial=0)), int(self.d_item.max(initial=0))))
 
+    def plan_chunk(self, src_pages: Pages, dst_pages: Pages,
+                   tokens: tuple[int, int] | None = None, src_first: int = 0,
+                   dst_first: int = 0, aux: tuple[Descriptors, tuple[Addrs, Addrs, int]]
+                   | None = None, what: str = "plan") -> Descriptors:
+        """One chunk of this pair, planned and proved: the one path every paged kind takes
+        (the main KV, extra paged caches, window pools). ``tokens`` None: whole pages,
+        ``src_pages[i]`` -> ``dst_pages[i]`` (equal page sizes; :meth:`plan`,
+        :meth:`prove`); else room tokens ``(lo, hi)`` re-tiled between the two page sizes
+        (``src_first``/``dst_first``: the room page of each list's first page, in each
+        side's pages; :meth:`plan_tokens`, :meth:`prove_tokens`). ``aux``: the aux slot's
+        descriptors and ``(decode ptrs, item lens, decode index)``, written after the
+        KV and proved with it. Raises :class:`PlanRefused`, :class:`LayoutError` (and
+        :class:`~kvd.errors.IndexLengthMismatch`) as those."""
+        if tokens is None:
+            desc = self.plan(src_pages, dst_pages)
+        else:
+            desc = self.plan_tokens(src_pages, dst_pages, *tokens, src_first, dst_first)
+        slot = None
+        if aux is not None:
+            desc, slot = desc.concat(aux[0]), aux[1]
+        if tokens is None:
+            self.prove(desc, src_pages, dst_pages, slot, what)
+        else:
+            self.prove_tokens(desc, dst_pages, *tokens, dst_first, slot, what)
+        return desc
+
     def plan(self, src_pages: npt.ArrayLike, dst_pages: npt.ArrayLike) -> Descriptors:
         """Descriptors for one chunk (see :func:`plan_transfer`)."""
         src, dst = self.src, self.dst

@@ -360,9 +360,9 @@ class StatePairPlan:
         ids = [STATE_ID_BASE + np.array(c, dtype=np.int64) for c in cols[5:]]
         window = None
         if src.window is not None and dst.window is not None:
-            try:
-                window = PairPlan.of(src.window, dst.window)
-            except RegistrationError as exc:  # e.g. page sizes: window pages are not re-tiled
+            try:  # other page sizes: re-tiled in tokens, as the paged KV (window_chunk)
+                window = PairPlan.of(src.window, dst.window, retile=True)
+            except RegistrationError as exc:
                 raise RegistrationError(f"window pools: {exc}") from exc
         return StatePairPlan(src, dst, u[0], u[1], u[2], u[3], u[4], ids[0], ids[1], window)
 
@@ -421,18 +421,61 @@ class StatePairPlan:
 
 
 def check_window_pages(layout: StateLayout, page_size: int, src_pages: np.ndarray,
-                       dst_pages: np.ndarray) -> None:
+                       dst_pages: np.ndarray, dst_page_size: int | None = None) -> None:
     """Refuse a room's window pages (int64 ``[P]`` each) that could not be a window: more
-    than :meth:`StateLayout.max_window_pages`, or the two lists differing in length.
-    Raises :class:`PlanRefused` (``outside``): window pages only."""
-    if src_pages.size != dst_pages.size:
+    than :meth:`StateLayout.max_window_pages` on either side (``page_size`` the prefill's,
+    ``dst_page_size`` the decode's; None: the same), or, with equal page sizes, the two
+    lists differing in length. Raises :class:`PlanRefused` (``outside``): window pages
+    only."""
+    pd = page_size if dst_page_size is None else dst_page_size
+    if pd == page_size and src_pages.size != dst_pages.size:
         raise PlanRefused(f"window pages: {src_pages.size} source vs {dst_pages.size} "
                           f"destination", "outside")
-    most = layout.max_window_pages(page_size)
-    if dst_pages.size > most:
-        raise PlanRefused(f"window pages: {dst_pages.size} named, but a window of "
-                          f"{layout.window_tokens} tokens at page size {page_size} touches "
-                          f"at most {most}", "outside")
+    for side, pages, size in (("destination", dst_pages, pd), ("source", src_pages, page_size)):
+        most = layout.max_window_pages(size)
+        if pages.size > most:
+            raise PlanRefused(f"window pages: {pages.size} {side} pages named, but a window "
+                              f"of {layout.window_tokens} tokens at page size {size} touches "
+                              f"at most {most}", "outside")
+
+
+@dataclass(frozen=True)
+class WindowChunk:
+    """What a re-tiled room's window moves (:func:`window_chunk`): room tokens ``tokens``
+    from the window pages ``src``/``dst`` (int64), whose first pages are room pages
+    ``src_first``/``dst_first`` (in each side's pages)."""
+
+    src: np.ndarray
+    dst: np.ndarray
+    tokens: tuple[int, int]
+    src_first: int
+    dst_first: int
+
+
+def window_chunk(window: PairPlan, src_pages: np.ndarray, dst_pages: np.ndarray,
+                 room_end: int) -> WindowChunk:
+    """The window of a room of ``room_end`` tokens between two page sizes, in tokens. A
+    side's window pages are the tail of its room pages: the last of ``n`` window pages
+    holds the room's last page ``ceil(T / P) - 1``, the first room page ``ceil(T / P) -
+    n``. The tokens both lists hold move, ``[max(first_s * Ps, first_d * Pd), T)``: the
+    window each engine kept (the decode's pages before the prefill's first window page
+    hold tokens the prefill no longer has, outside the window, and are not written).
+
+    Raises :class:`PlanRefused` (``outside``) when a list is longer than the room has
+    pages."""
+    ps, pd = window.src.page_size, window.dst.page_size
+    firsts = []
+    for side, pages, size in (("source", src_pages, ps), ("destination", dst_pages, pd)):
+        n_room = -(-room_end // size)
+        if pages.size > n_room:
+            raise PlanRefused(f"window pages: {pages.size} {side} pages named, but the "
+                              f"room's {room_end} tokens fill {n_room} pages of {size}",
+                              "outside")
+        firsts.append(n_room - int(pages.size))
+    lo = min(max(firsts[0] * ps, firsts[1] * pd), room_end)
+    a, b = lo // ps, lo // pd
+    return WindowChunk(src_pages[max(a - firsts[0], 0):], dst_pages[max(b - firsts[1], 0):],
+                       (lo, room_end), a, b)
 
 
 def prove_state_sources_tile(dst: StateLayout, sources: list[StateLayout]) -> None:
@@ -475,12 +518,15 @@ def _shift_ids(desc: Descriptors, src_base: int, dst_base: int) -> Descriptors:
 
 def plan_room_state(pair: StatePairPlan, src_index: int, dst_index: int,
                     src_window: np.ndarray, dst_window: np.ndarray,
-                    what: str = "plan") -> Descriptors:
+                    what: str = "plan", room_end: int | None = None) -> Descriptors:
     """Everything of a room's hybrid caches this source writes, proved: its head slice of
     every state buffer from slot ``src_index`` into slot ``dst_index`` (:meth:`StatePairPlan.
     prove`), then its share of the window pages ``src_window`` -> ``dst_window`` (int64
-    ``[P]`` each; :func:`check_window_pages`, then ``PairPlan.prove``). Buffer ids are the
-    ranks' region ids (state buffers from :data:`STATE_ID_BASE`, window buffers after them).
+    ``[P]`` each; :func:`check_window_pages`, then the window pools' ``PairPlan.plan_chunk``,
+    the path every paged kind takes): page by page when ``room_end`` is None (equal page
+    sizes), else the room's window tokens re-tiled (:func:`window_chunk`, ``room_end``: the
+    room's token count ``T``). Buffer ids are the ranks' region ids (state buffers from
+    :data:`STATE_ID_BASE`, window buffers after them).
 
     Raises :class:`LayoutError` when a room of a pair with state buffers names no state
     index on a side, or with window layers names window pages on neither side while the
@@ -495,8 +541,14 @@ def plan_room_state(pair: StatePairPlan, src_index: int, dst_index: int,
         pair.prove(out, dst_index, what)
     if pair.window is None:
         return out
-    check_window_pages(pair.src, pair.window.src.page_size, src_window, dst_window)
-    win = pair.window.plan(src_window, dst_window)
-    pair.window.prove(win, src_window, dst_window, None, what)
+    w = pair.window
+    check_window_pages(pair.src, w.src.page_size, src_window, dst_window,
+                       None if room_end is None else w.dst.page_size)
+    if room_end is None:
+        win = w.plan_chunk(src_window, dst_window, what=f"{what}, window pages")
+    else:
+        c = window_chunk(w, src_window, dst_window, room_end)
+        win = w.plan_chunk(c.src, c.dst, c.tokens, c.src_first, c.dst_first,
+                           what=f"{what}, window pages")
     return out.concat(_shift_ids(win, STATE_ID_BASE + len(pair.src.buffers),
                                  STATE_ID_BASE + len(pair.dst.buffers)))

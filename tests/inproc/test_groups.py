@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from kvd.engine_rpc.server import Connection
+from kvd.protocol import rpc
+from kvd.protocol.codec import pack_indices
 from kvd.protocol.control import AuxField, Compat
 from kvd.refengine.grouppool import GroupDef, GroupShard
 from kvd.refengine.standin import ModelSpec
@@ -101,3 +103,29 @@ async def test_i22_a_decode_with_another_typed_aux_is_refused(cluster: Cluster) 
     reason = await _refused(cluster, GROUPS, aux_fields=(AuxField("ids", "int32", 0, 4),
                                                          AuxField("hidden", "bfloat16", 4, 16)))
     assert "aux_layout" in reason and "hidden:bfloat16@4+16" in reason
+
+
+async def test_i22_a_layer_streamed_room_writes_its_groups_once(cluster: Cluster) -> None:
+    """Groups ride with the write of the pool's last layer: a room streamed layer by layer
+    moves them byte for byte, and the bytes written are the room's KV, its groups and aux
+    once each (before, every layer write wrote the groups again)."""
+    kv = SPEC.global_kv(3)
+    truth = {g.name: g.truth(SPEC, 40 + i) for i, g in enumerate(GROUPS)}
+    p, d = await cluster.node("prefill"), await cluster.node("decode")
+    pe = await group_engine(p, GROUPS, source=kv, group_source=truth, seed=1)
+    de = await group_engine(d, GROUPS, seed=10)
+    src, dst = [3, 4, 5], [10, 1, 7]
+    await de.receiver(5, dst, p.http_addr)
+    await pe.sender(5, src, send=False)
+    start = len(cluster.fabric.writes)
+    for layer in range(SPEC.num_layers):
+        await pe.call(rpc.SenderSendLayers(room=5, pages=pack_indices(src if not layer else []),
+                                           layer_start=layer, layer_end=layer + 1,
+                                           is_last=layer == SPEC.num_layers - 1))
+        await settle(cluster)
+    assert await de.status(5) == SUCCESS, await de.failure(5)
+    assert de.pool.group_holds(truth, src, dst) == {"draft": True, "indexer": True}  # type: ignore[attr-defined]
+    reg = pe.pool.registration
+    want = len(src) * (sum(reg.kv_item_lens) + sum(
+        n for g in reg.groups for n in g.item_lens)) + sum(reg.aux_item_lens)
+    assert sum(n for _, _, n in cluster.fabric.writes[start:]) == want

@@ -115,3 +115,66 @@ async def test_i22_a_stream_ended_midway_fails_both_sides_and_writes_no_more(
     await settle(cluster)
     assert all(np.array_equal(g, w) for g, w in zip(de.pool.kv, landed, strict=True))
     assert _landed(pe, de, before, {0}, 6)  # layer 0 only, nothing after the end
+
+
+TOKEN = 2 * 8 * 2  # bytes of one token in one buffer (2 heads x head_dim 8 x 2 bytes, NHD)
+
+
+def _tokens_landed(pe: Engine, de: Engine, before: list[np.ndarray], src: list[int],
+                   dst: list[int], ps: int, pd: int, layers: set[int], hi: int) -> bool:
+    """Do the decode's buffers hold exactly room tokens ``[0, hi)`` of ``layers`` (a
+    token-by-token copy from prefill page slot to decode page slot), every other byte as
+    it was?"""
+    for b, (got, old, s) in enumerate(zip(de.pool.kv, before, pe.pool.kv, strict=True)):
+        want = old.copy()
+        if b % LAYERS in layers:
+            for t in range(hi):
+                a, c = (t % ps) * TOKEN, (t % pd) * TOKEN
+                want[dst[t // pd], c:c + TOKEN] = s[src[t // ps], a:a + TOKEN]
+        if not np.array_equal(got, want):
+            return False
+    return True
+
+
+@pytest.mark.parametrize(("ps", "pd"), [(16, 64), (64, 16)])
+async def test_i22_a_stream_to_another_page_size_lands_layer_by_layer(
+        cluster: Cluster, ps: int, pd: int) -> None:
+    """Re-tiled pages stream too: each layer's tokens land as soon as its pages were named
+    (not once every layer came), byte for byte against a token-by-token copy; a last send
+    of no layers then finishes the room with aux."""
+    tokens = 256  # 16 pages of 16, 4 of 64
+    src = [int(x) for x in np.random.default_rng(ps).permutation(40)[:tokens // ps]]
+    dst = [int(x) for x in np.random.default_rng(pd).permutation(40)[:tokens // pd]]
+    p, d = await cluster.node("prefill"), await cluster.node("decode")
+    pe = await p.engine(seed=1, page_size=ps, item_len=ps * TOKEN, head_dim=8, num_pages=40,
+                        num_layers=LAYERS)
+    de = await d.engine(seed=2, page_size=pd, item_len=pd * TOKEN, head_dim=8, num_pages=40,
+                        num_layers=LAYERS)
+    before = [b.copy() for b in de.pool.kv]
+    await de.receiver(9, dst, p.http_addr, aux=3)
+    await pe.sender(9, src, aux=1, send=False)
+    await _layers(pe, src, 0, 1)
+    await settle(cluster)
+    assert _tokens_landed(pe, de, before, src, dst, ps, pd, {0}, tokens)
+    assert await de.status(9) != SUCCESS
+    for layer in range(1, LAYERS):
+        await _layers(pe, [], layer, layer + 1)
+        await settle(cluster)
+        assert _tokens_landed(pe, de, before, src, dst, ps, pd, set(range(layer + 1)), tokens)
+    assert await de.status(9) != SUCCESS  # aux has not come
+    await _layers(pe, [], LAYERS, LAYERS, last=True)  # finish: every layer was sent
+    await settle(cluster)
+    assert await pe.status(9) == SUCCESS and await de.status(9) == SUCCESS
+    assert (de.pool.aux[3] == pe.pool.aux[1]).all()
+
+
+async def test_i22_a_last_send_of_no_layers_with_layers_missing_names_them(
+        cluster: Cluster) -> None:
+    pe, de, _ = await _pair(cluster)
+    await _layers(pe, SRC, 0, 2)
+    with pytest.raises(RoomError, match=r"room pages \[0, 6\) miss layers 2-3"):
+        await _layers(pe, [], 0, 0, last=True)
+    await settle(cluster)
+    assert await pe.status(9) == FAILED and await de.status(9) == FAILED
+    kind, reason = await de.failure(9)
+    assert kind == "layout" and "miss layers 2-3" in reason

@@ -23,10 +23,12 @@ from kvd.errors import ProtocolError, RpcError
 from kvd.protocol import codec, rpc
 from kvd.protocol.codec import pack_indices
 from kvd.protocol.ring import Consumer, Producer, Ring
+from kvd.rooms import KVPoll
 from tests.inproc.harness import SUCCESS, Cluster, Engine, same_pages, settle, until
 from tests.inproc.test_many import PREFILL_CALLS, decode_calls
 
 ROOMS = [1, 2, 3, 4]
+CREATES = (rpc.SenderCreate, rpc.ReceiverCreate)
 
 
 class RingEngine:
@@ -50,8 +52,10 @@ class RingEngine:
         eng.conn.reply_fds = []
         return cls(eng, result, fds)
 
-    def push(self, call: rpc.Call) -> int:
-        seq = self.out.push(codec.encode(rpc.Request(id=self.out.head, call=call)))
+    def push(self, call: rpc.Call, depends: int | None = None) -> int:
+        """Publish ``call``; its call id. ``depends``: the call id it depends on."""
+        after = 0 if depends is None else self.out.head - depends
+        seq = self.out.push(codec.encode(rpc.Request(id=self.out.head, call=call)), after)
         assert seq is not None, "ring full"
         self.wake()
         return seq
@@ -120,21 +124,47 @@ async def both(role: str, draw: Any) -> None:
             strategy = PREFILL_CALLS if role == "prefill" else decode_calls(p.http_addr)
             calls = draw(st.lists(strategy, min_size=1, max_size=25))
             waits = draw(st.lists(st.booleans(), min_size=len(calls), max_size=len(calls)))
+            chained = draw(st.lists(st.booleans(), min_size=len(calls), max_size=len(calls)))
+            # a call may depend on its room's last create (as a handle's calls do while kvd
+            # has not run the create): the socket's engine never makes it when that create
+            # was refused (the create raised), the ring's refuses it with the create's kind
+            deps: list[int | None] = []
+            last_create: dict[int, int] = {}
+            for i, call in enumerate(calls):
+                room = getattr(call, "room", None)
+                deps.append(last_create.get(room) if chained[i] and room is not None
+                            and not isinstance(call, CREATES) else None)
+                if isinstance(call, CREATES):
+                    last_create[call.room] = i
+            want: list[tuple[Any, ...]] = []
+            for call, dep in zip(calls, deps, strict=True):
+                if dep is not None and not want[dep][0]:
+                    want.append((False, want[dep][1], None))  # never sent
+                else:
+                    want.append(await socket_outcome(sock, call))
             pending: list[tuple[int, int]] = []  # (index, call id) not compared yet
             got: list[tuple[Any, ...] | None] = [None] * len(calls)
-            want = [await socket_outcome(sock, c) for c in calls]
+            seqs: list[int] = []
             for i, (call, wait) in enumerate(zip(calls, waits, strict=True)):
                 if isinstance(call, rpc.Poll):  # the socket: the ring's records run first
                     got[i] = await socket_outcome(via_ring, call)
                     assert ring.sub.tail == ring.out.head
+                    seqs.append(-1)
                 else:
-                    pending.append((i, ring.push(call)))
+                    dep = deps[i]
+                    seqs.append(ring.push(call, None if dep is None else seqs[dep]))
+                    pending.append((i, seqs[-1]))
                 if wait or i == len(calls) - 1:
                     await ring.drained()
                     ring.collect()
                     for j, seq in pending:
                         got[j] = ring.outcome(seq)
                     pending.clear()
+            for i, w in enumerate(want):
+                if w[2] is None:  # refused as its create was, naming it
+                    g = got[i]
+                    assert g is not None and g[:2] == w[:2] and "depends on" in g[2]
+                    got[i] = w
             assert got == want
             assert statuses(sock) == statuses(via_ring)
             assert not ring.sub.closed
@@ -152,7 +182,10 @@ def test_the_ring_answers_every_call_as_the_socket_does(role: str, data: st.Data
     """Any sequence of room calls (valid or refused), submitted through the ring in runs
     of any length between waits, with polls over the socket in between: every call's
     outcome (refusals with their kind and text, by call id) and every room's status and
-    releasability are what the same calls get over the socket, on both roles."""
+    releasability are what the same calls get over the socket, on both roles. A call that
+    depends on its room's create (a handle's call made before kvd ran the create) is
+    refused with the create's kind when the create was refused, and changes nothing: what
+    the socket's engine gets by never making it (the create raised)."""
     asyncio.run(both(role, data.draw))
 
 
@@ -393,5 +426,61 @@ async def test_a_registration_again_on_the_connection_gives_a_fresh_ring(
         again.collect()
         assert again.outcome(0) == (True, None, "") and p.side.poll([3]).statuses == [1]
         again.close()
+    finally:
+        ring.close()
+
+
+# ---- calls that depend on a create -------------------------------------------------------
+
+
+async def test_calls_of_a_refused_create_never_act_on_the_live_room(cluster: Cluster) -> None:
+    """A duplicate create of a live room is refused; the init, abort and clear that depend
+    on it (a handle's calls made before kvd ran its create) are refused with its kind and
+    never reach the live room, which goes on; calls depending on a create that succeeded
+    run as any call."""
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1)
+    ring = await RingEngine.open(pe)
+    try:
+        live = ring.push(rpc.SenderCreate(room=7))
+        ring.push(rpc.SenderInit(room=7, num_pages=2, aux_index=0), depends=live)
+        dup = ring.push(rpc.SenderCreate(room=7))
+        calls = [ring.push(c, depends=dup) for c in (
+            rpc.SenderInit(room=7, num_pages=1, aux_index=1),
+            rpc.Abort(room=7, reason="the duplicate's abort"), rpc.Clear(room=7))]
+        other = ring.push(rpc.SenderCreate(room=8))
+        ok = ring.push(rpc.SenderInit(room=8, num_pages=1, aux_index=1), depends=other)
+        await ring.drained()
+        ring.collect()
+        kind = ring.outcome(dup)[1]
+        assert ring.outcome(dup)[0] is False and "already active" in ring.outcome(dup)[2]
+        for seq in calls:
+            refused, k, error = ring.outcome(seq)
+            assert refused is False and k == kind and f"call {dup} it depends on" in error
+            assert "already active" in error
+        assert ring.outcome(ok) == (True, None, "")
+        assert p.side.poll([7, 8]).statuses == [1, 1]  # the live room goes on, not aborted
+        assert not ring.sub.closed
+    finally:
+        ring.close()
+
+
+async def test_a_dependency_beyond_the_ring_fails_the_channel(cluster: Cluster) -> None:
+    """A record can depend only on one that was in the ring with it: one that names a call
+    more than a ring's capacity back is a hostile producer's, and fails the channel (its
+    rooms aborted), not the daemon."""
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1)
+    ring = await RingEngine.open(pe, capacity=4)
+    try:
+        first = ring.push(rpc.SenderCreate(room=11))
+        for _ in range(4):
+            await ring.drained()
+            ring.push(rpc.SenderCreate(room=12))  # refused after the first: records all the same
+        await ring.drained()
+        ring.push(rpc.Abort(room=11, reason="far"), depends=first)
+        await ring.drained()
+        assert ring.sub.closed
+        await until(lambda: p.side.poll([11]).statuses == [int(KVPoll.Failed)], 20.0)
     finally:
         ring.close()

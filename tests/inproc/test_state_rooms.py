@@ -211,3 +211,58 @@ async def test_i22_prefill_pp2_stages_each_write_their_state_and_window_layers(
         assert await de.status(40) == SUCCESS, await de.failure(40)
         got = de.pool.holds(truth, ROOM_PAGES, DST_PAGES, 2, 0, SRC_WIN, DST_WIN)  # type: ignore[attr-defined]
         assert got == {"kv": True, "window": True, "state": True}
+
+
+def _tokens(views: list[np.ndarray], pages: list[int], page_size: int) -> np.ndarray:
+    """``[buffer, token, token bytes]`` of the room pages ``pages`` (NHD): token ``t`` is
+    page ``pages[t // page_size]`` slot ``t % page_size``."""
+    token = SPEC.total_kv_heads * SPEC.head_dim * 2  # TP 1: every head
+    return np.stack([v.reshape(-1, page_size, token)[np.asarray(pages)].reshape(
+        len(pages) * page_size, token) for v in views])
+
+
+@pytest.mark.parametrize(("ps", "pd"), [(4, 8), (8, 4)])
+async def test_i22_a_hybrid_room_between_page_sizes_moves_kv_and_window_tokens_exact(
+        cluster: Cluster, ps: int, pd: int) -> None:
+    """A prefill of page size ``ps`` and a decode of ``pd``: the paged KV and the window
+    pool are re-tiled in tokens (the window: the tokens both sides' window pages hold,
+    each side's window pages being the tail of its room pages), the state slot moves as
+    with equal pages; every decode byte of those tokens equals the prefill's, and the
+    decode's other window bytes keep what they held."""
+    t_end = 22  # the request's tokens; window_tokens 8: tokens [14, 22) must move
+    ns, nd = -(-t_end // ps), -(-t_end // pd)
+    room_end = min(ns * ps, nd * pd)
+    start = t_end - SPEC.window_tokens
+    src_pages, dst_pages = list(range(3, 3 + ns)), list(range(20, 20 - nd, -1))
+    s_first, d_first = start // ps, start // pd
+    src_win = [6, 7, 2, 9, 11][:ns - s_first]
+    dst_win = [1, 9, 14, 3, 5][:nd - d_first]
+    p = await cluster.node("prefill")
+    pe = await hybrid(p, replace(SPEC, page_size=ps), source=replace(SPEC, page_size=ps).truth(9),
+                      seed=1)
+    d = await cluster.node("decode")
+    de = await hybrid(d, replace(SPEC, page_size=pd), seed=2)
+    sp: HybridShard = pe.pool  # type: ignore[assignment]
+    dp: HybridShard = de.pool  # type: ignore[assignment]
+    before = [v.copy() for v in dp.window]
+    await de.call(rpc.ReceiverCreate(room=11, bootstrap_addr=p.http_addr))
+    await de.call(rpc.ReceiverInit(room=11, dst_pages=pack_indices(dst_pages), aux_index=0,
+                                   state_index=3, window_pages=pack_indices(dst_win)))
+    await pe.call(rpc.SenderCreate(room=11))
+    await pe.call(rpc.SenderInit(room=11, num_pages=ns, aux_index=0, state_index=1,
+                                 window_pages=pack_indices(src_win)))
+    await pe.send(11, src_pages, chunks=2)
+    await settle(cluster)
+    assert await de.status(11) == SUCCESS, await de.failure(11)
+    kv_src, kv_dst = _tokens(sp.kv, src_pages, ps), _tokens(dp.kv, dst_pages, pd)
+    assert np.array_equal(kv_dst[:, :room_end], kv_src[:, :room_end])
+    lo = max(s_first * ps, d_first * pd)
+    w_src = _tokens(sp.window, src_win, ps)  # token s_first * ps + i at row i
+    w_dst = _tokens(dp.window, dst_win, pd)
+    got = w_dst[:, lo - d_first * pd:room_end - d_first * pd]
+    assert np.array_equal(got, w_src[:, lo - s_first * ps:room_end - s_first * ps])
+    assert lo <= start  # the request's window is inside what moved
+    untouched = _tokens(before, dst_win, pd)[:, :lo - d_first * pd]
+    assert np.array_equal(w_dst[:, :lo - d_first * pd], untouched)
+    for k, v in dp.state.items():
+        assert np.array_equal(v[3], sp.state[k][1])

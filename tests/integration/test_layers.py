@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvd.client import KVPoll, Receiver, Sender
+from kvd.errors import RoomError
 from kvd.refengine.standin import wait_rooms
 from tests.conftest import PdPair
 
@@ -47,4 +48,37 @@ def test_i22_a_room_streamed_layer_by_layer_lands_byte_for_byte_over_mooncake(
     assert wait_rooms(p.client, [611]) == [KVPoll.Success]
     assert _holds(d.kv, p.kv, dst, src, list(range(2 * nl)))
     assert np.array_equal(d.aux[4], p.aux[2])
+    send.clear()
+
+
+def test_i22_send_layers_edges_name_what_is_wrong_over_the_socket(pd_pair: PdPair) -> None:
+    """What the engine sees: a range past the pool fails the room (kind layout) naming the
+    range; a negative index and a send() without is_last after send_layers are refused
+    in the client, nothing sent; a finishing send with a layer missing names the pages
+    and layers."""
+    p, d = pd_pair.p_engine, pd_pair.d_engine
+    nl = p.num_layers
+    src, dst = np.array([1, 2]), np.array([3, 4])
+    Receiver(d.client, 612, pd_pair.bootstrap).init(dst, 5)
+    send = Sender(p.client, 612)
+    send.init(2, 3)
+    with pytest.raises(ValueError, match=r"layers \[-1, 1\)"):
+        send.send_layers(src, (-1, 1))
+    send.send_layers(src, (0, 1))
+    with pytest.raises(ValueError, match="pass is_last to send"):
+        send.send(src)
+    with pytest.raises(RoomError, match=rf"layers \[1, {nl + 3}\) end outside the {nl} "
+                                        rf"layers"):
+        send.send_layers([], (1, nl + 3))
+    assert wait_rooms(p.client, [612]) == [KVPoll.Failed]
+    assert send.failure()[0] == "layout"
+    assert wait_rooms(d.client, [612]) == [KVPoll.Failed]
+    send.clear()
+    Receiver(d.client, 613, pd_pair.bootstrap).init(dst, 5)
+    send = Sender(p.client, 613)
+    send.init(2, 3)
+    send.send_layers(src, (0, 1))
+    with pytest.raises(RoomError, match=r"room pages \[0, 2\) miss layers? 1"):
+        send.send_layers([], (0, 0), is_last=True)
+    assert wait_rooms(p.client, [613]) == [KVPoll.Failed]
     send.clear()

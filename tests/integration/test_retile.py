@@ -4,6 +4,7 @@ is compared with a token-by-token copy of the room; bytes the room does not name
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,3 +55,50 @@ def test_i22_a_16_to_64_room_lands_token_for_token_over_mooncake(
             want[dst[t // PD], b:b + TOKEN] = s[src[t // PS], a:a + TOKEN]
         assert np.array_equal(got, want)
     assert np.array_equal(d.aux[4], p.aux[2])
+
+
+def _layers_hold(d: PdPair, dst: np.ndarray, src: np.ndarray, before: list[np.ndarray],
+                 layers: set[int], tokens: int) -> bool:
+    """Do the decode's buffers hold exactly room tokens ``[0, tokens)`` of ``layers`` (a
+    token-by-token copy), every other byte as it was?"""
+    p, dd = d.p_engine, d.d_engine
+    nl = p.num_layers
+    for b, (got, old, s) in enumerate(zip(dd.kv, before, p.kv, strict=True)):
+        want = old.copy()
+        if b % nl in layers:
+            for t in range(tokens):
+                a, c = (t % PS) * TOKEN, (t % PD) * TOKEN
+                want[dst[t // PD], c:c + TOKEN] = s[src[t // PS], a:a + TOKEN]
+        if not np.array_equal(got, want):
+            return False
+    return True
+
+
+def test_i22_a_16_to_64_room_streams_layer_by_layer_over_mooncake(
+        retiled_pair: PdPair) -> None:
+    """Layer streaming to another page size: layer 0 of re-tiled pages lands before any
+    other layer is sent; a last send of no layers ends the room with aux."""
+    p, d = retiled_pair.p_engine, retiled_pair.d_engine
+    nl, rng = p.num_layers, np.random.default_rng(23)
+    tokens = 256  # 16 prefill pages, 4 decode pages
+    src = rng.choice(p.num_pages, tokens // PS, replace=False)
+    dst = rng.choice(d.num_pages, tokens // PD, replace=False)
+    p.aux[2] = rng.integers(0, 256, p.aux.shape[1], dtype=np.uint8)
+    before = [b.copy() for b in d.kv]
+    Receiver(d.client, 502, retiled_pair.bootstrap).init(dst, 4)
+    send = Sender(p.client, 502)
+    send.init(src.size, 2)
+    send.send_layers(src, (0, 1))
+    bound = time.monotonic() + 60.0  # poll until it landed, within a generous bound
+    while not _layers_hold(retiled_pair, dst, src, before, {0}, tokens) and \
+            time.monotonic() < bound:
+        time.sleep(0.05)
+    assert _layers_hold(retiled_pair, dst, src, before, {0}, tokens)
+    for layer in range(1, nl):
+        send.send_layers([], (layer, layer + 1))
+    send.send_layers([], (nl, nl), is_last=True)  # every layer was sent: aux only
+    assert wait_rooms(d.client, [502]) == [KVPoll.Success]
+    assert wait_rooms(p.client, [502]) == [KVPoll.Success]
+    assert _layers_hold(retiled_pair, dst, src, before, set(range(nl)), tokens)
+    assert np.array_equal(d.aux[4], p.aux[2])
+    send.clear()

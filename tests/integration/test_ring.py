@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvd.client import KvdClient, KVPoll, Sender
-from kvd.errors import KvdError, KvdUnreachable
+from kvd.client import KvdClient, KVPoll, Receiver, Sender
+from kvd.errors import KvdError, KvdUnreachable, RoomError
 from kvd.launch import start_daemon
 from kvd.protocol import rpc
 from kvd.protocol.codec import pack_indices
@@ -94,8 +94,8 @@ def test_an_engine_on_the_ring_whose_kvd_died_falls_back_and_registers_again(
         pair.prefill.kill(signal.SIGKILL)
         pair.prefill.proc.wait(10)
         t = time.monotonic()
-        with pytest.raises(KvdUnreachable):
-            Sender(pe.client, 8300)
+        with pytest.raises(KvdUnreachable):  # a create is not waited for: a clear is
+            pe.client.submit(rpc.Clear(room=8300), wait=True)
         assert time.monotonic() - t < BOUND / 3
         assert pe.client.ring is None
         pair.prefill = start_daemon("prefill", tmp_path, serve_bootstrap=True,
@@ -195,3 +195,55 @@ def test_submit_all_runs_a_step_of_room_calls_in_one_wait_and_names_each_refusal
     assert pe.client.submit_all(clears) == {}
     wait_rooms(de.client, rooms, BOUND)
     assert de.client.submit_all(clears) == {}
+
+
+def test_a_duplicate_create_through_the_ring_is_refused_at_the_next_call_and_harms_nobody(
+        ring_pair: PdPair) -> None:
+    """A create through the ring is not waited for (``Sender(...)`` and ``Receiver(...)``
+    return once the record is in the ring). A duplicate of a live room is refused later:
+    the duplicate's handle reads Failed naming the refusal (its wait and poll never read
+    the live room's status), its next init raises it, and its abort and clear are never
+    run -- the live room, created through the same client, moves byte for byte (over the
+    socket the duplicate's constructor raised instead)."""
+    pe, de = ring_pair.p_engine, ring_pair.d_engine
+    room = 8800
+    recv = Receiver(de.client, room, ring_pair.bootstrap)
+    recv.init([5, 6], 5)
+    live = Sender(pe.client, room)
+    live.init(2, 1)
+    dup_s = Sender(pe.client, room)  # returns: the refusal comes back later
+    dup_r = Receiver(de.client, room, ring_pair.bootstrap)
+    for dup in (dup_s, dup_r):
+        t = time.monotonic()  # not the live room's wait: that room waits for its send
+        assert dup.wait(BOUND) == KVPoll.Failed and time.monotonic() - t < BOUND / 2
+        assert dup.poll() == KVPoll.Failed and dup.releasable()
+        assert "already active" in dup.failure()[1]
+        with pytest.raises(RoomError, match="already active"):
+            dup.init([1], 0) if dup is dup_r else dup.init(1, 0)
+        dup.abort("the duplicate's")
+        dup.clear()
+    assert live.poll() != KVPoll.Failed and recv.poll() != KVPoll.Failed
+    live.send(np.array([1, 2]))
+    assert recv.wait(BOUND) == KVPoll.Success and live.wait(BOUND) == KVPoll.Success
+    assert de.pages_equal(pe, [1, 2], [5, 6])
+    assert live.refused is None and recv.refused is None
+    recv.clear()
+    live.clear()
+    assert live.poll() == -1 and recv.poll() == -1
+
+
+def test_handles_of_rooms_cleared_elsewhere_leave_what_the_ring_keeps_bounded(
+        ring_pair: PdPair) -> None:
+    """Rooms created through their handle and ended by other means (a step's batch, a
+    handle from ``attach``): what the engine's ring keeps per handle stays bounded by its
+    capacity, not by the rooms it ever carried."""
+    pe = ring_pair.p_engine
+    ring = pe.client.ring
+    assert ring is not None
+    cap = ring.sub.capacity
+    for room in range(9000, 9000 + 3 * cap):
+        s = Sender(pe.client, room)
+        s.init(1, 0)
+        assert pe.client.submit_all([rpc.Abort(room=room, reason="test"),
+                                     rpc.Clear(room=room)]) == {}
+    assert len(ring.last) <= 2 * cap and len(ring.inflight) <= cap

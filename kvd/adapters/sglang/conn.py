@@ -218,8 +218,13 @@ class _Board:
 def _poll_board(side: Any) -> int:
     """A sender's or receiver's KVPoll from the manager's shared poll board (no RPC of its
     own); a room kvd no longer knows is Failed; terminal states are remembered."""
-    refusal = side.kv_mgr.client.ring_refusal(side.bootstrap_room)
-    if refusal is not None:  # a send or init through the ring that kvd refused: as a
+    handle = getattr(side, "sender", None) or getattr(side, "receiver", None)
+    if handle is not None:  # its create, an init, a send (a refused create reads
+        handle.wait_created()  # Failed, never the board's other incarnation)
+        refusal = handle.refusal()
+    else:
+        refusal = side.kv_mgr.client.ring_refusal(side.bootstrap_room)
+    if refusal is not None:  # a call through the ring that kvd refused: as a
         # refused RPC, a receiver aborts its room (the prefill stops), a sender fails
         fail = getattr(side, "abort_with", side._fail)
         fail(f"kvd refused a call of room {side.bootstrap_room}: "
@@ -430,12 +435,11 @@ class KvdKVReceiver(BaseKVReceiver):
     def clear(self) -> None:
         """Forget the room in kvd. Call once its pages are releasable (SGLang does: after
         Success, or after the deferred release); kvd refuses earlier, which is logged."""
-        if self.receiver is not None:
+        if self.receiver is not None:  # (nothing is sent if kvd refused its create)
             try:
-                self.kv_mgr.client.submit(rpc.Clear(room=self.bootstrap_room), wait=True)
+                self.receiver.clear(timeout=0)
             except KvdError as exc:
                 log.warning("kvd: room %d not cleared: %s", self.bootstrap_room, exc)
-            self.kv_mgr.client.ring_refusal(self.bootstrap_room)  # goes with the room
         self.kv_mgr.board.drop(self.bootstrap_room)
 
 

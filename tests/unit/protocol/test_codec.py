@@ -157,6 +157,23 @@ def test_indices_round_trip_full_int32_range(values: list[int]) -> None:
     assert codec.unpack_indices(data).tolist() == values
 
 
+@given(hnp.arrays(dtype=st.sampled_from(["<i8", ">i8", "<u4", ">i4", "<i2", "u1", "<u8"]),
+                  shape=st.integers(0, 130)),
+       st.sampled_from([1, 2, -1]))
+def test_pack_indices_of_any_integer_array_is_its_int32_or_a_refusal(
+        arr: np.ndarray, step: int) -> None:
+    """Small arrays are read through their buffer, larger ones with numpy: either way
+    (any byte order, strided) the int32 bytes of the values, or ProtocolError for a value
+    outside [0, 2**31)."""
+    view = arr[::step]
+    values = view.tolist()
+    if values and (min(values) < 0 or max(values) >= 2**31):
+        with pytest.raises(ProtocolError, match="2\\*\\*31"):
+            codec.pack_indices(view)
+        return
+    assert codec.pack_indices(view) == b"".join(v.to_bytes(4, "little") for v in values)
+
+
 def test_pack_indices_is_little_endian_int32() -> None:
     assert codec.pack_indices([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"
     assert codec.pack_indices(np.array([], dtype=np.int64)) == b""

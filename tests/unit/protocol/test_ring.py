@@ -126,6 +126,8 @@ def test_any_bytes_written_over_a_ring_read_as_records_or_protocol_errors(
             if got is None:
                 break
             assert len(got[1]) <= ring.max_payload
+            dep = ring.depends(got[0])
+            assert dep is None or 0 <= dep < got[0]
     except ProtocolError:
         pass
 
@@ -220,3 +222,26 @@ def test_any_bytes_over_a_ring_give_a_private_consumer_records_or_protocol_error
             raise AssertionError("more records than the ring holds")
     except ProtocolError:
         pass
+
+
+def test_a_record_names_the_record_it_depends_on_counted_back() -> None:
+    ring = new(capacity=8)
+    assert ring.push(b"create") == 0
+    assert ring.push(b"plain") == 1
+    assert ring.push(b"init", after=2) == 2
+    assert [ring.depends(s) for s in range(3)] == [None, None, 0]
+    with pytest.raises(ValueError, match="depend"):
+        ring.push(b"before the first", after=4)  # record 3 cannot name record -1
+    with pytest.raises(ValueError, match="depend"):
+        ring.push(b"itself", after=-1)
+    assert ring.head == 3  # nothing published
+
+
+def test_a_dependency_before_the_first_record_is_corrupt() -> None:
+    ring = new()
+    ring.push(b"x")
+    at = r.HEADER_WORDS * r.WORD
+    ring.mv[at + 12:at + 16] = (5).to_bytes(4, "little")  # record 0 "depends" 5 back
+    assert ring.record(0) == b"x"
+    with pytest.raises(ProtocolError, match="before the first"):
+        ring.depends(0)

@@ -13,6 +13,7 @@ a last send leaving a layer unnamed) fail the room, as a bad chunk does.
 from __future__ import annotations
 
 import itertools
+import re
 from collections import Counter
 
 import msgspec
@@ -140,29 +141,72 @@ def test_i22_layer_streams_write_each_page_layer_once_aux_last(
         all(w.aux_index is None for w in writes[:-1])
 
 
-@settings(max_examples=100, deadline=None)
-@given(plans(), st.sampled_from([4, 64]))
-def test_i22_layer_streams_to_another_page_size_move_whole_pages_once(
-        plan: tuple[int, int, int, list[Send]], pd: int) -> None:
-    """A decode with another page size is written in tokens, every layer at once: layer
-    sends wait until their pages have every layer, then move as a re-tiled chunk."""
-    nl, n, _, sends = plan
+@settings(max_examples=300, deadline=None)
+@given(plans(), st.sampled_from([4, 64]), st.data())
+def test_i22_layer_streams_to_another_page_size_write_each_token_layer_once(
+        plan: tuple[int, int, int, list[Send]], pd: int, data: st.DataObject) -> None:
+    """A decode with another page size is written in tokens: each layer range moves as soon
+    as its pages reach a decode page boundary (overlap), every (decode token, layer) of the
+    room from the decode's prefix hit on is written exactly once, from the right source page
+    and slot, aux on the last write only."""
+    nl, n, hit, sends = plan
     s = streaming(nl, pd)
     s.create(ROOM, 0.0)
     s.init(ROOM, n, 1, 0.0)
     tokens = n * 16
-    dst = np.arange(-(-tokens // pd), dtype=np.int64)
-    bind(s, dst)
+    nd = -(-tokens // pd)
+    hit = min(hit, nd - 1)
+    src = np.concatenate([p for p, _, lay in sends if lay is None or lay[0] == 0])
+    dst = np.random.default_rng(n).permutation(POOL)[:nd].astype(np.int64)
+    bind(s, dst[hit:], hit)
     writes: list[Write] = []
+    inflight: list[Write] = []
     for named, last, lay in sends:
-        writes += of(s.send(ROOM, named, last, 2.0, layers=lay), Write)
-        while writes and s.rooms[ROOM].writing:
-            writes += of(s.write_done(ROOM, writes[-1].attempt, None, 0, 0.0, 2.0), Write)
+        new = of(s.send(ROOM, named, last, 2.0, layers=lay), Write)
+        writes += new
+        inflight += new
+        while inflight and (data.draw(st.booleans()) or last):
+            new = of(s.write_done(ROOM, inflight.pop().attempt, None, 0, 0.0, 2.0), Write)
+            writes += new
+            inflight += new
+        assert len(inflight) <= 1  # one write per room at a time
     assert s.rooms[ROOM].status == KVPoll.Success
-    assert all(w.layers is None and w.tokens is not None for w in writes)
-    spans = [w.tokens for w in writes if w.tokens is not None]
-    assert [lo for lo, _ in spans] == [0, *(hi for _, hi in spans[:-1])]  # back to back
-    assert spans[-1][1] == tokens and writes[-1].is_last
+    cells: Counter[tuple[int, int, int]] = Counter()
+    for w in writes:
+        assert w.tokens is not None
+        lo, hi = w.layers if w.layers is not None else (0, nl)
+        (d,) = w.dests
+        a, b = d.tokens  # type: ignore[misc]
+        for t in range(a, b):
+            # the source page and slot the planner reads token t from, and where it lands
+            assert w.src_pages[t // 16 - w.src_first] == src[t // 16]
+            dp = int(d.dst_pages[t // pd - d.dst_first])
+            cells.update((dp, t % pd, layer) for layer in range(lo, hi))
+    want = {(int(dst[t // pd]), t % pd, layer) for t in range(hit * pd, tokens)
+            for layer in range(nl)}
+    assert set(cells) == want and set(cells.values()) == {1}
+    assert [w.is_last for w in writes] == [False] * (len(writes) - 1) + [True]
+    assert writes[-1].aux_index == 1 and all(w.aux_index is None for w in writes[:-1])
+
+
+@pytest.mark.parametrize(("pd", "pages", "first"), [(64, 8, (0, 128)), (4, 2, (0, 32))])
+def test_i22_a_layer_of_retiled_pages_moves_while_later_layers_compute(
+        pd: int, pages: int, first: tuple[int, int]) -> None:
+    """16 -> 64 and 16 -> 4: the first layer of a chunk that fills whole decode pages is
+    written at once, before any later layer is named."""
+    s = streaming(3, pd)
+    s.create(ROOM, 0.0)
+    s.init(ROOM, pages, 1, 0.0)
+    bind(s, np.arange(-(-pages * 16 // pd), dtype=np.int64))
+    src = np.arange(10, 10 + pages, dtype=np.int64)
+    (w,) = of(s.send(ROOM, src, False, 1.0, layers=(0, 1)), Write)
+    assert (w.tokens, w.layers, w.is_last) == (first, (0, 1), False)
+    assert not of(s.send(ROOM, src[:0], False, 1.0, layers=(1, 2)), Write)  # one at a time
+    (w2,) = of(s.write_done(ROOM, w.attempt, None, 0, 0.0, 1.0), Write)
+    assert (w2.tokens, w2.layers) == (first, (1, 2))
+    assert not of(s.send(ROOM, src[:0], True, 1.0, layers=(2, 3)), Write)
+    (w3,) = of(s.write_done(ROOM, w2.attempt, None, 0, 0.0, 1.0), Write)
+    assert (w3.tokens, w3.layers, w3.is_last) == (first, (2, 3), True)
 
 
 def _started(nl: int = 4, n: int = 3) -> tuple[SenderRooms, np.ndarray]:
@@ -232,7 +276,7 @@ def test_i22_an_abort_mid_stream_cancels_the_layer_in_flight() -> None:
 def test_i22_layer_ranges_need_the_layer_count() -> None:
     s, src = _started()
     s.num_layers = 0
-    with pytest.raises(RoomError, match="outside the 0 layers"):
+    with pytest.raises(RoomError, match="end outside the 0 layers"):
         s.send(ROOM, src, False, 1.0, layers=(0, 1))
 
 
@@ -272,5 +316,81 @@ def test_i22_coverage_matches_a_cell_set(nl: int, ops: list[tuple[int, int, int,
     prefix = next((p for p in range(size) if any((p, x) not in cells for x in range(nl))),
                   size)
     assert cover.complete_prefix() == prefix
+    assert cover.layer_prefixes().tolist() == [
+        next((p for p in range(size) if (p, x) not in cells), size) for x in range(nl)]
+    assert (cover.gaps() == "") == (gap is None)
+    if gap is not None:
+        assert f"page {gap[0]}" in cover.gaps() or f"pages [{gap[0]}," in cover.gaps()
     assert {p for a, b in cover.open_runs() for p in range(a, b)} == \
         {p for p, _ in full - cells}
+
+
+@pytest.mark.parametrize("pd", [16, 64])
+def test_i22_a_last_send_of_no_layers_finishes_a_streamed_room(pd: int) -> None:
+    """``send_layers([], (l, l), is_last=True)`` once every layer of every page was sent:
+    the room ends with one more write carrying aux and no KV (equal and re-tiled pages)."""
+    s = streaming(2, pd)
+    s.create(ROOM, 0.0)
+    s.init(ROOM, 4, 1, 0.0)
+    bind(s, np.arange(-(-64 // pd), dtype=np.int64))
+    src = np.arange(10, 14, dtype=np.int64)
+    writes = of(s.send(ROOM, src, False, 1.0, layers=(0, 1)), Write)
+    writes += of(s.write_done(ROOM, writes[-1].attempt, None, 0, 0.0, 1.0), Write)
+    writes += of(s.send(ROOM, src[:0], False, 1.0, layers=(1, 2)), Write)
+    writes += of(s.write_done(ROOM, writes[-1].attempt, None, 0, 0.0, 1.0), Write)
+    writes += of(s.send(ROOM, src[:0], True, 1.0, layers=(0, 0)), Write)
+    last = writes[-1]
+    assert last.is_last and last.aux_index == 1 and last.layers is None
+    assert not any(w.is_last for w in writes[:-1])
+    if pd == 16:
+        assert last.src_pages.size == 0
+    else:
+        assert last.tokens is not None and last.tokens[0] == last.tokens[1] == 64
+    s.write_done(ROOM, last.attempt, None, 0, 0.0, 1.0)
+    assert s.rooms[ROOM].status == KVPoll.Success
+
+
+@pytest.mark.parametrize(("call", "match", "fails"), [
+    # the finishing send while layers are missing: which pages miss which layers
+    (lambda s, p: s.send(ROOM, p[:0], True, 1.0, layers=(0, 0)),
+     r"leaves layers unnamed: room pages \[0, 2\) miss layers 2-3 \(every layer", True),
+    (lambda s, p: s.send(ROOM, p[:1], True, 1.0, layers=(2, 2)),
+     r"a last send of no layers \(\[2, 2\)\) names 1 pages", True),
+    (lambda s, p: s.send(ROOM, p[:2], False, 1.0, layers=(2, 2)),
+     r"layers \[2, 2\) name no layer", True),
+    (lambda s, p: s.send(ROOM, p[:2], False, 1.0, layers=(3, 1)),
+     r"layers \[3, 1\) name no layer", True),
+    (lambda s, p: s.send(ROOM, p[:2], False, 1.0, layers=(2, 9)),
+     r"layers \[2, 9\) end outside the 4 layers", True),
+])
+def test_i22_send_layers_edges_name_what_is_wrong(call: object, match: str,
+                                                  fails: bool) -> None:
+    s, src = _started()
+    s.send(ROOM, src[:2], False, 1.0, layers=(0, 2))
+    with pytest.raises(RoomError, match=match):
+        call(s, src)  # type: ignore[operator]
+    r = s.rooms[ROOM]
+    assert (r.status == KVPoll.Failed) == fails
+    assert r.failure is not None and r.failure.kind == FailureKind.LAYOUT
+    assert re.search(match, r.failure.reason)  # what the engine's poll reads names it too
+
+
+def test_i22_a_layer_range_of_no_page_before_any_page_says_so() -> None:
+    s, src = _started()
+    with pytest.raises(RoomError, match="named no page yet"):
+        s.send(ROOM, src[:0], False, 1.0, layers=(0, 1))
+    assert s.rooms[ROOM].failure is not None
+    assert s.rooms[ROOM].failure.kind == FailureKind.LAYOUT
+
+
+def test_i22_a_send_after_the_last_names_itself_and_the_room_goes_on() -> None:
+    s, src = _started(nl=2, n=1)
+    (w,) = of(s.send(ROOM, src, True, 1.0), Write)
+    with pytest.raises(RoomError, match=r"layers \[0, 1\) of 0 pages sent after the room's "
+                                        r"last send"):
+        s.send(ROOM, src[:0], False, 1.0, layers=(0, 1))
+    with pytest.raises(RoomError, match="a chunk of 1 pages sent after"):
+        s.send(ROOM, src, False, 1.0)
+    assert s.rooms[ROOM].status == KVPoll.Transferring  # the room is not failed by it
+    s.write_done(ROOM, w.attempt, None, 0, 0.0, 1.0)
+    assert s.rooms[ROOM].status == KVPoll.Success

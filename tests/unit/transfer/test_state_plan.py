@@ -25,6 +25,7 @@ from kvd.transfer.state import (
     StatePairPlan,
     check_state_pair,
     check_window_pages,
+    plan_room_state,
     prove_state_sources_tile,
 )
 
@@ -280,3 +281,92 @@ def test_i22_state_coverage_refuses_a_stage_edge_nobody_writes() -> None:
     with pytest.raises(RegistrationError, match=r"decode layers \[0, 1\) are written by no"):
         check_state_coverage(late, dst, 0, 2)
     check_state_coverage(late, dst, 1, 2)  # the last stage: its end matches
+
+
+@settings(max_examples=120, deadline=None)
+@given(worlds(), st.sampled_from([1, 4, 16]), st.integers(1, 60), st.data())
+def test_i22_window_pages_retile_between_page_sizes_every_byte_once(
+        w: World, pd: int, t_end: int, data: st.DataObject) -> None:
+    """Window pools of another page size on the decode: each side names the tail of its
+    room pages holding the request's last ``window`` tokens; the tokens both hold move
+    token by token (TP slicing, PP stages), each decode byte of the window written once,
+    from the right source token and head, and nothing else written."""
+    if "window" not in w.types:
+        return
+    ps = w.page_size
+    ns, nd = -(-t_end // ps), -(-t_end // pd)
+    room_end = min(ns * ps, nd * pd)
+    start = max(t_end - w.window, 0)
+    s_first, d_first = start // ps, start // pd  # the first page holding a window token
+    if ns - s_first > POOL or nd - d_first > POOL:
+        return
+    sp = np.array(data.draw(st.permutations(range(POOL)))[:ns - s_first], np.int64)
+    dp = np.array(data.draw(st.permutations(range(POOL)))[:nd - d_first], np.int64)
+    dw = World(w.types, w.prefill_tp, w.decode_tp, w.stages, pd, w.window, w.heads)
+    token_bytes = HEAD_DIM * DTYPE
+    lo = max(s_first * ps, d_first * pd)
+    for d in range(w.decode_tp):
+        dst, size = dw.decode(d)
+        assert dst.window is not None
+        mem = np.zeros(size, np.uint8)
+        count = np.zeros(size, np.int64)
+        for pp in range(len(w.stages) - 1):
+            for tp in prefill_targets(d, w.decode_tp, w.prefill_tp):
+                src, s_size = w.prefill(tp, pp)
+                pair = StatePairPlan.of(src, dst)
+                if pair.window is None:
+                    continue
+                s_mem = np.zeros(s_size, np.uint8)
+                win = src.window
+                assert win is not None
+                h0, nh = rank_heads(tp, w.prefill_tp, 4)
+                for b in range(win.kv_ptrs.size):  # token t, head h of window buffer b
+                    layer = win.layer_start + b % win.num_layers
+                    for i, page in enumerate(sp.tolist()):
+                        for slot in range(ps):
+                            t = (s_first + i) * ps + slot
+                            at = int(win.kv_ptrs[b]) + int(win.item_lens[b]) * page + \
+                                slot * nh * token_bytes
+                            s_mem[at:at + nh * token_bytes] = np.concatenate(
+                                [_token(layer, b // win.num_layers, t, h0 + h)
+                                 for h in range(nh)])
+                desc = plan_room_state(pair, -1, -1, sp, dp, "room 1", room_end) \
+                    if not pair.src.buffers and not pair.dst.buffers else \
+                    plan_room_state(pair, 0, 0, sp, dp, "room 1", room_end)
+                for s, t, n in zip(desc.src.tolist(), desc.dst.tolist(),
+                                   desc.length.tolist(), strict=True):
+                    mem[t:t + n] = s_mem[s:s + n]
+                    count[t:t + n] += 1
+        want = np.zeros(size, np.uint8)
+        wanted = np.zeros(size, bool)
+        win = dst.window
+        h0, nh = rank_heads(d, w.decode_tp, 4)
+        for b in range(win.kv_ptrs.size):
+            layer = win.layer_start + b % win.num_layers
+            for t in range(lo, room_end):
+                at = int(win.kv_ptrs[b]) + int(win.item_lens[b]) * int(dp[t // pd - d_first]) \
+                    + (t % pd) * nh * token_bytes
+                want[at:at + nh * token_bytes] = np.concatenate(
+                    [_token(layer, b // win.num_layers, t, h0 + h) for h in range(nh)])
+                wanted[at:at + nh * token_bytes] = True
+        state = np.zeros(size, bool)
+        for b in dst.buffers:  # state slot 0 of each buffer: the state plan's, not checked
+            state[b.ptr:b.ptr + b.slot_bytes] = True
+        assert (count[wanted] == 1).all() and (count[~wanted & ~state] == 0).all()
+        assert np.array_equal(mem[wanted], want[wanted])
+
+
+def _token(layer: int, kv: int, t: int, head: int) -> np.ndarray:
+    """The bytes of one (window layer, K/V, token, head): distinct for every one of them."""
+    return ((np.arange(HEAD_DIM * DTYPE) + 3 * layer + 5 * kv + 11 * t + 17 * head) % 251
+            + 1).astype(np.uint8)
+
+
+def test_i22_window_pages_longer_than_the_room_are_refused() -> None:
+    w = World(("full", "window"), 1, 1, (0, 2), 4, 8, {"conv": 1, "ssm": 2})
+    dst, _ = World(w.types, 1, 1, w.stages, 16, 8, w.heads).decode(0)
+    src, _ = w.prefill(0, 0)
+    pair = StatePairPlan.of(src, dst)
+    with pytest.raises(PlanRefused, match="2 destination pages named, but the room's 12 "
+                                          "tokens fill 1 pages of 16"):
+        plan_room_state(pair, -1, -1, np.arange(2), np.arange(2), "room 1", 12)
