@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import msgspec
 import numpy as np
