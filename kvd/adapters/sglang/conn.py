@@ -22,7 +22,12 @@ Selected with ``--disaggregation-transfer-backend kvd`` once the plugin in
   itself with the bootstrap server under those ranks.
 * :class:`KvdKVSender` / :class:`KvdKVReceiver`: one kvd room each
   (``Sender``/``Receiver`` of :mod:`kvd.client`). The receiver creates its kvd room in
-  ``init(prefill_dp_rank)`` and hands its pages over in ``send_metadata``.
+  ``init(prefill_dp_rank)`` and hands its pages over in ``send_metadata``. A hybrid
+  model's ``state_indices`` (Mamba slot, SWA window pages) become the room's state index
+  and window pages (:func:`kvd.adapters.sglang.kvargs.room_state`): the receiver's in
+  ``send_metadata``, the sender's with its last chunk (it announces the room again with
+  them). A decode whose Mamba state moves only as whole slots refuses a prefill of
+  another attention TP in ``init``, naming the buffer.
 
 Polling: SGLang polls every room every scheduler step. The manager answers all of them
 from one refresh per ``poll_interval`` (default 2 ms) over every live room: kvd's status
