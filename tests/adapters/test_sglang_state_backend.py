@@ -182,3 +182,57 @@ def test_swa_room_moves_kv_and_window_pages_byte_for_byte(
             assert np.array_equal(mine[others], old[others])
         r.clear()
         s.clear()
+
+
+@pytest.mark.parametrize("tp", [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)])
+def test_kvds_mamba_reshard_is_sglangs_slice_byte_for_byte(sgl: Any,  # noqa: F811
+                                                           tp: tuple[int, int]) -> None:
+    """For every prefill rank that writes a decode rank, kvd's state plan of the buffers
+    the adapter calls head-major (and replicated) writes exactly the byte blocks SGLang's
+    own ``compute_mamba_state_slice_byte_blocks`` computes for them."""
+    from kvd.adapters.sglang.kvargs import sglang_state
+    from kvd.transfer.layout import prefill_targets
+    from kvd.transfer.state import STATE_ID_BASE, StateBuffer, StateLayout, StatePairPlan
+
+    rows, row_bytes = 8, 48  # whole-model rows of a temporal state, bytes per row
+    src_tp, dst_tp = tp
+
+    def layout(rank: int, size: int) -> StateLayout:
+        dim = rows // size
+        args = type("A", (), dict(
+            state_types=["mamba"], state_data_ptrs=[[1, 2]], state_data_lens=[[1, 1]],
+            state_item_lens=[[dim * row_bytes, 40]], state_layer_ids=[[1, 1]],
+            state_dim_per_tensor=[[dim, 0]], state_slice_outer_counts=[[1, 1]],
+            state_conv_shard_groups=[[None, None]], prefill_start_layer=0))()
+        spec = sglang_state(args, [0], 1, 4, 1, 1, 2, EngineRanks(rank, size), None).spec
+        assert spec is not None
+        bufs = tuple(StateBuffer(b.layer, b.kind, (i + 1) << 32, 4 * b.slot_bytes,
+                                 b.slot_bytes, b.dtype, b.heads, b.total_heads)
+                     for i, b in enumerate(spec.buffers))
+        return StateLayout(bufs, tuple(spec.layer_types), 0, 2, rank, size)
+
+    checked = 0
+    for d in range(dst_tp):
+        dst = layout(d, dst_tp)
+        for s in prefill_targets(d, dst_tp, src_tp):
+            src = layout(s, src_tp)
+            plan = StatePairPlan.of(src, dst)
+            desc = plan.plan(0, 0)  # one descriptor per written buffer, in plan.s_ids order
+            got = {(int(k) - STATE_ID_BASE, int(a) - src.buffers[int(k) - STATE_ID_BASE].ptr,
+                    int(b) - dst.buffers[int(k) - STATE_ID_BASE].ptr, int(n))
+                   for a, b, n, k in zip(desc.src, desc.dst, desc.length, plan.s_ids,
+                                         strict=True)}
+            want = set()
+            for k, (sb, db) in enumerate(zip(src.buffers, dst.buffers, strict=True)):
+                sdim = 0 if k else rows // src_tp
+                ddim = 0 if k else rows // dst_tp
+                for blk in sgl.utils.compute_mamba_state_slice_byte_blocks(
+                        src_item_len=sb.slot_bytes, dst_item_len=db.slot_bytes, src_dim=sdim,
+                        dst_dim=ddim, outer_count=1, src_attn_tp_size=src_tp,
+                        dst_attn_tp_size=dst_tp, dst_tp_rank_in_group=d,
+                        local_tp_rank_in_group=s, conv_shard_groups=None):
+                    want.add((k, *(int(x) for x in blk)))
+            assert got == want, (s, d)
+            checked += len(want)
+    assert checked >= dst_tp  # at least the temporal state's block per decode rank
+
