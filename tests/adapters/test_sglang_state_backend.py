@@ -162,6 +162,23 @@ def test_mamba_room_moves_kv_aux_and_state_slots_byte_for_byte(
             assert np.array_equal(mine[others], old[others])  # nothing else written
         r.clear()
         s.clear()
+        # a decode whose Mamba state moves only as whole slots refuses a prefill of another
+        # attention TP in init, naming the buffer (kvd's pairing would refuse it too)
+        import dataclasses
+
+        mgr_d.state = dataclasses.replace(mgr_d.state, whole_slots=(
+            "layer 1 mamba0 (conv sub-blocks [4, 4, 8] sharded separately)",))
+        info = mgr_d.prefill_info_table[boot]
+        mgr_d.prefill_info_table[boot] = dataclasses.replace(info, attn_tp_size=2)
+        polls = sgl.base.KVPoll
+        rec = sgl.utils.get_kv_class(sgl.backend, sgl.utils.KVClassType.RECEIVER)(
+            mgr=mgr_d, bootstrap_addr=boot, bootstrap_room=8103)
+        rec.init(0)
+        assert rec.poll() == polls.Failed
+        with pytest.raises(sgl.KVTransferError, match=r"layer 1 mamba0 \(conv sub-blocks .* "
+                                                      r"TP 2 \(prefill\) and 1 \(decode\)"):
+            rec.failure_exception()
+        rec.clear()
 
 
 def test_swa_room_moves_kv_and_window_pages_byte_for_byte(
