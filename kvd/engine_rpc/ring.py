@@ -59,6 +59,7 @@ log = logging.getLogger("kvd")
 #: Records drained per loop turn before yielding to the loop's other work.
 BATCH = 256
 _RING_CALLS: tuple[type, ...] = typing.get_args(rpc.RingCall)
+_CREATES = (rpc.SenderCreate, rpc.ReceiverCreate)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 Handle = Callable[[rpc.Call], Any]
@@ -126,6 +127,10 @@ class RingChannel:
         self.closed = False
         self._draining = False
         self._again = False
+        #: the connection dropped: refusals reach nobody (:meth:`finish`)
+        self.orphaned = False
+        #: ``(room, call, error)`` of calls refused while orphaned (creates excepted)
+        self.undelivered: list[tuple[int, str, str]] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         self.handled = 0
 
@@ -151,13 +156,15 @@ class RingChannel:
     # ---- draining ----------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Run every published record (at most :data:`BATCH` now, the rest on the next
-        loop turn), then sleep. Re-entrant calls (a record's handler asking again) and
-        calls after the channel failed or closed do nothing."""
+        """The wake-up path (``wake_kvd``, the sweep, the next loop turn): run the
+        published records, at most :data:`BATCH` now and the rest on the next loop turn
+        (a flooding engine cannot starve the loop), then sleep. Re-entrant calls (a
+        record's handler asking again) and calls after the channel failed or closed do
+        nothing."""
         if self._draining or self.failed or self.closed:
             return
         if self.sub.sleeping and self.sub.head == self.inbox.tail:
-            return  # nothing published, nothing to change (every socket call asks)
+            return  # nothing published, nothing to change
         self._draining = True
         self.sub.sleeping = False
         try:
@@ -178,6 +185,44 @@ class RingChannel:
             self._draining = False
             self._wake_engine()
 
+    def catch_up(self) -> None:
+        """Before a socket call of the same connection: run EVERY record published now
+        (up to the ``head`` read here, no :data:`BATCH` limit), so the socket call runs
+        after every call the engine made before it, whichever way each went. A
+        completion ring that fills first cannot be waited out (the engine is blocked in
+        its socket call and reads no completion; :class:`~kvd.client.rpc.KvdClient`
+        reads them all before a socket call, so ``capacity`` slots always suffice): the
+        channel fails, naming why (its rooms aborted, :meth:`fail`), and the socket call
+        runs after it. Does nothing re-entrantly, with nothing published, or after the
+        channel failed or closed."""
+        if self._draining or self.failed or self.closed or \
+                self.sub.head == self.inbox.tail:
+            return
+        self._draining = True
+        try:
+            self._run_to(self.inbox.tail + self.inbox.pending(), full=(
+                "the engine made a socket call while its completion ring was full: "
+                "the records before the call cannot run in order"))
+        except ProtocolError as exc:
+            self.fail(str(exc))
+        except Exception as exc:
+            log.exception("engine ring drain failed")
+            self.fail(f"internal error: {exc}")
+        finally:
+            self._draining = False
+            self._wake_engine()
+
+    def _run_to(self, target: int, full: str) -> None:
+        """Run records until ``tail`` reaches ``target`` (a ``head`` read before, checked
+        then); ProtocolError ``full`` if the completion ring fills first, and for a
+        ``head`` the engine moved back below ``target``."""
+        while self.inbox.tail < target:
+            if not self._run(target - self.inbox.tail):
+                if self.outbox.free() == 0:
+                    raise ProtocolError(f"{full} ({target - self.inbox.tail} records "
+                                        f"unrun)")
+                raise ProtocolError(f"ring head moved back below {target}")
+
     def _later(self) -> None:
         if self.loop is not None and not self._again:
             self._again = True
@@ -195,7 +240,7 @@ class RingChannel:
         """Run up to ``limit`` records; how many ran. Stops early while the completion
         ring is full (the engine reads it, then wakes kvd)."""
         ran = 0
-        while ran < limit and self.outbox.free() > 0:
+        while ran < limit and (self.orphaned or self.outbox.free() > 0):
             payload = self.inbox.peek()
             if payload is None:
                 break
@@ -235,6 +280,8 @@ class RingChannel:
                 log.exception("engine call %s failed", type(call).__name__)
             kind, error = rpc.failure(exc)
             self._refuse(seq, kind, error)
+            if self.orphaned and not isinstance(call, _CREATES):
+                self.undelivered.append((room, type(call).__name__, error))
             return
         if isinstance(call, rpc.Clear):
             self.rooms.discard(room)
@@ -253,6 +300,8 @@ class RingChannel:
 
     def _complete(self, reply: rpc.Reply) -> None:
         """Put ``reply`` in the completion ring (its error text cut to fit a record)."""
+        if self.orphaned:
+            return  # nobody reads it: the room fails instead (:meth:`finish`)
         data = codec.encode(reply)
         over = len(data) - self.comp.max_payload
         if over > 0:
@@ -293,6 +342,42 @@ class RingChannel:
         if self.loop is not None and self.wake_kvd >= 0:
             with contextlib.suppress(Exception):
                 self.loop.remove_reader(self.wake_kvd)
+
+    def finish(self) -> None:
+        """The connection dropped (or registered again): run every record the engine
+        published before (up to the ``head`` read here: the engine's
+        :meth:`~kvd.client.rpc.KvdClient.submit` returned for them, so it counts them as
+        made; a record it died half way through was never published and does not run),
+        then :meth:`close`. Their refusals reach nobody (the engine's client drops its
+        ring with the connection): none is written, and the room of each refused call
+        fails instead (an ``Abort`` run as the engine's, its reason naming the refused
+        call), so nothing the engine handed over is lost silently and a reconnecting
+        engine (K27) reads the room Failed. A refused create (and the calls that
+        depended on it) fails no room: the id's live room, if any, is another
+        incarnation. A record kvd cannot trust fails the channel as when live
+        (:meth:`fail`). At most ``capacity`` records run, on the loop, at once."""
+        if self.closed:
+            return
+        if not self.failed and not self._draining:
+            self._stop_reading()
+            self.orphaned = True
+            self._draining = True
+            try:
+                self._run_to(self.inbox.tail + self.inbox.pending(), full="")
+            except ProtocolError as exc:
+                self.fail(str(exc))
+            except Exception as exc:
+                log.exception("engine ring drain failed")
+                self.fail(f"internal error: {exc}")
+            finally:
+                self._draining = False
+            undelivered, self.undelivered = self.undelivered, []
+            for room, name, error in undelivered:
+                with contextlib.suppress(KvdError):
+                    self.handle(rpc.Abort(room=room, reason=(
+                        f"the engine's {name} was refused after its connection dropped "
+                        f"(the refusal reached nobody): {error}")))
+        self.close()
 
     def close(self) -> None:
         """The connection dropped (or kvd stops): mark the rings closed, stop reading,

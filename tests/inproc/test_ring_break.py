@@ -17,12 +17,6 @@ from tests.inproc.test_ring import RingEngine
 BOOTSTRAPPING, FAILED, UNKNOWN = 1, 0, -1
 
 
-@pytest.mark.xfail(strict=True, raises=RoomError, reason=(
-    "RingChannel.drain runs at most BATCH (256) records and leaves the rest to the next "
-    "loop turn, also when called before a socket call of the same connection "
-    "(Daemon._ring_first): with a ring larger than BATCH the socket call runs before "
-    "records the engine published earlier (architecture.md: 'calls run in the order the "
-    "engine made them, whichever way each went')"))
 async def test_a_socket_call_runs_after_every_record_published_before_it(
         cluster: Cluster) -> None:
     p = await cluster.node("prefill")
@@ -39,12 +33,6 @@ async def test_a_socket_call_runs_after_every_record_published_before_it(
         ring.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a connection that drops closes its ring without running the records the engine had "
-    "already published (Daemon._drop_ring -> RingChannel.close): KvdClient.submit returned "
-    "for them (send/init/abort do not wait), so the engine believes they ran; after its "
-    "reconnect within the grace the room is kept but the call is gone (here an abort: the "
-    "room stays Bootstrapping until its deadline)"))
 async def test_records_published_before_the_connection_drops_are_run(
         cluster: Cluster) -> None:
     p = await cluster.node("prefill")
