@@ -580,6 +580,7 @@ class KvdClient:
                     self._replay = False
                     self._open_table()
                     self._open_ring()
+                self._collect_first()
                 return self._roundtrip(call, kind)
             except KvdUnreachable as exc:
                 cause = exc.__cause__
@@ -587,6 +588,22 @@ class KvdClient:
                 if sock is None or attempt or timed_out or sock is self._interrupted:
                     raise
         raise AssertionError("unreachable")
+
+    def _collect_first(self) -> None:
+        """Before a socket call (under the lock): read every completion kvd wrote if the
+        ring holds calls kvd has not run. kvd runs them all before the socket call and
+        cannot wait for this thread, blocked in the call, to read a completion: with the
+        completion ring read empty here, its ``capacity`` slots hold a refusal for each
+        call still in the submission ring (at most ``capacity``), so kvd never meets a
+        full one (it would fail the ring, aborting the rooms it carried). A corrupt
+        completion ring drops the connection (:meth:`_ring_broken`: the call is retried
+        on a fresh one)."""
+        ring = self.ring
+        if ring is not None and not ring.drained():
+            try:
+                ring.collect()
+            except ProtocolError as exc:
+                self._ring_broken(exc)
 
     def _roundtrip(self, call: rpc.Call, kind: type | None,
                    fds_in: list[int] | None = None) -> Any:

@@ -129,8 +129,6 @@ class RingChannel:
         self._again = False
         #: the connection dropped: refusals reach nobody (:meth:`finish`)
         self.orphaned = False
-        #: ``(room, call, error)`` of calls refused while orphaned (creates excepted)
-        self.undelivered: list[tuple[int, str, str]] = []
         self.loop: asyncio.AbstractEventLoop | None = None
         self.handled = 0
 
@@ -281,7 +279,7 @@ class RingChannel:
             kind, error = rpc.failure(exc)
             self._refuse(seq, kind, error)
             if self.orphaned and not isinstance(call, _CREATES):
-                self.undelivered.append((room, type(call).__name__, error))
+                self._fail_room(room, type(call).__name__, error)
             return
         if isinstance(call, rpc.Clear):
             self.rooms.discard(room)
@@ -350,8 +348,7 @@ class RingChannel:
         made; a record it died half way through was never published and does not run),
         then :meth:`close`. Their refusals reach nobody (the engine's client drops its
         ring with the connection): none is written, and the room of each refused call
-        fails instead (an ``Abort`` run as the engine's, its reason naming the refused
-        call), so nothing the engine handed over is lost silently and a reconnecting
+        fails instead, at once (:meth:`_fail_room`), so nothing the engine handed over is lost silently and a reconnecting
         engine (K27) reads the room Failed. A refused create (and the calls that
         depended on it) fails no room: the id's live room, if any, is another
         incarnation. A record kvd cannot trust fails the channel as when live
@@ -371,13 +368,17 @@ class RingChannel:
                 self.fail(f"internal error: {exc}")
             finally:
                 self._draining = False
-            undelivered, self.undelivered = self.undelivered, []
-            for room, name, error in undelivered:
-                with contextlib.suppress(KvdError):
-                    self.handle(rpc.Abort(room=room, reason=(
-                        f"the engine's {name} was refused after its connection dropped "
-                        f"(the refusal reached nobody): {error}")))
         self.close()
+
+    def _fail_room(self, room: int, name: str, error: str) -> None:
+        """The engine's call ``name`` on ``room`` was refused with nobody to tell: the
+        room fails now, before the next record runs (an ``Abort`` as the engine's: a
+        later Clear or create of the id in the ring acts after it, as for an engine that
+        read the refusal)."""
+        with contextlib.suppress(KvdError):
+            self.handle(rpc.Abort(room=room, reason=(
+                f"the engine's {name} was refused after its connection dropped (the "
+                f"refusal reached nobody): {error}")))
 
     def close(self) -> None:
         """The connection dropped (or kvd stops): mark the rings closed, stop reading,
