@@ -6,10 +6,13 @@ writes it; ``wake_engine``: kvd writes it) and hands all three to the engine
 (:class:`~kvd.protocol.rpc.OpenRing`). The engine's room call is then "write a record,
 bump ``head``, and write ``wake_kvd`` only if kvd said it sleeps".
 
-kvd drains the submission ring on its loop: when ``wake_kvd`` is readable, before any
-socket call of the same connection (so calls run in the order the engine made them,
-whichever way each went), and again on the next loop turn while records remain (at most
-:data:`BATCH` per turn: a flooding engine cannot starve the loop). Before it waits it
+kvd drains the submission ring on its loop: when ``wake_kvd`` is readable, and again on
+the next loop turn while records remain (at most :data:`BATCH` per turn: a flooding
+engine cannot starve the loop); before any socket call of the same connection, every
+record published by then, whatever their number (:meth:`RingChannel.catch_up`: calls
+run in the order the engine made them, whichever way each went); and when the
+connection drops, every record published by then (:meth:`RingChannel.finish`: the
+engine counts them as made). Before it waits it
 sets the ring's ``sleeping`` word and looks at ``head`` once more (a full barrier
 between, :func:`~kvd.protocol.ring.fence`), so a record published in between is never
 left waiting for a wake-up that will not come; the daemon's sweep drains every ring
@@ -343,16 +346,17 @@ class RingChannel:
 
     def finish(self) -> None:
         """The connection dropped (or registered again): run every record the engine
-        published before (up to the ``head`` read here: the engine's
+        published before (up to the ``head`` read here; the engine's
         :meth:`~kvd.client.rpc.KvdClient.submit` returned for them, so it counts them as
         made; a record it died half way through was never published and does not run),
         then :meth:`close`. Their refusals reach nobody (the engine's client drops its
         ring with the connection): none is written, and the room of each refused call
-        fails instead, at once (:meth:`_fail_room`), so nothing the engine handed over is lost silently and a reconnecting
-        engine (K27) reads the room Failed. A refused create (and the calls that
-        depended on it) fails no room: the id's live room, if any, is another
-        incarnation. A record kvd cannot trust fails the channel as when live
-        (:meth:`fail`). At most ``capacity`` records run, on the loop, at once."""
+        fails instead, at once (:meth:`_fail_room`), so nothing the engine handed over
+        is lost silently and a reconnecting engine (K27) reads the room Failed. A
+        refused create (and the calls that depended on it) fails no room: the id's
+        live room, if any, is another incarnation. A record kvd cannot trust fails the
+        channel as when live (:meth:`fail`). At most ``capacity`` records run, on the
+        loop, at once."""
         if self.closed:
             return
         if not self.failed and not self._draining:
