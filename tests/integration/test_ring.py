@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvd.client import KvdClient, KVPoll, Receiver, Sender
+from kvd.client import KvdClient, KVPoll, Receiver, Sender, poll_many
 from kvd.errors import KvdError, KvdUnreachable, RoomError
 from kvd.launch import start_daemon
 from kvd.protocol import rpc
@@ -282,3 +282,30 @@ def test_a_socket_call_reads_the_completions_first_so_kvd_runs_every_record_befo
     assert client.ring is ring and not ring.sub.closed and ring.drained()
     assert all(isinstance(client.ring_refusal(r), KvdError) for r in rooms)
     client.call(rpc.Clear(room=8299))
+
+
+def test_a_ring_refusal_outlives_a_dropped_connection_within_the_grace(
+        ring_pair: PdPair) -> None:
+    """Room 8401's init names the aux slot live room 8400 holds (K42): kvd refuses it, the
+    refusal waits in the completion ring unread, and the engine's connection drops. The
+    client reads it before dropping the ring and keeps it: after the reconnect (kvd kept
+    the rooms, K27) 8401 still reads Failed naming the refusal -- kvd never ran its init,
+    so kvd's own status would leave the engine waiting -- and 8400 is untouched."""
+    d = ring_pair.d_engine.client
+    ring = d.ring
+    assert ring is not None
+    a = Receiver(d, 8400, ring_pair.bootstrap)
+    a.init([1, 2], aux_index=7)
+    b = Receiver(d, 8401, ring_pair.bootstrap)
+    b.init([5, 6], aux_index=7)  # refused by kvd; the ring does not wait
+    until(ring.drained, "kvd ran both inits")
+    reconnects = d.reconnects
+    with d._lock:
+        d._drop()  # the connection drops before the engine read the completion
+    assert d.call(rpc.Poll(rooms=[8400])).statuses[0] != KVPoll.Failed
+    assert d.reconnects == reconnects + 1 and d.ring is not None and d.ring is not ring
+    assert poll_many(d, [8400, 8401]) == [poll_many(d, [8400])[0], KVPoll.Failed]
+    assert b.poll() == KVPoll.Failed and "aux slot 7" in b.failure()[1]
+    b.clear()
+    a.clear()
+    assert poll_many(d, [8400, 8401]) == [-1, -1]
