@@ -704,6 +704,7 @@ class KvdClient:
         with self._lock:
             if self._sock is not None and self._registration is not None:
                 with contextlib.suppress(KvdError):
+                    self._collect_first()
                     self._roundtrip(rpc.Release(), None)
             self._drop()
 

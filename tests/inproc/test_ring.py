@@ -345,8 +345,9 @@ async def hostile(draw: Any) -> None:
         try:
             p = await cluster.node("prefill")
             d = await cluster.node("decode")
-            pe, de = await p.engine(seed=1), await d.engine(seed=2)
+            pe, de = await p.engine(seed=1, engine_id="e1"), await d.engine(seed=2)
             ring = await RingEngine.open(pe, capacity=8, record_bytes=512)
+            channel = p.daemon.rings[pe.conn.id]
             await pe.call(rpc.SenderCreate(room=50))  # over the socket: not the ring's
             await de.receiver(50, [3], p.http_addr)
             carried = [2, 3]
@@ -354,10 +355,13 @@ async def hostile(draw: Any) -> None:
                 ring.push(rpc.SenderCreate(room=r))
             await ring.drained()
             await hostile_writes(draw, ring)
-            ring.wake()
+            if draw(st.booleans()):  # the connection drops: kvd runs what checks out
+                await pe.reconnect()  # (within the grace: K27)
+                assert channel.closed and ring.sub.closed
+            else:
+                ring.wake()
             await pe.call(rpc.Poll(rooms=[50]))  # kvd runs the ring's records first
             await settle(cluster)
-            channel = p.daemon.rings[pe.conn.id]
             if channel.failed:
                 assert ring.sub.closed and ring.comp.closed
                 assert all(s in (0, -1) for s in p.side.poll(carried).statuses)
@@ -401,10 +405,10 @@ async def hostile_writes(draw: Any, ring: RingEngine) -> None:
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_a_hostile_ring_fails_only_its_own_channel_and_rooms(data: st.DataObject) -> None:
-    """Random records, random bytes anywhere in both rings and any head: kvd runs what
-    checks out and otherwise fails the channel (rings marked closed, the rooms the ring
-    carried aborted); the daemon lives, the socket serves, a room the ring did not carry
-    is untouched and moves its bytes."""
+    """Random records, random bytes anywhere in both rings and any head, then a wake-up
+    or the connection dropping: kvd runs what checks out and otherwise fails the channel
+    (rings marked closed, the rooms the ring carried aborted); the daemon lives, the
+    socket serves, a room the ring did not carry is untouched and moves its bytes."""
     asyncio.run(hostile(data.draw))
 
 
