@@ -43,6 +43,7 @@ never believed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import fcntl
 import logging
@@ -132,6 +133,13 @@ class RingChannel:
         self._again = False
         #: the connection dropped: refusals reach nobody (:meth:`finish`)
         self.orphaned = False
+        #: one entry per completion written, the last ``capacity``: ``[room, call, error,
+        #: standing]`` for a refused call of its own room (not a create, not refused for
+        #: the call it depended on), else None; ``standing`` until a later record names
+        #: the room (:meth:`finish` fails the room of a standing one the engine never read)
+        self.written: collections.deque[list[Any] | None] = collections.deque(
+            maxlen=capacity)
+        self.standing: dict[int, list[Any]] = {}  # room -> its standing entry
         self.loop: asyncio.AbstractEventLoop | None = None
         self.handled = 0
 
@@ -260,6 +268,10 @@ class RingChannel:
             raise ProtocolError(f"ring record {seq} carries {type(call).__name__}, which "
                                 f"a ring does not carry")
         room = call.room  # type: ignore[union-attr]
+        if self.standing:
+            entry = self.standing.pop(room, None)
+            if entry is not None:
+                entry[3] = False  # a later call on the room: the engine went on with it
         dep = self.sub.depends(seq)
         refusals = self.refusals
         while refusals and next(iter(refusals)) < seq - self.capacity:
@@ -280,9 +292,13 @@ class RingChannel:
             if not isinstance(exc, KvdError):
                 log.exception("engine call %s failed", type(call).__name__)
             kind, error = rpc.failure(exc)
-            self._refuse(seq, kind, error)
-            if self.orphaned and not isinstance(call, _CREATES):
-                self._fail_room(room, type(call).__name__, error)
+            own = None if isinstance(call, _CREATES) else [room, type(call).__name__, error,
+                                                            True]
+            self._refuse(seq, kind, error, entry=own)
+            if self.orphaned and own is not None:
+                self._fail_room(room, f"the engine's {own[1]} was refused after its "
+                                      f"connection dropped (the refusal reached nobody): "
+                                      f"{error}")
             return
         if isinstance(call, rpc.Clear):
             self.rooms.discard(room)
@@ -292,12 +308,19 @@ class RingChannel:
             self.rooms = {r for r in self.rooms if self.known(r)}
             self._prune_at = 2 * len(self.rooms) + PRUNE_AT
 
-    def _refuse(self, seq: int, kind: str, error: str, root: str = "") -> None:
+    def _refuse(self, seq: int, kind: str, error: str, root: str = "",
+                entry: list[Any] | None = None) -> None:
         """Call ``seq`` was refused: its answer in the completion ring, and the first
         refusal of its chain (``root``, else ``error``: a chain's texts do not grow) kept
-        for the records that depend on it."""
+        for the records that depend on it; ``entry``: what :attr:`written` keeps of it."""
         self.refusals[seq] = (kind, root or error)
         self._complete(rpc.Reply(id=seq, ok=False, error=error, kind=kind))
+        if not self.orphaned:
+            self.written.append(entry)
+            if entry is not None:
+                self.standing[entry[0]] = entry
+                if len(self.standing) > 2 * self.capacity:  # only those still written
+                    self.standing = {e[0]: e for e in self.written if e is not None and e[3]}
 
     def _complete(self, reply: rpc.Reply) -> None:
         """Put ``reply`` in the completion ring (its error text cut to fit a record)."""
@@ -364,6 +387,7 @@ class RingChannel:
             self.orphaned = True
             self._draining = True
             try:
+                self._fail_unread()
                 self._run_to(self.inbox.tail + self.inbox.pending(), full="")
             except ProtocolError as exc:
                 self.fail(str(exc))
@@ -374,15 +398,29 @@ class RingChannel:
                 self._draining = False
         self.close()
 
-    def _fail_room(self, room: int, name: str, error: str) -> None:
-        """The engine's call ``name`` on ``room`` was refused with nobody to tell: the
-        room fails now, before the next record runs (an ``Abort`` as the engine's: a
+    def _fail_unread(self) -> None:
+        """At the drop, before the records still published run: the refusals kvd wrote
+        that the engine has not read (past the completion ring's ``tail`` it published:
+        :class:`~kvd.client.rpc.KvdClient` reads them all when its connection drops, so
+        these came in between, or a registration replaces the ring and the client reads
+        them after: either way the engine reads the room Failed) fail their rooms,
+        unless a later call named the room (the engine went on with it: a Clear, a
+        create of another incarnation). ProtocolError for a ``tail`` out of bounds."""
+        unread = self.comp.capacity - self.outbox.free()
+        entries = list(self.written)[max(0, len(self.written) - unread):] if unread else []
+        for entry in entries:
+            if entry is not None and entry[3]:
+                room, name, error, _ = entry
+                self._fail_room(room, f"the engine's {name} was refused and its connection "
+                                      f"dropped before it read the refusal: {error}")
+
+    def _fail_room(self, room: int, reason: str) -> None:
+        """A call on ``room`` was refused with nobody to tell (``reason`` says which):
+        the room fails now, before the next record runs (an ``Abort`` as the engine's: a
         later Clear or create of the id in the ring acts after it, as for an engine that
         read the refusal)."""
         with contextlib.suppress(KvdError):
-            self.handle(rpc.Abort(room=room, reason=(
-                f"the engine's {name} was refused after its connection dropped (the "
-                f"refusal reached nobody): {error}")))
+            self.handle(rpc.Abort(room=room, reason=reason))
 
     def close(self) -> None:
         """The connection dropped (or kvd stops): mark the rings closed, stop reading,

@@ -251,3 +251,33 @@ async def test_a_record_kvd_cannot_trust_at_the_drop_fails_the_rooms_the_ring_ca
         assert "engine ring failed" in polled.reasons[3]
     finally:
         ring.close()
+
+
+async def test_a_refusal_the_engine_never_read_fails_its_room_at_the_drop(
+        cluster: Cluster) -> None:
+    """Refusals kvd wrote before the drop: one the engine read (its client keeps it) is
+    left to the engine; one it never read fails its room, naming it; one whose room a
+    later call named (cleared and created again) fails nothing -- the engine went on
+    with the id."""
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1, engine_id="e1")
+    ring = await RingEngine.open(pe)
+    try:
+        for r in (5, 6, 7):
+            ring.push(rpc.SenderCreate(room=r))
+        ring.push(rpc.SenderInit(room=7, num_pages=-1, aux_index=0))
+        await ring.drained()
+        ring.collect()  # read: the engine's client keeps it for room 7
+        ring.push(rpc.SenderInit(room=5, num_pages=-1, aux_index=0))
+        ring.push(rpc.SenderInit(room=6, num_pages=-1, aux_index=0))
+        ring.push(rpc.Clear(room=6))
+        ring.push(rpc.SenderCreate(room=6))
+        await ring.drained()
+        assert ring.comp.head - ring.comp.tail == 2  # two refusals, not read
+        await pe.reconnect()
+        polled = p.side.poll([5, 6, 7])
+        assert polled.statuses == [FAILED, BOOTSTRAPPING, BOOTSTRAPPING]
+        assert "SenderInit was refused and its connection dropped before it read" in \
+            polled.reasons[5] and "num_pages -1" in polled.reasons[5]
+    finally:
+        ring.close()
