@@ -707,6 +707,7 @@ class KvdClient:
                     self._collect_first()
                     self._roundtrip(rpc.Release(), None)
             self._drop()
+            self._refusal_taken.clear()  # kvd fails and forgets the rooms at a goodbye
 
 
 def _cleared(call: rpc.Call) -> list[int]:
