@@ -15,11 +15,13 @@ settings (protocol, NICs, bind address, port range) and how each is applied
 * ports come from ``port_range`` via ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``, read
   once per process when the engine's global configuration loads;
 * the TCP transport's per-peer connection pool (``MC_TCP_ENABLE_CONNECTION_POOL``, four
-  lanes per peer) is off unless ``tcp_pool``: the binding (Mooncake 0.3.13) exposes no
-  call that closes a peer's lanes (``closeSegment`` and the pool's retirement are C++
-  only), so every decode that went away left four sockets in CLOSE-WAIT for the life of
-  the daemon (K39); without the pool a transfer's connections close when it completes
-  (see :func:`native_env`);
+  lanes per peer) is off unless ``tcp_pool``: nothing in Mooncake 0.3.13.post1 closes a
+  departed peer's lanes (the binding has no call for it, the C++
+  ``TransferEngine::closeSegment`` returns 0 and does nothing, the pool's group
+  retirement is private and runs only when a session's data port or instance changes),
+  so every decode that went away left four sockets in CLOSE-WAIT for the life of the
+  daemon (K39); without the pool a transfer's connections close when it completes (see
+  :func:`native_env`);
 * the listeners the engine opens take the kernel's largest accept backlog
   (``net.core.somaxconn``) instead of Mooncake's 128 (:func:`widen_backlogs`): without
   the pool every write dials the peer's data port, and a burst of rooms overflowed the
