@@ -161,9 +161,14 @@ SOMAXCONN = Path("/proc/sys/net/core/somaxconn")
 
 
 def _socket_fds() -> dict[int, int]:
-    """This process's socket file descriptors: inode -> fd (``/proc/self/fd``)."""
-    out = {}
-    for name in os.listdir("/proc/self/fd"):
+    """This process's socket file descriptors: inode -> fd (``/proc/self/fd``; empty where
+    there is no ``/proc``)."""
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
         try:
             link = os.readlink(f"/proc/self/fd/{name}")
         except OSError:  # closed meanwhile
