@@ -190,23 +190,35 @@ def bench_bulk(mib: int, layers: int, repeats: int, sizes: tuple[int, ...] = (12
 # ---- P4 / P5 / P6: rooms ---------------------------------------------------------------
 
 
-def bench_rooms(repeats: int, max_rooms: int, rate_rooms: int) -> dict[str, Any]:
-    """P4 (and the send/init part of P5), kvd and SGLang interleaved, medians."""
+def bench_rooms(repeats: int, max_rooms: int, rate_rooms: int, ring: bool = True,
+                **settings: Any) -> dict[str, Any]:
+    """P4 (and the send/init part of P5), kvd and SGLang interleaved, medians; with
+    ``ring``, also kvd with the engine channel (``kvd_ring``). ``settings`` go to every
+    kvd daemon (e.g. ``transfer_tcp_pool``)."""
     systems = ["kvd", "sglang"] if have_sglang() else ["kvd"]
-    pairs = {s: rooms.Pair(s, LAYERS_ROOMS, ITEM_ROOMS, _work()) for s in systems}
+    pairs = {s: rooms.Pair(s, LAYERS_ROOMS, ITEM_ROOMS, _work(),
+                           **(settings if s == "kvd" else {})) for s in systems}
     # "kvd_many": the same kvd pair, each engine round's calls in one Many round trip
-    # (absent from kvd before the Many call: before/after runs of an older checkout)
+    # (absent from kvd before the Many call: before/after runs of an older checkout);
+    # "kvd_ring": a second kvd pair whose engines use the submission ring and the status
+    # table (issue 21): each round's calls in one submit_all, polls from the table
     from kvd.client import KvdClient
 
     variants = [*systems, *(["kvd_many"] if hasattr(KvdClient, "call_many") else [])]
+    if ring and hasattr(KvdClient, "submit_all"):
+        pairs["kvd_ring"] = rooms.Pair("kvd", LAYERS_ROOMS, ITEM_ROOMS, _work(), ring=True,
+                                       **settings)
+        variants.append("kvd_ring")
+        systems = [*systems, "kvd_ring"]
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {s: {"max": [], "100": [], "500": []}
                                                         for s in variants}
     try:
         for s in systems:
-            pairs[s].run(300, None, 64)  # warm-up: registration, connections
+            pairs[s].run(300, None, 64, batch=s == "kvd_ring")  # warm-up: connections
         for _ in range(repeats):
             for s in variants:
-                pair, batch = pairs[s.removesuffix("_many")], s.endswith("_many")
+                pair = pairs[s.removesuffix("_many")]
+                batch = s.endswith(("_many", "_ring"))
                 runs[s]["max"].append(pair.run(max_rooms, None, 128, batch=batch))
                 runs[s]["100"].append(pair.run(rate_rooms, 100.0, 256, batch=batch))
                 runs[s]["500"].append(pair.run(rate_rooms, 500.0, 256, batch=batch))
@@ -504,3 +516,134 @@ def bench_isolation(count: int = 300, rate: float = 100.0) -> dict[str, Any]:
 def machine_load() -> str:
     out = subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout
     return out.strip()
+
+
+# ---- rows (benchmarks/rows.py): every measure keyed by its id ---------------------------
+
+_ON = {"free": "placed by the scheduler", "same": "engine and kvd on one CPU",
+       "cross": "engine on CPU 0, kvd on CPU 1"}
+_AT = {"free": "", "same": ".one_cpu", "cross": ".two_cpus"}
+#: P4's kvd variants: row id suffix and words.
+_P4 = {"kvd": ("", "one engine call per RPC"),
+       "kvd_many": (".many", "each engine round in one Many"),
+       "kvd_ring": (".ring", "each engine round in one submit_all through the ring, polls "
+                             "from the status table")}
+P4_ROOMS_GOAL, P4_CPU_GOAL_MS = 3000, 0.5
+
+
+def rows_of(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every measured row of an issue14 result ``r`` (what run.py's ``issue14`` collects:
+    ``P1``, ``P4``, ``P5``, ``P6``, ``P8``), keyed by id, as benchmarks/rows.py makes them."""
+    from rows import row
+
+    out: dict[str, dict[str, Any]] = {}
+    for size, b in r.get("P1", {}).items():
+        g = b["gbps"]
+        bad = "" if b["bytes_equal"] else "; BYTES DIFFER"
+        out[f"P1.{size}"] = row(
+            f"bulk {size} items, {b['bytes'] >> 20} MiB, vs the raw transfer engine's best",
+            g["kvd"], "GB/s", ">= 1.0x", b["ratio_vs_raw_best"] >= 1.0 and not bad,
+            baseline=b["raw_best_gbps"],
+            detail=f"raw submit/poll {g['raw_submit_poll']:.2f}, sync {g['raw_sync']:.2f}{bad}")
+        if "sglang" in g:
+            out[f"P1b.{size}"] = row(f"bulk {size} items vs SGLang's connector", g["kvd"],
+                                     "GB/s", ">= 1.0x", b["ratio_vs_sglang"] >= 1.0 and not bad,
+                                     baseline=g["sglang"], detail="SGLang" + bad)
+    if "P4" in r:
+        m, ok = r["P4"]["median"], r["P4"]["bad_bytes"] == 0 and r["P4"]["failed"] == 0
+        sg = m.get("sglang")
+        for system, (suffix, how) in _P4.items():
+            k = m.get(system)
+            if k is None:
+                continue
+            mx, cpu = k["max"]["rooms_per_s"], k["max"]["cpu_ms_per_room"]
+            smx = sg["max"]["rooms_per_s"] if sg else None
+            out[f"P4{suffix}"] = row(
+                f"1-page rooms/s, 128 in flight, {how}", mx, "rooms/s",
+                f">= 1.0x SGLang and >= {P4_ROOMS_GOAL}",
+                (smx is None or mx >= smx) and mx >= P4_ROOMS_GOAL and ok, baseline=smx,
+                detail=f"SGLang; {k['max']['cpu_cores']:.2f} cores" if smx else "")
+            out[f"P4{suffix}.cpu"] = row(
+                f"daemon CPU per room (both daemons), max rate, {how}", cpu, "ms",
+                f"<= {P4_CPU_GOAL_MS} ms", cpu <= P4_CPU_GOAL_MS,
+                baseline=sg["max"]["cpu_ms_per_room"] if sg else None,
+                detail="SGLang: CPU of its engine processes" if sg else "")
+            for rate in ("100", "500"):
+                kk, s = k[rate], sg[rate] if sg else None
+                out[f"P4{suffix}.p50_{rate}"] = row(
+                    f"p50 latency at {rate} rooms/s, {how}", kk["p50_ms"], "ms",
+                    "<= SGLang's", s is None or kk["p50_ms"] <= s["p50_ms"],
+                    baseline=s["p50_ms"] if s else None,
+                    detail=f"p99 {kk['p99_ms']:.2f} vs SGLang {s['p99_ms']:.2f} ms" if s
+                    else f"p99 {kk['p99_ms']:.2f} ms")
+        k100 = m["kvd"]["100"]
+        for call, key in (("send", "send_p50_us"), ("init", "init_p50_us")):
+            out[f"P5.{call}_in_100"] = row(
+                f"{'Sender.send' if call == 'send' else 'Receiver.init'} p50 inside the "
+                f"100 rooms/s run (socket)", k100[key], "us", "<= 100 us", k100[key] <= 100,
+                baseline=sg["100"][key] if sg else None,
+                detail="SGLang, in-process" if sg else "")
+    for where, pa in r.get("P5", {}).get("placements", {}).items():
+        at, on = _AT.get(where, f".{where}"), _ON.get(where, where)
+        out[f"P5.trivial{at}"] = row(f"trivial RPC p50 vs a Unix-socket echo, {on}",
+                                     pa["trivial_rpc_p50_us"], "us", "<= 1.5x",
+                                     pa["ratio_trivial_over_echo"] <= 1.5,
+                                     baseline=pa["echo_p50_us"], detail="echo")
+        for call in ("send", "init"):
+            v = pa.get(f"{call}_idle_p50_us")
+            if v is not None:
+                out[f"P5.{call}_idle_socket{at}"] = row(
+                    f"{'Sender.send' if call == 'send' else 'Receiver.init'} p50, idle pair, "
+                    f"over the socket, {on}", v, "us", "<= 100 us", v <= 100)
+        v = pa["poll_many_1000_p50_us"]
+        out[f"P5.poll_many_socket{at}"] = row(f"poll_many of 1 000 rooms over the socket, {on}",
+                                              v, "us", "<= 200 us", v <= 200)
+    if "P6" in r:
+        m6 = r["P6"]
+        out["P6.idle"] = row("daemon RSS idle, the larger of prefill and decode",
+                             max(m6["idle_mb"]), "MB", "<= 150 MB", max(m6["idle_mb"]) <= 150,
+                             detail="prefill / decode " + " / ".join(f"{x:.0f}"
+                                                                    for x in m6["idle_mb"]))
+        settled = m6.get("settled_rooms")
+        base = m6["settled_mb"] if settled else m6["warm_mb"]
+        after = m6["after_mb"]
+        i = max(range(len(after)), key=lambda j: after[j] / base[j])
+        out["P6.flat"] = row(
+            f"RSS after {m6['rooms']} more rooms" + (f" from the settled history ({settled} "
+                                                     f"rooms)" if settled else ""),
+            after[i], "MB", "flat (+-5 %)",
+            abs(after[i] / base[i] - 1) <= 0.05 and m6["bad_bytes"] == 0, baseline=base[i],
+            detail="the daemon that grew most")
+    if "P8" in r:
+        m8 = r["P8"]
+        out["P8"] = row("healthy rooms' p99, one decode frozen mid-transfer",
+                        m8["p99_ms"]["with_frozen"], "ms", "<= 2x",
+                        m8["ratio_p99"] <= 2.0, baseline=m8["p99_ms"]["without"],
+                        detail="without the frozen decode")
+    return out
+
+
+@contextlib.contextmanager
+def placed(where: str) -> Any:
+    """Run a benchmark that starts its own daemons (``kvd.launch.start_daemon``) in one of
+    :data:`PLACEMENTS`: this process (the engine) on the placement's engine CPUs, every
+    daemon started meanwhile (all its threads) on its server CPUs; this process's CPUs
+    are restored after. Raises KeyError for a placement this machine lacks."""
+    import kvd.launch as launch
+
+    allowed = os.sched_getaffinity(0)
+    mine, theirs = placements(allowed)[where]
+    start = launch.start_daemon
+
+    def start_placed(*args: Any, **kwargs: Any) -> Any:
+        d = start(*args, **kwargs)
+        pin(d.proc.pid, theirs)
+        return d
+
+    launch.start_daemon = start_placed  # type: ignore[assignment]
+    pin(os.getpid(), mine)
+    try:
+        yield
+    finally:
+        launch.start_daemon = start  # type: ignore[assignment]
+        pin(os.getpid(), allowed)

@@ -7,7 +7,11 @@ the functions with the most samples, self and inclusive (a function counted once
 sample even if it recurses), as shares of that daemon's samples. Writes the raw
 collapsed stacks next to the JSON results for flame graphs.
 
-Usage: python benchmarks/profile_rooms.py [--rooms 4000] [--tree PATH]
+``--batch``: each engine round in one ``Many`` (P4's batched row); ``--ring``: the
+engines use the submission ring and the status table, each round's calls in one
+``submit_all`` (P4's ring row, issue 21). The report names the load it ran.
+
+Usage: python benchmarks/profile_rooms.py [--rooms 4000] [--tree PATH] [--batch | --ring]
 (py-spy: ``make bench`` installs it in .venv-bench; run as root or with ptrace allowed).
 """
 
@@ -68,11 +72,19 @@ def main() -> None:
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--tree", default=None, help="another checkout's kvd")
     ap.add_argument("--native", action="store_true", help="C frames too (py-spy --native)")
+    load = ap.add_mutually_exclusive_group()
+    load.add_argument("--batch", action="store_true", help="each engine round in one Many")
+    load.add_argument("--ring", action="store_true",
+                      help="the engines use the ring and the table (submit_all per round)")
+    ap.add_argument("--tcp-pool", action="store_true",
+                    help="daemons with transfer_tcp_pool = true (Mooncake's TCP pool)")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="kvd-prof-")
-    pair = rooms.Pair("kvd", 4, 4096, work, tree=args.tree)
+    pair = rooms.Pair("kvd", 4, 4096, work, tree=args.tree, ring=args.ring,
+                      **({"transfer_tcp_pool": True} if args.tcp_pool else {}))
+    batch = args.batch or args.ring
     try:
-        pair.run(300, None, args.window)  # warm up: peers known, caches filled
+        pair.run(300, None, args.window, batch=batch)  # warm up: peers known, caches filled
         names = ["prefill", "decode"]
         out_dir = Path(tempfile.mkdtemp(prefix="kvd-pyspy-"))
         spies = [subprocess.Popen([_pyspy(), "record", "--pid", str(pid), "--rate",
@@ -82,22 +94,25 @@ def main() -> None:
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
                  for name, pid in zip(names, pair.daemon_pids(), strict=True)]
         time.sleep(1.0)  # py-spy attached
-        result = pair.run(args.rooms, None, args.window)
+        result = pair.run(args.rooms, None, args.window, batch=batch)
         for s in spies:
             s.send_signal(2)  # SIGINT: py-spy writes its output and exits
         for s in spies:
             s.wait(30)
         report = {"run": {k: v for k, v in result.items() if k != "latencies"},
-                  "tree": args.tree or "this checkout"}
+                  "tree": args.tree or "this checkout",
+                  "load": "ring" if args.ring else "many" if args.batch else "per call",
+                  "tcp_pool": args.tcp_pool}
         for name in names:
             raw = (out_dir / f"{name}.txt").read_text()
             report[name] = summarize(raw)
             RESULTS.mkdir(exist_ok=True)
-            (RESULTS / f"pyspy-{name}.txt").write_text(raw)
+            (RESULTS / f"pyspy-{name}-{report['load'].replace(' ', '-')}.txt").write_text(raw)
     finally:
         pair.close()
     print(json.dumps(report, indent=1))
-    (RESULTS / "profile-rooms.json").write_text(json.dumps(report, indent=1))
+    suffix = "" if report["load"] == "per call" else f"-{report['load']}"
+    (RESULTS / f"profile-rooms{suffix}.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

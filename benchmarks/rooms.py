@@ -42,7 +42,7 @@ def _make_side(spec: dict[str, Any]) -> Any:
     pages = spec.get("pages", sides.PAGES)
     if spec["system"] == "kvd":
         return sides.KvdSide(spec["role"], spec["socket"], spec["bootstrap"], spec["layers"],
-                             spec["item"], pages)
+                             spec["item"], pages, ring=spec.get("ring", False))
     return sides.SglangSide(spec["role"], spec["bootstrap_port"], spec["layers"], spec["item"],
                             pages)
 
@@ -179,11 +179,16 @@ class Pair:
     """A prefill and a decode engine process for one system (``kvd`` or ``sglang``)."""
 
     def __init__(self, system: str, layers: int, item: int, work: str,
-                 pages: int | None = None, tree: str | None = None, **daemon: Any) -> None:
+                 pages: int | None = None, tree: str | None = None, ring: bool = False,
+                 **daemon: Any) -> None:
+        """``ring`` (kvd only): the engines' room calls go through the submission ring
+        and their polls read the status table (issue 21)."""
         self.system, self.daemons = system, []
         ctx = mp.get_context("spawn")
         specs: list[dict[str, Any]] = []
-        base = {"system": system, "layers": layers, "item": item}
+        base: dict[str, Any] = {"system": system, "layers": layers, "item": item}
+        if ring:
+            base["ring"] = True
         if pages is not None:
             base["pages"] = pages
         if tree is not None:  # daemons and engine processes run that checkout's kvd

@@ -31,6 +31,12 @@ channel: issue 21's P5 rows with the shared status table and the submission ring
   of 1 000 rooms and of one room through the table vs the socket's Poll, send/init on an
   idle pair and send in a round of 32 through the ring vs the socket; rows keyed by id
   with value, baseline, ratio, goal, met (benchmarks/channel_bench.py).
+p9: issue 21's P9 rows: the engine scheduler thread's CPU and wall time per 1-page room
+  (create + init/send + polls until done + clear, rounds of 32 rooms) through kvd with
+  the ring and the table vs SGLang's in-process connector, both roles, three CPU
+  placements (goal <= 0.25x; benchmarks/p9_bench.py).
+Every row of issue14, channel and p9 is printed in ONE table (id, measure, value, baseline,
+ratio, goal, met) and saved under "rows" in the JSON, keyed by id (benchmarks/rows.py).
 layers: TTFT of a long prompt on the reference engine (SmolLM2 on the CPU) with layer
   streaming vs whole-room transfer, interleaved in one run, and the fraction of the
   transfer time hidden under compute (goal >= 0.5; benchmarks/layers_bench.py; not in the
@@ -38,8 +44,9 @@ layers: TTFT of a long prompt on the reference engine (SmolLM2 on the CPU) with 
 All results are saved as one JSON file under benchmarks/results/.
 
 Usage: python benchmarks/run.py [--mib 256] [--repeats 3]
-       [--only issue14,channel,transfer,plan,hetero,samehost,flood,cancel,restart,deadaddr,
-               layers] [--layer-tokens 8192] [--model-layers 0]
+       [--only issue14,channel,p9,transfer,plan,hetero,samehost,flood,cancel,restart,
+               deadaddr,layers] [--p9-rounds 8] [--channel-placements free,same,cross]
+       [--layer-tokens 8192] [--model-layers 0]
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -277,8 +285,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rooms", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", default="issue14,channel,plan,hetero,samehost,flood,cancel,"
+    ap.add_argument("--only", default="issue14,channel,p9,plan,hetero,samehost,flood,cancel,"
                                       "restart,deadaddr")
+    ap.add_argument("--p9-rounds", type=int, default=8,
+                    help="p9: rounds of 32 rooms per run (each system, role, placement)")
+    ap.add_argument("--p9-step-ms", type=float, default=1.0,
+                    help="p9: the scheduler step's period, ms")
+    ap.add_argument("--channel-placements", default="free,same,cross",
+                    help="channel: CPU placements (issue14.PLACEMENTS) to measure in")
     ap.add_argument("--cancel-rooms", type=int, default=150, help="cancel: rooms aborted")
     ap.add_argument("--cancel-mib", type=int, default=32, help="cancel: MiB per room")
     ap.add_argument("--cancel-inflight-mib", type=int, default=None,
@@ -299,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate-rooms", type=int, default=1000,
                     help="P4: rooms per run at 100 and 500 rooms/s")
     ap.add_argument("--rows", default="P1,P4,P5,P6,P8", help="issue14: which rows")
+    ap.add_argument("--tcp-pool", action="store_true",
+                    help="P4 and P9: kvd daemons with transfer_tcp_pool = true (Mooncake's "
+                         "per-peer TCP connection pool; off by default since K39)")
     ap.add_argument("--api-calls", type=int, default=3000,
                     help="P5: calls per placement for the trivial RPC and the echo")
     ap.add_argument("--api-rooms", type=int, default=100,
@@ -314,19 +331,32 @@ def main(argv: list[str] | None = None) -> int:
     for name, low in (("repeats", 1), ("mib", 1), ("layers", 1), ("rooms", 1),
                       ("cancel_rooms", 1), ("cancel_mib", 1),
                       ("max_rooms", 1), ("rate_rooms", 1), ("api_rooms", 1),
-                      ("api_calls", args.repeats), ("rss_rooms", 10)):
+                      ("api_calls", args.repeats), ("rss_rooms", 10), ("p9_rounds", 1)):
         if getattr(args, name) < low:
             ap.error(f"--{name.replace('_', '-')} must be at least {low}, "
                      f"got {getattr(args, name)}")
     console = Console()
     only = set(args.only.split(","))
-    results: dict[str, Any] = {"args": vars(args)}
+    sys.path.insert(0, str(Path(__file__).parent))
+    import issue14
+    import rows as rowlib
+
+    results: dict[str, Any] = {"args": vars(args), "load_before": issue14.machine_load()}
+    table_rows: dict[str, dict[str, Any]] = {}
     ok = True
     if "issue14" in only:
         results["issue14"], ok14 = _bench_issue14(console, args)
+        table_rows |= issue14.rows_of(results["issue14"])
         ok &= ok14
     if "channel" in only:
         results["channel"] = _bench_channel(console, args)
+        table_rows |= results["channel"]["rows"]
+    if "p9" in only:
+        import p9_bench
+
+        results["p9"] = p9_bench.measure(args.p9_rounds, args.repeats, args.p9_step_ms / 1e3,
+                                         **_kvd_settings(args))
+        table_rows |= results["p9"]["rows"]
     if "transfer" in only:
         results["transfer"], ok = _bench_transfer(console, args)
     if "plan" in only:
@@ -365,11 +395,27 @@ def main(argv: list[str] | None = None) -> int:
                                              args.repeats, args.cancel_inflight_mib)
     if "layers" in only:
         results["layers"] = _bench_layers(console, args)
+    results["load_after"] = issue14.machine_load()
+    if table_rows:
+        results["rows"] = table_rows
+        load = " -> ".join(x.split("load average:")[-1].strip()
+                           for x in (results["load_before"], results["load_after"]))
+        Console(width=max(console.width, 180)).print(rowlib.table(
+            table_rows, f"kvd benchmark rows (medians; load average {load}; "
+                        f"CPUs {sorted(os.sched_getaffinity(0))})"))
+        if "issue14" in only and not results["issue14"].get("sglang"):
+            console.print("SGLang is not installed in this environment: P1b, P9 and the "
+                          "SGLang baselines skipped (`make bench` installs it in .venv-bench)")
     out = args.out or _new_result_path()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2, default=str))
     console.print(f"saved {out}")
     return 0 if ok else 1
+
+
+def _kvd_settings(args: Any) -> dict[str, Any]:
+    """Daemon settings the options ask for (``--tcp-pool``)."""
+    return {"transfer_tcp_pool": True} if args.tcp_pool else {}
 
 
 def _new_result_path() -> Path:
@@ -404,15 +450,21 @@ def _bench_layers(console: Console, args: Any) -> dict[str, Any]:
 def _bench_channel(console: Console, args: Any) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent))
     import channel_bench
+    import issue14
 
-    out = channel_bench.measure(max(args.repeats, 3), args.api_rooms)
-    table = Table(title="issue 21 P5: the engine channel (medians, us)")
-    for col in ("id", "measure", "value", "baseline", "ratio", "goal", "met"):
-        table.add_column(col)
-    for key, r in out["rows"].items():
-        table.add_row(key, r["measure"], f"{r['value']:.1f}", f"{r['baseline']:.1f}",
-                      f"{r['ratio']:.3f}x", r["goal"], "yes" if r["met"] else "NO")
-    console.print(table)
+    out: dict[str, Any] = {"rows": {}, "placements": {}}
+    on = {"free": "placed by the scheduler", "same": "one CPU",
+          "cross": "engine on CPU 0, kvd on CPU 1"}
+    have = issue14.placements(os.sched_getaffinity(0))
+    for where in args.channel_placements.split(","):
+        if where not in have:
+            continue
+        with issue14.placed(where):
+            got = channel_bench.measure(max(args.repeats, 3), args.api_rooms)
+        out["placements"][where] = got
+        suffix = {"free": "", "same": ".one_cpu", "cross": ".two_cpus"}.get(where, f".{where}")
+        for key, r in got["rows"].items():
+            out["rows"][key + suffix] = r | {"measure": f"{r['measure']}, {on.get(where, where)}"}
     return out
 
 
@@ -424,7 +476,8 @@ def _bench_issue14(console: Console, args: Any) -> tuple[dict[str, Any], bool]:
     if "P1" in rows:
         out["P1"] = issue14.bench_bulk(args.mib, args.layers, args.repeats)
     if "P4" in rows:
-        out["P4"] = issue14.bench_rooms(args.repeats, args.max_rooms, args.rate_rooms)
+        out["P4"] = issue14.bench_rooms(args.repeats, args.max_rooms, args.rate_rooms,
+                                        **_kvd_settings(args))
     if "P5" in rows:
         out["P5"] = issue14.bench_api(args.api_calls, args.repeats, args.api_rooms)
     if "P6" in rows:
@@ -433,117 +486,9 @@ def _bench_issue14(console: Console, args: Any) -> tuple[dict[str, Any], bool]:
         out["P8"] = issue14.bench_isolation()
     out["load_after"] = issue14.machine_load()
     out["sglang"] = issue14.have_sglang()
-    ok = _issue14_table(console, out)
+    ok = all(b["bytes_equal"] for b in out.get("P1", {}).values())
+    ok &= all(out[k]["bad_bytes"] == 0 for k in ("P4", "P6") if k in out)
     return out, ok
-
-
-def _issue14_table(console: Console, r: dict[str, Any]) -> bool:
-    """Every row: kvd, the baseline, the ratio, the goal, met or not. Returns bytes ok."""
-    table = Table(title="issue 14 (medians; machine load " + r["load_before"].split("load")[-1]
-                  + ")")
-    for col in ("#", "measure", "kvd", "baseline", "ratio", "goal", "met"):
-        table.add_column(col)
-    ok = True
-
-    def row(n: str, what: str, kvd: str, base: str, ratio: float | None, goal: str,
-            met: bool | None) -> None:
-        table.add_row(n, what, kvd, base, "-" if ratio is None else f"{ratio:.2f}x", goal,
-                      "-" if met is None else ("yes" if met else "NO"))
-
-    for size, b in r.get("P1", {}).items():
-        g = b["gbps"]
-        ok &= b["bytes_equal"]
-        row("P1", f"bulk {size} items, {b['bytes'] >> 20} MiB", f"{g['kvd']:.2f} GB/s",
-            f"raw best {b['raw_best_gbps']:.2f} (submit/poll {g['raw_submit_poll']:.2f}, "
-            f"sync {g['raw_sync']:.2f})", b["ratio_vs_raw_best"], ">= 1.0x",
-            b["ratio_vs_raw_best"] >= 1.0)
-        if "sglang" in g:
-            row("P1b", f"bulk {size} items", f"{g['kvd']:.2f} GB/s", f"SGLang {g['sglang']:.2f}",
-                b["ratio_vs_sglang"], ">= 1.0x", b["ratio_vs_sglang"] >= 1.0)
-    if "P4" in r:
-        m = r["P4"]["median"]
-        k, sg = m["kvd"], m.get("sglang")
-        ok &= r["P4"]["bad_bytes"] == 0
-        mx = k["max"]["rooms_per_s"]
-        smx = sg["max"]["rooms_per_s"] if sg else None
-        row("P4", "1-page rooms/s, 128 in flight", f"{mx:.0f} ({k['max']['cpu_cores']:.2f} "
-            f"cores, {k['max']['cpu_ms_per_room']:.2f} ms CPU/room)",
-            f"SGLang {smx:.0f}" if smx else "-", mx / smx if smx else None,
-            ">= 1.0x and >= 3000", (smx is None or mx >= smx) and mx >= 3000)
-        for rate in ("100", "500"):
-            kk = k[rate]
-            s = sg[rate] if sg else None
-            row("P4", f"latency p50/p99 at {rate} rooms/s",
-                f"{kk['p50_ms']:.2f} / {kk['p99_ms']:.2f} ms",
-                f"SGLang {s['p50_ms']:.2f} / {s['p99_ms']:.2f} ms" if s else "-",
-                kk["p50_ms"] / s["p50_ms"] if s else None, "p50 <= SGLang's",
-                s is None or kk["p50_ms"] <= s["p50_ms"])
-        km = m.get("kvd_many")
-        if km:  # the engine API's batched form: each engine round in one Many round trip
-            bx = km["max"]["rooms_per_s"]
-            row("P4", "  same, engine calls batched (Many)",
-                f"{bx:.0f} ({km['max']['cpu_cores']:.2f} cores, "
-                f"{km['max']['cpu_ms_per_room']:.2f} ms CPU/room)",
-                f"SGLang {smx:.0f}" if smx else "-", bx / smx if smx else None,
-                ">= 1.0x and >= 3000", (smx is None or bx >= smx) and bx >= 3000)
-            for rate in ("100", "500"):
-                kk, s = km[rate], sg[rate] if sg else None
-                row("P4", f"  batched: latency p50/p99 at {rate} rooms/s",
-                    f"{kk['p50_ms']:.2f} / {kk['p99_ms']:.2f} ms",
-                    f"SGLang {s['p50_ms']:.2f} / {s['p99_ms']:.2f} ms" if s else "-",
-                    kk["p50_ms"] / s["p50_ms"] if s else None, "p50 <= SGLang's",
-                    s is None or kk["p50_ms"] <= s["p50_ms"])
-        k100 = k["100"]
-        row("P5", "Sender.send / Receiver.init p50, in the 100 rooms/s run",
-            f"{k100['send_p50_us']:.0f} / {k100['init_p50_us']:.0f} us",
-            f"SGLang {sg['100']['send_p50_us']:.0f} / {sg['100']['init_p50_us']:.0f} us"
-            if sg else "-", None, "<= 100 us",
-            max(k100["send_p50_us"], k100["init_p50_us"]) <= 100)
-    if "P5" in r:
-        a = r["P5"]
-        for where, pa in a.get("placements", {"free": a}).items():
-            on = {"free": "placed by the scheduler", "same": "engine and kvd on one CPU",
-                  "cross": "engine on CPU 0, kvd on CPU 1"}.get(where, where)
-            row("P5", f"trivial RPC p50, {on}", f"{pa['trivial_rpc_p50_us']:.1f} us",
-                f"Unix-socket echo {pa['echo_p50_us']:.1f} us", pa["ratio_trivial_over_echo"],
-                "<= 1.5x", pa["ratio_trivial_over_echo"] <= 1.5)
-            if "send_idle_p50_us" in pa:
-                row("P5", f"  Sender.send / Receiver.init p50, idle pair, {on}",
-                    f"{pa['send_idle_p50_us']:.0f} / {pa['init_idle_p50_us']:.0f} us", "-",
-                    None, "<= 100 us",
-                    max(pa["send_idle_p50_us"], pa["init_idle_p50_us"]) <= 100)
-            row("P5", f"  poll_many of 1 000 rooms p50, {on}",
-                f"{pa['poll_many_1000_p50_us']:.0f} us", "-", None, "<= 200 us",
-                pa["poll_many_1000_p50_us"] <= 200)
-    if "P6" in r:
-        m6 = r["P6"]
-        ok &= m6["bad_bytes"] == 0
-        row("P6", "daemon RSS idle (prefill, decode)",
-            " / ".join(f"{x:.0f}" for x in m6["idle_mb"]) + " MB", "-", None, "<= 150 MB",
-            max(m6["idle_mb"]) <= 150)
-        settled = m6.get("settled_rooms")
-        base = m6["settled_mb"] if settled else m6["warm_mb"]
-        growth = m6["growth_after_settled"] if settled else m6["growth_after_warm"]
-        mb = " / ".join
-        warm = m6.get("warm_rooms", "10 %")
-        row("P6", f"RSS after {m6['rooms']} more rooms" if settled else
-            f"RSS after {m6['rooms']} rooms", mb(f"{x:.0f}" for x in m6["after_mb"]) + " MB",
-            (f"history settled ({settled} rooms): " + mb(f"{x:.0f}" for x in base)
-             + " MB; full (" + str(m6["history_rooms"]) + "): "
-             + mb(f"{x:.0f}" for x in m6["history_full_mb"]) + f" MB; after {warm} rooms: "
-             if settled else f"after {warm} rooms: ") + mb(f"{x:.0f}" for x in m6["warm_mb"])
-            + " MB",
-            1 + growth, "flat (+-5 %)", abs(growth) <= 0.05)
-    if "P8" in r:
-        m8 = r["P8"]
-        row("P8", "healthy rooms' p99, one decode frozen",
-            f"{m8['p99_ms']['with_frozen']:.2f} ms", f"without: {m8['p99_ms']['without']:.2f} ms",
-            m8["ratio_p99"], "<= 2x", m8["ratio_p99"] <= 2.0)
-    Console(width=max(console.width, 160)).print(table)
-    if not r.get("sglang"):
-        console.print("SGLang is not installed in this environment: P1b and SGLang baselines "
-                      "skipped (`make bench` installs it in .venv-bench)")
-    return ok
 
 
 def _bench_transfer(console: Console, args: Any) -> tuple[dict[str, Any], bool]:

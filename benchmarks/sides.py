@@ -32,8 +32,8 @@ class KvdSide:
     """An engine rank that talks to its kvd (``kvd.client``)."""
 
     def __init__(self, role: str, socket: str, bootstrap: str, layers: int, item: int,
-                 pages: int = PAGES) -> None:
-        from kvd.client import Receiver, Sender, poll_many
+                 pages: int = PAGES, ring: bool = False) -> None:
+        from kvd.client import Receiver, Sender, poll_array, poll_many
         from kvd.protocol import rpc
         from kvd.protocol.codec import pack_indices
         from kvd.refengine.standin import EngineStandIn
@@ -41,8 +41,14 @@ class KvdSide:
         self.role, self.bootstrap = role, bootstrap
         self._Sender, self._Receiver, self._poll, self._rpc = Sender, Receiver, poll_many, rpc
         self._pack = pack_indices
+        # ring: room calls through the submission ring, polls from the status table
+        # (issue 21); step() then submits a round's calls with ONE wait (submit_all)
+        self.ring, self._poll_array = ring, poll_array
+        opts = {"use_ring": True} if ring else {}  # (an older kvd's stand-in has no ring)
         self.eng = EngineStandIn(socket, num_layers=layers, num_pages=pages, item_len=item,
-                                 aux_slots=AUX_SLOTS, aux_item_len=AUX_ITEM, seed=7)
+                                 aux_slots=AUX_SLOTS, aux_item_len=AUX_ITEM, seed=7, **opts)
+        if ring and self.eng.client.ring is None:
+            raise RuntimeError("kvd served no submission ring (engine_channel off?)")
         if role == "prefill":
             for mine, want in zip(self.eng.kv, expected_kv(layers, item, pages), strict=True):
                 mine[:] = want
@@ -77,6 +83,8 @@ class KvdSide:
             s.send(pages)
 
     def poll(self, rooms: list[int]) -> list[int]:
+        if self.ring:
+            return self._poll_array(self.client, np.array(rooms, dtype=np.uint64)).tolist()
         return [int(s) for s in self._poll(self.client, rooms)]
 
     def step(self, starts: list[int], clears: list[int], polls: list[int]) -> list[int]:
@@ -94,6 +102,11 @@ class KvdSide:
                           rpc.SenderInit(room=room, num_pages=1, aux_index=room % AUX_SLOTS),
                           rpc.SenderSend(room=room, pages=page, is_last=True)]
         calls += [rpc.Clear(room=room) for room in clears]
+        if self.ring:  # the round's calls through the ring, one wait; polls from the table
+            refused = self.client.submit_all(calls) if calls else {}
+            if refused:
+                raise next(iter(refused.values()))
+            return self.poll(polls) if polls else []
         calls.append(rpc.Poll(rooms=polls))
         out = self.client.call_many(calls)
         failed = [x for x in out if isinstance(x, Exception)]
@@ -108,7 +121,10 @@ class KvdSide:
         return [int(s) for s in result.statuses]
 
     def clear(self, room: int) -> None:
-        self.client.call(self._rpc.Clear(room=room))
+        if self.ring:
+            self.client.submit(self._rpc.Clear(room=room), wait=True)
+        else:
+            self.client.call(self._rpc.Clear(room=room))
 
     def kv(self) -> list[np.ndarray]:
         return self.eng.kv

@@ -139,9 +139,11 @@ class Settings(BaseSettings):
     transfer_tcp_pool: bool = _setting(
         False, help="keep Mooncake's per-peer TCP connection pool (4 connections per peer, "
                     "MC_TCP_ENABLE_CONNECTION_POOL); off: a transfer's connections close "
-                    "when it completes, because Mooncake's Python binding cannot close a "
-                    "peer's pooled connections and each decode that went away would leave "
-                    "4 sockets open (K39)")
+                    "when it completes, because Mooncake 0.3.13 cannot close a departed "
+                    "peer's pooled connections (its closeSegment does nothing) and each "
+                    "decode that went away would leave 4 sockets open (K39); with it off "
+                    "every write opens a connection (the listeners get the kernel's "
+                    "largest accept backlog so bursts do not wait 1 s for dropped SYNs)")
     transfer_port_range: str | None = _setting(
         None, unit="port-port",
         help="ports of the transfer engine's two listeners (P2P handshake and TCP data), "

@@ -8,9 +8,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, settings
 
 from kvd.launch import DaemonProcess, start_daemon
 from kvd.refengine.standin import EngineStandIn
+
+# Property tests run on a busy 2-core machine (CI, other jobs): no per-example wall-clock
+# deadline and no "too slow" health check -- speed lives in the benchmarks, not here.
+settings.register_profile("kvd", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvd")
 
 
 @dataclass

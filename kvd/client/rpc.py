@@ -137,6 +137,7 @@ class KvdClient:
         instance = result.instance_id
         if instance and self.instance and instance != self.instance:
             self.epoch += 1
+            self._refusal_taken.clear()  # the new kvd never knew those rooms
         self.instance = instance or self.instance
 
     def _connect(self) -> socket.socket:
@@ -433,7 +434,7 @@ class KvdClient:
     def _open_ring(self) -> None:
         """Open this connection's rings (after a registration; under the lock). A kvd
         without them leaves room calls on the socket."""
-        self._close_ring()
+        self._close_ring(keep=True)
         if not self.use_ring or self.table is None or self._sock is None:
             return
         fds: list[int] = []
@@ -442,15 +443,27 @@ class KvdClient:
             self.ring = EngineRing(result, fds, self._sock.fileno())
             fds = []  # the ring owns them
         except (KvdError, OSError, ValueError):
-            self._close_ring()  # an older or channel-less kvd: the socket carries calls
+            self._close_ring(keep=True)  # an older or channel-less kvd: the socket carries calls
         finally:
             for fd in fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
-    def _close_ring(self) -> None:
-        self._refusal_taken.clear()
+    def _close_ring(self, keep: bool = False) -> None:
+        """Drop the ring. ``keep`` (the connection dropped, or a registration replaces
+        the ring): first read every completion kvd wrote into it and keep each room's
+        refusal (:attr:`_refusal_taken`) -- kvd keeps the rooms of an engine that comes
+        back within the grace (K27), and a call it refused must still read Failed then;
+        a new kvd instance forgets them (:meth:`_served_by`). Without ``keep`` (kvd closed
+        the ring: it aborted the rooms it carried) the kept refusals go."""
         ring, self.ring = self.ring, None
+        if not keep:
+            self._refusal_taken.clear()
+        elif ring is not None:
+            with contextlib.suppress(ProtocolError):
+                ring.collect()
+            for room, refusal in ring.refused.items():
+                self._refusal_taken.setdefault(room, refusal)
         if ring is not None:
             ring.close()
 
@@ -580,6 +593,7 @@ class KvdClient:
                     self._replay = False
                     self._open_table()
                     self._open_ring()
+                self._collect_first()
                 return self._roundtrip(call, kind)
             except KvdUnreachable as exc:
                 cause = exc.__cause__
@@ -587,6 +601,22 @@ class KvdClient:
                 if sock is None or attempt or timed_out or sock is self._interrupted:
                     raise
         raise AssertionError("unreachable")
+
+    def _collect_first(self) -> None:
+        """Before a socket call (under the lock): read every completion kvd wrote if the
+        ring holds calls kvd has not run. kvd runs them all before the socket call and
+        cannot wait for this thread, blocked in the call, to read a completion: with the
+        completion ring read empty here, its ``capacity`` slots hold a refusal for each
+        call still in the submission ring (at most ``capacity``), so kvd never meets a
+        full one (it would fail the ring, aborting the rooms it carried). A corrupt
+        completion ring drops the connection (:meth:`_ring_broken`: the call is retried
+        on a fresh one)."""
+        ring = self.ring
+        if ring is not None and not ring.drained():
+            try:
+                ring.collect()
+            except ProtocolError as exc:
+                self._ring_broken(exc)
 
     def _roundtrip(self, call: rpc.Call, kind: type | None,
                    fds_in: list[int] | None = None) -> Any:
@@ -630,7 +660,7 @@ class KvdClient:
 
     def _drop(self) -> None:
         self._close_table()  # this daemon's table: a new connection may reach another
-        self._close_ring()
+        self._close_ring(keep=True)
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -674,8 +704,10 @@ class KvdClient:
         with self._lock:
             if self._sock is not None and self._registration is not None:
                 with contextlib.suppress(KvdError):
+                    self._collect_first()
                     self._roundtrip(rpc.Release(), None)
             self._drop()
+            self._refusal_taken.clear()  # kvd fails and forgets the rooms at a goodbye
 
 
 def _cleared(call: rpc.Call) -> list[int]:

@@ -463,7 +463,7 @@ class Daemon:
         if self.rings:
             ring = self.rings.get(conn.id)
             if ring is not None:
-                ring.drain()
+                ring.catch_up()
 
     def _open_ring(self, call: rpc.OpenRing, conn: Connection) -> rpc.RingResult:
         """The connection's submission and completion rings (issue 21 step B): their memfd
@@ -490,9 +490,12 @@ class Daemon:
         return ring.result()
 
     def _drop_ring(self, conn_id: int) -> None:
+        """The connection dropped or registered again: its ring's published records run
+        (their refusals fail their rooms), then the ring closes
+        (:meth:`~kvd.engine_rpc.ring.RingChannel.finish`)."""
         ring = self.rings.pop(conn_id, None)
         if ring is not None:
-            ring.close()
+            ring.finish()
 
     def _ring_failed(self, rooms: set[int], reason: str) -> None:
         """A connection's ring failed (corrupt or hostile): abort the rooms it carried, so

@@ -6,10 +6,13 @@ writes it; ``wake_engine``: kvd writes it) and hands all three to the engine
 (:class:`~kvd.protocol.rpc.OpenRing`). The engine's room call is then "write a record,
 bump ``head``, and write ``wake_kvd`` only if kvd said it sleeps".
 
-kvd drains the submission ring on its loop: when ``wake_kvd`` is readable, before any
-socket call of the same connection (so calls run in the order the engine made them,
-whichever way each went), and again on the next loop turn while records remain (at most
-:data:`BATCH` per turn: a flooding engine cannot starve the loop). Before it waits it
+kvd drains the submission ring on its loop: when ``wake_kvd`` is readable, and again on
+the next loop turn while records remain (at most :data:`BATCH` per turn: a flooding
+engine cannot starve the loop); before any socket call of the same connection, every
+record published by then, whatever their number (:meth:`RingChannel.catch_up`: calls
+run in the order the engine made them, whichever way each went); and when the
+connection drops, every record published by then (:meth:`RingChannel.finish`: the
+engine counts them as made). Before it waits it
 sets the ring's ``sleeping`` word and looks at ``head`` once more (a full barrier
 between, :func:`~kvd.protocol.ring.fence`), so a record published in between is never
 left waiting for a wake-up that will not come; the daemon's sweep drains every ring
@@ -40,6 +43,7 @@ never believed.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import fcntl
 import logging
@@ -59,6 +63,7 @@ log = logging.getLogger("kvd")
 #: Records drained per loop turn before yielding to the loop's other work.
 BATCH = 256
 _RING_CALLS: tuple[type, ...] = typing.get_args(rpc.RingCall)
+_CREATES = (rpc.SenderCreate, rpc.ReceiverCreate)
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 Handle = Callable[[rpc.Call], Any]
@@ -126,6 +131,15 @@ class RingChannel:
         self.closed = False
         self._draining = False
         self._again = False
+        #: the connection dropped: refusals reach nobody (:meth:`finish`)
+        self.orphaned = False
+        #: one entry per completion written, the last ``capacity``: ``[room, call, error,
+        #: standing]`` for a refused call of its own room (not a create, not refused for
+        #: the call it depended on), else None; ``standing`` until a later record names
+        #: the room (:meth:`finish` fails the room of a standing one the engine never read)
+        self.written: collections.deque[list[Any] | None] = collections.deque(
+            maxlen=capacity)
+        self.standing: dict[int, list[Any]] = {}  # room -> its standing entry
         self.loop: asyncio.AbstractEventLoop | None = None
         self.handled = 0
 
@@ -151,13 +165,15 @@ class RingChannel:
     # ---- draining ----------------------------------------------------------------------
 
     def drain(self) -> None:
-        """Run every published record (at most :data:`BATCH` now, the rest on the next
-        loop turn), then sleep. Re-entrant calls (a record's handler asking again) and
-        calls after the channel failed or closed do nothing."""
+        """The wake-up path (``wake_kvd``, the sweep, the next loop turn): run the
+        published records, at most :data:`BATCH` now and the rest on the next loop turn
+        (a flooding engine cannot starve the loop), then sleep. Re-entrant calls (a
+        record's handler asking again) and calls after the channel failed or closed do
+        nothing."""
         if self._draining or self.failed or self.closed:
             return
         if self.sub.sleeping and self.sub.head == self.inbox.tail:
-            return  # nothing published, nothing to change (every socket call asks)
+            return  # nothing published, nothing to change
         self._draining = True
         self.sub.sleeping = False
         try:
@@ -178,6 +194,44 @@ class RingChannel:
             self._draining = False
             self._wake_engine()
 
+    def catch_up(self) -> None:
+        """Before a socket call of the same connection: run EVERY record published now
+        (up to the ``head`` read here, no :data:`BATCH` limit), so the socket call runs
+        after every call the engine made before it, whichever way each went. A
+        completion ring that fills first cannot be waited out (the engine is blocked in
+        its socket call and reads no completion; :class:`~kvd.client.rpc.KvdClient`
+        reads them all before a socket call, so ``capacity`` slots always suffice): the
+        channel fails, naming why (its rooms aborted, :meth:`fail`), and the socket call
+        runs after it. Does nothing re-entrantly, with nothing published, or after the
+        channel failed or closed."""
+        if self._draining or self.failed or self.closed or \
+                self.sub.head == self.inbox.tail:
+            return
+        self._draining = True
+        try:
+            self._run_to(self.inbox.tail + self.inbox.pending(), full=(
+                "the engine made a socket call while its completion ring was full: "
+                "the records before the call cannot run in order"))
+        except ProtocolError as exc:
+            self.fail(str(exc))
+        except Exception as exc:
+            log.exception("engine ring drain failed")
+            self.fail(f"internal error: {exc}")
+        finally:
+            self._draining = False
+            self._wake_engine()
+
+    def _run_to(self, target: int, full: str) -> None:
+        """Run records until ``tail`` reaches ``target`` (a ``head`` read before, checked
+        then); ProtocolError ``full`` if the completion ring fills first, and for a
+        ``head`` the engine moved back below ``target``."""
+        while self.inbox.tail < target:
+            if not self._run(target - self.inbox.tail):
+                if self.outbox.free() == 0:
+                    raise ProtocolError(f"{full} ({target - self.inbox.tail} records "
+                                        f"unrun)")
+                raise ProtocolError(f"ring head moved back below {target}")
+
     def _later(self) -> None:
         if self.loop is not None and not self._again:
             self._again = True
@@ -195,7 +249,7 @@ class RingChannel:
         """Run up to ``limit`` records; how many ran. Stops early while the completion
         ring is full (the engine reads it, then wakes kvd)."""
         ran = 0
-        while ran < limit and self.outbox.free() > 0:
+        while ran < limit and (self.orphaned or self.outbox.free() > 0):
             payload = self.inbox.peek()
             if payload is None:
                 break
@@ -214,6 +268,10 @@ class RingChannel:
             raise ProtocolError(f"ring record {seq} carries {type(call).__name__}, which "
                                 f"a ring does not carry")
         room = call.room  # type: ignore[union-attr]
+        if self.standing:
+            entry = self.standing.pop(room, None)
+            if entry is not None:
+                entry[3] = False  # a later call on the room: the engine went on with it
         dep = self.sub.depends(seq)
         refusals = self.refusals
         while refusals and next(iter(refusals)) < seq - self.capacity:
@@ -234,7 +292,13 @@ class RingChannel:
             if not isinstance(exc, KvdError):
                 log.exception("engine call %s failed", type(call).__name__)
             kind, error = rpc.failure(exc)
-            self._refuse(seq, kind, error)
+            own = None if isinstance(call, _CREATES) else [room, type(call).__name__, error,
+                                                            True]
+            self._refuse(seq, kind, error, entry=own)
+            if self.orphaned and own is not None:
+                self._fail_room(room, f"the engine's {own[1]} was refused after its "
+                                      f"connection dropped (the refusal reached nobody): "
+                                      f"{error}")
             return
         if isinstance(call, rpc.Clear):
             self.rooms.discard(room)
@@ -244,15 +308,24 @@ class RingChannel:
             self.rooms = {r for r in self.rooms if self.known(r)}
             self._prune_at = 2 * len(self.rooms) + PRUNE_AT
 
-    def _refuse(self, seq: int, kind: str, error: str, root: str = "") -> None:
+    def _refuse(self, seq: int, kind: str, error: str, root: str = "",
+                entry: list[Any] | None = None) -> None:
         """Call ``seq`` was refused: its answer in the completion ring, and the first
         refusal of its chain (``root``, else ``error``: a chain's texts do not grow) kept
-        for the records that depend on it."""
+        for the records that depend on it; ``entry``: what :attr:`written` keeps of it."""
         self.refusals[seq] = (kind, root or error)
         self._complete(rpc.Reply(id=seq, ok=False, error=error, kind=kind))
+        if not self.orphaned:
+            self.written.append(entry)
+            if entry is not None:
+                self.standing[entry[0]] = entry
+                if len(self.standing) > 2 * self.capacity:  # only those still written
+                    self.standing = {e[0]: e for e in self.written if e is not None and e[3]}
 
     def _complete(self, reply: rpc.Reply) -> None:
         """Put ``reply`` in the completion ring (its error text cut to fit a record)."""
+        if self.orphaned:
+            return  # nobody reads it: the room fails instead (:meth:`finish`)
         data = codec.encode(reply)
         over = len(data) - self.comp.max_payload
         if over > 0:
@@ -293,6 +366,61 @@ class RingChannel:
         if self.loop is not None and self.wake_kvd >= 0:
             with contextlib.suppress(Exception):
                 self.loop.remove_reader(self.wake_kvd)
+
+    def finish(self) -> None:
+        """The connection dropped (or registered again): run every record the engine
+        published before (up to the ``head`` read here; the engine's
+        :meth:`~kvd.client.rpc.KvdClient.submit` returned for them, so it counts them as
+        made; a record it died half way through was never published and does not run),
+        then :meth:`close`. Their refusals reach nobody (the engine's client drops its
+        ring with the connection): none is written, and the room of each refused call
+        fails instead, at once (:meth:`_fail_room`), so nothing the engine handed over
+        is lost silently and a reconnecting engine (K27) reads the room Failed. A
+        refused create (and the calls that depended on it) fails no room: the id's
+        live room, if any, is another incarnation. A record kvd cannot trust fails the
+        channel as when live (:meth:`fail`). At most ``capacity`` records run, on the
+        loop, at once."""
+        if self.closed:
+            return
+        if not self.failed and not self._draining:
+            self._stop_reading()
+            self.orphaned = True
+            self._draining = True
+            try:
+                self._fail_unread()
+                self._run_to(self.inbox.tail + self.inbox.pending(), full="")
+            except ProtocolError as exc:
+                self.fail(str(exc))
+            except Exception as exc:
+                log.exception("engine ring drain failed")
+                self.fail(f"internal error: {exc}")
+            finally:
+                self._draining = False
+        self.close()
+
+    def _fail_unread(self) -> None:
+        """At the drop, before the records still published run: the refusals kvd wrote
+        that the engine has not read (past the completion ring's ``tail`` it published:
+        :class:`~kvd.client.rpc.KvdClient` reads them all when its connection drops, so
+        these came in between, or a registration replaces the ring and the client reads
+        them after: either way the engine reads the room Failed) fail their rooms,
+        unless a later call named the room (the engine went on with it: a Clear, a
+        create of another incarnation). ProtocolError for a ``tail`` out of bounds."""
+        unread = self.comp.capacity - self.outbox.free()
+        entries = list(self.written)[max(0, len(self.written) - unread):] if unread else []
+        for entry in entries:
+            if entry is not None and entry[3]:
+                room, name, error, _ = entry
+                self._fail_room(room, f"the engine's {name} was refused and its connection "
+                                      f"dropped before it read the refusal: {error}")
+
+    def _fail_room(self, room: int, reason: str) -> None:
+        """A call on ``room`` was refused with nobody to tell (``reason`` says which):
+        the room fails now, before the next record runs (an ``Abort`` as the engine's: a
+        later Clear or create of the id in the ring acts after it, as for an engine that
+        read the refusal)."""
+        with contextlib.suppress(KvdError):
+            self.handle(rpc.Abort(room=room, reason=reason))
 
     def close(self) -> None:
         """The connection dropped (or kvd stops): mark the rings closed, stop reading,

@@ -357,9 +357,32 @@ class SenderRooms:
              state: StateRef | None = None) -> list[Effect]:
         """``sender.init``: the room's total pages and its aux slot (validated against the
         local pool), and (hybrid models) its state slot and window pages, which move with
-        the last chunk. Raises RoomError for an unknown room or an index out of range."""
+        the last chunk. Raises RoomError for an unknown room or an index out of range.
+
+        An init may come again before the room's last send (an engine that learns the
+        room's state slot only with its last chunk, as SGLang's scheduler does): it must
+        repeat ``num_pages`` and ``aux_index``, and may name the state once (a state named
+        before is kept, and naming another raises); anything else raises RoomError and
+        changes nothing. An init after the last send raises; one for a room that already
+        ended is dropped (the engine learns the outcome from ``poll``)."""
         r = self._room(room)
-        r.state = None if state is None or state.empty else state
+        new = None if state is None or state.empty else state
+        if r.num_pages is not None:  # init again
+            if r.done:
+                return []
+            if r.last_named:
+                raise RoomError(f"room {room}: init after the room's last send")
+            if (num_pages, aux_index) != (r.num_pages, r.aux_index):
+                raise RoomError(f"room {room}: init again with num_pages {num_pages}, "
+                                f"aux_index {aux_index}; it was inited with num_pages "
+                                f"{r.num_pages}, aux_index {r.aux_index}")
+            if new is not None and r.state is not None and not _same_state(new, r.state):
+                raise RoomError(f"room {room}: init again names state slot {new.index} "
+                                f"and {new.window.size} window pages; the room already "
+                                f"named slot {r.state.index} and {r.state.window.size}")
+            r.state = r.state or new
+            return []
+        r.state = new
         if not 0 <= num_pages <= self.num_pages:
             raise RoomError(f"room {room}: num_pages {num_pages} outside [0, {self.num_pages}]")
         if self.num_aux_slots and not 0 <= aux_index < self.num_aux_slots:
@@ -1259,3 +1282,8 @@ class SenderRooms:
                 del self.peers[endpoint]
                 self.former.put(endpoint, peer.instance, now)
                 out.append(ForgetPeer(endpoint))
+
+
+def _same_state(a: StateRef, b: StateRef) -> bool:
+    """Whether two state references name the same slot and window pages."""
+    return a.index == b.index and np.array_equal(a.window, b.window)

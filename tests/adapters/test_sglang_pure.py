@@ -52,9 +52,12 @@ def test_unsupported_kv_args_are_refused_with_the_reason() -> None:
             registration(_args(pool, num_draft_entries=2), False, maps)
         with pytest.raises(KVArgsError, match="state buffers"):
             registration(_args(pool, state_data_ptrs=[[1]]), False, maps)
-        with pytest.raises(KVArgsError, match=r"state buffers \(mamba, swa: "):
+        with pytest.raises(KVArgsError, match=r"state components mamba, swa: .* not together"):
             registration(_args(pool, state_data_ptrs=[[1, 2], [], [3]], state_types=[
                 SimpleNamespace(value="mamba"), "dsa", "swa"]), False, maps)
+        with pytest.raises(KVArgsError, match=r"state buffers of type dsa_tail \(the adapter"):
+            registration(_args(pool, state_data_ptrs=[[1]], state_types=["dsa_tail"]), False,
+                         maps)
         with pytest.raises(KVArgsError, match=r"state buffers \(state: "):
             registration(_args(pool, state_data_ptrs=[5, 6]), False, maps)  # an older flat list
         registration(_args(pool, state_data_ptrs=[[]], state_types=["mamba"]), False, maps)

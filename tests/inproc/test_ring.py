@@ -12,6 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import msgspec
 import numpy as np
@@ -19,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvd.engine_rpc import ring as ring_module
 from kvd.errors import ProtocolError, RpcError
 from kvd.protocol import codec, rpc
 from kvd.protocol.codec import pack_indices
@@ -52,12 +54,14 @@ class RingEngine:
         eng.conn.reply_fds = []
         return cls(eng, result, fds)
 
-    def push(self, call: rpc.Call, depends: int | None = None) -> int:
-        """Publish ``call``; its call id. ``depends``: the call id it depends on."""
+    def push(self, call: rpc.Call, depends: int | None = None, wake: bool = True) -> int:
+        """Publish ``call``; its call id. ``depends``: the call id it depends on;
+        ``wake``: write ``wake_kvd`` if kvd sleeps."""
         after = 0 if depends is None else self.out.head - depends
         seq = self.out.push(codec.encode(rpc.Request(id=self.out.head, call=call)), after)
         assert seq is not None, "ring full"
-        self.wake()
+        if wake:
+            self.wake()
         return seq
 
     def wake(self) -> None:
@@ -107,10 +111,19 @@ def statuses(eng: Engine) -> tuple[list[int], list[int]]:
 # ---- equivalence -----------------------------------------------------------------------
 
 
-async def both(role: str, draw: Any) -> None:
+async def both(role: str, draw: Any, mode: str = "plain") -> None:
     """The same calls on two identical clusters: one engine over the socket, one over the
-    ring (polls over the socket: kvd runs the ring's records first)."""
-    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+    ring. ``mode``: "plain", every room call through the ring (polls over the socket: kvd
+    runs the ring's records first); "mixed", each call through the ring or the socket,
+    the ring's records published without waking kvd and kvd's wake-up batch cut to one
+    record, so a socket call finds records of any number before it and must run them all
+    first; "drop", every room call through the ring unwoken, then the connection drops
+    (kvd runs them at the drop, refusals reaching nobody): the socket's engine aborts
+    the room of each call refused (a create, or a call never sent as its create was
+    refused, excepted) at once, what kvd does for it."""
+    batch = 1 if mode == "mixed" else ring_module.BATCH
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b, \
+            mock.patch.object(ring_module, "BATCH", batch):
         clusters = [Cluster(Path(a)), Cluster(Path(b))]
         ring: RingEngine | None = None
         try:
@@ -118,13 +131,19 @@ async def both(role: str, draw: Any) -> None:
             for c in clusters:
                 p = await c.node("prefill")
                 node = p if role == "prefill" else await c.node("decode")
-                engines.append(await node.engine(seed=1))
+                engines.append(await node.engine(seed=1, engine_id="e1"))
             sock, via_ring = engines
             ring = await RingEngine.open(via_ring)
             strategy = PREFILL_CALLS if role == "prefill" else decode_calls(p.http_addr)
             calls = draw(st.lists(strategy, min_size=1, max_size=25))
-            waits = draw(st.lists(st.booleans(), min_size=len(calls), max_size=len(calls)))
-            chained = draw(st.lists(st.booleans(), min_size=len(calls), max_size=len(calls)))
+            if mode == "drop":
+                calls = [c for c in calls if not isinstance(c, rpc.Poll)]
+            n = len(calls)
+            wait_one = st.booleans() if mode == "plain" else st.sampled_from([True] + [False] * 4)
+            waits = draw(st.lists(wait_one, min_size=n, max_size=n))
+            chained = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+            on_ring = [not isinstance(c, rpc.Poll) and (
+                mode != "mixed" or draw(st.booleans())) for c in calls]
             # a call may depend on its room's last create (as a handle's calls do while kvd
             # has not run the create): the socket's engine never makes it when that create
             # was refused (the create raised), the ring's refuses it with the create's kind
@@ -132,42 +151,52 @@ async def both(role: str, draw: Any) -> None:
             last_create: dict[int, int] = {}
             for i, call in enumerate(calls):
                 room = getattr(call, "room", None)
-                deps.append(last_create.get(room) if chained[i] and room is not None
-                            and not isinstance(call, CREATES) else None)
+                dep = last_create.get(room) if chained[i] and room is not None else None
+                deps.append(dep if on_ring[i] and not isinstance(call, CREATES) and
+                            dep is not None and on_ring[dep] else None)
                 if isinstance(call, CREATES):
                     last_create[call.room] = i
             want: list[tuple[Any, ...]] = []
             for call, dep in zip(calls, deps, strict=True):
                 if dep is not None and not want[dep][0]:
                     want.append((False, want[dep][1], None))  # never sent
-                else:
-                    want.append(await socket_outcome(sock, call))
+                    continue
+                want.append(await socket_outcome(sock, call))
+                if mode == "drop" and not want[-1][0] and not isinstance(call, CREATES):
+                    await socket_outcome(sock, rpc.Abort(room=call.room, reason="refused"))
             pending: list[tuple[int, int]] = []  # (index, call id) not compared yet
-            got: list[tuple[Any, ...] | None] = [None] * len(calls)
+            got: list[tuple[Any, ...] | None] = [None] * n
             seqs: list[int] = []
             for i, (call, wait) in enumerate(zip(calls, waits, strict=True)):
-                if isinstance(call, rpc.Poll):  # the socket: the ring's records run first
+                if not on_ring[i]:  # the socket: the ring's records run first
                     got[i] = await socket_outcome(via_ring, call)
                     assert ring.sub.tail == ring.out.head
                     seqs.append(-1)
                 else:
                     dep = deps[i]
-                    seqs.append(ring.push(call, None if dep is None else seqs[dep]))
+                    seqs.append(ring.push(call, None if dep is None else seqs[dep],
+                                          wake=mode == "plain"))
                     pending.append((i, seqs[-1]))
-                if wait or i == len(calls) - 1:
+                if mode != "drop" and (wait or i == n - 1):
+                    ring.wake()
                     await ring.drained()
                     ring.collect()
                     for j, seq in pending:
                         got[j] = ring.outcome(seq)
                     pending.clear()
-            for i, w in enumerate(want):
-                if w[2] is None:  # refused as its create was, naming it
-                    g = got[i]
-                    assert g is not None and g[:2] == w[:2] and "depends on" in g[2]
-                    got[i] = w
-            assert got == want
+            if mode == "drop":
+                await via_ring.reconnect()  # within the grace: the rooms are kept (K27)
+                await sock.reconnect()
+                assert ring.sub.closed and ring.sub.tail == ring.out.head  # every one ran
+            else:
+                for i, w in enumerate(want):
+                    if w[2] is None:  # refused as its create was, naming it
+                        g = got[i]
+                        assert g is not None and g[:2] == w[:2] and "depends on" in g[2]
+                        got[i] = w
+                assert got == want
+                assert not ring.sub.closed
             assert statuses(sock) == statuses(via_ring)
-            assert not ring.sub.closed
         finally:
             if ring is not None:
                 ring.close()
@@ -187,6 +216,28 @@ def test_the_ring_answers_every_call_as_the_socket_does(role: str, data: st.Data
     refused with the create's kind when the create was refused, and changes nothing: what
     the socket's engine gets by never making it (the create raised)."""
     asyncio.run(both(role, data.draw))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_calls_run_in_the_order_made_whichever_way_each_went(role: str,
+                                                             data: st.DataObject) -> None:
+    """Each call through the ring (kvd not woken, one record per wake-up turn) or the
+    socket: a socket call runs after every record published before it, however many, so
+    every outcome and every room's status is what the socket alone gives."""
+    asyncio.run(both(role, data.draw, "mixed"))
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_calls_published_before_a_drop_run_and_their_refusals_fail_the_room(
+        role: str, data: st.DataObject) -> None:
+    """Calls published through the ring, kvd not woken, then the connection drops and the
+    engine reconnects within the grace: every record ran, and the rooms read what the
+    socket gives for an engine that aborts a room once a call on it is refused."""
+    asyncio.run(both(role, data.draw, "drop"))
 
 
 async def test_rooms_moved_through_the_ring_arrive_byte_exact(cluster: Cluster) -> None:
@@ -294,8 +345,9 @@ async def hostile(draw: Any) -> None:
         try:
             p = await cluster.node("prefill")
             d = await cluster.node("decode")
-            pe, de = await p.engine(seed=1), await d.engine(seed=2)
+            pe, de = await p.engine(seed=1, engine_id="e1"), await d.engine(seed=2)
             ring = await RingEngine.open(pe, capacity=8, record_bytes=512)
+            channel = p.daemon.rings[pe.conn.id]
             await pe.call(rpc.SenderCreate(room=50))  # over the socket: not the ring's
             await de.receiver(50, [3], p.http_addr)
             carried = [2, 3]
@@ -303,10 +355,13 @@ async def hostile(draw: Any) -> None:
                 ring.push(rpc.SenderCreate(room=r))
             await ring.drained()
             await hostile_writes(draw, ring)
-            ring.wake()
+            if draw(st.booleans()):  # the connection drops: kvd runs what checks out
+                await pe.reconnect()  # (within the grace: K27)
+                assert channel.closed and ring.sub.closed
+            else:
+                ring.wake()
             await pe.call(rpc.Poll(rooms=[50]))  # kvd runs the ring's records first
             await settle(cluster)
-            channel = p.daemon.rings[pe.conn.id]
             if channel.failed:
                 assert ring.sub.closed and ring.comp.closed
                 assert all(s in (0, -1) for s in p.side.poll(carried).statuses)
@@ -350,10 +405,10 @@ async def hostile_writes(draw: Any, ring: RingEngine) -> None:
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_a_hostile_ring_fails_only_its_own_channel_and_rooms(data: st.DataObject) -> None:
-    """Random records, random bytes anywhere in both rings and any head: kvd runs what
-    checks out and otherwise fails the channel (rings marked closed, the rooms the ring
-    carried aborted); the daemon lives, the socket serves, a room the ring did not carry
-    is untouched and moves its bytes."""
+    """Random records, random bytes anywhere in both rings and any head, then a wake-up
+    or the connection dropping: kvd runs what checks out and otherwise fails the channel
+    (rings marked closed, the rooms the ring carried aborted); the daemon lives, the
+    socket serves, a room the ring did not carry is untouched and moves its bytes."""
     asyncio.run(hostile(data.draw))
 
 

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from kvd.engine_rpc.ring import BATCH
-from kvd.errors import RoomError
 from kvd.protocol import codec, rpc
 from tests.inproc.harness import Cluster, settle
 from tests.inproc.test_ring import RingEngine
@@ -17,12 +16,6 @@ from tests.inproc.test_ring import RingEngine
 BOOTSTRAPPING, FAILED, UNKNOWN = 1, 0, -1
 
 
-@pytest.mark.xfail(strict=True, raises=RoomError, reason=(
-    "RingChannel.drain runs at most BATCH (256) records and leaves the rest to the next "
-    "loop turn, also when called before a socket call of the same connection "
-    "(Daemon._ring_first): with a ring larger than BATCH the socket call runs before "
-    "records the engine published earlier (architecture.md: 'calls run in the order the "
-    "engine made them, whichever way each went')"))
 async def test_a_socket_call_runs_after_every_record_published_before_it(
         cluster: Cluster) -> None:
     p = await cluster.node("prefill")
@@ -39,12 +32,6 @@ async def test_a_socket_call_runs_after_every_record_published_before_it(
         ring.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a connection that drops closes its ring without running the records the engine had "
-    "already published (Daemon._drop_ring -> RingChannel.close): KvdClient.submit returned "
-    "for them (send/init/abort do not wait), so the engine believes they ran; after its "
-    "reconnect within the grace the room is kept but the call is gone (here an abort: the "
-    "room stays Bootstrapping until its deadline)"))
 async def test_records_published_before_the_connection_drops_are_run(
         cluster: Cluster) -> None:
     p = await cluster.node("prefill")
@@ -159,5 +146,138 @@ async def test_each_lie_fails_only_the_channel_and_the_rooms_it_carried(
         assert (await pe.call(rpc.Poll(rooms=[50]))).statuses == [BOOTSTRAPPING]
         await pe.call(rpc.SenderCreate(room=51))  # the socket still serves new rooms
         assert p.side.poll([51]).statuses == [BOOTSTRAPPING]
+    finally:
+        ring.close()
+
+
+# ---- what the order and drop rules need ---------------------------------------------------
+
+
+async def test_a_socket_call_meeting_a_full_completion_ring_fails_the_channel_naming_why(
+        cluster: Cluster) -> None:
+    """An engine that reads no completion and then makes a socket call with records still
+    unrun: kvd cannot run them in order (the completion ring is full and the engine,
+    blocked in its call, will not read it), so the channel fails naming why, the rooms it
+    carried are aborted, and the socket call is answered -- no deadlock."""
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1)
+    ring = await RingEngine.open(pe, capacity=4, record_bytes=512)
+    try:
+        ring.push(rpc.SenderCreate(room=30))
+        await ring.drained()
+        for i in range(4):  # unknown rooms: four refusals fill the completion ring
+            ring.push(rpc.SenderInit(room=100 + i, num_pages=1, aux_index=0))
+        await ring.drained()
+        assert ring.comp.head - ring.comp.tail == 4
+        ring.out.push(ring_record(ring, rpc.SenderCreate(room=31)))  # unwoken
+        polled = await pe.call(rpc.Poll(rooms=[30, 31]))  # answered, not held
+        channel = p.daemon.rings[pe.conn.id]
+        assert "completion ring was full" in channel.failed and "1 records unrun" in \
+            channel.failed
+        assert ring.sub.closed and ring.comp.closed and ring.sub.tail == 5
+        assert polled.statuses == [FAILED, UNKNOWN]  # the carried room aborted; 31 never ran
+        assert "completion ring was full" in p.side.poll([30]).reasons[30]
+    finally:
+        ring.close()
+
+
+async def test_a_call_refused_after_the_drop_fails_its_room_naming_the_call(
+        cluster: Cluster) -> None:
+    """An init published just before the drop that kvd refuses when it runs it (a page
+    count out of bounds: over the socket the room would stay Bootstrapping and the engine
+    would raise): nobody reads the refusal, so the room fails, its reason naming the
+    refused call; the engine's abort of another room runs, and a create after them makes
+    its room, kept as K27 keeps rooms for an engine reconnecting within the grace."""
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1, engine_id="e1")
+    ring = await RingEngine.open(pe)
+    try:
+        for r in (5, 6):
+            ring.push(rpc.SenderCreate(room=r))
+        await ring.drained()
+        ring.out.push(ring_record(ring, rpc.SenderInit(room=5, num_pages=-1, aux_index=0)))
+        ring.out.push(ring_record(ring, rpc.Abort(room=6, reason="x")))
+        ring.out.push(ring_record(ring, rpc.SenderCreate(room=7)))
+        await pe.reconnect()
+        assert ring.sub.tail == ring.out.head and ring.sub.closed
+        assert ring.comp.head == 0  # no refusal written: nobody reads it
+        polled = p.side.poll([5, 6, 7])
+        assert polled.statuses == [FAILED, FAILED, BOOTSTRAPPING]
+        assert "SenderInit was refused after its connection dropped" in polled.reasons[5]
+        assert "num_pages -1" in polled.reasons[5]
+        assert polled.reasons[6].endswith(": x")
+    finally:
+        ring.close()
+
+
+async def test_a_create_refused_after_the_drop_leaves_the_live_room_alone(
+        cluster: Cluster) -> None:
+    """A duplicate create published before the drop, and an init that depends on it: kvd
+    refuses both when it runs them at the drop, and fails no room for them (the id's live
+    room is another incarnation's), which goes on."""
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1, engine_id="e1")
+    ring = await RingEngine.open(pe)
+    try:
+        await pe.call(rpc.SenderCreate(room=9))  # the live room, over the socket
+        dup = ring.out.push(ring_record(ring, rpc.SenderCreate(room=9)))
+        assert dup is not None
+        ring.out.push(ring_record(ring, rpc.SenderInit(room=9, num_pages=1, aux_index=0)),
+                      after=ring.out.head - dup)
+        await pe.reconnect()
+        assert ring.sub.tail == ring.out.head
+        assert p.side.poll([9]).statuses == [BOOTSTRAPPING]
+    finally:
+        ring.close()
+
+
+async def test_a_record_kvd_cannot_trust_at_the_drop_fails_the_rooms_the_ring_carried(
+        cluster: Cluster) -> None:
+    """Garbage published before the drop: the records before it run, then the channel
+    fails as when live (the rooms it carried aborted), so nothing after it is lost
+    silently either."""
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1, engine_id="e1")
+    ring = await RingEngine.open(pe)
+    try:
+        ring.push(rpc.SenderCreate(room=3))
+        await ring.drained()
+        ring.out.push(ring_record(ring, rpc.SenderCreate(room=4)))
+        ring.out.push(b"not a frame")
+        ring.out.push(ring_record(ring, rpc.SenderCreate(room=5)))
+        await pe.reconnect()
+        polled = p.side.poll([3, 4, 5])
+        assert polled.statuses == [FAILED, FAILED, UNKNOWN]
+        assert "engine ring failed" in polled.reasons[3]
+    finally:
+        ring.close()
+
+
+async def test_a_refusal_the_engine_never_read_fails_its_room_at_the_drop(
+        cluster: Cluster) -> None:
+    """Refusals kvd wrote before the drop: one the engine read (its client keeps it) is
+    left to the engine; one it never read fails its room, naming it; one whose room a
+    later call named (cleared and created again) fails nothing -- the engine went on
+    with the id."""
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1, engine_id="e1")
+    ring = await RingEngine.open(pe)
+    try:
+        for r in (5, 6, 7):
+            ring.push(rpc.SenderCreate(room=r))
+        ring.push(rpc.SenderInit(room=7, num_pages=-1, aux_index=0))
+        await ring.drained()
+        ring.collect()  # read: the engine's client keeps it for room 7
+        ring.push(rpc.SenderInit(room=5, num_pages=-1, aux_index=0))
+        ring.push(rpc.SenderInit(room=6, num_pages=-1, aux_index=0))
+        ring.push(rpc.Clear(room=6))
+        ring.push(rpc.SenderCreate(room=6))
+        await ring.drained()
+        assert ring.comp.head - ring.comp.tail == 2  # two refusals, not read
+        await pe.reconnect()
+        polled = p.side.poll([5, 6, 7])
+        assert polled.statuses == [FAILED, BOOTSTRAPPING, BOOTSTRAPPING]
+        assert "SenderInit was refused and its connection dropped before it read" in \
+            polled.reasons[5] and "num_pages -1" in polled.reasons[5]
     finally:
         ring.close()

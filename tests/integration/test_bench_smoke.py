@@ -66,12 +66,14 @@ def test_issue14_room_rows_run_both_ways_with_every_byte_checked() -> None:
     (no failed room, no wrong byte); SGLang's rows need .venv-bench and are skipped here."""
     stdout, r = _bench("--only", "issue14", "--rows", "P4", "--repeats", "1", "--max-rooms", "80",
                        "--rate-rooms", "40")
-    assert "engine calls batched (Many)" in stdout
+    assert "kvd benchmark rows" in stdout  # every row in one table
     p4 = r["issue14"]["P4"]
     assert p4["bad_bytes"] == 0 and p4["failed"] == 0
-    assert set(p4["median"]) >= {"kvd", "kvd_many"}
-    for variant in ("kvd", "kvd_many"):
+    assert set(p4["median"]) >= {"kvd", "kvd_many", "kvd_ring"}
+    for variant in ("kvd", "kvd_many", "kvd_ring"):
         assert p4["median"][variant]["max"]["rooms_per_s"] > 0
+    assert {"P4", "P4.many", "P4.ring", "P4.ring.cpu", "P4.ring.p50_100"} <= set(r["rows"])
+    assert r["rows"]["P4.ring"]["value"] == p4["median"]["kvd_ring"]["max"]["rooms_per_s"]
 
 
 def test_issue14_api_rows_run_in_every_placement() -> None:
@@ -80,8 +82,9 @@ def test_issue14_api_rows_run_in_every_placement() -> None:
     (the benchmark fails if an idle-pair room does not succeed)."""
     stdout, r = _bench("--only", "issue14", "--rows", "P5", "--repeats", "1",
                        "--api-calls", "200", "--api-rooms", "5")
-    assert "engine and kvd on one CPU" in stdout
+    assert "kvd benchmark rows" in stdout
     p5 = r["issue14"]["P5"]
+    assert {"P5.trivial", "P5.trivial.one_cpu"} <= set(r["rows"])
     two = len(os.sched_getaffinity(0)) > 1  # "cross" needs a second CPU
     assert set(p5["placements"]) == {"free", "same", *(["cross"] if two else [])}
     for where in p5["placements"].values():
@@ -94,13 +97,29 @@ def test_channel_rows_report_value_baseline_ratio_goal_met() -> None:
     """Issue 21's P5 rows in a reduced form: each row keyed by its id carries its value
     beside the socket baseline measured in the same run, the ratio, the goal and whether
     it is met (the bench itself checks that the table and the socket answer alike)."""
-    stdout, r = _bench("--only", "channel", "--repeats", "1", "--api-rooms", "3")
-    assert "engine channel" in stdout
+    stdout, r = _bench("--only", "channel", "--repeats", "1", "--api-rooms", "3",
+                       "--channel-placements", "free")
+    assert "kvd benchmark rows" in stdout
     rows = r["channel"]["rows"]
+    assert rows.keys() <= r["rows"].keys()
     assert {"P5.poll_1000", "P5.poll_one", "P5.send", "P5.init", "P5.send_round"} <= set(rows)
     for row in rows.values():
         assert row["value"] > 0 and row["baseline"] > 0 and row["ratio"] > 0, row
         assert row["goal"] and isinstance(row["met"], bool), row
+
+
+def test_p9_rows_report_engine_thread_time_per_room() -> None:
+    """Issue 21's P9 rows in a reduced form (one round of 32 rooms per system and
+    placement): the calling thread's CPU and wall per room for both roles, every page
+    compared on the decode; SGLang's baseline needs .venv-bench (None here, then nothing
+    is judged)."""
+    stdout, r = _bench("--only", "p9", "--repeats", "1", "--p9-rounds", "1")
+    assert "kvd benchmark rows" in stdout
+    rows = r["p9"]["rows"]
+    assert {"P9.prefill", "P9.decode", "P9.prefill.wall", "P9.decode.step"} <= set(rows)
+    for key, row in rows.items():
+        assert row["value"] > 0 and row["failed"] == 0, (key, row)
+        assert {"value", "baseline", "ratio", "goal", "met"} <= set(row), key
 
 
 def test_membership_bench_rows_run_with_every_room_checked() -> None:

@@ -57,6 +57,35 @@ def test_s01_transfer_engine_listeners_bind_only_the_configured_host(tmp_path: P
         daemon.stop()
 
 
+def test_k39_the_transfer_engines_listeners_take_the_kernels_backlog(
+        tmp_path: Path) -> None:
+    """K39's cost: with Mooncake's TCP pool off every write dials the decode's data port,
+    and Mooncake listens with a backlog of 128: a burst of rooms overflowed it and the
+    dropped SYNs waited 1 s. Both transfer listeners of a real daemon have the kernel's
+    cap (net.core.somaxconn) instead."""
+    import shutil
+    import subprocess
+
+    if shutil.which("ss") is None:
+        pytest.skip("needs ss (iproute2)")
+    lo, hi = _two_free_ports()
+    daemon = start_daemon("decode", tmp_path, host="127.0.0.1", http_host="127.0.0.1",
+                          transfer_port_range=f"{lo}-{hi}")
+    try:
+        cap = int(Path("/proc/sys/net/core/somaxconn").read_text())
+        rows = subprocess.run(["ss", "-ltnH", f"( sport = :{lo} or sport = :{hi} )"],
+                              capture_output=True, text=True, check=True).stdout
+        backlogs = {(f[3], int(f[2])) for f in map(str.split, rows.splitlines())}
+        # Send-Q of a listener is its backlog. The handshake port has two listeners:
+        # kvd's front on the advertised address (its own backlog, 1024) and Mooncake's
+        # behind it on another loopback address; the data port has Mooncake's only.
+        front = f"127.0.0.1:{daemon.ready['session_id'].rsplit(':', 1)[1]}"
+        mooncake = {b for addr, b in backlogs if addr != front}
+        assert len(backlogs) == 3 and mooncake == {cap}, backlogs
+    finally:
+        daemon.stop()
+
+
 def test_s01_listeners_of_base_code_were_wider(tmp_path: Path) -> None:
     """Positive control of the check itself: bind host 0.0.0.0 keeps Mooncake's own
     behaviour (every interface), and the check sees it."""

@@ -3,6 +3,7 @@ clients with ``use_ring=True`` against real daemons over Mooncake TCP loopback."
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -11,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvd.client import KvdClient, KVPoll, Receiver, Sender
+from kvd.client import KvdClient, KVPoll, Receiver, Sender, poll_many
 from kvd.errors import KvdError, KvdUnreachable, RoomError
 from kvd.launch import start_daemon
 from kvd.protocol import rpc
@@ -247,3 +248,64 @@ def test_handles_of_rooms_cleared_elsewhere_leave_what_the_ring_keeps_bounded(
         assert pe.client.submit_all([rpc.Abort(room=room, reason="test"),
                                      rpc.Clear(room=room)]) == {}
     assert len(ring.last) <= 2 * cap and len(ring.inflight) <= cap
+
+
+def test_a_socket_call_reads_the_completions_first_so_kvd_runs_every_record_before_it(
+        ring_pair: PdPair) -> None:
+    """The engine made ring calls kvd ran and refused (the completion ring full, not read
+    yet) and one more kvd has not run, then a socket call: the client reads the
+    completions before it, so kvd runs the last record first -- in order, the ring kept --
+    instead of meeting a full completion ring it cannot wait out (it would fail the
+    ring). Records are pushed here below ``submit``: the state a submit racing kvd's
+    drain can leave."""
+    client = ring_pair.p_engine.client
+    ring = client.ring
+    assert ring is not None
+    cap = ring.comp.capacity
+    rooms = list(range(8300, 8300 + cap))
+
+    def publish(call: rpc.RingCall) -> None:
+        with client._lock:
+            data = ring.encode(call)
+            assert data is not None
+            seq = ring.out.push(data)
+            assert seq is not None
+            ring.inflight[seq] = call.room
+
+    for r in rooms:  # unknown rooms: each init refused
+        publish(rpc.SenderInit(room=r, num_pages=1, aux_index=0))
+    os.eventfd_write(ring.wake_kvd, 1)
+    until(lambda: ring.sub.tail == ring.out.head, "kvd ran them")
+    assert ring.comp.head - ring.inbox.tail == cap  # the completion ring is full
+    publish(rpc.SenderCreate(room=8299))  # kvd sleeps: not run yet
+    assert client.call(rpc.Poll(rooms=[8299])).statuses == [KVPoll.Bootstrapping]
+    assert client.ring is ring and not ring.sub.closed and ring.drained()
+    assert all(isinstance(client.ring_refusal(r), KvdError) for r in rooms)
+    client.call(rpc.Clear(room=8299))
+
+
+def test_a_ring_refusal_outlives_a_dropped_connection_within_the_grace(
+        ring_pair: PdPair) -> None:
+    """Room 8401's init names the aux slot live room 8400 holds (K42): kvd refuses it, the
+    refusal waits in the completion ring unread, and the engine's connection drops. The
+    client reads it before dropping the ring and keeps it: after the reconnect (kvd kept
+    the rooms, K27) 8401 still reads Failed naming the refusal -- kvd never ran its init,
+    so kvd's own status would leave the engine waiting -- and 8400 is untouched."""
+    d = ring_pair.d_engine.client
+    ring = d.ring
+    assert ring is not None
+    a = Receiver(d, 8400, ring_pair.bootstrap)
+    a.init([1, 2], aux_index=7)
+    b = Receiver(d, 8401, ring_pair.bootstrap)
+    b.init([5, 6], aux_index=7)  # refused by kvd; the ring does not wait
+    until(ring.drained, "kvd ran both inits")
+    reconnects = d.reconnects
+    with d._lock:
+        d._drop()  # the connection drops before the engine read the completion
+    assert d.call(rpc.Poll(rooms=[8400])).statuses[0] != KVPoll.Failed
+    assert d.reconnects == reconnects + 1 and d.ring is not None and d.ring is not ring
+    assert poll_many(d, [8400, 8401]) == [poll_many(d, [8400])[0], KVPoll.Failed]
+    assert b.poll() == KVPoll.Failed and "aux slot 7" in b.failure()[1]
+    b.clear()
+    a.clear()
+    assert poll_many(d, [8400, 8401]) == [-1, -1]

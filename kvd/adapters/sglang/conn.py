@@ -22,7 +22,12 @@ Selected with ``--disaggregation-transfer-backend kvd`` once the plugin in
   itself with the bootstrap server under those ranks.
 * :class:`KvdKVSender` / :class:`KvdKVReceiver`: one kvd room each
   (``Sender``/``Receiver`` of :mod:`kvd.client`). The receiver creates its kvd room in
-  ``init(prefill_dp_rank)`` and hands its pages over in ``send_metadata``.
+  ``init(prefill_dp_rank)`` and hands its pages over in ``send_metadata``. A hybrid
+  model's ``state_indices`` (Mamba slot, SWA window pages) become the room's state index
+  and window pages (:func:`kvd.adapters.sglang.kvargs.room_state`): the receiver's in
+  ``send_metadata``, the sender's with its last chunk (it announces the room again with
+  them). A decode whose Mamba state moves only as whole slots refuses a prefill of
+  another attention TP in ``init``, naming the buffer.
 
 Polling: SGLang polls every room every scheduler step. The manager answers all of them
 from one refresh per ``poll_interval`` (default 2 ms) over every live room: kvd's status
@@ -63,7 +68,7 @@ from sglang.srt.disaggregation.base.conn import (
 )
 from sglang.srt.disaggregation.common.conn import KVTransferError, PrefillServerInfo
 
-from kvd.adapters.sglang.kvargs import registration
+from kvd.adapters.sglang.kvargs import KVArgsError, registration_state, room_state, state_kinds
 from kvd.adapters.shmmaps import read_maps
 from kvd.addr import http_url
 from kvd.bootstrap import client as signed_http
@@ -78,6 +83,7 @@ from kvd.security import Authenticator
 log = logging.getLogger(__name__)
 
 SOCKET_ENV = "SGLANG_KVD_SOCKET"
+WINDOW_ENV = "SGLANG_KVD_WINDOW_TOKENS"
 _TERMINAL = (int(KVPoll.Success), int(KVPoll.Failed))
 
 
@@ -104,6 +110,26 @@ def engine_ranks(args: Any) -> rpc.EngineRanks | None:
                                pp_size=int(p.pp_size))
     except (ImportError, ValueError, RuntimeError, AttributeError, TypeError):
         return None
+
+
+def window_tokens(args: Any, server_args: Any) -> int | None:
+    """The model's sliding window in tokens, for an SGLang SWA pool (``KVArgs`` does not
+    carry it): ``SGLANG_KVD_WINDOW_TOKENS``, else ``args.sliding_window_size`` where set,
+    else SGLang's ``ModelConfig`` of ``server_args`` (its ``sliding_window_size``, what the
+    scheduler's SWA payload uses); None without an SWA pool or when none of them says."""
+    if "swa" not in state_kinds(args):
+        return None
+    value = os.environ.get(WINDOW_ENV) or getattr(args, "sliding_window_size", None)
+    if value:
+        return int(value)
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        size = ModelConfig.from_server_args(server_args).sliding_window_size
+    except (ImportError, OSError, ValueError, AttributeError, TypeError, RuntimeError) as exc:
+        log.warning("kvd: the model's sliding window is unknown (%s); set %s", exc, WINDOW_ENV)
+        return None
+    return int(size) if size else None
 
 
 def cluster_secret() -> bytes | None:
@@ -254,9 +280,11 @@ class KvdKVManager(BaseKVManager):
         self.is_mla_backend = bool(is_mla_backend)
         self.client = KvdClient(socket_path(args), timeout=30.0, use_ring=True)
         self.fds: dict[str, int] = {}  # descriptors of unnamed shared memory, kept open
-        self.registration = msgspec.structs.replace(
-            registration(args, self.is_mla_backend, read_maps(), fds=self.fds),
-            ranks=engine_ranks(args))
+        ranks = engine_ranks(args)
+        reg, self.state = registration_state(args, self.is_mla_backend, read_maps(),
+                                             fds=self.fds, ranks=ranks,
+                                             window_tokens=window_tokens(args, server_args))
+        self.registration = msgspec.structs.replace(reg, ranks=ranks)
         self.client.call(self.registration)
         self.board = _Board(self.client, poll_interval)
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
@@ -295,6 +323,15 @@ class KvdKVManager(BaseKVManager):
     def failure(self, room: int) -> str:
         return self.board.reasons.get(room) or "failed in kvd (no reason given)"
 
+    def state_refusal(self, bootstrap_addr: str) -> str | None:
+        """Why this decode's state cannot come from the prefill at ``bootstrap_addr`` (its
+        attention TP against ours: :meth:`SglState.tp_refusal`); None if it can or either
+        TP is unknown."""
+        info, ranks = self.prefill_info_table.get(bootstrap_addr), self.registration.ranks
+        if info is None or ranks is None:
+            return None
+        return self.state.tp_refusal(int(info.attn_tp_size), ranks.attn_tp_size)
+
 
 class KvdKVSender(BaseKVSender):
     """Prefill side of one request: a kvd ``Sender``."""
@@ -306,6 +343,8 @@ class KvdKVSender(BaseKVSender):
         self.conclude_state: int | None = None
         self.reason = ""
         self.sender: Sender | None = None
+        self.num_pages, self.aux_index = 0, 0
+        self.pages: list[npt.NDArray[np.int64]] = []  # sent so far (a dsa entry names them)
         try:
             self.sender = Sender(mgr.client, self.bootstrap_room)
             mgr.board.add(self.bootstrap_room)
@@ -324,14 +363,30 @@ class KvdKVSender(BaseKVSender):
             self._fail(f"{type(exc).__name__}: {exc}")
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
-        self._call("init", num_kv_indices, aux_index or 0)
+        self.num_pages, self.aux_index = int(num_kv_indices), aux_index or 0
+        self._call("init", self.num_pages, self.aux_index)
 
     def send(self, kv_indices: npt.NDArray[np.int32], state_indices: list[Any] | None = None,
              num_kv_tokens: int | None = None) -> None:
+        """One chunk. SGLang names the room's state (``state_indices``, one entry per
+        ``state_types``) with the last chunk only, so the room is announced again then,
+        with its state slot and window pages (kvd's sender takes them until the last
+        chunk: they move with it)."""
+        pages = np.asarray(kv_indices)
+        self.pages.append(pages.astype(np.int64).reshape(-1))
         if state_indices:
-            self._fail("the SGLang adapter does not pass state indices (Mamba/SWA/DSA) yet")
-            return
-        self._call("send", np.asarray(kv_indices))
+            try:
+                index, window = room_state(self.kv_mgr.state.types, state_indices,
+                                           np.concatenate(self.pages))
+            except KVArgsError as exc:
+                if self.sender is not None and self.conclude_state is None:
+                    with contextlib.suppress(KvdError):
+                        self.sender.abort(str(exc))
+                self._fail(str(exc))
+                return
+            if index >= 0 or window is not None:
+                self._call("init", self.num_pages, self.aux_index, index, window)
+        self._call("send", pages)
 
     def poll(self) -> int:
         if self.conclude_state is not None:
@@ -387,6 +442,10 @@ class KvdKVReceiver(BaseKVReceiver):
             self.kv_mgr.board.add(self.bootstrap_room)
         except KvdError as exc:
             self._fail(f"{type(exc).__name__}: {exc}")
+            return
+        refusal = self.kv_mgr.state_refusal(self.bootstrap_addr)
+        if refusal is not None:  # kvd's pairing refuses it too; this names the buffer
+            self.abort_with(refusal)
 
     def send_metadata(self, kv_indices: npt.NDArray[np.int32], aux_index: int | None = None,
                       state_indices: list[Any] | None = None,
@@ -395,11 +454,17 @@ class KvdKVReceiver(BaseKVReceiver):
                       ) -> None:
         if self.receiver is None or self.conclude_state is not None:
             return
-        if state_indices or decode_prefix_len:
-            self.abort_with("kvd does not move state buffers or decode-side prefixes yet")
+        if decode_prefix_len:
+            self.abort_with("kvd does not move decode-side prefixes yet")
             return
         try:
-            self.receiver.init(np.asarray(kv_indices), aux_index or 0)
+            index, window = room_state(self.kv_mgr.state.types, state_indices, kv_indices)
+        except KVArgsError as exc:
+            self.abort_with(str(exc))
+            return
+        try:
+            self.receiver.init(np.asarray(kv_indices), aux_index or 0, state_index=index,
+                               window_pages=window)
             self.bootstrap_infos = [self.bootstrap_addr]
         except KvdError as exc:
             self.abort_with(f"{type(exc).__name__}: {exc}")

@@ -15,11 +15,18 @@ settings (protocol, NICs, bind address, port range) and how each is applied
 * ports come from ``port_range`` via ``MC_MIN_RPC_PORT``/``MC_MAX_RPC_PORT``, read
   once per process when the engine's global configuration loads;
 * the TCP transport's per-peer connection pool (``MC_TCP_ENABLE_CONNECTION_POOL``, four
-  lanes per peer) is off unless ``tcp_pool``: the binding (Mooncake 0.3.13) exposes no
-  call that closes a peer's lanes (``closeSegment`` and the pool's retirement are C++
-  only), so every decode that went away left four sockets in CLOSE-WAIT for the life of
-  the daemon (K39); without the pool a transfer's connections close when it completes
-  (see :func:`native_env`);
+  lanes per peer) is off unless ``tcp_pool``: nothing in Mooncake 0.3.13.post1 closes a
+  departed peer's lanes (the binding has no call for it, the C++
+  ``TransferEngine::closeSegment`` returns 0 and does nothing, the pool's group
+  retirement is private and runs only when a session's data port or instance changes),
+  so every decode that went away left four sockets in CLOSE-WAIT for the life of the
+  daemon (K39); without the pool a transfer's connections close when it completes (see
+  :func:`native_env`);
+* the listeners the engine opens take the kernel's largest accept backlog
+  (``net.core.somaxconn``) instead of Mooncake's 128 (:func:`widen_backlogs`): without
+  the pool every write dials the peer's data port, and a burst of rooms overflowed the
+  accept queue of a decode, whose kernel dropped the SYNs and the prefill's kernel
+  resent them after 1 s (K39's cost, P4);
 * ``rdma`` with ``devices`` (a NIC filter) or ``[]`` (topology discovery);
   asking for RDMA where ``/sys/class/infiniband`` lists no NIC is refused up front.
 
@@ -53,6 +60,7 @@ import ctypes
 import logging
 import os
 import platform
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -148,6 +156,84 @@ def build_info() -> dict[str, str]:
     return info
 
 log = logging.getLogger(__name__)
+
+SOMAXCONN = Path("/proc/sys/net/core/somaxconn")
+
+
+def _socket_fds() -> dict[int, int]:
+    """This process's socket file descriptors: inode -> fd (``/proc/self/fd``; empty where
+    there is no ``/proc``)."""
+    out: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            out[int(link[8:-1])] = int(name)
+    return out
+
+
+def _tcp_listener(fd: int, inode: int) -> socket.socket | None:
+    """A duplicate of ``fd`` if it still is socket ``inode`` and a listening TCP socket
+    (the caller closes it; closing the duplicate leaves the original open)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        if os.fstat(dup).st_ino == inode:
+            sock = socket.socket(fileno=dup)
+            if (sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET,
+                                                                     socket.AF_INET6)
+                    and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                return sock
+            sock.close()
+            return None
+    except OSError:
+        pass
+    os.close(dup)
+    return None
+
+
+def widen_backlogs(before: set[int], backlog: int | None = None) -> list[int]:
+    """Give every listening TCP socket of this process whose inode is not in ``before``
+    (the socket inodes that existed before the engine started: :func:`_socket_fds`) an
+    accept backlog of ``backlog`` connections (default: ``net.core.somaxconn``, the
+    kernel's cap; 4096 if unreadable). Returns the ports changed.
+
+    ``listen()`` on a listening socket only sets its backlog (Linux); the socket is
+    reached through a duplicate of its descriptor (checked to be the same inode), so no
+    descriptor of the engine is closed or replaced and the engine's state is untouched.
+    Why: Mooncake listens with a backlog of 128; with the TCP pool off every write opens
+    a connection, and a burst of 1-page rooms overflowed a decode's accept queue: the
+    dropped SYNs were resent after the kernel's 1 s timeout and whole rounds of rooms
+    waited 1 s (K39's cost, docs/performance.md)."""
+    if backlog is None:
+        try:
+            backlog = int(SOMAXCONN.read_text())
+        except (OSError, ValueError):
+            backlog = 4096
+    ports = []
+    for inode, fd in _socket_fds().items():
+        if inode in before:
+            continue
+        sock = _tcp_listener(fd, inode)
+        if sock is None:
+            continue
+        with sock:
+            try:
+                sock.listen(backlog)
+                ports.append(int(sock.getsockname()[1]))
+            except OSError as exc:
+                log.warning("could not widen the accept backlog of %s: %s",
+                            sock.getsockname(), exc)
+    return sorted(ports)
+
 
 #: ``mooncake::TransferEngine::syncSegmentCache(std::string const&)`` (Itanium C++ ABI,
 #: libstdc++'s ``std::__cxx11::string``): a public, non-virtual member of the C++ engine.
@@ -290,6 +376,7 @@ class MooncakeEngine:
         devices = ",".join(opts.devices)
         host = format_host(opts.host)
         reservation = None
+        before = set(_socket_fds())
         if bind in ("0.0.0.0", ""):
             rc = native.initialize(host, "P2PHANDSHAKE", opts.protocol, devices)
         else:
@@ -308,6 +395,8 @@ class MooncakeEngine:
                     if opts.port_range is not None else "")
             raise TransportError(f"transfer engine initialize({opts.host}, {opts.protocol}, "
                                  f"devices={devices or 'auto'}) failed: rc={rc}{hint}", rc)
+        widened = widen_backlogs(before)
+        log.debug("transfer engine listeners %s: accept backlog widened", widened)
         port = int(native.get_rpc_port())
         problem = None
         if opts.port_range is not None and not opts.port_range[0] <= port <= opts.port_range[1]:

@@ -928,6 +928,33 @@ def test_i22_state_slot_and_window_pages_ride_the_last_chunk_only() -> None:
     assert any("malformed window pages" in str(e) for e in out)
 
 
+def test_i22_init_again_names_the_state_before_the_last_send_only() -> None:
+    """An engine that learns the room's state slot with its last chunk (SGLang) inits
+    again: the same page count and aux slot, the state named once; another page count or
+    aux slot, another state, or an init after the last send raise and change nothing."""
+    from kvd.rooms.effects import StateRef
+
+    s = sender()
+    registered(s, 0.0)
+    s.create(R, 0.0)
+    s.init(R, 2, 1, 0.0)
+    with pytest.raises(RoomError, match="init again with num_pages 3"):
+        s.init(R, 3, 1, 0.1)
+    with pytest.raises(RoomError, match="aux_index 0"):
+        s.init(R, 2, 0, 0.1)
+    s.init(R, 2, 1, 0.2, StateRef(4, pages(5)))
+    s.init(R, 2, 1, 0.3, StateRef(4, pages(5)))  # the same again: nothing changes
+    s.init(R, 2, 1, 0.3)  # no state: the named one is kept
+    with pytest.raises(RoomError, match="already named slot 4"):
+        s.init(R, 2, 1, 0.4, StateRef(6, pages(5)))
+    assert s.on_pages(room_pages(R, 1, (0, 1)), 0.5) == []
+    w = one(s.send(R, pages(10, 11), True, 1.0), Write)
+    assert w.state is not None and (w.state.index, list(w.state.window)) == (4, [5])
+    with pytest.raises(RoomError, match="after the room's last send"):
+        s.init(R, 2, 1, 1.1, StateRef(4, pages(5)))
+    assert status(s) != KVPoll.Failed
+
+
 def test_k16_pages_sent_again_before_the_room_exists_are_buffered_once() -> None:
     """A decode that was refused ``unregistered`` registers again and sends its rooms'
     pages again (K16); pages of a room this rank has not created yet, sent again by the
