@@ -1,0 +1,74 @@
+"""Adversarial checks of the state rooms (issue 22): window pages a prefill names that
+lie outside its pool or outnumber the decode's, and an init again that changes the state
+after chunks left."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvd.errors import RoomError
+from kvd.protocol import rpc
+from kvd.protocol.codec import pack_indices
+from tests.inproc.harness import FAILED, Cluster, settle
+from tests.inproc.test_state_rooms import DST_PAGES, DST_WIN, ROOM_PAGES, SPEC, hybrid, \
+    recv_room
+
+
+async def test_i22_a_prefill_window_page_outside_its_pool_fails_the_room(
+        cluster: Cluster) -> None:
+    p = await cluster.node("prefill")
+    pe = await hybrid(p, SPEC, source=SPEC.truth(1), seed=1)
+    d = await cluster.node("decode")
+    de = await hybrid(d, SPEC, seed=2)
+    await recv_room(de, 9, p.http_addr, state=0)
+    await pe.call(rpc.SenderCreate(room=9))
+    await pe.call(rpc.SenderInit(room=9, num_pages=len(ROOM_PAGES), aux_index=0,
+                                 state_index=0,
+                                 window_pages=pack_indices([6, 7, SPEC.window_pages + 5])))
+    try:
+        await pe.send(9, ROOM_PAGES, chunks=1)
+    except RoomError:
+        pass
+    await settle(cluster)
+    assert await de.status(9) == FAILED
+    kind, reason = await de.failure(9)
+    assert kind == "layout", reason
+
+
+async def test_i22_window_pages_longer_than_the_decode_window_fail_the_room(
+        cluster: Cluster) -> None:
+    p = await cluster.node("prefill")
+    pe = await hybrid(p, SPEC, source=SPEC.truth(1), seed=1)
+    d = await cluster.node("decode")
+    de = await hybrid(d, SPEC, seed=2)
+    await de.call(rpc.ReceiverCreate(room=9, bootstrap_addr=p.http_addr))
+    await de.call(rpc.ReceiverInit(room=9, dst_pages=pack_indices(DST_PAGES), aux_index=0,
+                                   state_index=0, window_pages=pack_indices(DST_WIN[:1])))
+    await pe.call(rpc.SenderCreate(room=9))
+    await pe.call(rpc.SenderInit(room=9, num_pages=len(ROOM_PAGES), aux_index=0,
+                                 state_index=0,
+                                 window_pages=pack_indices([6, 7, 2, 1, 0])))
+    try:
+        await pe.send(9, ROOM_PAGES, chunks=1)
+    except RoomError:
+        pass
+    await settle(cluster)
+    assert await de.status(9) == FAILED
+    kind, reason = await de.failure(9)
+    assert kind == "layout" and "window pages: 5 source vs 1 destination" in reason
+
+
+async def test_i22_an_init_again_naming_another_state_after_chunks_left_is_refused(
+        cluster: Cluster) -> None:
+    p = await cluster.node("prefill")
+    pe = await hybrid(p, SPEC, source=SPEC.truth(1), seed=1)
+    await pe.call(rpc.SenderCreate(room=9))
+    await pe.call(rpc.SenderInit(room=9, num_pages=len(ROOM_PAGES), aux_index=0))
+    await pe.call(rpc.SenderInit(room=9, num_pages=len(ROOM_PAGES), aux_index=0,
+                                 state_index=1, window_pages=pack_indices([6, 7, 2])))
+    with pytest.raises(RoomError, match="init again names state slot 2"):
+        await pe.call(rpc.SenderInit(room=9, num_pages=len(ROOM_PAGES), aux_index=0,
+                                     state_index=2, window_pages=pack_indices([6, 7, 2])))
+    with pytest.raises(RoomError, match="init again names state slot 1"):
+        await pe.call(rpc.SenderInit(room=9, num_pages=len(ROOM_PAGES), aux_index=0,
+                                     state_index=1, window_pages=pack_indices([6, 7])))
