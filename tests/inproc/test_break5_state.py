@@ -4,14 +4,15 @@ after chunks left."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from kvd.errors import RoomError
 from kvd.protocol import rpc
 from kvd.protocol.codec import pack_indices
 from tests.inproc.harness import FAILED, Cluster, settle
-from tests.inproc.test_state_rooms import DST_PAGES, DST_WIN, ROOM_PAGES, SPEC, hybrid, \
-    recv_room
+from tests.inproc.test_state_rooms import DST_PAGES, DST_WIN, ROOM_PAGES, SPEC, hybrid, recv_room
 
 
 async def test_i22_a_prefill_window_page_outside_its_pool_fails_the_room(
@@ -25,10 +26,8 @@ async def test_i22_a_prefill_window_page_outside_its_pool_fails_the_room(
     await pe.call(rpc.SenderInit(room=9, num_pages=len(ROOM_PAGES), aux_index=0,
                                  state_index=0,
                                  window_pages=pack_indices([6, 7, SPEC.window_pages + 5])))
-    try:
+    with contextlib.suppress(RoomError):
         await pe.send(9, ROOM_PAGES, chunks=1)
-    except RoomError:
-        pass
     await settle(cluster)
     assert await de.status(9) == FAILED
     kind, reason = await de.failure(9)
@@ -48,10 +47,8 @@ async def test_i22_window_pages_longer_than_the_decode_window_fail_the_room(
     await pe.call(rpc.SenderInit(room=9, num_pages=len(ROOM_PAGES), aux_index=0,
                                  state_index=0,
                                  window_pages=pack_indices([6, 7, 2, 1, 0])))
-    try:
+    with contextlib.suppress(RoomError):
         await pe.send(9, ROOM_PAGES, chunks=1)
-    except RoomError:
-        pass
     await settle(cluster)
     assert await de.status(9) == FAILED
     kind, reason = await de.failure(9)
