@@ -1,6 +1,6 @@
 """Adversarial checks of the state rooms (issue 22): window pages a prefill names that
-lie outside its pool or outnumber the decode's, and an init again that changes the state
-after chunks left."""
+lie outside its pool or outnumber the decode's, an init again that changes the state
+after chunks left, a state named on one side only, a state slot two decode rooms name."""
 
 from __future__ import annotations
 
@@ -69,3 +69,57 @@ async def test_i22_an_init_again_naming_another_state_after_chunks_left_is_refus
     with pytest.raises(RoomError, match="init again names state slot 1"):
         await pe.call(rpc.SenderInit(room=9, num_pages=len(ROOM_PAGES), aux_index=0,
                                      state_index=1, window_pages=pack_indices([6, 7])))
+
+
+async def test_i22_a_prefill_that_names_no_state_for_a_decode_that_waits_for_one_fails(
+        cluster: Cluster) -> None:
+    """The decode names state slot 0 and window pages; the prefill's init names neither
+    (SGLang's state index -1, or an adapter that lost it): the room must not succeed with
+    the decode's slot holding whatever was there (fail-open, as vllm#52234)."""
+    p = await cluster.node("prefill")
+    pe = await hybrid(p, SPEC, source=SPEC.truth(1), seed=1)
+    d = await cluster.node("decode")
+    de = await hybrid(d, SPEC, seed=2)
+    await recv_room(de, 9, p.http_addr, state=0)
+    await pe.call(rpc.SenderCreate(room=9))
+    await pe.call(rpc.SenderInit(room=9, num_pages=len(ROOM_PAGES), aux_index=0))
+    with contextlib.suppress(RoomError):
+        await pe.send(9, ROOM_PAGES, chunks=1)
+    await settle(cluster)
+    assert await de.status(9) == FAILED
+    kind, reason = await de.failure(9)
+    assert kind == "layout", reason
+
+
+async def test_i22_a_decode_that_names_no_state_for_a_prefill_that_sends_one_fails(
+        cluster: Cluster) -> None:
+    """The mirror: the decode's init names no state slot (index -1) but the prefill sends
+    slot 1: the room must not succeed with the decode's state never written."""
+    p = await cluster.node("prefill")
+    pe = await hybrid(p, SPEC, source=SPEC.truth(1), seed=1)
+    d = await cluster.node("decode")
+    de = await hybrid(d, SPEC, seed=2)
+    await de.call(rpc.ReceiverCreate(room=9, bootstrap_addr=p.http_addr))
+    await de.call(rpc.ReceiverInit(room=9, dst_pages=pack_indices(DST_PAGES), aux_index=0,
+                                   state_index=-1, window_pages=pack_indices(DST_WIN)))
+    await pe.call(rpc.SenderCreate(room=9))
+    await pe.call(rpc.SenderInit(room=9, num_pages=len(ROOM_PAGES), aux_index=0,
+                                 state_index=1, window_pages=pack_indices([6, 7, 2])))
+    with contextlib.suppress(RoomError):
+        await pe.send(9, ROOM_PAGES, chunks=1)
+    await settle(cluster)
+    assert await de.status(9) == FAILED
+    kind, reason = await de.failure(9)
+    assert kind == "layout", reason
+
+
+async def test_i22_two_live_decode_rooms_never_share_a_state_slot(cluster: Cluster) -> None:
+    p = await cluster.node("prefill")
+    d = await cluster.node("decode")
+    de = await hybrid(d, SPEC, seed=2)
+    await recv_room(de, 9, p.http_addr, state=2)
+    await de.call(rpc.ReceiverCreate(room=10, bootstrap_addr=p.http_addr))
+    with pytest.raises(RoomError, match="state slot 2"):
+        await de.call(rpc.ReceiverInit(room=10, dst_pages=pack_indices([20, 21]),
+                                       aux_index=1, state_index=2,
+                                       window_pages=pack_indices([3])))
