@@ -45,7 +45,8 @@ async def test_a_full_ring_of_the_largest_capacity_runs_at_the_drop(cluster: Clu
     "RingChannel.finish runs every record a dropped connection published (up to "
     "MAX_RING_CAPACITY = 4096) in ONE loop turn (measured in process on a busy 2-core "
     "machine: 4096 creates ~0.6 s, 2048 creates + 2048 refused inits 0.33-1.0 s; a real "
-    "daemon's /health max 90-355 ms), while the live path drains BATCH a turn (K41: loop work is sliced). Slicing it needs an order rule first: "
+    "daemon's /health max 90-355 ms), while the live path drains BATCH a turn (K41: "
+    "loop work is sliced). Slicing it needs an order rule first: "
     "a reconnecting engine's socket call (a new connection) must run after the old ring's "
     "remaining records (catch up every orphaned ring of the engine before it)"))
 async def test_k41_a_drop_runs_a_full_ring_in_slices_of_one_batch_a_loop_turn(
