@@ -61,7 +61,7 @@ async def test_i22_layer_chunks_cutting_a_page_of_the_other_side_land_token_exac
 async def test_i22_an_abort_racing_layer_sends_of_a_retiled_room_writes_no_later_layer(
         cluster: Cluster, ps: int, pd: int) -> None:
     tokens = 128
-    pe, de, before, src, dst = await _retiled(cluster, ps, pd, tokens)
+    pe, de, before, src, _ = await _retiled(cluster, ps, pd, tokens)
     await _layers(pe, src, 0, 1)
     await pe.call(rpc.Abort(room=9, reason="the engine's abort"))  # layer 0 may be in flight
     for layer in range(1, LAYERS):

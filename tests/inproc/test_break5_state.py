@@ -5,6 +5,7 @@ after chunks left, a state named on one side only, a state slot two decode rooms
 from __future__ import annotations
 
 import contextlib
+from dataclasses import replace
 
 import pytest
 
@@ -123,3 +124,33 @@ async def test_i22_two_live_decode_rooms_never_share_a_state_slot(cluster: Clust
         await de.call(rpc.ReceiverInit(room=10, dst_pages=pack_indices([20, 21]),
                                        aux_index=1, state_index=2,
                                        window_pages=pack_indices([3])))
+
+
+@pytest.mark.parametrize(("ps", "pd", "n_src", "n_dst"), [(4, 8, 1, 1), (8, 4, 1, 1),
+                                                         (4, 8, 1, 2), (8, 4, 2, 1)])
+async def test_i22_a_retiled_window_that_misses_window_tokens_fails_not_succeeds(
+        cluster: Cluster, ps: int, pd: int, n_src: int, n_dst: int) -> None:
+    """A room of 22 tokens, a window of 8 (tokens [14, 22) must move): a side whose window
+    pages start after token 24 - 8 = 16 (the room's last write ends at 24) cannot hold the
+    window. kvd used to move the tokens both lists held and report Success, leaving tokens
+    of the decode's own window pages unwritten (fail-open): the room must fail instead."""
+    t_end = 22
+    ns, nd = -(-t_end // ps), -(-t_end // pd)
+    src_pages, dst_pages = list(range(3, 3 + ns)), list(range(20, 20 - nd, -1))
+    p = await cluster.node("prefill")
+    pe = await hybrid(p, replace(SPEC, page_size=ps),
+                      source=replace(SPEC, page_size=ps).truth(9), seed=1)
+    d = await cluster.node("decode")
+    de = await hybrid(d, replace(SPEC, page_size=pd), seed=2)
+    await de.call(rpc.ReceiverCreate(room=11, bootstrap_addr=p.http_addr))
+    await de.call(rpc.ReceiverInit(room=11, dst_pages=pack_indices(dst_pages), aux_index=0,
+                                   state_index=3, window_pages=pack_indices([1, 9, 14][:n_dst])))
+    await pe.call(rpc.SenderCreate(room=11))
+    await pe.call(rpc.SenderInit(room=11, num_pages=ns, aux_index=0, state_index=1,
+                                 window_pages=pack_indices([6, 7, 2][:n_src])))
+    with contextlib.suppress(RoomError):
+        await pe.send(11, src_pages, chunks=2)
+    await settle(cluster)
+    assert await de.status(11) == FAILED
+    kind, reason = await de.failure(11)
+    assert "window pages start at room token" in reason, (kind, reason)
