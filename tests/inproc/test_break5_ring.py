@@ -1,5 +1,6 @@
 """Adversarial checks of the submission ring (issue 21): a full ring of the largest
-capacity at a drop, refusals kept across a reconnect, then the id used again."""
+capacity at a drop (every record runs; in one loop turn: xfail), duplicate creates
+interleaved with clears of the live room."""
 
 from __future__ import annotations
 
@@ -66,3 +67,38 @@ async def test_k41_a_drop_runs_a_full_ring_in_slices_of_one_batch_a_loop_turn(
     finally:
         ring.close()
     await until(lambda: p.side.poll([100 + cap - 1]).statuses == [BOOTSTRAPPING], 30.0)
+
+
+async def test_duplicate_creates_interleaved_with_clears_of_the_live_room(
+        cluster: Cluster) -> None:
+    """Room 9 lives (over the socket). Through the ring: a duplicate create and an init
+    depending on it, the live room's own init and Clear, a create of a new incarnation and
+    its init depending on it, then another duplicate create whose abort depends on it.
+    The duplicates and their calls are refused and act on no room; the live room's calls
+    and the new incarnation's run, in order."""
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1, engine_id="e1")
+    ring = await RingEngine.open(pe)
+    try:
+        await pe.call(rpc.SenderCreate(room=9))
+        dup = ring.push(rpc.SenderCreate(room=9), wake=False)
+        bad_init = ring.push(rpc.SenderInit(room=9, num_pages=2, aux_index=0), depends=dup,
+                             wake=False)
+        live_init = ring.push(rpc.SenderInit(room=9, num_pages=1, aux_index=0), wake=False)
+        clear = ring.push(rpc.Clear(room=9), wake=False)
+        new = ring.push(rpc.SenderCreate(room=9), wake=False)
+        new_init = ring.push(rpc.SenderInit(room=9, num_pages=3, aux_index=1), depends=new,
+                             wake=False)
+        dup2 = ring.push(rpc.SenderCreate(room=9), wake=False)
+        bad_abort = ring.push(rpc.Abort(room=9, reason="dup's abort"), depends=dup2)
+        await ring.drained()
+        ring.collect()
+        assert not ring.outcome(dup)[0] and not ring.outcome(bad_init)[0]
+        assert ring.outcome(live_init)[0] and ring.outcome(clear)[0]
+        assert ring.outcome(new)[0] and ring.outcome(new_init)[0]
+        assert not ring.outcome(dup2)[0] and not ring.outcome(bad_abort)[0]
+        assert p.side.poll([9]).statuses == [BOOTSTRAPPING]  # the new incarnation, unaborted
+        with pytest.raises(Exception, match="num_pages 3"):  # inited by new_init, not dup's
+            await pe.call(rpc.SenderInit(room=9, num_pages=2, aux_index=1))
+    finally:
+        ring.close()
