@@ -9,6 +9,7 @@ import time
 import pytest
 
 from kvd.engine_rpc.ring import BATCH
+from kvd.engine_rpc.server import Connection
 from kvd.protocol import rpc
 from tests.inproc.harness import Cluster, until
 from tests.inproc.test_ring import RingEngine
@@ -100,5 +101,33 @@ async def test_duplicate_creates_interleaved_with_clears_of_the_live_room(
         assert p.side.poll([9]).statuses == [BOOTSTRAPPING]  # the new incarnation, unaborted
         with pytest.raises(Exception, match="num_pages 3"):  # inited by new_init, not dup's
             await pe.call(rpc.SenderInit(room=9, num_pages=2, aux_index=1))
+    finally:
+        ring.close()
+
+
+async def test_k27_a_reconnect_kvd_sees_before_the_drop_runs_the_old_ring_first(
+        cluster: Cluster) -> None:
+    """The engine published an Abort of room 5 on its ring, its connection dropped, and it
+    reconnected: kvd reads the new connection's registration, Clear and create of room 5
+    before it notices the old connection closed (two sockets: either may be read first).
+    The engine made the Abort first, so it must act on the old room 5, never on the new
+    incarnation created after the Clear."""
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1, engine_id="e1")
+    ring = await RingEngine.open(pe)
+    try:
+        ring.push(rpc.SenderCreate(room=5))
+        await ring.drained()
+        ring.out.push(ring_record(ring, rpc.Abort(room=5, reason="the old abort")))
+        old = pe.conn
+        pe.conn = Connection(next(cluster._conns))  # the reconnect, read first
+        await pe.call(pe.pool.registration)
+        await pe.call(rpc.Clear(room=5))
+        await pe.call(rpc.SenderCreate(room=5))
+        for cb in old.on_close:  # kvd notices the old connection's end only now
+            cb()
+        assert ring.sub.tail == ring.out.head
+        polled = p.side.poll([5])
+        assert polled.statuses == [BOOTSTRAPPING], polled.reasons
     finally:
         ring.close()
