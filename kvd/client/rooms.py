@@ -64,10 +64,9 @@ def _refused_failed(client: KvdClient, ids: npt.NDArray[np.uint64],
     """``statuses`` with every room that holds a ring refusal read Failed: a room call the
     engine did not wait for and kvd refused fails the room for the engine, whichever way
     it reads it (:meth:`KvdClient.ring_refused`; no work per room when there is none)."""
-    if client.ring is not None:
-        refused = client.ring_refused(ids)
-        if refused is not None:
-            statuses[refused] = int(KVPoll.Failed)
+    refused = client.ring_refused(ids)  # kept across a reconnect too: no ring needed
+    if refused is not None:
+        statuses[refused] = int(KVPoll.Failed)
     return statuses
 
 
@@ -94,7 +93,12 @@ def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
         result: rpc.PollResult = client.call(rpc.Poll(rooms=list(rooms)))
     except KvdUnreachable:
         return [KVPoll.Failed] * len(rooms)
-    return _statuses(result.statuses)
+    statuses = _statuses(result.statuses)
+    if client.holds_refusals():  # kept across a dropped connection (K27)
+        ids = np.asarray(rooms, dtype=np.uint64).reshape(-1)
+        return _statuses(_refused_failed(client, ids, np.array(statuses, dtype=np.int8))
+                         .tolist())
+    return statuses
 
 
 def wait_many(client: KvdClient, rooms: list[int], timeout: float) -> list[KVPoll | int]:
@@ -102,7 +106,7 @@ def wait_many(client: KvdClient, rooms: list[int], timeout: float) -> list[KVPol
     releasable — or ``timeout`` s passed; returns their KVPoll (Failed if kvd is gone).
     A room holding a ring refusal reads Failed at once and is not waited for."""
     refused = None
-    if client.ring is not None and rooms:
+    if rooms:
         refused = client.ring_refused(np.asarray(rooms, dtype=np.uint64).reshape(-1))
     waited = list(rooms) if refused is None else \
         [r for r, bad in zip(rooms, refused.tolist(), strict=True) if not bad]
@@ -199,8 +203,9 @@ class _Room:
         """A refusal of an earlier call of this room that nobody waited for (ring path:
         its create, an init, a send): the room is failed for this engine from then on."""
         ring = self.client.ring
-        if self.refused is not None or ring is None or (
-                ring.comp.head == ring.inbox.tail and not self.client.holds_refusals()):
+        if self.refused is not None or (
+                (ring is None or ring.comp.head == ring.inbox.tail)
+                and not self.client.holds_refusals()):
             return self.refused  # no completion unread, none kept: nothing new (no lock)
         if self._handle is not None:
             try:
@@ -254,7 +259,7 @@ class _Room:
         the ring, its create included). Read from kvd's status table when it answers (no
         syscall)."""
         self.wait_created()
-        if self.client.ring is not None and self._refusal() is not None:
+        if self._refusal() is not None:  # kept across a reconnect too (K27)
             return KVPoll.Failed
         view = None if self._gone() else self.client.read_table_one(self.room)
         if view is not None:
@@ -268,7 +273,7 @@ class _Room:
         is fine: the client waits in several calls. Failed at once when kvd refused one
         of its calls sent through the ring."""
         self.wait_created()
-        if self.client.ring is not None and self._refusal() is not None:
+        if self._refusal() is not None:  # kept across a reconnect too (K27)
             return KVPoll.Failed
         result = self._call(rpc.Wait(rooms=[self.room], timeout=timeout))
         return KVPoll.Failed if result is None else _status(result.statuses[0])
@@ -289,7 +294,7 @@ class _Room:
         """``(kind, reason)`` of the room's failure (``kind`` a FailureKind value;
         ``("", "room is not failed")`` otherwise)."""
         self.wait_created()
-        if self.client.ring is not None and (refusal := self._refusal()) is not None:
+        if (refusal := self._refusal()) is not None:  # kept across a reconnect (K27)
             return rpc.error_kind(refusal), f"kvd refused a call of room {self.room}: {refusal}"
         result: rpc.PollResult | None = self._call(rpc.Poll(rooms=[self.room]))
         if result is None:

@@ -362,16 +362,16 @@ class KvdClient:
         """Whether any refusal of a call :meth:`submit` did not wait for is kept (for a
         room or a handle): False lets a reader skip looking for one (no lock)."""
         ring = self.ring
-        return ring is not None and bool(ring.refused or ring.failed or self._refusal_taken)
+        return bool(self._refusal_taken) or (
+            ring is not None and bool(ring.refused or ring.failed))
 
     def room_refusal(self, room: int) -> KvdError | None:
         """The refusal kept for ``room`` (a call :meth:`submit` did not wait for that kvd
         refused), taken by :meth:`ring_refusal` or not; None when there is none. Kept until
         the room is cleared, by any path."""
-        ring = self._collected()
-        if ring is None:
-            return None
-        return ring.refused.get(room) or self._refusal_taken.get(room)
+        ring = self._collected()  # kept ones are read with no ring open too (K27)
+        return (None if ring is None else ring.refused.get(room)) or \
+            self._refusal_taken.get(room)
 
     def ring_refused(self, rooms: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_] | None:
         """Which of ``rooms`` (uint64, 1-D) hold a refusal of a call :meth:`submit` did not
@@ -380,11 +380,12 @@ class KvdClient:
         the engine on every read path (:func:`~kvd.client.poll_many`,
         :func:`~kvd.client.poll_array`, :func:`~kvd.client.wait_many`, the room object),
         though kvd itself may still hold it unfailed: its refused call never ran."""
-        ring = self._collected()
-        if ring is None or not (ring.refused or self._refusal_taken):
+        ring = self._collected()  # kept ones are read with no ring open too (K27)
+        live = {} if ring is None else ring.refused
+        if not (live or self._refusal_taken):
             return None
         # one C-level copy of each dict (another thread's collect may add to them)
-        held = np.array([*ring.refused, *self._refusal_taken], dtype=np.uint64)
+        held = np.array([*live, *self._refusal_taken], dtype=np.uint64)
         hit = np.isin(rooms, held)
         return hit if hit.any() else None
 
@@ -408,10 +409,11 @@ class KvdClient:
         """``rooms`` were cleared: their kept refusals go with them (after every completion
         kvd wrote before the clear was read), so a room of the same id later starts clean."""
         ring = self._collected()
-        if ring is not None and (ring.refused or self._refusal_taken):
-            for room in rooms:
+        for room in rooms if (ring is not None and ring.refused) or self._refusal_taken \
+                else ():
+            if ring is not None:
                 ring.refused.pop(room, None)
-                self._refusal_taken.pop(room, None)
+            self._refusal_taken.pop(room, None)
 
     def _usable_ring(self) -> EngineRing | None:
         """The ring, if kvd is known alive (a fresh status table) and no reconnect waits."""

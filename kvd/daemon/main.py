@@ -579,7 +579,12 @@ class Daemon:
             self._release.cancel()
             self._release = None
         self.engine_conn = conn.id
-        self._drop_ring(conn.id)  # a ring serves one registration: the engine asks anew
+        # a ring serves one registration: the engine asks anew. A registration's ring on
+        # another connection (a reconnect read before kvd noticed the old connection end,
+        # K27) runs what it holds now, before any call of the new connection: the engine
+        # made those calls first
+        for conn_id in list(self.rings):
+            self._drop_ring(conn_id)
         conn.on_close.append(lambda: self._engine_disconnected(conn.id))
 
     def _engine_disconnected(self, conn_id: int) -> None:

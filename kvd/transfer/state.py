@@ -453,7 +453,7 @@ class WindowChunk:
 
 
 def window_chunk(window: PairPlan, src_pages: np.ndarray, dst_pages: np.ndarray,
-                 room_end: int) -> WindowChunk:
+                 room_end: int, window_tokens: int = 0) -> WindowChunk:
     """The window of a room of ``room_end`` tokens between two page sizes, in tokens. A
     side's window pages are the tail of its room pages: the last of ``n`` window pages
     holds the room's last page ``ceil(T / P) - 1``, the first room page ``ceil(T / P) -
@@ -462,7 +462,11 @@ def window_chunk(window: PairPlan, src_pages: np.ndarray, dst_pages: np.ndarray,
     hold tokens the prefill no longer has, outside the window, and are not written).
 
     Raises :class:`PlanRefused` (``outside``) when a list is longer than the room has
-    pages."""
+    pages, and (``uncovered``) when a side's list starts after token ``T - W`` (``W``:
+    ``window_tokens``; 0: unchecked): the decode would read Success with window tokens
+    [first, T - W .. first) of its own window pages never written (fail-open). ``T`` is
+    the room's last write's end, at least the request's token count, so an engine whose
+    pages hold its last ``W`` tokens always passes."""
     ps, pd = window.src.page_size, window.dst.page_size
     firsts = []
     for side, pages, size in (("source", src_pages, ps), ("destination", dst_pages, pd)):
@@ -472,6 +476,14 @@ def window_chunk(window: PairPlan, src_pages: np.ndarray, dst_pages: np.ndarray,
                               f"room's {room_end} tokens fill {n_room} pages of {size}",
                               "outside")
         firsts.append(n_room - int(pages.size))
+    need = max(0, room_end - window_tokens)
+    for side, first, size in (("source", firsts[0], ps), ("destination", firsts[1], pd)):
+        if window_tokens and first * size > need:
+            raise PlanRefused(f"window pages: the {side}'s window pages start at room token "
+                              f"{first * size}, but a window of {window_tokens} tokens of a "
+                              f"room of {room_end} tokens starts by token {need}: tokens "
+                              f"[{need}, {first * size}) of the window would not move",
+                              "uncovered")
     lo = min(max(firsts[0] * ps, firsts[1] * pd), room_end)
     a, b = lo // ps, lo // pd
     return WindowChunk(src_pages[max(a - firsts[0], 0):], dst_pages[max(b - firsts[1], 0):],
@@ -547,7 +559,7 @@ def plan_room_state(pair: StatePairPlan, src_index: int, dst_index: int,
     if room_end is None:
         win = w.plan_chunk(src_window, dst_window, what=f"{what}, window pages")
     else:
-        c = window_chunk(w, src_window, dst_window, room_end)
+        c = window_chunk(w, src_window, dst_window, room_end, pair.src.window_tokens)
         win = w.plan_chunk(c.src, c.dst, c.tokens, c.src_first, c.dst_first,
                            what=f"{what}, window pages")
     return out.concat(_shift_ids(win, STATE_ID_BASE + len(pair.src.buffers),

@@ -115,3 +115,34 @@ def test_two_threads_of_one_client_submit_at_once(ring_pair: PdPair) -> None:
     assert pe.ring is ring and ring.sub.tail - before == 2 * 100 * 5
     ids = list(range(20_000, 20_100)) + list(range(30_000, 30_100))
     assert set(poll_many(pe, ids)) == {-1}
+
+
+def test_k27_a_refusal_kept_across_a_dropped_connection_reads_failed_on_every_path(
+        ring_pair: PdPair) -> None:
+    """Room 931's refused init is read, then the connection drops: the client keeps the
+    refusal across the reconnect (K27, same kvd), so the first read after the drop --
+    which goes over the socket, with no ring or table yet -- must say Failed on every
+    path, not kvd's WaitingForInput; a Clear then drops it and the id starts clean."""
+    d = ring_pair.d_engine.client
+    ring = d.ring
+    assert ring is not None
+    a = Receiver(d, 930, ring_pair.bootstrap)
+    a.init([1, 2], aux_index=6)
+    b = Receiver(d, 931, ring_pair.bootstrap)
+    b.init([5, 6], aux_index=6)  # refused by kvd; the ring does not wait
+    until(ring.drained, "kvd ran both inits")
+    d._drop()  # the connection drops; the next call reconnects and registers again
+    assert poll_many(d, [931]) == [KVPoll.Failed]
+    d._drop()
+    assert wait_many(d, [931], BOUND) == [KVPoll.Failed]  # not WaitingForInput at BOUND
+    d._drop()
+    assert b.poll() == KVPoll.Failed and "aux slot 6" in b.failure()[1]
+    d._drop()
+    assert poll_array(d, np.array([931], dtype=np.uint64)).tolist() == [KVPoll.Failed]
+    d._drop()
+    d.call(rpc.Clear(room=931))  # over the socket, before any ring is open again
+    a.clear()
+    again = Receiver(d, 931, ring_pair.bootstrap)
+    again.init([5, 6], aux_index=6)
+    assert again.poll() != KVPoll.Failed and poll_many(d, [931]) != [KVPoll.Failed]
+    again.clear()

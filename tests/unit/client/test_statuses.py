@@ -28,6 +28,12 @@ class _Answers:
     def read_table(self, rooms: Any) -> None:
         return None
 
+    def holds_refusals(self) -> bool:  # none kept across a reconnect either
+        return False
+
+    def ring_refused(self, rooms: Any) -> None:
+        return None
+
     def read_table_one(self, room: int) -> None:
         return None
 
