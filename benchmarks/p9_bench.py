@@ -426,7 +426,8 @@ _ON = {"free": "placed by the scheduler", "same": "one CPU",
 
 def rows_of(per: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """The P9 rows (benchmarks/rows.py) from :func:`measure`'s per-room summaries: kvd (and
-    kvd_step, kvd_step_waited) against SGLang, calling-thread CPU and wall per room, every placement."""
+    kvd_step, kvd_step_waited) against SGLang, calling-thread CPU and wall per room, every
+    placement."""
     out: dict[str, dict[str, Any]] = {}
     for where, by in per.items():
         sg = by.get("sglang")

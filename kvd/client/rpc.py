@@ -306,11 +306,14 @@ class KvdClient:
         :func:`~kvd.client.wait_many`, the room object; :meth:`ring_refused`,
         :meth:`room_refusal`) until the room is cleared. A Clear kvd ran drops the room's
         kept refusals (a later room of the same id starts clean); a Clear kvd refused
-        leaves the room in kvd, reading Failed here, and a later Clear of it (waited or
-        not) is the engine's to make: an engine should clear only rooms the table shows
-        releasable (ended), else the room and its pages stay held until kvd's room
-        timeout. Without a usable ring (or for a call larger than a record) it falls back
-        to the waited form and returns its refusals.
+        (the room's pages not releasable yet, K06: kvd aborts an unfinished room first)
+        leaves the room in kvd, its pages held, reading Failed here until the engine
+        clears it again once it is releasable. So an engine should clear only rooms the
+        table shows ended (Success or Failed: releasable), as the waited form would
+        tell it. A call larger than a record goes over the socket in its place in the
+        order (its refusal kept for its room as well). Without a usable ring, or for the
+        calls left when kvd closed the ring, it falls back to the waited form
+        (``Many``) and returns their refusals.
 
         Raises :class:`KvdUnreachable` as :meth:`call` does, and ProtocolError when kvd
         closed the ring before running waited calls (kvd aborted the rooms the ring
@@ -319,12 +322,12 @@ class KvdClient:
             return {}
         with self._lock:
             ring = self._usable_ring()
-            if ring is not None and all(ring.encode(c) is not None for c in calls):
-                if wait:
-                    return self._submit_ring(ring, calls)
+            if ring is not None and not wait:  # a call past a record goes by the socket
                 calls = calls[self._submit_nowait(ring, calls):]
                 if not calls:
                     return {}
+            elif ring is not None and all(ring.encode(c) is not None for c in calls):
+                return self._submit_ring(ring, calls)
         refused: dict[int, KvdError] = {}
         for at in range(0, len(calls), rpc.MAX_MANY):
             chunk = calls[at:at + rpc.MAX_MANY]
