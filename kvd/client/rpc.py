@@ -191,8 +191,10 @@ class KvdClient:
         refusal comes back later, kept for its room (:meth:`ring_refusal`) or, for a call
         of ``handle`` (:meth:`create`), for the handle (:meth:`handle_state`). Calls run
         in the order they were made, whether each went over the ring or the socket (kvd
-        drains the ring before every socket call). Without a usable ring, or for a call
-        larger than a record, it is :meth:`call`. Raises what :meth:`call` raises
+        drains the ring before every socket call). A Clear not waited for drops the
+        room's kept refusals once kvd ran it unrefused (refused: the room reads Failed
+        until cleared again). Without a usable ring, or for a call larger than a record,
+        it is :meth:`call`. Raises what :meth:`call` raises
         (:class:`KvdUnreachable` when kvd's socket end closed or it ran nothing within
         ``timeout``); the create's refusal (nothing sent) when kvd refused ``handle``'s
         create; a ring kvd closed while this call waited raises ProtocolError (kvd
@@ -232,6 +234,8 @@ class KvdClient:
             except (DaemonGone, TimeoutError, ProtocolError) as exc:
                 self._ring_broken(exc)
             if not wait:
+                if isinstance(call, rpc.Clear):  # its room's kept refusals go once it ran
+                    ring.clearing[seq] = call.room
                 return Handle(ring, seq) if key == NEW else None
             try:
                 ring.wait_done(seq, self.timeout)

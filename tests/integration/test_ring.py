@@ -135,6 +135,25 @@ def test_each_room_reads_its_own_refusal_whatever_other_rooms_hold(
         assert s.poll() == -1
 
 
+def test_a_clear_not_waited_for_drops_the_rooms_kept_refusal_once_kvd_ran_it(
+        ring_pair: PdPair) -> None:
+    """A room reading Failed by a refusal nobody waited for (a send to a room kvd does not
+    know), then a Clear of it through the ring, not waited for: once kvd ran the clear
+    the room reads unknown (-1), not Failed, and a later room of the id starts clean."""
+    pe = ring_pair.p_engine
+    ring = pe.client.ring
+    assert ring is not None
+    room = 8410
+    Sender.attach(pe.client, room).send(np.array([1]), is_last=False)
+    until(ring.drained, "kvd ran the send")
+    ids = np.array([room], dtype=np.uint64)
+    assert poll_array(pe.client, ids).tolist() == [int(KVPoll.Failed)]
+    pe.client.submit(rpc.Clear(room=room))  # not waited for
+    until(ring.drained, "kvd ran the clear")
+    assert poll_array(pe.client, ids).tolist() == [-1]
+    assert pe.client.room_refusal(room) is None
+
+
 class CountingRoundtrips:
     """Counts the socket round trips of one client, by call type."""
 
