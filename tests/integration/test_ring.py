@@ -235,7 +235,7 @@ def _step_outcomes(client: KvdClient, rooms: list[int], wait: bool,
 
 
 @pytest.mark.parametrize("wait", [True, False])
-def test_k42_a_step_not_waited_for_reads_as_the_waited_step_through_poll_array(
+def test_a_step_not_waited_for_reads_as_the_waited_step_through_poll_array(
         ring_pair: PdPair, wait: bool) -> None:
     """P9: a step's calls through ``submit_all(calls, wait=False)`` return at once (no
     wait); what the engine learns through ``poll_array`` after the step is what the waited
