@@ -16,8 +16,11 @@ Systems, each a prefill and a decode engine process (benchmarks/sides.py builds 
   ``Receiver`` per room as kvd's SGLang backend makes them (create waits for kvd; init
   and send are ring records not waited for; the step's poll is one ``poll_array`` of the
   round's rooms; ``clear`` waits);
-- ``kvd_step``: the same clients, a step's calls submitted together (``submit_all``: one
-  wait per step, as an adapter that batches per step; the vLLM connector's shape);
+- ``kvd_step``: the same clients, a step's calls submitted together and not waited for
+  (``submit_all(calls, wait=False)``: every call a ring record, no wait; a refusal reads
+  Failed at the room's next poll);
+- ``kvd_step_waited``: the same, waited once per step (``submit_all(calls)``: the vLLM
+  connector's shape);
 - ``sglang``: SGLang 0.5.23's ``MooncakeKVManager`` in-process (``MooncakeKVSender`` /
   ``MooncakeKVReceiver``, CPU buffers, TCP), driven as its schedulers drive it: the
   decode's receiver is created and ``init`` ed, ``send_metadata`` once the prefill
@@ -33,7 +36,8 @@ threads (``process_time`` minus the calling thread) and, for kvd, its daemon
 
 Rows (``rows``; benchmarks/rows.py): ``P9.prefill``, ``P9.decode`` (calling-thread CPU
 per room, free placement), ``.wall`` (its wall time), ``.one_cpu`` / ``.two_cpus`` (the
-other placements), ``.step`` (kvd_step); goal value/baseline <= 0.25.
+other placements), ``.step`` (kvd_step), ``.step_waited`` (kvd_step_waited); goal
+value/baseline <= 0.25.
 
 Usage: python benchmarks/p9_bench.py [--rounds 8] [--repeats 3] [--step-ms 1.0]
 (SGLang's rows need SGLang: run it with .venv-bench's python).
@@ -120,7 +124,7 @@ class _KvdEngine:
         self.objs: dict[int, Any] = {}
 
     def start(self, rooms: list[int], mode: str) -> None:
-        if mode == "kvd_step":
+        if mode.startswith("kvd_step"):
             rpc, calls = self.rpc, []
             for room in rooms:
                 page = self.pack(np.array([room % 1024]))
@@ -131,7 +135,7 @@ class _KvdEngine:
                     calls += [rpc.SenderCreate(room=room),
                               rpc.SenderInit(room=room, num_pages=1, aux_index=room % 1024),
                               rpc.SenderSend(room=room, pages=page, is_last=True)]
-            refused = self.client.submit_all(calls)
+            refused = self.client.submit_all(calls, wait=mode == "kvd_step_waited")
             if refused:
                 raise next(iter(refused.values()))
             return
@@ -151,8 +155,9 @@ class _KvdEngine:
         return self.poll_array(self.client, rooms)
 
     def clear(self, rooms: list[int], mode: str) -> None:
-        if mode == "kvd_step":
-            refused = self.client.submit_all([self.rpc.Clear(room=r) for r in rooms])
+        if mode.startswith("kvd_step"):
+            refused = self.client.submit_all([self.rpc.Clear(room=r) for r in rooms],
+                                             wait=mode == "kvd_step_waited")
             if refused:
                 raise next(iter(refused.values()))
             return
@@ -357,7 +362,7 @@ def measure(rounds: int = 8, repeats: int = 3, step_s: float = 1e-3,
     Raises ValueError for ``rounds`` or ``repeats`` < 1."""
     if rounds < 1 or repeats < 1:
         raise ValueError(f"P9 needs rounds >= 1 and repeats >= 1 (got {rounds}, {repeats})")
-    systems = ["kvd", "kvd_step", *(["sglang"] if issue14.have_sglang() else [])]
+    systems = ["kvd", "kvd_step", "kvd_step_waited", *(["sglang"] if issue14.have_sglang() else [])]
     allowed = os.sched_getaffinity(0)
     cpus = {w: c for w, c in issue14.placements(allowed).items() if w in where}
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {s: [] for s in systems}
@@ -366,7 +371,7 @@ def measure(rounds: int = 8, repeats: int = 3, step_s: float = 1e-3,
     with contextlib.ExitStack() as stack:
         kvd = _Engines("kvd", issue14._work(), **settings)
         stack.callback(kvd.close)
-        engines = {"kvd": kvd, "kvd_step": kvd}
+        engines = {"kvd": kvd, "kvd_step": kvd, "kvd_step_waited": kvd}
         if "sglang" in systems:
             sg = _Engines("sglang", issue14._work())
             stack.callback(sg.close)
@@ -421,16 +426,19 @@ _ON = {"free": "placed by the scheduler", "same": "one CPU",
 
 def rows_of(per: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """The P9 rows (benchmarks/rows.py) from :func:`measure`'s per-room summaries: kvd (and
-    kvd_step) against SGLang, calling-thread CPU and wall per room, every placement."""
+    kvd_step, kvd_step_waited) against SGLang, calling-thread CPU and wall per room, every
+    placement."""
     out: dict[str, dict[str, Any]] = {}
     for where, by in per.items():
         sg = by.get("sglang")
         for role in ("prefill", "decode"):
-            for system, suffix in (("kvd", ""), ("kvd_step", ".step")):
+            for system, suffix in (("kvd", ""), ("kvd_step", ".step"),
+                                   ("kvd_step_waited", ".step_waited")):
                 k = by[system][role]
                 b = sg[role] if sg else None
                 bad = k["failed"] + k["bad_bytes"] + (b["failed"] + b["bad_bytes"] if b else 0)
-                how = "per-room calls" if system == "kvd" else "submit_all per step"
+                how = {"kvd": "per-room calls", "kvd_step": "submit_all per step, not waited",
+                       "kvd_step_waited": "submit_all per step, waited"}[system]
                 for metric in ("cpu", "wall"):
                     v, base = k[f"{metric}_us"], b[f"{metric}_us"] if b else None
                     ratio = v / base if base else None

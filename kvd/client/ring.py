@@ -103,6 +103,11 @@ class EngineRing:
         self.last: dict[int, int] = {}
         #: handle keys whose create itself was refused
         self.unborn: set[int] = set()
+        #: call id -> room of Clears nobody waited for, not yet known run
+        self.clearing: dict[int, int] = {}
+        #: rooms whose unwaited Clear kvd ran and did not refuse (their kept refusals
+        #: went from :attr:`refused`; the client drops what else it keeps for them)
+        self.cleared: list[int] = []
 
     # ---- submitting --------------------------------------------------------------------
 
@@ -203,6 +208,9 @@ class EngineRing:
             reply = rpc.decode_reply(payload, self.comp.record_bytes)
             self.inbox.done()
             took += 1
+            if self.clearing:
+                self._settle_clears(reply.id)
+                self.clearing.pop(reply.id, None)  # a refused Clear: the room reads Failed
             room = self.inflight.pop(reply.id, None)
             key = self.owner.pop(reply.id, None)
             if reply.ok or room is None:
@@ -218,6 +226,8 @@ class EngineRing:
                 # the room's own (its create ran): the room reads Failed on every read
                 # path; a refused create's calls concern another incarnation of the id
                 self.refused.setdefault(room, exc)
+        if self.clearing:
+            self._settle_clears(tail)
         if took and self.sub.sleeping and not self.drained():
             os.eventfd_write(self.wake_kvd, 1)  # kvd may have stopped at a full completion ring
         while self.inflight:
@@ -231,6 +241,18 @@ class EngineRing:
                          if v >= tail or k in self.failed}  # were read above)
             self._prune_at = 2 * len(self.last) + self.sub.capacity
         return found
+
+    def _settle_clears(self, below: int) -> None:
+        """The unwaited Clears with a call id below ``below`` ran and were not refused
+        (every refusal before ``below`` was read): the refusals kept for their rooms came
+        from calls before them and go, so a later room of the same id starts clean."""
+        while self.clearing:
+            first = next(iter(self.clearing))
+            if first >= below:
+                break
+            room = self.clearing.pop(first)
+            self.refused.pop(room, None)
+            self.cleared.append(room)
 
     # ---- waiting -----------------------------------------------------------------------
 

@@ -191,8 +191,10 @@ class KvdClient:
         refusal comes back later, kept for its room (:meth:`ring_refusal`) or, for a call
         of ``handle`` (:meth:`create`), for the handle (:meth:`handle_state`). Calls run
         in the order they were made, whether each went over the ring or the socket (kvd
-        drains the ring before every socket call). Without a usable ring, or for a call
-        larger than a record, it is :meth:`call`. Raises what :meth:`call` raises
+        drains the ring before every socket call). A Clear not waited for drops the
+        room's kept refusals once kvd ran it unrefused (refused: the room reads Failed
+        until cleared again). Without a usable ring, or for a call larger than a record,
+        it is :meth:`call`. Raises what :meth:`call` raises
         (:class:`KvdUnreachable` when kvd's socket end closed or it ran nothing within
         ``timeout``); the create's refusal (nothing sent) when kvd refused ``handle``'s
         create; a ring kvd closed while this call waited raises ProtocolError (kvd
@@ -232,6 +234,8 @@ class KvdClient:
             except (DaemonGone, TimeoutError, ProtocolError) as exc:
                 self._ring_broken(exc)
             if not wait:
+                if isinstance(call, rpc.Clear):  # its room's kept refusals go once it ran
+                    ring.clearing[seq] = call.room
                 return Handle(ring, seq) if key == NEW else None
             try:
                 ring.wait_done(seq, self.timeout)
@@ -290,20 +294,43 @@ class KvdClient:
         with self._lock:
             handle.ring.forget(handle.key)
 
-    def submit_all(self, calls: list[rpc.RingCall]) -> dict[int, KvdError]:
-        """Run ``calls`` (room calls) in order and wait ONCE for all of them (issue 21: an
-        adapter's step of room calls together): through the ring, one record each and one
-        wait for the last; without a usable ring, one :class:`~kvd.protocol.rpc.Many` per
-        ``rpc.MAX_MANY`` calls. Returns the first refusal of each room that had one (a
-        room missing from it: every call of it ran), including a refusal of an earlier
-        call of that room nobody waited for. Raises :class:`KvdUnreachable` as
-        :meth:`call` does, and ProtocolError when kvd closed the ring before running
-        them (kvd aborted the rooms the ring carried)."""
+    def submit_all(self, calls: list[rpc.RingCall],
+                   wait: bool = True) -> dict[int, KvdError]:
+        """Run ``calls`` (room calls) in order (issue 21: an adapter's step of room calls
+        together). With ``wait``, wait ONCE for all of them: through the ring, one record
+        each and one wait for the last; without a usable ring, one
+        :class:`~kvd.protocol.rpc.Many` per ``rpc.MAX_MANY`` calls. Returns the first
+        refusal of each room that had one (a room missing from it: every call of it ran),
+        including a refusal of an earlier call of that room nobody waited for.
+
+        Without ``wait`` (an engine step, P9) every call goes into the ring and this
+        returns ``{}`` at once, no wait and no syscall while kvd is draining: a refusal
+        comes back for its room, which then reads Failed on every read path
+        (:func:`~kvd.client.poll_array`, :func:`~kvd.client.poll_many`,
+        :func:`~kvd.client.wait_many`, the room object; :meth:`ring_refused`,
+        :meth:`room_refusal`) until the room is cleared. A Clear kvd ran drops the room's
+        kept refusals (a later room of the same id starts clean); a Clear kvd refused
+        (the room's pages not releasable yet, K06: kvd aborts an unfinished room first)
+        leaves the room in kvd, its pages held, reading Failed here until the engine
+        clears it again once it is releasable. So an engine should clear only rooms the
+        table shows ended (Success or Failed: releasable), as the waited form would
+        tell it. A call larger than a record goes over the socket in its place in the
+        order (its refusal kept for its room as well). Without a usable ring, or for the
+        calls left when kvd closed the ring, it falls back to the waited form
+        (``Many``) and returns their refusals.
+
+        Raises :class:`KvdUnreachable` as :meth:`call` does, and ProtocolError when kvd
+        closed the ring before running waited calls (kvd aborted the rooms the ring
+        carried; unwaited calls it never ran read as those rooms do then)."""
         if not calls:
             return {}
         with self._lock:
             ring = self._usable_ring()
-            if ring is not None and all(ring.encode(c) is not None for c in calls):
+            if ring is not None and not wait:  # a call past a record goes by the socket
+                calls = calls[self._submit_nowait(ring, calls):]
+                if not calls:
+                    return {}
+            elif ring is not None and all(ring.encode(c) is not None for c in calls):
                 return self._submit_ring(ring, calls)
         refused: dict[int, KvdError] = {}
         for at in range(0, len(calls), rpc.MAX_MANY):
@@ -312,6 +339,34 @@ class KvdClient:
                 if isinstance(out, KvdError):
                     refused.setdefault(call.room, out)
         return refused
+
+    def _submit_nowait(self, ring: EngineRing, calls: list[rpc.RingCall]) -> int:
+        """:meth:`submit_all` without a wait (under the lock): each call a ring record
+        (one that has grown past a record since the check goes over the socket, in
+        order, its refusal kept for its room); a Clear is noted so that its room's kept
+        refusals go once kvd ran it unrefused. How many calls it took: fewer than all
+        when kvd closed the ring (the rest are the caller's to send over the socket)."""
+        done = 0
+        try:
+            for done, call in enumerate(calls):  # noqa: B007 (read after the loop)
+                data = ring.encode(call)
+                if data is None:
+                    try:
+                        self._exchange(call, None)  # kvd drains the ring before it
+                    except KvdUnreachable:
+                        raise
+                    except KvdError as exc:
+                        ring.refused.setdefault(call.room, exc)
+                    continue
+                seq = ring.submit(data, call.room, self.timeout)
+                if isinstance(call, rpc.Clear):
+                    ring.clearing[seq] = call.room
+        except RingClosed:
+            self._close_ring()  # kvd aborted the rooms the ring carried
+            return done
+        except (DaemonGone, TimeoutError, ProtocolError) as exc:
+            self._ring_broken(exc)
+        return len(calls)
 
     def _submit_ring(self, ring: EngineRing, calls: list[rpc.RingCall]) -> dict[int, KvdError]:
         """:meth:`submit_all` through ``ring`` (under the lock). Each record is encoded
@@ -395,7 +450,8 @@ class KvdClient:
         ring = self.ring
         if ring is None:
             return None
-        if ring.comp.head != ring.inbox.tail:  # a completion waits: read them all
+        if ring.comp.head != ring.inbox.tail or (  # a completion waits: read them all
+                ring.clearing and (ring.refused or self._refusal_taken)):
             with self._lock:
                 if self.ring is not ring:
                     return None
@@ -403,6 +459,11 @@ class KvdClient:
                     ring.collect()
                 except (ProtocolError, OSError):
                     return None
+        if ring.cleared:
+            with self._lock:
+                for room in ring.cleared:
+                    self._refusal_taken.pop(room, None)
+                ring.cleared.clear()
         return ring
 
     def _forget_refusals(self, rooms: list[int]) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvd.client import KvdClient, KVPoll, Receiver, Sender, poll_many
+from kvd.client import KvdClient, KVPoll, Receiver, Sender, poll_array, poll_many
 from kvd.errors import KvdError, KvdUnreachable, RoomError
 from kvd.launch import start_daemon
 from kvd.protocol import rpc
@@ -135,6 +135,25 @@ def test_each_room_reads_its_own_refusal_whatever_other_rooms_hold(
         assert s.poll() == -1
 
 
+def test_a_clear_not_waited_for_drops_the_rooms_kept_refusal_once_kvd_ran_it(
+        ring_pair: PdPair) -> None:
+    """A room reading Failed by a refusal nobody waited for (a send to a room kvd does not
+    know), then a Clear of it through the ring, not waited for: once kvd ran the clear
+    the room reads unknown (-1), not Failed, and a later room of the id starts clean."""
+    pe = ring_pair.p_engine
+    ring = pe.client.ring
+    assert ring is not None
+    room = 8410
+    Sender.attach(pe.client, room).send(np.array([1]), is_last=False)
+    until(ring.drained, "kvd ran the send")
+    ids = np.array([room], dtype=np.uint64)
+    assert poll_array(pe.client, ids).tolist() == [int(KVPoll.Failed)]
+    pe.client.submit(rpc.Clear(room=room))  # not waited for
+    until(ring.drained, "kvd ran the clear")
+    assert poll_array(pe.client, ids).tolist() == [-1]
+    assert pe.client.room_refusal(room) is None
+
+
 class CountingRoundtrips:
     """Counts the socket round trips of one client, by call type."""
 
@@ -196,6 +215,96 @@ def test_submit_all_runs_a_step_of_room_calls_in_one_wait_and_names_each_refusal
     assert pe.client.submit_all(clears) == {}
     wait_rooms(de.client, rooms, BOUND)
     assert de.client.submit_all(clears) == {}
+
+
+def _step_outcomes(client: KvdClient, rooms: list[int], wait: bool,
+                   calls: list[rpc.RingCall]) -> tuple[set[int], np.ndarray]:
+    """One step of ``calls`` through ``submit_all(calls, wait)``: the rooms whose refusal
+    the engine learns at the step's end (returned when waited; read Failed through
+    ``poll_array`` once kvd ran them when not) and the rooms' ``poll_array`` then."""
+    ring = client.ring
+    assert ring is not None
+    refused = client.submit_all(calls, wait=wait)
+    if not wait:
+        assert refused == {}  # returned at once: the refusals come back per room
+        until(ring.drained, "kvd ran the step")
+    states = poll_array(client, np.array(rooms, dtype=np.uint64))
+    learned = set(refused) if wait else {r for r, s in zip(rooms, states, strict=True)
+                                         if s == KVPoll.Failed}
+    return learned, states
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_a_step_not_waited_for_reads_as_the_waited_step_through_poll_array(
+        ring_pair: PdPair, wait: bool) -> None:
+    """P9: a step's calls through ``submit_all(calls, wait=False)`` return at once (no
+    wait); what the engine learns through ``poll_array`` after the step is what the waited
+    step tells it. A decode step of 5 rooms in which one init names the aux slot another
+    live room holds (K42: refused): that room, and only it, is refused in the waited form
+    and reads Failed at the next poll in the unwaited one; the other rooms move byte for
+    byte. The step's clears drop every kept refusal: every room then reads unknown (-1),
+    and a new room of the refused room's id starts clean."""
+    pe, de = ring_pair.p_engine, ring_pair.d_engine
+    base = 8900 if wait else 8950
+    rooms = list(range(base, base + 5))
+    bad = rooms[3]
+    src = {r: [(r * 3 + i) % pe.num_pages for i in range(2)] for r in rooms}
+    dst = {r: [(base * 2 + 2 * i + j) % de.num_pages for j in range(2)]
+           for i, r in enumerate(rooms)}
+    aux = {r: dst[r][0] for r in rooms}
+    aux[bad] = aux[rooms[0]]  # held by a live room (K42)
+    recv: list[rpc.RingCall] = [rpc.ReceiverCreate(room=r, bootstrap_addr=ring_pair.bootstrap)
+                                for r in rooms]
+    recv += [rpc.ReceiverInit(room=r, dst_pages=pack_indices(dst[r]), aux_index=aux[r])
+             for r in rooms]
+    learned, _ = _step_outcomes(de.client, rooms, wait, recv)
+    assert learned == {bad}
+    good = [r for r in rooms if r != bad]
+    sent, _ = _step_outcomes(pe.client, good, wait, _prefill_batch(good, src))
+    assert sent == set()
+    # the engine reads the rooms it knows live: in the waited form not the refused one
+    seen = rooms if not wait else good
+    until(lambda: all(s in (KVPoll.Success, KVPoll.Failed) for s in
+                      poll_array(de.client, np.array(seen, dtype=np.uint64))),
+          "the decode's rooms ended")
+    states = poll_array(de.client, np.array(seen, dtype=np.uint64))
+    assert states.tolist() == [int(KVPoll.Failed if r == bad else KVPoll.Success)
+                               for r in seen]
+    assert wait_rooms(pe.client, good, BOUND) == [KVPoll.Success] * len(good)
+    for r in good:
+        assert de.pages_equal(pe, src[r], dst[r]), f"room {r}"
+    for client in (de.client, pe.client):  # the step's clears of the rooms that ended
+        ring = client.ring
+        assert ring is not None
+        assert client.submit_all([rpc.Clear(room=r) for r in good], wait=wait) == {}
+        until(ring.drained, "kvd ran the clears")
+        assert poll_array(client, np.array(good, dtype=np.uint64)).tolist() == \
+            [-1] * len(good)
+
+    def clear_bad() -> bool:  # cleared again each step until kvd took it (K06)
+        de.client.submit_all([rpc.Clear(room=bad)], wait=wait)
+        until(de.client.ring.drained, "kvd ran the clear")  # type: ignore[union-attr]
+        return bool(poll_array(de.client, np.array([bad], dtype=np.uint64))[0] == -1)
+
+    until(clear_bad, "the refused room cleared")
+    assert de.client.room_refusal(bad) is None and not de.client.ring_refused(
+        np.array([bad], dtype=np.uint64))
+    # a new room of the refused room's id starts clean
+    learned, states = _step_outcomes(de.client, [bad], wait, [
+        rpc.ReceiverCreate(room=bad, bootstrap_addr=ring_pair.bootstrap),
+        rpc.ReceiverInit(room=bad, dst_pages=pack_indices(dst[bad]), aux_index=dst[bad][0])])
+    assert learned == set() and states.tolist() != [int(KVPoll.Failed)]
+    de.client.submit(rpc.Abort(room=bad, reason="test"), wait=True)
+
+    def cleared() -> bool:
+        try:
+            de.client.submit(rpc.Clear(room=bad), wait=True)
+        except RoomError:
+            return False
+        return True
+
+    until(cleared, "the aborted room releasable and cleared")
+    assert poll_array(de.client, np.array([bad], dtype=np.uint64)).tolist() == [-1]
 
 
 def test_a_duplicate_create_through_the_ring_is_refused_at_the_next_call_and_harms_nobody(

@@ -28,10 +28,11 @@ class Kvd:
         self.held: set[int] = set()
         self.failed: list[tuple[set[int], str]] = []
         self.why = "no"
+        self.clearable: set[int] = set()  # refused rooms whose Clear still runs
 
     def handle(self, call: Any) -> None:
         self.ran.append(call)
-        if call.room >= NO:
+        if call.room >= NO and not (isinstance(call, rpc.Clear) and call.room in self.clearable):
             raise RoomError(f"room {call.room}: {self.why}")
         if isinstance(call, rpc.Clear):
             self.held.discard(call.room)
@@ -81,6 +82,29 @@ def test_a_waited_refusal_is_returned_not_kept(pair: tuple[Kvd, RingChannel, Eng
     refusal = engine.result_of(seq)
     assert isinstance(refusal, RoomError) and str(NO + 4) in str(refusal)
     assert engine.refused == {}
+
+
+def test_an_unwaited_clear_drops_its_rooms_kept_refusal_once_run_unless_refused(
+        pair: tuple[Kvd, RingChannel, EngineRing]) -> None:
+    """P9: a Clear nobody waited for (noted in ``clearing``) that kvd ran drops the
+    refusal kept for its room from calls before it, and a later call's refusal of the
+    same id is kept; a Clear kvd refused leaves its room's refusal (the room reads
+    Failed)."""
+    kvd, channel, engine = pair
+    kvd.clearable.add(NO + 1)
+    submit(engine, rpc.SenderCreate(room=NO + 1))  # refused
+    submit(engine, rpc.SenderCreate(room=NO + 2))  # refused
+    for room in (NO + 1, NO + 2):  # the first runs, the second is refused
+        engine.clearing[submit(engine, rpc.Clear(room=room))] = room
+    channel.drain()
+    kvd.why = "the later room"
+    submit(engine, rpc.SenderCreate(room=NO + 1))  # reads the completions first
+    channel.drain()
+    engine.collect()
+    assert engine.cleared == [NO + 1] and engine.clearing == {}
+    assert set(engine.refused) == {NO + 1, NO + 2}
+    assert "the later room" in str(engine.refused[NO + 1])  # not the cleared room's
+    assert str(engine.refused[NO + 2]).endswith(": no")  # kept: its Clear was refused
 
 
 def test_a_refusal_longer_than_a_record_is_cut_to_fit(
