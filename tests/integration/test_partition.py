@@ -72,8 +72,7 @@ def test_partition_is_detected_fails_rooms_and_recovers(two_hosts: None, tmp_pat
         states = poll_many(d.client, rooms)
         assert states == [KVPoll.Failed] * len(rooms)
         assert detect < 0.5 * 2 + 2.5
-        reason = Receiver.__new__(Receiver)
-        reason.client, reason.room, reason.lost = d.client, rooms[0], ""
+        reason = Receiver.attach(d.client, rooms[0])
         assert bootstrap in reason.failure_reason()
         _ip("-n", NS_P, "link", "set", "vkp", "up")  # the link is back
         deadline, room, ok = time.monotonic() + 20, 100, False
