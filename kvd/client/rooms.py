@@ -45,9 +45,13 @@ def poll_array(client: KvdClient, rooms: npt.ArrayLike) -> npt.NDArray[np.int8]:
     unsigned ids, 1-D), read from kvd's status table without a syscall where it answers,
     and in ONE ``Poll`` RPC for the rest (every room when there is no table).
 
-    What :func:`poll_many` answers, as an array; the same failure rules.
+    What :func:`poll_many` answers, as an array; the same failure rules. ValueError for
+    an id that is no 64-bit unsigned integer (a negative one, say).
     """
-    ids = np.asarray(rooms, dtype=np.uint64).reshape(-1)
+    try:
+        ids = np.asarray(rooms, dtype=np.uint64).reshape(-1)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise ValueError(f"poll_array: room ids are integers in [0, 2**64): {exc}") from exc
     read = client.read_table(ids)
     if read is None:
         statuses = np.asarray(_poll_socket(client, ids.tolist()), dtype=np.int8)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvd.client import poll_many
+from kvd.client import poll_array, poll_many
 from kvd.errors import ProtocolError
 from kvd.protocol import rpc
 from kvd.rooms import UNKNOWN_ROOM, KVPoll
@@ -76,3 +76,11 @@ def test_an_answer_with_fewer_statuses_than_rooms_is_a_protocol_error(tmp_path: 
     FakeKvd(str(tmp_path / "many.sock"), result=many)
     with pytest.raises(ProtocolError, match="1 statuses for 2 rooms"):
         KvdClient(str(tmp_path / "many.sock"), timeout=10.0).call_many([rpc.Poll(rooms=[1, 2])])
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**64], ["seven"]])
+def test_poll_array_refuses_an_id_that_is_no_uint64_by_name(bad: list[Any]) -> None:
+    """A negative, too large or non-integer room id is a ValueError naming the rule (it
+    escaped as numpy's OverflowError), and nothing is asked."""
+    with pytest.raises(ValueError, match=r"room ids are integers in \[0, 2\*\*64\)"):
+        poll_array(_Answers([]), bad)  # type: ignore[arg-type]
