@@ -20,16 +20,37 @@ Needs the ``ref`` extra (``torch``, ``transformers``, ``gguf``, ``accelerate``) 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 CACHE_ENV = "KVD_HF_MODEL_DIR"
 """Env var naming the parent directory of converted models (default ``./.cache/hf-models``)."""
 
+
+
+@contextlib.contextmanager
+def _staged(dest: Path) -> Iterator[Path]:
+    """A temporary directory beside ``dest`` to build a model in; renamed to ``dest`` when
+    the block ends without error (atomic: a reader never sees half a model). Another
+    process that published ``dest`` first wins (its ``config.json`` is there); any other
+    rename error (OSError) is raised. The temporary directory is always removed."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        yield tmp
+        try:
+            tmp.rename(dest)
+        except OSError:
+            if not (dest / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 def default_cache_dir() -> Path:
     """``$KVD_HF_MODEL_DIR``, else ``.cache/hf-models`` under the current directory."""
@@ -60,17 +81,8 @@ def ensure_hf_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     dest = parent / _model_name(gguf_path)
     if (dest / "config.json").is_file():
         return dest
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=parent))
-    try:
+    with _staged(dest) as tmp:
         _convert(gguf_path, tmp)
-        try:
-            tmp.rename(dest)
-        except OSError:
-            if not (dest / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -140,8 +152,7 @@ def ensure_widened_model(base: str | os.PathLike[str], factor: int = 2) -> Path:
             w = (w.view(rows, heads, dim).repeat_interleave(factor, dim=1) / factor).reshape(
                 rows, heads * factor * dim)
         out[key] = w.contiguous()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=src.parent))
-    try:
+    with _staged(dest) as tmp:
         save_file(out, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         cfg.update(num_attention_heads=heads * factor, num_key_value_heads=kv * factor,
                    head_dim=dim)
@@ -149,13 +160,6 @@ def ensure_widened_model(base: str | os.PathLike[str], factor: int = 2) -> Path:
         for f in src.iterdir():
             if f.is_file() and f.name not in ("config.json", "model.safetensors"):
                 shutil.copy(f, tmp / f.name)
-        try:
-            tmp.rename(dest)
-        except OSError:
-            if not (dest / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -175,8 +179,7 @@ def ensure_windowed_model(base: str | os.PathLike[str], window: int = 64) -> Pat
     cfg.update(sliding_window=window, layer_types=[
         "sliding_attention" if i % 2 == 0 else "full_attention"
         for i in range(cfg["num_hidden_layers"])])
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=src.parent))
-    try:
+    with _staged(dest) as tmp:
         for f in src.iterdir():
             if f.is_file() and f.name != "config.json":
                 try:
@@ -184,13 +187,6 @@ def ensure_windowed_model(base: str | os.PathLike[str], window: int = 64) -> Pat
                 except OSError:
                     shutil.copy(f, tmp / f.name)
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        try:
-            tmp.rename(dest)
-        except OSError:
-            if not (dest / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -233,19 +229,10 @@ def ensure_mamba_hybrid_model(tokenizer_from: str | os.PathLike[str], seed: int 
     cfg = transformers.AutoConfig.for_model(**MAMBA_HYBRID_CONFIG)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with _staged(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         for f in src.iterdir():
             if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "chat_t",
                                                   "generation_config")):
                 shutil.copy(f, tmp / f.name)
-        try:
-            tmp.rename(out)
-        except OSError:
-            if not (out / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out

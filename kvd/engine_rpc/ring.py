@@ -174,9 +174,8 @@ class RingChannel:
             return
         if self.sub.sleeping and self.sub.head == self.inbox.tail:
             return  # nothing published, nothing to change
-        self._draining = True
         self.sub.sleeping = False
-        try:
+        with self._running(wake=True):
             if self._run(BATCH) and self._can_progress():
                 self._later()
                 return
@@ -185,14 +184,26 @@ class RingChannel:
             if self._can_progress():
                 self.sub.sleeping = False
                 self._later()
+
+    @contextlib.contextmanager
+    def _running(self, wake: bool) -> typing.Iterator[None]:
+        """One run of records (:meth:`drain`, :meth:`catch_up`, :meth:`finish`): marks
+        the channel draining (re-entrant calls do nothing); a ProtocolError fails the
+        channel with its message, and any other exception (a bug here) is logged and
+        fails it too, so the engine is never left waiting; with ``wake``, the engine is
+        woken at the end if it waits."""
+        self._draining = True
+        try:
+            yield
         except ProtocolError as exc:
             self.fail(str(exc))
-        except Exception as exc:  # a bug here must not leave the engine waiting
+        except Exception as exc:
             log.exception("engine ring drain failed")
             self.fail(f"internal error: {exc}")
         finally:
             self._draining = False
-            self._wake_engine()
+            if wake:
+                self._wake_engine()
 
     def catch_up(self) -> None:
         """Before a socket call of the same connection: run EVERY record published now
@@ -207,19 +218,10 @@ class RingChannel:
         if self._draining or self.failed or self.closed or \
                 self.sub.head == self.inbox.tail:
             return
-        self._draining = True
-        try:
+        with self._running(wake=True):
             self._run_to(self.inbox.tail + self.inbox.pending(), full=(
                 "the engine made a socket call while its completion ring was full: "
                 "the records before the call cannot run in order"))
-        except ProtocolError as exc:
-            self.fail(str(exc))
-        except Exception as exc:
-            log.exception("engine ring drain failed")
-            self.fail(f"internal error: {exc}")
-        finally:
-            self._draining = False
-            self._wake_engine()
 
     def _run_to(self, target: int, full: str) -> None:
         """Run records until ``tail`` reaches ``target`` (a ``head`` read before, checked
@@ -385,17 +387,9 @@ class RingChannel:
         if not self.failed and not self._draining:
             self._stop_reading()
             self.orphaned = True
-            self._draining = True
-            try:
+            with self._running(wake=False):
                 self._fail_unread()
                 self._run_to(self.inbox.tail + self.inbox.pending(), full="")
-            except ProtocolError as exc:
-                self.fail(str(exc))
-            except Exception as exc:
-                log.exception("engine ring drain failed")
-                self.fail(f"internal error: {exc}")
-            finally:
-                self._draining = False
         self.close()
 
     def _fail_unread(self) -> None:
