@@ -42,9 +42,9 @@ def _counters(d: DaemonProcess) -> dict[str, int]:
 def _fresh(p: EngineStandIn, d: EngineStandIn, boot: str, room: int, page: int) -> float:
     """Seconds from a 1-page room's send to the decode's Success."""
     r = Receiver(d.client, room, boot)
-    r.init([page], 0)
+    r.init([page], page)  # the aux slot of its page (K42: aborted rooms may hold 0)
     s = Sender(p.client, room)
-    s.init(1, 0)
+    s.init(1, page)
     t0 = time.perf_counter()
     s.send([page])
     states = wait_rooms(d.client, [room], timeout=60.0, interval=0.0005)
