@@ -254,6 +254,28 @@ def _echo_server(path: str) -> None:
     uvloop.run(main())
 
 
+def _connect_when_listening(path: str, server: Any, bound_s: float = 60.0) -> socket.socket:
+    """A Unix-socket connection to ``path`` once ``server`` (a started process) listens.
+
+    The socket file appears at ``bind``, before ``listen``: a connect in between is
+    refused, so each try waits until one is accepted, within ``bound_s`` seconds.
+    Raises RuntimeError if the server exits or the bound passes first."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(path)
+            return sock
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+        if not server.is_alive():
+            raise RuntimeError(f"the echo server exited (code {server.exitcode}) before "
+                               f"listening on {path}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the echo server did not listen on {path} within {bound_s} s")
+        time.sleep(0.01)
+
+
 def _p50_us(fn: Any, n: int) -> float:
     times = []
     for _ in range(n):
@@ -318,10 +340,7 @@ def bench_api(n: int = 3000, repeats: int = 3, rooms_each: int = 100) -> dict[st
         echo = mp.get_context("spawn").Process(target=_echo_server, args=(path,), daemon=True)
         echo.start()
         stack.callback(echo.kill)
-        while not os.path.exists(path):
-            time.sleep(0.01)
-        sock = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
-        sock.connect(path)
+        sock = stack.enter_context(_connect_when_listening(path, echo))
         msg = b"\x00\x00\x00\x20KVD\x04" + b"x" * 28  # the size of a trivial request (36 B)
 
         def echo_once() -> None:
