@@ -166,9 +166,15 @@ class KvdClient:
         return self._sock
 
     def call(self, call: rpc.Call) -> Any:
-        """Send one request and return its (typed) result."""
+        """Send one request and return its (typed) result. ValueError (nothing sent) for
+        a room call with an integer outside its wire bounds
+        (:func:`~kvd.protocol.rpc.check_bounds`: a room id is a 64-bit unsigned integer)."""
         if isinstance(call, rpc.Wait):
             return self.wait(call.rooms, call.timeout, call.any_done)
+        rpc.check_bounds(call)  # as submit does: the same error whichever way it goes
+        if isinstance(call, rpc.Many):
+            for c in call.calls:
+                rpc.check_bounds(c)
         if isinstance(call, rpc.RegisterKV) and not call.engine_id:
             call = msgspec.structs.replace(call, engine_id=self.engine_id)
         kind = RESULT_TYPES.get(type(call))
@@ -194,12 +200,13 @@ class KvdClient:
         drains the ring before every socket call). A Clear not waited for drops the
         room's kept refusals once kvd ran it unrefused (refused: the room reads Failed
         until cleared again). Without a usable ring, or for a call larger than a record,
-        it is :meth:`call`. Raises what :meth:`call` raises
-        (:class:`KvdUnreachable` when kvd's socket end closed or it ran nothing within
-        ``timeout``); the create's refusal (nothing sent) when kvd refused ``handle``'s
-        create; a ring kvd closed while this call waited raises ProtocolError (kvd
-        aborted the rooms the ring carried) and later calls use the socket. A waited
-        Clear drops the room's kept refusals (a room of the same id later starts clean)."""
+        it is :meth:`call`. Raises what :meth:`call` raises (ValueError, nothing sent,
+        for an integer outside its wire bounds; :class:`KvdUnreachable` when kvd's
+        socket end closed or it ran nothing within ``timeout``); the create's refusal
+        (nothing sent) when kvd refused ``handle``'s create; a ring kvd closed while
+        this call waited raises ProtocolError (kvd aborted the rooms the ring carried)
+        and later calls use the socket. A waited Clear drops the room's kept refusals
+        (a room of the same id later starts clean)."""
         self._submit(call, wait, handle)
         if wait and isinstance(call, rpc.Clear):
             self._forget_refusals([call.room])
@@ -217,6 +224,7 @@ class KvdClient:
     def _submit(self, call: rpc.RingCall, wait: bool,
                 handle: Handle | int | None) -> Handle | None:
         key = handle.key if isinstance(handle, Handle) else handle
+        rpc.check_bounds(call)  # nothing sent: a record kvd cannot decode fails the ring
         with self._lock:
             ring = self._usable_ring()
             data = ring.encode(call) if ring is not None else None
@@ -319,11 +327,15 @@ class KvdClient:
         calls left when kvd closed the ring, it falls back to the waited form
         (``Many``) and returns their refusals.
 
-        Raises :class:`KvdUnreachable` as :meth:`call` does, and ProtocolError when kvd
+        Raises ValueError (nothing sent) if a call has an integer outside its wire
+        bounds (:func:`~kvd.protocol.rpc.check_bounds`), :class:`KvdUnreachable` as
+        :meth:`call` does, and ProtocolError when kvd
         closed the ring before running waited calls (kvd aborted the rooms the ring
         carried; unwaited calls it never ran read as those rooms do then)."""
         if not calls:
             return {}
+        for call in calls:  # nothing sent: a record kvd cannot decode fails the ring
+            rpc.check_bounds(call)
         with self._lock:
             ring = self._usable_ring()
             if ring is not None and not wait:  # a call past a record goes by the socket

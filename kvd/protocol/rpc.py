@@ -8,9 +8,11 @@ with a :class:`Reply` carrying the same ``id``.
 from __future__ import annotations
 
 import struct
+import typing
 from typing import Annotated, Any, TypeAlias
 
 import msgspec
+import msgspec.inspect
 
 from kvd import errors
 from kvd.errors import ProtocolError
@@ -31,6 +33,18 @@ __all__ = ["CudaIpcHandle", "FdHandle", "MemoryHandle", "ShmHandle"]  # re-expor
 LENGTH = struct.Struct(">I")
 #: Most descriptors one request may carry with ``SCM_RIGHTS`` (more close the connection).
 MAX_FDS = 64
+
+
+#: A room id on the wire: a 64-bit unsigned integer (the status table and every
+#: numpy view of room ids hold them as ``uint64``; msgpack carries none larger, and
+#: msgspec takes no bound past int64, so only ``ge`` is written). A call naming another
+#: does not decode (ProtocolError): before, ``SenderCreate(room=-1)`` made a room kvd
+#: could not publish and answered "internal error".
+RoomId = Annotated[int, msgspec.Meta(ge=0)]
+#: Any other integer of a room call (pages, slots, ranks): a signed 64-bit integer, what
+#: the room machines' numpy arrays hold (a larger one failed inside them as an internal
+#: error, e.g. ``ReceiverInit(state_index=2**63)``).
+I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 
 
 class EngineRanks(msgspec.Struct, frozen=True):
@@ -83,7 +97,7 @@ class SenderCreate(msgspec.Struct, tag="sender_create", frozen=True):
     """``release_digest``: SHA-256 of the opener's release token (32 bytes; empty: the
     room cannot be released by token, K45/K46, :mod:`kvd.protocol.release`)."""
 
-    room: int
+    room: RoomId
     release_digest: bytes = b""
 
 
@@ -91,17 +105,17 @@ class SenderInit(msgspec.Struct, tag="sender_init", frozen=True):
     """``state_index``: the room's state slot (-1: none); ``window_pages`` (int32 LE
     bytes): the window pool's pages holding the room's last ``window_tokens`` tokens."""
 
-    room: int
-    num_pages: int
-    aux_index: int
-    state_index: int = -1
+    room: RoomId
+    num_pages: I64
+    aux_index: I64
+    state_index: I64 = -1
     window_pages: bytes = b""
 
 
 class SenderSend(msgspec.Struct, tag="sender_send", frozen=True):
     """One prefill chunk: int32 page indices (bytes); ``is_last`` triggers aux."""
 
-    room: int
+    room: RoomId
     pages: bytes
     is_last: bool
 
@@ -119,7 +133,7 @@ class SenderSendLayers(msgspec.Struct, tag="sender_send_layers", frozen=True):
     page named so far that still misses a layer). ``is_last``: the room's last send (it
     carries aux); every layer of every page must have been named by then."""
 
-    room: int
+    room: RoomId
     pages: bytes
     layer_start: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
     layer_end: Annotated[int, msgspec.Meta(ge=0, le=MAX_LAYERS)]
@@ -127,9 +141,9 @@ class SenderSendLayers(msgspec.Struct, tag="sender_send_layers", frozen=True):
 
 
 class ReceiverCreate(msgspec.Struct, tag="receiver_create", frozen=True):
-    room: int
+    room: RoomId
     bootstrap_addr: str
-    dp_rank: int | None = None
+    dp_rank: I64 | None = None
 
 
 class ReceiverInit(msgspec.Struct, tag="receiver_init", frozen=True):
@@ -138,18 +152,18 @@ class ReceiverInit(msgspec.Struct, tag="receiver_init", frozen=True):
     decode already holds the ``first_page`` pages before it (a local prefix-cache hit)
     and the prefill writes none of them."""
 
-    room: int
+    room: RoomId
     dst_pages: bytes
-    aux_index: int
-    first_page: int = 0
-    state_index: int = -1       # the room's state slot here (-1: none)
+    aux_index: I64
+    first_page: I64 = 0
+    state_index: I64 = -1       # the room's state slot here (-1: none)
     window_pages: bytes = b""   # window pool pages (int32 LE) receiving the window
 
 
 class Poll(msgspec.Struct, tag="poll", frozen=True):
     """Status of many rooms in one call; unknown rooms answer ``UNKNOWN_ROOM``."""
 
-    rooms: list[int]
+    rooms: list[RoomId]
 
 
 class Wait(msgspec.Struct, tag="wait", frozen=True):
@@ -158,7 +172,7 @@ class Wait(msgspec.Struct, tag="wait", frozen=True):
     no RPC per round. An engine that only waits for transfers sleeps here with
     ``any_done`` and reports each room as soon as it ends."""
 
-    rooms: list[int]
+    rooms: list[RoomId]
     timeout: float
     any_done: bool = False
 
@@ -167,17 +181,17 @@ class Abort(msgspec.Struct, tag="abort", frozen=True):
     """End a room. On decode, ``bootstrap_addr`` (and ``dp_rank``) let kvd tell the
     prefill ranks even when it does not know the room (e.g. it restarted)."""
 
-    room: int
+    room: RoomId
     reason: str = "aborted by engine"
     bootstrap_addr: str | None = None
-    dp_rank: int | None = None
+    dp_rank: I64 | None = None
 
     def __post_init__(self) -> None:  # the engine's text, escaped and bounded on entry (S21)
         msgspec.structs.force_setattr(self, "reason", clean(self.reason))
 
 
 class Clear(msgspec.Struct, tag="clear", frozen=True):
-    room: int
+    room: RoomId
 
 
 class Info(msgspec.Struct, tag="info", frozen=True):
@@ -437,3 +451,41 @@ def error_from(kind: str, message: str) -> errors.KvdError:
     """The exception an engine sees for a failed reply."""
     cls = ERRORS.get(kind)
     return cls(message) if cls is not None else errors.RpcError(message, kind)
+
+
+_U64_MAX = (1 << 64) - 1
+
+
+def _int_bounds(cls: type) -> tuple[tuple[str, int, int], ...]:
+    """``(field, lowest, highest)`` of each integer field of ``cls`` (an int that may be
+    None included), from its annotations: :data:`RoomId`, :data:`I64`, or any int
+    msgpack carries."""
+    out = []
+    for field in msgspec.inspect.type_info(cls).fields:  # type: ignore[attr-defined]
+        kind = field.type
+        if isinstance(kind, msgspec.inspect.UnionType):
+            kind = next((t for t in kind.types if isinstance(t, msgspec.inspect.IntType)),
+                        None)
+        if isinstance(kind, msgspec.inspect.IntType):
+            out.append((field.name, -(1 << 63) if kind.ge is None else kind.ge,
+                        _U64_MAX if kind.le is None else kind.le))
+    return tuple(out)
+
+
+_RING_BOUNDS: dict[type, tuple[tuple[str, int, int], ...]] = {
+    cls: _int_bounds(cls) for cls in typing.get_args(RingCall)}
+
+
+def check_bounds(call: object) -> None:
+    """ValueError naming the field unless every integer field of the room call ``call``
+    holds an int within its wire bounds (:data:`RoomId`, :data:`I64`); other calls
+    pass. The engine's
+    client checks each room call before it sends it, whichever way: in a submission
+    ring a record kvd cannot decode fails the whole channel and aborts every room it
+    carried (:mod:`kvd.engine_rpc.ring`), over the socket kvd would answer a
+    ProtocolError; either way nothing is sent and the caller gets the same error."""
+    for name, lo, hi in _RING_BOUNDS.get(type(call), ()):
+        value = getattr(call, name)
+        if value is not None and not (isinstance(value, int) and lo <= value <= hi):
+            raise ValueError(f"{type(call).__name__}.{name} must be an integer in "
+                             f"[{lo}, {hi}], got {value}")

@@ -14,6 +14,7 @@ from kvd.protocol import codec, rpc
 
 U64 = st.integers(min_value=0, max_value=2**64 - 1)
 I64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+# room ids are 64-bit unsigned on the wire (rpc.RoomId); a call's other integers int64
 TEXT = st.text(max_size=40)
 INT_LISTS = st.lists(U64, max_size=8)
 
@@ -28,24 +29,24 @@ CALLS = {
         aux_buffers=st.lists(shm_handles, max_size=3), aux_item_lens=INT_LISTS, page_size=I64,
         num_kv_heads=I64, head_dim=I64, dtype_size=I64, num_layers=I64, layer_start=I64,
         is_mla=st.booleans(), layout=TEXT, engine_id=TEXT),
-    "SenderCreate": st.builds(rpc.SenderCreate, room=I64),
-    "SenderInit": st.builds(rpc.SenderInit, room=I64, num_pages=I64, aux_index=I64),
-    "SenderSend": st.builds(rpc.SenderSend, room=I64, pages=st.binary(max_size=64),
+    "SenderCreate": st.builds(rpc.SenderCreate, room=U64),
+    "SenderInit": st.builds(rpc.SenderInit, room=U64, num_pages=I64, aux_index=I64),
+    "SenderSend": st.builds(rpc.SenderSend, room=U64, pages=st.binary(max_size=64),
                             is_last=st.booleans()),
-    "SenderSendLayers": st.builds(rpc.SenderSendLayers, room=I64, pages=st.binary(max_size=64),
+    "SenderSendLayers": st.builds(rpc.SenderSendLayers, room=U64, pages=st.binary(max_size=64),
                                   layer_start=st.integers(0, rpc.MAX_LAYERS),
                                   layer_end=st.integers(0, rpc.MAX_LAYERS),
                                   is_last=st.booleans()),
-    "ReceiverCreate": st.builds(rpc.ReceiverCreate, room=I64, bootstrap_addr=TEXT,
+    "ReceiverCreate": st.builds(rpc.ReceiverCreate, room=U64, bootstrap_addr=TEXT,
                                 dp_rank=st.none() | I64),
-    "ReceiverInit": st.builds(rpc.ReceiverInit, room=I64, dst_pages=st.binary(max_size=64),
+    "ReceiverInit": st.builds(rpc.ReceiverInit, room=U64, dst_pages=st.binary(max_size=64),
                               aux_index=I64),
-    "Poll": st.builds(rpc.Poll, rooms=st.lists(I64, max_size=10)),
-    "Wait": st.builds(rpc.Wait, rooms=st.lists(I64, max_size=10),
+    "Poll": st.builds(rpc.Poll, rooms=st.lists(U64, max_size=10)),
+    "Wait": st.builds(rpc.Wait, rooms=st.lists(U64, max_size=10),
                       timeout=st.floats(allow_nan=False)),
-    "Abort": st.builds(rpc.Abort, room=I64, reason=TEXT, bootstrap_addr=st.none() | TEXT,
+    "Abort": st.builds(rpc.Abort, room=U64, reason=TEXT, bootstrap_addr=st.none() | TEXT,
                        dp_rank=st.none() | I64),
-    "Clear": st.builds(rpc.Clear, room=I64),
+    "Clear": st.builds(rpc.Clear, room=U64),
     "Info": st.just(rpc.Info()),
     "Release": st.just(rpc.Release()),
     "OpenTable": st.just(rpc.OpenTable()),

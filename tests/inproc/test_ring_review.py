@@ -1,0 +1,56 @@
+"""A review of the engine ring (issue 21) in process: records no client of kvd's would
+write, run by real daemons on one loop over fakes (the engine's end written here at the
+protocol level, :class:`tests.inproc.test_ring.RingEngine`)."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import pytest
+
+from kvd.protocol import rpc
+from kvd.protocol.codec import pack_indices
+from tests.inproc.harness import Cluster, until
+from tests.inproc.test_ring import RingEngine
+
+BOOTSTRAPPING, FAILED, UNKNOWN = 1, 0, -1
+
+
+@pytest.mark.parametrize("role, bad", [
+    ("prefill", rpc.SenderCreate(room=-1)),
+    ("prefill", rpc.Clear(room=-(2**63))),
+    ("decode", rpc.ReceiverInit(room=5, dst_pages=pack_indices([1]), aux_index=0,
+                                state_index=2**63)),
+])
+async def test_a_record_with_an_integer_past_its_wire_bounds_fails_the_channel_not_kvd(
+        cluster: Cluster, caplog: pytest.LogCaptureFixture, role: str, bad: rpc.Call) -> None:
+    """A room id below 0 or an index past int64, written into the ring by an engine that
+    bypasses the client's check: before, kvd ran it -- ``SenderCreate(room=-1)`` made a
+    room it then failed to publish, answering "internal error" and keeping a room no Poll
+    can name; ``state_index=2**63`` overflowed inside the receiver machine. Now the record
+    does not decode: the channel fails as for any record kvd cannot trust, the rooms it
+    carried are aborted, no handler saw the call, and the socket goes on."""
+    node = await cluster.node(role)
+    eng = await node.engine(seed=1)
+    ring = await RingEngine.open(eng)
+    create = rpc.SenderCreate(room=5) if role == "prefill" else rpc.ReceiverCreate(
+        room=5, bootstrap_addr="127.0.0.1:1")
+    try:
+        ring.push(create)
+        await ring.drained()
+        with caplog.at_level(logging.ERROR, logger="kvd"):
+            ring.push(bad)
+            await until(lambda: ring.sub.closed)
+        channel = node.daemon.rings[eng.conn.id]
+        assert "malformed frame" in channel.failed and "$.call." in channel.failed
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], \
+            "a handler ran the call and failed inside"
+        assert node.side.poll([5]).statuses == [FAILED]  # the room the ring carried
+        assert "engine ring failed" in node.side.poll([5]).reasons[5]
+        if bad.room != 5:
+            assert node.side.poll([bad.room]).statuses == [UNKNOWN]  # no room was made
+        await eng.call(msgspec.structs.replace(create, room=6))
+        assert (await eng.call(rpc.Poll(rooms=[6]))).statuses == [BOOTSTRAPPING]
+    finally:
+        ring.close()

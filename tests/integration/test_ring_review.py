@@ -1,0 +1,77 @@
+"""A review of the engine ring (issue 21) between real processes: engine clients with
+``use_ring=True`` (and without) against real daemons over Mooncake TCP loopback."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kvd.client import KvdClient, KVPoll, Receiver, Sender
+from kvd.errors import ProtocolError
+from kvd.protocol import rpc
+from kvd.protocol.codec import pack_indices
+from tests.conftest import PdPair, start_pair, stop_pair
+
+pytestmark = [pytest.mark.integration]
+
+
+@pytest.fixture(scope="module")
+def ring_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PdPair]:
+    pair = start_pair(tmp_path_factory.mktemp("ring-review"), engine_opts={"use_ring": True})
+    yield pair
+    stop_pair(pair)
+
+
+def _rooms(client: KvdClient) -> int:
+    return int(client.call(rpc.Info())["tables"]["rooms"])
+
+
+def _ways(client: KvdClient) -> list[Callable[[Any], object]]:
+    """Every way a room call leaves the engine's client."""
+    return [client.call, client.submit, lambda c: client.submit(c, wait=True),
+            lambda c: client.submit_all([rpc.Clear(room=424242), c]),
+            lambda c: client.submit_all([rpc.Clear(room=424242), c], wait=False),
+            lambda c: client.call_many([c])]
+
+
+def test_a_room_call_past_its_wire_bounds_raises_value_error_and_sends_nothing(
+        ring_pair: PdPair) -> None:
+    """A room id below 0 (or past 2**64) or an index past int64 in a room call: before,
+    kvd took ``SenderCreate(room=-1)``, made the room, and answered "internal error"
+    (through the ring and the socket alike; the room then sat in kvd, no Poll able to
+    name it), and ``ReceiverInit(state_index=2**63)`` failed inside the receiver machine.
+    Now every way a call leaves the client raises ValueError naming the field and sends
+    nothing (through the ring a record kvd cannot decode would fail the channel and abort
+    every room it carried); a frame that bypasses the check gets a ProtocolError from kvd,
+    and no room is made."""
+    p, d = ring_pair.p_engine.client, ring_pair.d_engine.client
+    boot = ring_pair.bootstrap
+    bad = {p: [rpc.SenderCreate(room=-1), rpc.SenderCreate(room=2**64),
+               rpc.SenderInit(room=7, num_pages=2**63, aux_index=0), rpc.Abort(room=-3)],
+           d: [rpc.ReceiverCreate(room=-1, bootstrap_addr=boot),
+               rpc.ReceiverInit(room=7, dst_pages=pack_indices([1]), aux_index=0,
+                                state_index=2**63),
+               rpc.ReceiverCreate(room=7, bootstrap_addr=boot, dp_rank=2**64 - 1)]}
+    for client, calls in bad.items():
+        ring = client.ring
+        assert ring is not None
+        head, rooms = ring.out.head, _rooms(client)
+        for call in calls:
+            for way in _ways(client):
+                with pytest.raises(ValueError, match=rf"{type(call).__name__}\.\w+ must be"):
+                    way(call)
+        assert client.ring is ring and not ring.sub.closed and ring.out.head == head
+        with pytest.raises(ProtocolError, match="malformed frame"):
+            client._roundtrip(calls[0], None)  # past the client's check: kvd's decoder
+        assert _rooms(client) == rooms
+    r = Receiver(d, 9100, boot)
+    with pytest.raises(ValueError, match="state_index"):
+        r.init([1], aux_index=0, state_index=2**63)
+    r.init([1], aux_index=0)  # the room is untouched by the refused call
+    assert r.poll() in (KVPoll.Bootstrapping, KVPoll.WaitingForInput)
+    r.clear()
+    with pytest.raises(ValueError, match="num_pages"):
+        Sender(p, 9100).init(2**64, 0)
+    Sender.attach(p, 9100).clear()
