@@ -442,6 +442,8 @@ class Daemon:
                 return None
             case rpc.Clear():
                 side.clear(call.room)
+                for ring in self.rings.values():  # whichever way it went: a room of the
+                    ring.cleared(call.room)  # id made later is not the rings' to abort
                 return None
         if self.draining and isinstance(call, rpc.SenderCreate | rpc.ReceiverCreate):
             raise RoomError(f"room {call.room}: kvd is draining (shutting down); "

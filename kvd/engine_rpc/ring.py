@@ -95,9 +95,10 @@ def check_sizes(capacity: int, record_bytes: int) -> int:
 class RingChannel:
     """One connection's rings, their memfd (``fd``) and eventfds. ``handle(call)`` runs one
     call as the socket path does (raising its refusal); ``on_fail(rooms, reason)`` is told
-    once if the channel fails; ``known(room)``: whether kvd still holds ``room``. Raises
-    ProtocolError for sizes out of bounds, OSError if the memfd or eventfds cannot be
-    made."""
+    once if the channel fails (``rooms``: those the ring carried that were not cleared
+    since, whichever way, :meth:`cleared`); ``known(room)``: whether kvd still holds
+    ``room``. Raises ProtocolError for sizes out of bounds, OSError if the memfd or
+    eventfds cannot be made."""
 
     def __init__(self, capacity: int, record_bytes: int, handle: Handle,
                  on_fail: OnFail, known: Known) -> None:
@@ -303,12 +304,19 @@ class RingChannel:
                                       f"{error}")
             return
         if isinstance(call, rpc.Clear):
-            self.rooms.discard(room)
+            self.cleared(room)
             return
         self.rooms.add(room)
         if len(self.rooms) > self._prune_at:
             self.rooms = {r for r in self.rooms if self.known(r)}
             self._prune_at = 2 * len(self.rooms) + PRUNE_AT
+
+    def cleared(self, room: int) -> None:
+        """kvd cleared ``room``, by a call through this ring or any other way (the
+        socket, a ``Many``, another connection): the ring no longer carries it, so a
+        room of the same id made later (another incarnation, maybe over the socket) is
+        not aborted if this ring fails (:meth:`fail`)."""
+        self.rooms.discard(room)
 
     def _refuse(self, seq: int, kind: str, error: str, root: str = "",
                 entry: list[Any] | None = None) -> None:

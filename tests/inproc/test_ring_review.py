@@ -54,3 +54,28 @@ async def test_a_record_with_an_integer_past_its_wire_bounds_fails_the_channel_n
         assert (await eng.call(rpc.Poll(rooms=[6]))).statuses == [BOOTSTRAPPING]
     finally:
         ring.close()
+
+
+async def test_a_room_the_ring_carried_then_cleared_over_the_socket_is_not_the_rings_any_more(
+        cluster: Cluster) -> None:
+    """Room 7 made through the ring, cleared over the socket, made again over the socket
+    (a new incarnation the ring never carried); room 8 made through the ring, cleared
+    through a Many. Then the ring fails (a record kvd cannot trust): only the rooms the
+    ring carried and nobody cleared are aborted -- room 9 -- and the socket's room 7
+    lives on."""
+    node = await cluster.node("prefill")
+    eng = await node.engine(seed=1)
+    ring = await RingEngine.open(eng)
+    try:
+        for room in (7, 8, 9):
+            ring.push(rpc.SenderCreate(room=room))
+        await ring.drained()
+        await eng.call(rpc.Clear(room=7))
+        await eng.call(rpc.Many(calls=[rpc.Clear(room=8)]))
+        await eng.call(rpc.SenderCreate(room=7))
+        ring.out.push(b"not a frame")
+        ring.wake()
+        await until(lambda: ring.sub.closed)
+        assert node.side.poll([7, 8, 9]).statuses == [BOOTSTRAPPING, UNKNOWN, FAILED]
+    finally:
+        ring.close()
