@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -75,3 +77,40 @@ def test_a_room_call_past_its_wire_bounds_raises_value_error_and_sends_nothing(
     with pytest.raises(ValueError, match="num_pages"):
         Sender(p, 9100).init(2**64, 0)
     Sender.attach(p, 9100).clear()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "KvdClient takes one lock for the socket and the ring: a Wait in one thread holds it "
+    "for each server-side chunk (up to timeout * WAIT_SHARE, 15 s by default), so another "
+    "thread's room call through the ring -- a record and a head bump, no syscall -- waits "
+    "for the whole chunk (measured 3.7 s behind a 4 s Wait). The ring's state needs a lock "
+    "of its own, taken without the socket's, with the socket fallbacks (_exchange, "
+    "_collect_first, _close_ring) ordered against it; the adapters dodge it today by "
+    "waiting on a client of their own (vllm/idle.py)"))
+def test_a_ring_call_does_not_wait_for_another_threads_wait_on_the_socket(
+        ring_pair: PdPair) -> None:
+    """One client, two threads: thread A waits (one chunk) for a room that does not end;
+    thread B makes a room and inits it through the ring without waiting. B's calls are
+    records in shared memory: they return while A still waits (a second connection then
+    aborts A's room, which ends its wait)."""
+    client = ring_pair.p_engine.client
+    assert client.ring is not None
+    a = Sender(client, 9200)
+    a.wait_created()
+    waiter = threading.Thread(target=lambda: client.wait([9200], 10.0))
+    waiter.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not client._lock.locked():  # A is inside its Wait
+            assert time.monotonic() < deadline and waiter.is_alive()
+            time.sleep(0.001)
+        b = Sender(client, 9201)
+        b.init(1, 0)
+        assert waiter.is_alive(), "B's ring calls waited for A's Wait to end"
+    finally:
+        other = KvdClient(ring_pair.prefill.socket)
+        Sender.attach(other, 9200).abort("test over")
+        waiter.join(30)
+        other.close()
+    for room in (9200, 9201):
+        Sender.attach(client, room).clear()
