@@ -56,7 +56,7 @@ from typing import Any
 from kvd.errors import KvdError, ProtocolError
 from kvd.logs import log_context, message_context
 from kvd.protocol import codec, rpc
-from kvd.protocol.ring import Consumer, Producer, Ring, fence, ring_bytes
+from kvd.protocol.ring import Consumer, Producer, Ring, fence
 
 log = logging.getLogger("kvd")
 
@@ -76,20 +76,11 @@ PRUNE_AT = 1024
 
 def check_sizes(capacity: int, record_bytes: int) -> int:
     """Bytes of the memfd for two rings of these sizes; ProtocolError outside the bounds
-    of :class:`~kvd.protocol.rpc.OpenRing`."""
-    if not rpc.MIN_RING_RECORD <= record_bytes <= rpc.MAX_RING_RECORD or \
-            not 1 <= capacity <= rpc.MAX_RING_CAPACITY:
-        raise ProtocolError(f"a ring has 1..{rpc.MAX_RING_CAPACITY} records of "
-                            f"{rpc.MIN_RING_RECORD}..{rpc.MAX_RING_RECORD} bytes, asked "
-                            f"{capacity} of {record_bytes}")
+    of :class:`~kvd.protocol.rpc.OpenRing` (:func:`~kvd.protocol.rpc.ring_sizes`)."""
     try:
-        size = 2 * ring_bytes(capacity, record_bytes)
+        return rpc.ring_sizes(capacity, record_bytes)
     except ValueError as exc:
         raise ProtocolError(str(exc)) from exc
-    if size > rpc.MAX_RING_BYTES:
-        raise ProtocolError(f"two rings of {capacity} x {record_bytes} bytes take {size} "
-                            f"bytes, at most {rpc.MAX_RING_BYTES}")
-    return size
 
 
 class RingChannel:

@@ -26,6 +26,7 @@ from kvd.protocol.control import (
     StateSpec,
 )
 from kvd.protocol.memory import CudaIpcHandle, FdHandle, MemoryHandle, ShmHandle
+from kvd.protocol.ring import ring_bytes
 from kvd.text import clean
 
 __all__ = ["CudaIpcHandle", "FdHandle", "MemoryHandle", "ShmHandle"]  # re-exported
@@ -218,6 +219,25 @@ MAX_RING_CAPACITY = 4096
 MIN_RING_RECORD = 512
 MAX_RING_RECORD = 1 << 16
 MAX_RING_BYTES = 16 << 20
+
+
+def ring_sizes(capacity: int, record_bytes: int) -> int:
+    """Bytes of the memfd holding a submission and a completion ring of ``capacity``
+    records of ``record_bytes`` bytes each; ValueError naming the bound unless
+    ``capacity`` is a power of two in ``[1, MAX_RING_CAPACITY]``, ``record_bytes`` a
+    multiple of 8 in ``[MIN_RING_RECORD, MAX_RING_RECORD]`` and both rings fit in
+    ``MAX_RING_BYTES``. The one rule: kvd refuses an :class:`OpenRing` outside it and the
+    engine's client refuses to be made with one."""
+    if not MIN_RING_RECORD <= record_bytes <= MAX_RING_RECORD or \
+            not 1 <= capacity <= MAX_RING_CAPACITY:
+        raise ValueError(f"a ring has 1..{MAX_RING_CAPACITY} records of "
+                         f"{MIN_RING_RECORD}..{MAX_RING_RECORD} bytes, asked {capacity} "
+                         f"of {record_bytes}")
+    size = 2 * ring_bytes(capacity, record_bytes)
+    if size > MAX_RING_BYTES:
+        raise ValueError(f"two rings of {capacity} x {record_bytes} bytes take {size} "
+                         f"bytes, at most {MAX_RING_BYTES}")
+    return size
 
 
 class OpenRing(msgspec.Struct, tag="open_ring", frozen=True):

@@ -79,3 +79,33 @@ async def test_a_room_the_ring_carried_then_cleared_over_the_socket_is_not_the_r
         assert node.side.poll([7, 8, 9]).statuses == [BOOTSTRAPPING, UNKNOWN, FAILED]
     finally:
         ring.close()
+
+
+@pytest.mark.parametrize("tail", [4, 2**64 - 1])
+async def test_a_completion_tail_the_engine_could_not_have_published_fails_only_its_channel(
+        cluster: Cluster, tail: int) -> None:
+    """The engine is the completion ring's consumer: its ``tail`` is the one word there
+    kvd reads. A tail past kvd's head, or one that wrapped the 64-bit word (further
+    behind than the ring holds), is a lie: the next record kvd runs fails the
+    channel (the rooms it carried aborted, the socket's room untouched), never a
+    completion written over one the engine has not read, nor an exception out of the
+    loop."""
+    node = await cluster.node("prefill")
+    eng = await node.engine(seed=1)
+    ring = await RingEngine.open(eng, capacity=8, record_bytes=512)
+    try:
+        await eng.call(rpc.SenderCreate(room=50))  # the socket's room
+        ring.push(rpc.SenderCreate(room=2))
+        ring.push(rpc.SenderInit(room=99, num_pages=1, aux_index=0))  # refused: a completion
+        await ring.drained()
+        assert ring.comp.head == 1
+        ring.comp.publish_tail(tail)
+        ring.push(rpc.SenderCreate(room=3))
+        await until(lambda: ring.sub.closed)
+        channel = node.daemon.rings[eng.conn.id]
+        assert channel.failed and "records behind head" in channel.failed
+        assert node.side.poll([2, 3, 50]).statuses == [FAILED, UNKNOWN, BOOTSTRAPPING]
+        await eng.call(rpc.SenderCreate(room=51))
+        assert node.side.poll([51]).statuses == [BOOTSTRAPPING]
+    finally:
+        ring.close()
