@@ -91,9 +91,10 @@ class KvdClient:
     (issue 21 step B, :class:`~kvd.protocol.rpc.OpenRing` of ``ring_capacity`` records of
     ``ring_record_bytes`` bytes): :meth:`submit` then sends room calls through shared
     memory instead of the socket. Without a ring (none asked, kvd has none, it failed,
-    or the table says kvd is silent) :meth:`submit` is :meth:`call`. ValueError for ring
-    sizes kvd would refuse (:func:`~kvd.protocol.rpc.ring_sizes`: a power-of-two
-    capacity, records a multiple of 8 bytes, both within bounds).
+    or the table says kvd is silent) :meth:`submit` is :meth:`call`. ValueError for
+    ``use_ring`` without ``use_table``, and for ring sizes kvd would refuse
+    (:func:`~kvd.protocol.rpc.ring_sizes`: a power-of-two capacity, records a multiple of
+    8 bytes, both within bounds).
     """
 
     def __init__(self, path: str | None = None, timeout: float = 30.0,
@@ -122,6 +123,9 @@ class KvdClient:
         self._table_map: mmap.mmap | None = None
         self.use_ring = use_ring
         if use_ring:  # ValueError now, not a silent "no ring" at the registration
+            if not use_table:
+                raise ValueError("use_ring needs use_table: the ring is used only while "
+                                 "kvd's status table says kvd is alive")
             rpc.ring_sizes(ring_capacity, ring_record_bytes)
         self._ring_sizes = rpc.OpenRing(capacity=ring_capacity,
                                         record_bytes=ring_record_bytes)

@@ -33,3 +33,11 @@ def test_ring_sizes_within_the_bounds_are_taken(capacity: int, record_bytes: int
     KvdClient("/nonexistent/kvd.sock", use_ring=True, ring_capacity=capacity,
               ring_record_bytes=record_bytes)
     assert check_sizes(capacity, record_bytes) == rpc.ring_sizes(capacity, record_bytes)
+
+
+def test_a_ring_without_the_table_is_a_value_error_not_a_silent_socket() -> None:
+    """The ring is used only while the status table says kvd is alive: before, a client
+    made with ``use_ring=True, use_table=False`` never opened one and said nothing."""
+    with pytest.raises(ValueError, match="use_ring needs use_table"):
+        KvdClient("/nonexistent/kvd.sock", use_ring=True, use_table=False)
+    KvdClient("/nonexistent/kvd.sock", use_table=False)
