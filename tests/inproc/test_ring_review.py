@@ -4,12 +4,13 @@ protocol level, :class:`tests.inproc.test_ring.RingEngine`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import msgspec
 import pytest
 
-from kvd.protocol import rpc
+from kvd.protocol import codec, rpc
 from kvd.protocol.codec import pack_indices
 from tests.inproc.harness import Cluster, until
 from tests.inproc.test_ring import RingEngine
@@ -107,5 +108,38 @@ async def test_a_completion_tail_the_engine_could_not_have_published_fails_only_
         assert node.side.poll([2, 3, 50]).statuses == [FAILED, UNKNOWN, BOOTSTRAPPING]
         await eng.call(rpc.SenderCreate(room=51))
         assert node.side.poll([51]).statuses == [BOOTSTRAPPING]
+    finally:
+        ring.close()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "RingChannel.catch_up runs every record published before a socket call of the same "
+    "connection (up to MAX_RING_CAPACITY = 4096) inside that call's dispatch, ONE loop "
+    "turn, where the wake-up path drains BATCH (256) a turn (K41: loop work is sliced; "
+    "the drop's finish has the same gap, test_break5_ring.py). Slicing it means answering "
+    "the socket call later (dispatch's LATER path) once the ring caught up in BATCH slices "
+    "-- the engine is blocked in that call, so the order rule still holds"))
+async def test_k41_a_socket_call_behind_a_full_ring_runs_it_in_slices_of_one_batch_a_turn(
+        cluster: Cluster) -> None:
+    """4 096 creates published without a wake-up, then a socket Poll on the connection:
+    kvd must run them before the Poll (order), but no more than one BATCH per loop
+    turn; other work of the loop (here a timer due at once) runs in between."""
+    from kvd.engine_rpc.ring import BATCH
+
+    cap = rpc.MAX_RING_CAPACITY
+    node = await cluster.node("prefill")
+    eng = await node.engine(seed=1)
+    ring = await RingEngine.open(eng, capacity=cap, record_bytes=rpc.MIN_RING_RECORD)
+    try:
+        for room in range(100, 100 + cap):
+            record = codec.encode(rpc.Request(id=ring.out.head,
+                                              call=rpc.SenderCreate(room=room)))
+            assert ring.out.push(record) is not None  # no wake-up: kvd sleeps on them
+        seen: list[int] = []
+        loop = asyncio.get_running_loop()
+        loop.call_soon(lambda: seen.append(ring.sub.tail))  # the loop's next turn
+        polled = await eng.call(rpc.Poll(rooms=[100 + cap - 1]))
+        assert polled.statuses == [BOOTSTRAPPING]  # the order rule: every create ran first
+        assert seen and seen[0] <= BATCH, f"{seen[0] if seen else cap} records in one turn"
     finally:
         ring.close()
