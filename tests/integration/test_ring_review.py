@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -114,3 +118,58 @@ def test_a_ring_call_does_not_wait_for_another_threads_wait_on_the_socket(
         other.close()
     for room in (9200, 9201):
         Sender.attach(client, room).clear()
+
+
+_DYING_ENGINE = """
+import os, signal, sys
+import msgspec
+from kvd.client import KvdClient
+from kvd.protocol import codec, rpc
+from kvd.protocol.codec import pack_indices
+from kvd.refengine.standin import StandInPool
+pool = StandInPool(seed=1)
+client = KvdClient(sys.argv[1], use_ring=True)
+client.call(msgspec.structs.replace(pool.registration, engine_id="dying"))
+ring = client.ring
+assert ring is not None
+calls = []
+for room in range(500, 510):
+    calls += [rpc.SenderCreate(room=room), rpc.SenderInit(room=room, num_pages=1, aux_index=0)]
+calls.append(rpc.SenderInit(room=505, num_pages=10**6, aux_index=0))  # refused: nobody reads it
+client.submit_all(calls, wait=False)
+half = codec.encode(rpc.Request(id=ring.out.head, call=rpc.SenderCreate(room=999)))
+ring.sub.write_record(ring.out.head, half)  # the record written, head never published
+print("published", ring.out.head, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_k27_an_engine_killed_mid_step_leaves_its_published_records_run_and_its_half_record_not(
+        tmp_path: Path) -> None:
+    """A real engine process on the ring publishes a step (ten rooms' creates and inits,
+    and an init kvd refuses), writes one more record without publishing it, and is
+    SIGKILLed. kvd runs what was published -- the ten rooms live on for the reconnect
+    grace (K27), the refused init fails its room since nobody can read the refusal --
+    and never the half-written record."""
+    pair = start_pair(tmp_path, p_opts={"engine_reconnect_grace": 30.0})
+    try:
+        pair.p_engine.close()  # the engine socket is the dying engine's
+        out = subprocess.run([sys.executable, "-c", _DYING_ENGINE, pair.prefill.socket],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+        assert "published 21" in out.stdout
+        probe = KvdClient(pair.prefill.socket)
+        rooms = list(range(500, 510))
+        deadline = time.monotonic() + 30
+        while True:
+            polled = probe.call(rpc.Poll(rooms=[*rooms, 999]))
+            if polled.statuses[5] == KVPoll.Failed:
+                break
+            assert time.monotonic() < deadline, polled
+            time.sleep(0.02)
+        assert polled.statuses == [KVPoll.Bootstrapping] * 5 + [KVPoll.Failed] + \
+            [KVPoll.Bootstrapping] * 4 + [-1]
+        assert "the engine's SenderInit was refused" in polled.reasons[505]  # before or after
+        probe.close()
+    finally:
+        stop_pair(pair)
