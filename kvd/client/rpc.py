@@ -236,14 +236,17 @@ class KvdClient:
         with self._lock:
             ring = self._usable_ring()
             data = ring.encode(call) if ring is not None else None
-            if isinstance(handle, Handle) and ring is not handle.ring:
-                key = None  # its ring is gone (kvd aborted what it carried): plain calls
+            if isinstance(handle, Handle) and (ring is not handle.ring or data is None):
+                self._settle_create(handle, call.room)  # the socket carries no dependency
+                key = None
             if ring is None or data is None:
                 self._exchange(call, None)
                 return None
             try:
                 seq = ring.submit(data, call.room, self.timeout, key)
             except RingClosed:
+                if isinstance(handle, Handle):
+                    self._settle_create(handle, call.room)
                 self._close_ring()
                 self._exchange(call, None)
                 return None
@@ -265,6 +268,34 @@ class KvdClient:
         if refusal is not None:
             raise refusal
         return None
+
+    def _settle_create(self, handle: Handle, room: int) -> None:
+        """Before a call of ``handle`` goes over the socket (under the lock): a socket call
+        carries no dependency, so kvd would run it on whatever room of the id lives -- the
+        live incarnation a refused duplicate create was refused for. Wait until kvd ran the
+        handle's create (kvd runs the ring's records before any socket call anyway) and
+        raise its refusal (nothing sent). Raises ProtocolError (nothing sent) when kvd
+        closed the handle's ring without running the create, and what :meth:`submit`
+        raises with ``wait``. A ring of an earlier connection says what it read at the
+        drop."""
+        own = handle.ring
+        if own is self.ring:
+            try:
+                if not own.done(handle.key):
+                    own.wait_done(handle.key, self.timeout)
+                own.collect_new()
+            except RingClosed:
+                with contextlib.suppress(ProtocolError):
+                    own.collect()
+                if handle.key not in own.unborn and not own.done(handle.key):
+                    raise ProtocolError(
+                        f"kvd closed the engine ring before it ran room {room}'s create: "
+                        f"the room's later calls are not sent (they could act on another "
+                        f"room of the id)") from None
+            except (DaemonGone, TimeoutError, ProtocolError) as exc:
+                self._ring_broken(exc)
+        if handle.key in own.unborn:
+            raise own.failed[handle.key]
 
     def handle_state(self, handle: Handle, wait: bool = False
                      ) -> tuple[bool, KvdError | None]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -15,9 +16,11 @@ from typing import Any
 import pytest
 
 from kvd.client import KvdClient, KVPoll, Receiver, Sender
-from kvd.errors import ProtocolError
+from kvd.errors import ProtocolError, RoomError
+from kvd.launch import start_daemon
 from kvd.protocol import rpc
 from kvd.protocol.codec import pack_indices
+from kvd.refengine.standin import StandInPool
 from tests.conftest import PdPair, start_pair, stop_pair
 
 pytestmark = [pytest.mark.integration]
@@ -173,3 +176,72 @@ def test_k27_an_engine_killed_mid_step_leaves_its_published_records_run_and_its_
         probe.close()
     finally:
         stop_pair(pair)
+
+
+def test_a_duplicate_creates_call_that_goes_over_the_socket_never_acts_on_the_live_room(
+        tmp_path: Path) -> None:
+    """Room 9 lives (object ``a``); ``b`` is a duplicate whose create kvd refuses. A call
+    of ``b`` that cannot go through the ring -- a send of 150 pages, past a 512-byte
+    record -- went over the socket with no dependency on ``b``'s create: kvd ran it on
+    ``a``'s room (its pages became a's, and a's own send then failed the room: "source
+    page 0 is named twice"). Now the client waits for ``b``'s create first and raises its
+    refusal; nothing is sent and ``a``'s room is untouched."""
+    d = start_daemon("prefill", tmp_path, serve_bootstrap=True)
+    pool = StandInPool(seed=1, num_pages=512)
+    client = KvdClient(d.socket, use_ring=True, ring_record_bytes=rpc.MIN_RING_RECORD)
+    try:
+        client.call(pool.registration)
+        assert client.ring is not None
+        a = Sender(client, 9)
+        a.wait_created()
+        a.init(300, 0)
+        b = Sender(client, 9)  # kvd refuses this create; b's calls depend on it
+        with pytest.raises(RoomError, match="already active"):
+            b.send(list(range(150)), is_last=False)  # past a record: over the socket
+        assert b.poll() == KVPoll.Failed and "already active" in b.failure()[1]
+        a.send(list(range(300)), is_last=True)  # a's room never saw b's pages
+        assert a.poll() != KVPoll.Failed, a.failure()
+        b.clear()
+        a.clear()
+    finally:
+        client.close()
+        pool.close()
+        d.stop()
+
+
+def test_a_duplicate_creates_call_while_kvd_is_silent_never_acts_on_the_live_room(
+        ring_pair: PdPair) -> None:
+    """The same through the other socket fallback: kvd stopped (SIGSTOP) right after a
+    duplicate create went into the ring, its status table stale, so the duplicate's init
+    goes by the socket. Before, kvd (resumed) ran the refused create, then the init on the
+    live room, and the live room's own init was refused ("init called twice")."""
+    client = ring_pair.p_engine.client
+    pid = ring_pair.prefill.proc.pid
+    a = Sender(client, 9300)
+    a.wait_created()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        b = Sender(client, 9300)  # published while the table is still fresh
+        deadline = time.monotonic() + 30
+        while client._usable_ring() is not None:  # the table goes stale within a second
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+
+        def resume() -> None:  # once b's init waits (holding the client's lock)
+            end = time.monotonic() + 30
+            while not client._lock.locked() and time.monotonic() < end:
+                time.sleep(0.001)
+            time.sleep(0.05)
+            os.kill(pid, signal.SIGCONT)
+
+        waker = threading.Thread(target=resume)
+        waker.start()
+        with pytest.raises(RoomError, match="already active"):
+            b.init(1, 0)
+        waker.join()
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    a.init(2, 0)  # the live room's own init: its first
+    assert a.poll() != KVPoll.Failed, a.failure()
+    b.clear()
+    a.clear()
