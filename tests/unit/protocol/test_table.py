@@ -69,7 +69,7 @@ def test_a_slot_being_written_is_a_miss(room: int, status: int) -> None:
     """gen odd (the writer is between its two gen stores): never read."""
     tab = new(16)
     tab.write(tab.slot_of(room), room, pack(status, True))
-    tab.slots[tab.slot_of(room), 0] += np.uint64(1 << t.GEN_SHIFT)
+    tab.heads[tab.slot_of(room)] += np.uint64(1 << t.GEN_SHIFT)
     assert not tab.read(ids(room))[2][0]
     assert tab.read_one(room) is None
 
@@ -84,11 +84,11 @@ def test_a_write_between_a_readers_two_loads_is_a_miss(room: int, before: int, a
     slot = tab.slot_of(room)
     tab.write(slot, room, pack(before, False))
     rooms = ids(room)
-    idx = tab.heads_of(rooms)
-    heads, held = tab.flat.take(idx), tab.flat.take(idx + np.uint64(1))
+    at = tab.buckets_of(rooms)
+    heads, held = tab.head_rows.take(at, axis=0), tab.room_rows.take(at, axis=0)
     for _ in range(writes):
         tab.write(slot, room, pack(after, True))
-    assert not tab.check(rooms, heads, held, tab.flat.take(idx))[2][0]
+    assert not tab.check(rooms, heads, held, tab.head_rows.take(at, axis=0)).any()
 
 
 @given(room=ROOMS, before=STATUSES, after=STATUSES, other=ROOMS)
@@ -100,12 +100,12 @@ def test_a_slot_handed_to_another_room_mid_read_is_a_miss(room: int, before: int
     slot = tab.slot_of(room)
     tab.write(slot, room, pack(before, False))
     rooms = ids(room)
-    idx = tab.heads_of(rooms)
-    heads = tab.flat.take(idx)
+    at = tab.buckets_of(rooms)
+    heads = tab.head_rows.take(at, axis=0)
     tab.write(slot, other, pack(after, True))
-    held = tab.flat.take(idx + np.uint64(1))
+    held = tab.room_rows.take(at, axis=0)
     tab.write(slot, room, pack(before, False))
-    assert not tab.check(rooms, heads, held, tab.flat.take(idx))[2][0]
+    assert not tab.check(rooms, heads, held, tab.head_rows.take(at, axis=0)).any()
 
 
 @given(rooms=st.lists(ROOMS, min_size=1, max_size=50, unique=True), data=st.data())
