@@ -12,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from kvd.errors import ProtocolError
 from kvd.protocol import table as t
 from kvd.protocol.table import SlotMap, StatusTable, pack, table_bytes
+from tests.helpers import racing_table as racing
 
 STATUSES = st.sampled_from([-1, 0, 1, 2, 3, 4])
 ROOMS = st.integers(0, 2**64 - 1)
@@ -226,3 +227,59 @@ class SlotMachine(RuleBasedStateMachine):
 
 
 TestSlotMachine = SlotMachine.TestCase
+
+
+@settings(max_examples=300)
+@given(data=st.data(), statuses_only=st.booleans())
+def test_a_read_racing_the_writer_answers_a_room_only_what_its_slot_held(
+        data: st.DataObject, statuses_only: bool) -> None:
+    """Any ids, landed in either way of their bucket (kvd's own slot map places them),
+    then kvd's writes -- publishes, rooms forgotten and their slots reused -- cut into
+    single stores that land before, between and across the read's three gathers, a
+    write torn anywhere: a room the read answers gets a status some slot naming it held
+    while the read ran; every other room is a miss (the socket's), and with no store
+    between the gathers every room the table holds is answered."""
+    rooms = data.draw(st.lists(st.one_of(st.integers(0, 15), ROOMS), min_size=1,
+                               max_size=12, unique=True))
+    tab = new(8)  # 4 buckets: rooms share buckets and land in either way
+    slots, rec = racing.writer(tab)
+    calls = st.lists(st.tuples(st.sampled_from(rooms), STATUSES, st.booleans()), max_size=16)
+    for room, status, free in data.draw(calls):
+        slots.place(room)
+        slots.publish(room, status, free)
+    racing.run(rec.take())
+    for room, status, free in data.draw(calls):
+        slots.place(room)
+        slots.publish(room, status, free)
+    stores = rec.take()
+    c0 = data.draw(st.integers(0, len(stores)))
+    c1 = data.draw(st.integers(c0, len(stores)))
+    c2 = data.draw(st.integers(c1, len(stores)))
+    race = racing.Race(tab, [stores[:c0], stores[c0:c1], stores[c1:c2]])
+    if statuses_only:
+        statuses, hit = tab.read_statuses(ids(*rooms))
+        got = [(int(s), None) for s in statuses]
+    else:
+        statuses, free_, hit = tab.read(ids(*rooms))
+        got = [(int(s), bool(f)) for s, f in zip(statuses, free_, strict=True)]
+    assert race.batches == []  # the read made its three gathers
+    for i, room in enumerate(rooms):
+        held = race.seen.get(room, set())
+        if hit[i]:
+            assert any(got[i][0] == s and got[i][1] in (None, f) for s, f in held), \
+                (room, got[i], held)
+        if race.quiet:
+            assert bool(hit[i]) == bool(held)
+
+
+@given(writes=st.lists(st.tuples(st.integers(0, 7), ROOMS, STATUSES, st.booleans()),
+                       max_size=8))
+def test_the_racing_writers_stores_end_where_write_ends(
+        writes: list[tuple[int, int, int, bool]]) -> None:
+    """The race above cuts :meth:`StatusTable.write` into its three stores: run whole,
+    they leave the table byte for byte as ``write`` does."""
+    whole, cut = new(8), new(8)
+    for slot, room, status, free in writes:
+        whole.write(slot, room, pack(status, free))
+        racing.run(racing.stores(cut, slot, room, pack(status, free)))
+    assert whole.words.tobytes() == cut.words.tobytes()
