@@ -77,10 +77,9 @@ def poll_array(client: KvdClient, rooms: npt.ArrayLike) -> npt.NDArray[np.int8]:
     if read is None:
         statuses = np.asarray(_poll_socket(client, ids.tolist()), dtype=np.int8)
     else:
-        statuses, hit = read
-        if not hit.all():
-            miss = np.flatnonzero(~hit)
-            statuses[miss] = _poll_socket(client, ids[miss].tolist())
+        statuses, misses = read
+        if len(misses):
+            statuses[misses] = _poll_socket(client, ids[misses].tolist())
     return _refused_failed(client, ids, statuses)
 
 

@@ -23,7 +23,7 @@ from kvd.client.ring import NEW, DaemonGone, EngineRing, Handle, RingClosed
 from kvd.engine_rpc.socket_path import default_engine_socket
 from kvd.errors import KvdError, KvdUnreachable, ProtocolError
 from kvd.protocol import rpc
-from kvd.protocol.table import DEFAULT_STALE_NS, StatusTable
+from kvd.protocol.table import DEFAULT_STALE_NS, Misses, StatusTable
 
 
 def _error_from_reply(reply: rpc.Reply | rpc.RawReply) -> Exception:
@@ -540,9 +540,10 @@ class KvdClient:
         return None if table is None else table.read(rooms)
 
     def read_statuses(self, rooms: npt.NDArray[np.uint64]) -> tuple[
-            npt.NDArray[np.int8], npt.NDArray[np.bool_]] | None:
-        """``(statuses, hit)`` of :meth:`read_table`, without ``releasable`` (a poll's
-        read: :meth:`StatusTable.read_statuses`); None where it answers None."""
+            npt.NDArray[np.int8], Misses] | None:
+        """``(statuses, misses)`` of ``rooms`` from the status table: a poll's read
+        (:meth:`StatusTable.read_statuses`: no ``releasable``, and the positions of the
+        rooms it does not answer); None where :meth:`read_table` answers None."""
         table = self._readable_table()
         return None if table is None else table.read_statuses(rooms)
 

@@ -75,28 +75,34 @@ def answers(tab: StatusTable) -> dict[int, set[tuple[int, bool]]]:
 
 
 class Race:
-    """Runs ``batches[i]`` of stores just before the i-th of a read's three gathers and
-    keeps, in :attr:`seen`, what each room may read: its :func:`answers` in every state
-    from the first gather to the last (after the first batch, then after each store)."""
+    """Runs ``batches[i]`` of stores just before the read's i-th load -- a gather of the
+    vectorised read, or one word of the plain-Python one (:meth:`StatusTable.read_few`)
+    -- and keeps, in :attr:`seen`, what each room may read: its :func:`answers` in every
+    state from the first load to the last (after the first batch, then after each store).
+    Loads past the last batch run none; batches past the last load never run. ``quiet``:
+    no store ran after the first load. :meth:`done` makes the table read plainly again."""
 
     def __init__(self, tab: StatusTable, batches: list[list[Store]]) -> None:
         self.tab, self.batches = tab, list(batches)
         self.seen: dict[int, set[tuple[int, bool]]] = {}
-        self.quiet = not any(batches[1:])  # no store between the first gather and the last
-        self.heads, self.rooms = tab.head_rows, tab.room_rows
-        tab.head_rows = _Racing(self, self.heads)  # type: ignore[assignment]
-        tab.room_rows = _Racing(self, self.rooms)  # type: ignore[assignment]
+        self.loads, self.quiet = 0, True
+        self.plain = tab.head_rows, tab.room_rows, tab.q
+        tab.head_rows = _Racing(self, tab.head_rows)  # type: ignore[assignment]
+        tab.room_rows = _Racing(self, tab.room_rows)  # type: ignore[assignment]
+        tab.q = _RacingWords(self, tab.q)  # type: ignore[assignment]
 
-    def next(self) -> None:
-        first = len(self.batches) == 3
-        for store in self.batches.pop(0):
+    def load(self) -> None:
+        first, self.loads = self.loads == 0, self.loads + 1
+        for store in self.batches.pop(0) if self.batches else ():
             store()
             if not first:
+                self.quiet = False
                 self._note()
         if first:
             self._note()
-        if not self.batches:  # the last gather: the table reads plainly again
-            self.tab.head_rows, self.tab.room_rows = self.heads, self.rooms
+
+    def done(self) -> None:
+        self.tab.head_rows, self.tab.room_rows, self.tab.q = self.plain  # type: ignore[assignment]
 
     def _note(self) -> None:
         for room, got in answers(self.tab).items():
@@ -110,5 +116,16 @@ class _Racing:
         self.race, self.rows = race, rows
 
     def take(self, at: Any, axis: int = 0) -> np.ndarray:
-        self.race.next()
+        self.race.load()
         return self.rows.take(at, axis=axis)
+
+
+class _RacingWords:
+    """A table's words as Python ints whose every load first runs the next batch."""
+
+    def __init__(self, race: Race, q: memoryview) -> None:
+        self.race, self.q = race, q
+
+    def __getitem__(self, at: int) -> int:
+        self.race.load()
+        return int(self.q[at])

@@ -127,7 +127,7 @@ def test_poll_array_asks_the_socket_for_every_room_the_racing_table_does_not_ans
     from tests.helpers import racing_table as racing
 
     rooms = data.draw(st.lists(st.one_of(st.integers(0, 15), st.integers(0, 2**64 - 1)),
-                               min_size=1, max_size=12, unique=True))
+                               min_size=1, max_size=40, unique=True))
     tab = StatusTable.create(bytearray(table_bytes(8)), 8)
     slots, rec = racing.writer(tab)
     calls = st.lists(st.tuples(st.sampled_from(rooms), st.sampled_from([-1, 0, 1, 2, 3, 4]),
@@ -139,10 +139,11 @@ def test_poll_array_asks_the_socket_for_every_room_the_racing_table_does_not_ans
         if part == 0:
             racing.run(rec.take())  # the rooms landed; the next writes race the poll
     stores = rec.take()
-    cuts = sorted(data.draw(st.lists(st.integers(0, len(stores)), min_size=3, max_size=3)))
-    race = racing.Race(tab, [stores[:cuts[0]], stores[cuts[0]:cuts[1]], stores[cuts[1]:cuts[2]]])
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stores)), max_size=12)))
+    race = racing.Race(tab, [stores[a:b] for a, b in zip([0, *cuts], cuts, strict=False)])
     client = _Racing(tab)
     got = poll_array(client, np.array(rooms, dtype=np.uint64)).tolist()  # type: ignore[arg-type]
+    race.done()
     for room, status in zip(rooms, got, strict=True):
         if room in client.asked:
             assert status == _Racing.SOCKET

@@ -230,17 +230,18 @@ TestSlotMachine = SlotMachine.TestCase
 
 
 @settings(max_examples=300)
-@given(data=st.data(), statuses_only=st.booleans())
+@given(data=st.data(), how=st.sampled_from(["read", "statuses", "few"]))
 def test_a_read_racing_the_writer_answers_a_room_only_what_its_slot_held(
-        data: st.DataObject, statuses_only: bool) -> None:
+        data: st.DataObject, how: str) -> None:
     """Any ids, landed in either way of their bucket (kvd's own slot map places them),
     then kvd's writes -- publishes, rooms forgotten and their slots reused -- cut into
-    single stores that land before, between and across the read's three gathers, a
-    write torn anywhere: a room the read answers gets a status some slot naming it held
-    while the read ran; every other room is a miss (the socket's), and with no store
-    between the gathers every room the table holds is answered."""
+    single stores that land before, between and across the read's loads (the three
+    gathers of the vectorised read, every word of the plain-Python one), a write torn
+    anywhere: a room the read answers gets a status some slot naming it held while the
+    read ran; every other room is a miss (the socket's), and with no store between the
+    loads every room the table holds is answered."""
     rooms = data.draw(st.lists(st.one_of(st.integers(0, 15), ROOMS), min_size=1,
-                               max_size=12, unique=True))
+                               max_size=12 if how == "few" else 40, unique=True))
     tab = new(8)  # 4 buckets: rooms share buckets and land in either way
     slots, rec = racing.writer(tab)
     calls = st.lists(st.tuples(st.sampled_from(rooms), STATUSES, st.booleans()), max_size=16)
@@ -252,17 +253,23 @@ def test_a_read_racing_the_writer_answers_a_room_only_what_its_slot_held(
         slots.place(room)
         slots.publish(room, status, free)
     stores = rec.take()
-    c0 = data.draw(st.integers(0, len(stores)))
-    c1 = data.draw(st.integers(c0, len(stores)))
-    c2 = data.draw(st.integers(c1, len(stores)))
-    race = racing.Race(tab, [stores[:c0], stores[c0:c1], stores[c1:c2]])
-    if statuses_only:
-        statuses, hit = tab.read_statuses(ids(*rooms))
-        got = [(int(s), None) for s in statuses]
-    else:
-        statuses, free_, hit = tab.read(ids(*rooms))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stores)), max_size=12)))
+    race = racing.Race(tab, [stores[a:b] for a, b in zip([0, *cuts], cuts, strict=False)])
+    asked = ids(*rooms)
+    if how == "read":
+        statuses, free_, hit = tab.read(asked)
         got = [(int(s), bool(f)) for s, f in zip(statuses, free_, strict=True)]
-    assert race.batches == []  # the read made its three gathers
+    else:
+        if how == "few":
+            listed, misses = tab.read_few(rooms)
+            statuses = np.array(listed, dtype=np.int8)
+        else:
+            statuses, misses = tab.read_statuses(asked)
+        hit = np.ones(len(rooms), dtype=bool)
+        hit[list(misses)] = False
+        got = [(int(s), None) for s in statuses]
+    race.done()
+    assert race.loads >= 3
     for i, room in enumerate(rooms):
         held = race.seen.get(room, set())
         if hit[i]:
