@@ -262,7 +262,7 @@ def test_a_read_racing_the_writer_answers_a_room_only_what_its_slot_held(
     else:
         if how == "few":
             listed, misses = tab.read_few(rooms)
-            statuses = np.array(listed, dtype=np.int8)
+            statuses = np.frombuffer(listed, dtype=np.int8)
         else:
             statuses, misses = tab.read_statuses(asked)
         hit = np.ones(len(rooms), dtype=bool)
