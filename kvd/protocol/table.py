@@ -1,6 +1,6 @@
 """The room status table both processes map (issue 21, step A). PURE: numpy over a buffer.
 
-kvd's loop is the table's only writer; the engine reads it with a numpy gather and no
+kvd's loop is the table's only writer; the engine reads it with numpy gathers and no
 syscall, and falls back to the socket's ``Poll`` for every room the table does not answer.
 The table is a *view*: kvd never reads a decision from it.
 
@@ -28,8 +28,12 @@ slot only if ``h1 == h2`` (so ``gen`` did not move: wrapping 2**31 writes betwee
 loads of one poll is out of reach), ``gen`` is even, the slot is occupied and names the
 room asked, and prefers the bucket's first such slot: a torn slot or one reused by
 another room reads as a miss, never as a wrong status. The order of those loads and
-stores is the program order of the numpy copies below; x86-64 keeps loads ordered with
-loads and stores with stores (TSO), which is what the seqlock needs without fences.
+stores is the program order of the numpy copies below (a gather's loads all come before
+the next gather's); x86-64 keeps loads ordered with loads and stores with stores (TSO),
+which is what the seqlock needs without fences, and loads an aligned 8-byte word whole
+(the gathers copy 16-byte rows of two such words; the heads start 64 bytes into the
+page-aligned map). A poll of up to :data:`FEW` rooms
+reads the same slots in plain Python instead, the seqlock slot by slot (:meth:`read_one`).
 ``heartbeat_ns`` is the writer's ``CLOCK_MONOTONIC`` (``time.monotonic_ns``, shared by
 every process on the host) at its last beat: a reader treats a table older than its
 ``stale_ns`` (or one marked ``closed``) as absent.
@@ -48,7 +52,8 @@ MAGIC = 0x6B76645F73746174  # b"kvd_stat" read as a big-endian integer
 #: History: 1 -- first layout (issue 21), one slot per room; 2 -- two-way buckets;
 #: 3 -- heads and rooms in two regions, so one gather reads a whole bucket's heads.
 VERSION = 3
-#: Slots a room may live in (its bucket). The reader's select is written for two.
+#: Slots a room may live in (its bucket). The readers are written for two (``hits``,
+#: ``read_few``).
 WAYS = 2
 HEADER_WORDS = 8
 SLOT_WORDS = 2
@@ -106,7 +111,8 @@ class StatusTable:
     """A status table over ``buf`` (a writable buffer: ``mmap`` or ``bytearray``).
 
     Open an existing table with :meth:`open` (checks the header; raises ProtocolError) or
-    lay a new one out with :meth:`create`. Reads: :meth:`read`. Writes (kvd's loop only):
+    lay a new one out with :meth:`create`. Reads: :meth:`read`, :meth:`read_statuses`
+(a poll's), :meth:`read_one`. Writes (kvd's loop only):
     :meth:`write`, :meth:`beat`, :meth:`close`.
     """
 
