@@ -23,7 +23,7 @@ from kvd.client.ring import NEW, DaemonGone, EngineRing, Handle, RingClosed
 from kvd.engine_rpc.socket_path import default_engine_socket
 from kvd.errors import KvdError, KvdUnreachable, ProtocolError
 from kvd.protocol import rpc
-from kvd.protocol.table import DEFAULT_STALE_NS, StatusTable
+from kvd.protocol.table import DEFAULT_STALE_NS, Misses, StatusTable
 
 
 def _error_from_reply(reply: rpc.Reply | rpc.RawReply) -> Exception:
@@ -587,25 +587,34 @@ class KvdClient:
         table, no syscall (:meth:`StatusTable.read`); None when there is no fresh table
         (none mapped, closed, or its writer silent for ``stale_ns``), or while kvd has not
         run every call submitted through the ring yet: ask the socket."""
-        table = self.table
-        if table is None or not table.fresh(time.monotonic_ns(), self.stale_ns):
-            return None
-        ring = self.ring
-        if ring is not None and not ring.drained():
-            return None  # the socket's Poll runs the ring's calls first
-        return table.read(rooms)
+        table = self._readable_table()
+        return None if table is None else table.read(rooms)
+
+    def read_statuses(self, rooms: npt.NDArray[np.uint64]) -> tuple[
+            npt.NDArray[np.int8], Misses] | None:
+        """``(statuses, misses)`` of ``rooms`` from the status table: a poll's read
+        (:meth:`StatusTable.read_statuses`: no ``releasable``, and the positions of the
+        rooms it does not answer); None where :meth:`read_table` answers None."""
+        table = self._readable_table()
+        return None if table is None else table.read_statuses(rooms)
 
     def read_table_one(self, room: int) -> tuple[int, bool] | None:
         """``(status, releasable)`` of one room from the status table, or None: ask the
         socket (no fresh table, the table does not answer this room, or the ring holds
         calls kvd has not run yet)."""
+        table = self._readable_table()
+        return None if table is None else table.read_one(room)
+
+    def _readable_table(self) -> StatusTable | None:
+        """The status table if a read of it answers now: mapped, fresh, and no ring call
+        kvd has not run yet (the socket's ``Poll`` runs the ring's calls first)."""
         table = self.table
         if table is None or not table.fresh(time.monotonic_ns(), self.stale_ns):
             return None
         ring = self.ring
         if ring is not None and not ring.drained():
             return None
-        return table.read_one(room)
+        return table
 
     def _open_table(self) -> None:
         """Map kvd's status table (after a registration; under the lock). A kvd without

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvd.client import poll_array, poll_many
@@ -26,6 +27,9 @@ class _Answers:
         self.statuses = statuses
 
     def read_table(self, rooms: Any) -> None:
+        return None
+
+    def read_statuses(self, rooms: Any) -> None:
         return None
 
     def holds_refusals(self) -> bool:  # none kept across a reconnect either
@@ -84,3 +88,67 @@ def test_poll_array_refuses_an_id_that_is_no_uint64_by_name(bad: list[Any]) -> N
     escaped as numpy's OverflowError), and nothing is asked."""
     with pytest.raises(ValueError, match=r"room ids are integers in \[0, 2\*\*64\)"):
         poll_array(_Answers([]), bad)  # type: ignore[arg-type]
+
+
+class _Racing:
+    """A client whose status table races kvd's writer (tests/helpers/racing_table.py)
+    and whose socket answers every room it is asked :data:`SOCKET`."""
+
+    ring = None
+    SOCKET = int(KVPoll.WaitingForInput)
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+        self.asked: list[int] = []
+
+    def read_statuses(self, rooms: Any) -> Any:
+        return self.table.read_statuses(rooms)
+
+    def holds_refusals(self) -> bool:
+        return False
+
+    def ring_refused(self, rooms: Any) -> None:
+        return None
+
+    def call(self, call: Any) -> rpc.PollResult:
+        self.asked += call.rooms
+        return rpc.PollResult(statuses=[self.SOCKET] * len(call.rooms), releasable=[])
+
+
+@settings(max_examples=200)
+@given(data=st.data())
+def test_poll_array_asks_the_socket_for_every_room_the_racing_table_does_not_answer(
+        data: st.DataObject) -> None:
+    """poll_array over a table whose writes land between and across its gathers (any
+    ids, either way of a bucket, torn writes): each room reads a status a slot naming it
+    held during the read, or the socket's answer -- asked for exactly those rooms; no
+    room gets another room's status."""
+    from kvd.protocol.table import StatusTable, table_bytes
+    from tests.helpers import racing_table as racing
+
+    rooms = data.draw(st.lists(st.one_of(st.integers(0, 15), st.integers(0, 2**64 - 1)),
+                               min_size=1, max_size=40, unique=True))
+    tab = StatusTable.create(bytearray(table_bytes(8)), 8)
+    slots, rec = racing.writer(tab)
+    calls = st.lists(st.tuples(st.sampled_from(rooms), st.sampled_from([-1, 0, 1, 2, 3, 4]),
+                               st.booleans()), max_size=16)
+    for part in range(2):
+        for room, status, free in data.draw(calls):
+            slots.place(room)
+            slots.publish(room, status, free)
+        if part == 0:
+            racing.run(rec.take())  # the rooms landed; the next writes race the poll
+    stores = rec.take()
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stores)), max_size=12)))
+    race = racing.Race(tab, [stores[a:b] for a, b in zip([0, *cuts], cuts, strict=False)])
+    client = _Racing(tab)
+    got = poll_array(client, np.array(rooms, dtype=np.uint64)).tolist()  # type: ignore[arg-type]
+    race.done()
+    for room, status in zip(rooms, got, strict=True):
+        if room in client.asked:
+            assert status == _Racing.SOCKET
+        else:
+            assert status in {s for s, _ in race.seen.get(room, set())}, (room, status)
+    assert len(client.asked) == len(set(client.asked))
+    if race.quiet:
+        assert set(client.asked) == {r for r in rooms if r not in race.seen}
