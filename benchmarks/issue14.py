@@ -177,13 +177,16 @@ def tcp_pool_env(on: bool) -> Any:
 
 
 def bench_bulk(mib: int, layers: int, repeats: int, sizes: tuple[int, ...] = (12, 64, 1024),
-               **settings: Any) -> dict[str, Any]:
+               before: str | None = None, **settings: Any) -> dict[str, Any]:
     """P1 and P1b for each item size (KiB): kvd, the raw engine and SGLang, every one with
     Mooncake's TCP pool on; and kvd at its default (the pool off, K39) as ``kvd_pool_off``
-    unless ``settings`` turn the pool on (``run.py --tcp-pool``). ``settings`` go to every
-    kvd daemon. Runs interleaved, ``repeats`` rounds after a warm-up round, medians."""
+    unless ``settings`` turn the pool on (``run.py --tcp-pool``). ``before``: another
+    checkout whose kvd runs the same rooms at the same settings (``kvd_before``,
+    ``kvd_before_pool_off``), for a before/after in one run. ``settings`` go to every kvd
+    daemon. Runs interleaved, ``repeats`` rounds after a warm-up round, medians."""
     out: dict[str, Any] = {}
     pool_off = not settings.get("transfer_tcp_pool", False)
+    trees = {"kvd": None, **({"kvd_before": before} if before else {})}
     for kib in sizes:
         item = kib * 1024
         move = max(1, (mib << 20) // (2 * layers * item))
@@ -191,19 +194,18 @@ def bench_bulk(mib: int, layers: int, repeats: int, sizes: tuple[int, ...] = (12
         rng = np.random.default_rng(kib)
         src, dst = rng.permutation(pages)[:move], rng.permutation(pages)[:move]
         nbytes = 2 * layers * move * item
+        paths: dict[str, Any] = {}
         with tcp_pool_env(True):
-            paths: dict[str, Any] = {
-                "kvd": rooms.Pair("kvd", layers, item, _work(), pages=pages,
-                                  **(settings | {"transfer_tcp_pool": True})),
-                "raw": RawBest(layers, item, pages, src, dst)}
-            if pool_off:
-                paths["kvd_pool_off"] = rooms.Pair("kvd", layers, item, _work(), pages=pages,
-                                                   **(settings | {"transfer_tcp_pool": False}))
+            for name, tree in trees.items():
+                for pool in (True, False) if pool_off else (True,):
+                    paths[name + ("" if pool else "_pool_off")] = rooms.Pair(
+                        "kvd", layers, item, _work(), pages=pages, tree=tree,
+                        **(settings | {"transfer_tcp_pool": pool}))
+            paths["raw"] = RawBest(layers, item, pages, src, dst)
             if have_sglang():
                 paths["sglang"] = rooms.Pair("sglang", layers, item, _work(), pages=pages)
         times: dict[str, list[float]] = {
-            k: [] for k in ("kvd", "raw_submit_poll", "raw_sync", "kvd_pool_off", "sglang")
-            if k in paths or k.startswith("raw_")}
+            k: [] for k in [*paths, "raw_submit_poll", "raw_sync"] if k != "raw"}
         ok, raw_pool_env = True, paths["raw"].pool_env
         try:
             for rep in range(repeats + 1):  # interleaved; round 0 warms connections up
@@ -228,6 +230,8 @@ def bench_bulk(mib: int, layers: int, repeats: int, sizes: tuple[int, ...] = (12
             row["ratio_vs_sglang"] = gbps["kvd"] / gbps["sglang"]
         if "kvd_pool_off" in gbps:
             row["pool_off_vs_pool"] = gbps["kvd_pool_off"] / gbps["kvd"]
+        if before:
+            row["before"] = before
         out[f"{kib}KiB"] = row
     return out
 
@@ -621,6 +625,12 @@ def rows_of(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
                 baseline=g["kvd"],
                 detail=f"kvd with the pool; {g['kvd_pool_off'] / b['raw_best_gbps']:.2f}x the "
                        f"raw engine's best with its pool{bad}")
+        for suffix in ("", "_pool_off"):
+            if f"kvd_before{suffix}" in g:
+                out[f"P1.{size}.vs_before{suffix.replace('_', '.', 1)}"] = row(
+                    f"bulk {size} items, this kvd vs {b['before']}'s, TCP pool "
+                    f"{'off' if suffix else 'on'} for both", g[f"kvd{suffix}"], "GB/s", "-",
+                    None, baseline=g[f"kvd_before{suffix}"], detail=f"{b['before']}{bad}")
     if "P4" in r:
         m, ok = r["P4"]["median"], r["P4"]["bad_bytes"] == 0 and r["P4"]["failed"] == 0
         sg = m.get("sglang")
