@@ -3,9 +3,14 @@
 P1   bulk P -> D through kvd vs the raw transfer engine driven the best way found
      (non-blocking single-entry submit + status polling, 256 in flight; or sync
      sub-batches of 512: the faster of the two per size), same pages, 12 KiB / 64 KiB /
-     1 MiB items, bytes checked.
+     1 MiB items, bytes checked. Both sides run with Mooncake's TCP connection pool on
+     (Mooncake 0.3.13.post1's own default, which the raw driver and SGLang get when
+     nothing is set; kvd: ``transfer_tcp_pool = true``), so the row compares like with
+     like. ``P1.<size>.pool_off``: kvd at its defaults (the pool off since K39: a new
+     connection per entry) against kvd with the pool, same run: the price of K39's default.
 P1b  the same rooms through SGLang 0.5.23's own MooncakeKVManager (in-process, CPU buffers,
-     TCP; skipped with a reason where SGLang is not installed: `make bench` installs it).
+     TCP, the pool on; skipped with a reason where SGLang is not installed: `make bench`
+     installs it).
 P4   1-page rooms: max rooms/s with many in flight, latency p50/p99 at 100 and 500 rooms/s
      offered, kvd vs SGLang (benchmarks/rooms.py; runs interleaved, medians).
 P5   engine API: Sender.send / Receiver.init p50 (in the 100 rooms/s runs, and one room at
@@ -90,6 +95,7 @@ class RawBest:
         self.session, base = self.parent.recv()
         self.e = TransferEngine()
         self.e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        self.pool_env = os.environ.get(POOL_ENV)  # what this engine's transport read
         self.buf = np.random.default_rng(5).integers(0, 256, nbufs * per, dtype=np.uint8)
         self.e.register_memory(self.buf.ctypes.data, self.buf.nbytes)
         b = np.arange(nbufs, dtype=np.uint64)[:, None] * np.uint64(per)
@@ -144,10 +150,43 @@ class RawBest:
         self.proc.join(10)
 
 
-def bench_bulk(mib: int, layers: int, repeats: int, sizes: tuple[int, ...] = (12, 64, 1024)
-               ) -> dict[str, Any]:
-    """P1 and P1b for each item size (KiB)."""
+#: Where the pool setting reaches each P1 path: Mooncake reads this when an engine's TCP
+#: transport starts (the raw driver's engines, SGLang's); kvd sets it from its own
+#: ``transfer_tcp_pool`` (kvd/transfer/backends/mooncake.py), which ``KVD_TRANSFER_TCP_POOL``
+#: in the environment would override over the daemon's settings file.
+POOL_ENV, KVD_POOL_ENV = "MC_TCP_ENABLE_CONNECTION_POOL", "KVD_TRANSFER_TCP_POOL"
+
+
+@contextlib.contextmanager
+def tcp_pool_env(on: bool) -> Any:
+    """Engines started inside (in this process, or spawned from it) run with Mooncake's TCP
+    connection pool ``on``; kvd daemons started inside take ``transfer_tcp_pool`` from
+    their settings, not from a ``KVD_TRANSFER_TCP_POOL`` the caller's environment holds.
+    The environment is restored on exit."""
+    saved = {k: os.environ.get(k) for k in (POOL_ENV, KVD_POOL_ENV)}
+    os.environ[POOL_ENV] = "1" if on else "0"
+    os.environ.pop(KVD_POOL_ENV, None)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def bench_bulk(mib: int, layers: int, repeats: int, sizes: tuple[int, ...] = (12, 64, 1024),
+               before: str | None = None, **settings: Any) -> dict[str, Any]:
+    """P1 and P1b for each item size (KiB): kvd, the raw engine and SGLang, every one with
+    Mooncake's TCP pool on; and kvd at its default (the pool off, K39) as ``kvd_pool_off``
+    unless ``settings`` turn the pool on (``run.py --tcp-pool``). ``before``: another
+    checkout whose kvd runs the same rooms at the same settings (``kvd_before``,
+    ``kvd_before_pool_off``), for a before/after in one run. ``settings`` go to every kvd
+    daemon. Runs interleaved, ``repeats`` rounds after a warm-up round, medians."""
     out: dict[str, Any] = {}
+    pool_off = not settings.get("transfer_tcp_pool", False)
+    trees = {"kvd": None, **({"kvd_before": before} if before else {})}
     for kib in sizes:
         item = kib * 1024
         move = max(1, (mib << 20) // (2 * layers * item))
@@ -155,14 +194,19 @@ def bench_bulk(mib: int, layers: int, repeats: int, sizes: tuple[int, ...] = (12
         rng = np.random.default_rng(kib)
         src, dst = rng.permutation(pages)[:move], rng.permutation(pages)[:move]
         nbytes = 2 * layers * move * item
-        paths: dict[str, Any] = {"kvd": rooms.Pair("kvd", layers, item, _work(), pages=pages),
-                                 "raw": RawBest(layers, item, pages, src, dst)}
-        if have_sglang():
-            paths["sglang"] = rooms.Pair("sglang", layers, item, _work(), pages=pages)
-        times: dict[str, list[float]] = {k: [] for k in ("kvd", "raw_submit_poll", "raw_sync",
-                                                         "sglang") if k != "sglang" or
-                                         "sglang" in paths}
-        ok = True
+        paths: dict[str, Any] = {}
+        with tcp_pool_env(True):
+            for name, tree in trees.items():
+                for pool in (True, False) if pool_off else (True,):
+                    paths[name + ("" if pool else "_pool_off")] = rooms.Pair(
+                        "kvd", layers, item, _work(), pages=pages, tree=tree,
+                        **(settings | {"transfer_tcp_pool": pool}))
+            paths["raw"] = RawBest(layers, item, pages, src, dst)
+            if have_sglang():
+                paths["sglang"] = rooms.Pair("sglang", layers, item, _work(), pages=pages)
+        times: dict[str, list[float]] = {
+            k: [] for k in [*paths, "raw_submit_poll", "raw_sync"] if k != "raw"}
+        ok, raw_pool_env = True, paths["raw"].pool_env
         try:
             for rep in range(repeats + 1):  # interleaved; round 0 warms connections up
                 for name in times:
@@ -180,9 +224,14 @@ def bench_bulk(mib: int, layers: int, repeats: int, sizes: tuple[int, ...] = (12
         best = max(gbps["raw_submit_poll"], gbps["raw_sync"])
         row: dict[str, Any] = {"bytes": nbytes, "entries": 2 * layers * move, "gbps": gbps,
                                "seconds": times, "raw_best_gbps": best,
-                               "ratio_vs_raw_best": gbps["kvd"] / best, "bytes_equal": ok}
+                               "ratio_vs_raw_best": gbps["kvd"] / best, "bytes_equal": ok,
+                               "raw_pool_env": raw_pool_env}
         if "sglang" in gbps:
             row["ratio_vs_sglang"] = gbps["kvd"] / gbps["sglang"]
+        if "kvd_pool_off" in gbps:
+            row["pool_off_vs_pool"] = gbps["kvd_pool_off"] / gbps["kvd"]
+        if before:
+            row["before"] = before
         out[f"{kib}KiB"] = row
     return out
 
@@ -560,14 +609,28 @@ def rows_of(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
         g = b["gbps"]
         bad = "" if b["bytes_equal"] else "; BYTES DIFFER"
         out[f"P1.{size}"] = row(
-            f"bulk {size} items, {b['bytes'] >> 20} MiB, vs the raw transfer engine's best",
-            g["kvd"], "GB/s", ">= 1.0x", b["ratio_vs_raw_best"] >= 1.0 and not bad,
-            baseline=b["raw_best_gbps"],
+            f"bulk {size} items, {b['bytes'] >> 20} MiB, vs the raw transfer engine's best, "
+            f"TCP pool on both", g["kvd"], "GB/s", ">= 1.0x",
+            b["ratio_vs_raw_best"] >= 1.0 and not bad, baseline=b["raw_best_gbps"],
             detail=f"raw submit/poll {g['raw_submit_poll']:.2f}, sync {g['raw_sync']:.2f}{bad}")
         if "sglang" in g:
-            out[f"P1b.{size}"] = row(f"bulk {size} items vs SGLang's connector", g["kvd"],
-                                     "GB/s", ">= 1.0x", b["ratio_vs_sglang"] >= 1.0 and not bad,
+            out[f"P1b.{size}"] = row(f"bulk {size} items vs SGLang's connector, TCP pool on "
+                                     f"both", g["kvd"], "GB/s", ">= 1.0x",
+                                     b["ratio_vs_sglang"] >= 1.0 and not bad,
                                      baseline=g["sglang"], detail="SGLang" + bad)
+        if "kvd_pool_off" in g:
+            out[f"P1.{size}.pool_off"] = row(
+                f"bulk {size} items at kvd's defaults (TCP pool off, K39) vs kvd with the "
+                f"pool", g["kvd_pool_off"], "GB/s", "- (the price of K39's default)", None,
+                baseline=g["kvd"],
+                detail=f"kvd with the pool; {g['kvd_pool_off'] / b['raw_best_gbps']:.2f}x the "
+                       f"raw engine's best with its pool{bad}")
+        for suffix in ("", "_pool_off"):
+            if f"kvd_before{suffix}" in g:
+                out[f"P1.{size}.vs_before{suffix.replace('_', '.', 1)}"] = row(
+                    f"bulk {size} items, this kvd vs {b['before']}'s, TCP pool "
+                    f"{'off' if suffix else 'on'} for both", g[f"kvd{suffix}"], "GB/s", "-",
+                    None, baseline=g[f"kvd_before{suffix}"], detail=f"{b['before']}{bad}")
     if "P4" in r:
         m, ok = r["P4"]["median"], r["P4"]["bad_bytes"] == 0 and r["P4"]["failed"] == 0
         sg = m.get("sglang")

@@ -315,7 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="P1,P4,P5,P6,P8", help="issue14: which rows")
     ap.add_argument("--tcp-pool", action="store_true",
                     help="P4 and P9: kvd daemons with transfer_tcp_pool = true (Mooncake's "
-                         "per-peer TCP connection pool; off by default since K39)")
+                         "per-peer TCP connection pool; off by default since K39); P1 always "
+                         "compares kvd, the raw engine and SGLang with the pool on, and "
+                         "without this option adds kvd at its defaults (P1.<size>.pool_off)")
+    ap.add_argument("--p1-before", default=None, metavar="TREE",
+                    help="P1: also run another checkout's kvd (a git worktree of an older "
+                         "commit) on the same rooms at the same settings, interleaved "
+                         "(rows P1.<size>.vs_before, .vs_before.pool_off)")
     ap.add_argument("--api-calls", type=int, default=3000,
                     help="P5: calls per placement for the trivial RPC and the echo")
     ap.add_argument("--api-rooms", type=int, default=100,
@@ -474,7 +480,8 @@ def _bench_issue14(console: Console, args: Any) -> tuple[dict[str, Any], bool]:
 
     rows, out = set(args.rows.split(",")), {"load_before": issue14.machine_load()}
     if "P1" in rows:
-        out["P1"] = issue14.bench_bulk(args.mib, args.layers, args.repeats)
+        out["P1"] = issue14.bench_bulk(args.mib, args.layers, args.repeats,
+                                       before=args.p1_before, **_kvd_settings(args))
     if "P4" in rows:
         out["P4"] = issue14.bench_rooms(args.repeats, args.max_rooms, args.rate_rooms,
                                         **_kvd_settings(args))

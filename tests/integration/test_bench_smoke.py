@@ -76,6 +76,22 @@ def test_issue14_room_rows_run_both_ways_with_every_byte_checked() -> None:
     assert r["rows"]["P4.ring"]["value"] == p4["median"]["kvd_ring"]["max"]["rooms_per_s"]
 
 
+def test_issue14_bulk_rows_compare_at_one_pool_setting_and_price_kvds_default() -> None:
+    """P1 in a reduced form: kvd and the raw engine both with Mooncake's TCP pool (the raw
+    driver's engine read the pool on), every byte compared; kvd at its defaults (the pool
+    off, K39) is its own row, priced against kvd with the pool, never against the raw
+    engine's pool."""
+    stdout, r = _bench("--only", "issue14", "--rows", "P1", "--repeats", "1", "--mib", "2")
+    assert "kvd benchmark rows" in stdout
+    for size in ("12KiB", "64KiB", "1024KiB"):
+        b = r["issue14"]["P1"][size]
+        assert b["bytes_equal"] is True and b["raw_pool_env"] == "1"
+        assert {"kvd", "kvd_pool_off", "raw_submit_poll", "raw_sync"} <= set(b["gbps"])
+        off = r["rows"][f"P1.{size}.pool_off"]
+        assert off["value"] == b["gbps"]["kvd_pool_off"]
+        assert off["baseline"] == r["rows"][f"P1.{size}"]["value"] == b["gbps"]["kvd"]
+
+
 def test_issue14_api_rows_run_in_every_placement() -> None:
     """P5 in a reduced form: the trivial RPC beside the echo, poll_many and the idle pair's
     send/init with the engine and kvd where the scheduler puts them, on one CPU and on two

@@ -50,8 +50,16 @@ descriptor is one non-blocking ``transfer_submit_write``, polled with
 ``per_peer_inflight`` entries and, beyond the first ``per_peer_min_entries``, at most
 ``per_peer_bytes`` bytes in flight per destination. The batch calls
 (``batch_transfer_sync_write``) busy-wait a core per caller and keep one batch in
-flight; they are not used. :meth:`MooncakeEngine.start_write` returns at once and
-calls back; :meth:`MooncakeEngine.write` blocks on the same path.
+flight; they are not used. ``batch_transfer_async_write`` submits a batch without
+waiting (one native call for N entries: 1.3-2.3 us of submitting per 12 KiB entry
+against 6-17 us one by one, measured in process, docs/performance.md P1), but the
+binding has no status call for a whole batch that does not spin
+(``get_batch_transfer_status`` loops until every listed batch ended), and
+``transfer_check_status`` reads a batch's first entry only and frees the batch once that
+entry ended, while the others may still be in flight: a batch could neither be waited
+out nor retried entry by entry, so entries go one by one.
+:meth:`MooncakeEngine.start_write` returns at once and calls back;
+:meth:`MooncakeEngine.write` blocks on the same path.
 """
 
 from __future__ import annotations
