@@ -32,6 +32,9 @@ class DaemonProcess:
     config: Path
     log: Path
     extra: dict[str, Any] = field(default_factory=dict)
+    #: the write end of the daemon's lifeline (:data:`LIFELINE_ENV`): closed by
+    #: :meth:`stop`, and by the kernel when this process dies, which stops the daemon
+    lifeline: int | None = None
 
     @property
     def http_addr(self) -> str:
@@ -52,6 +55,9 @@ class DaemonProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.lifeline is not None:
+            os.close(self.lifeline)
+            self.lifeline = None
         return int(self.proc.returncode)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
@@ -68,6 +74,12 @@ def _toml_value(v: Any) -> str:
     return json.dumps(str(v))
 
 
+#: The environment variable naming a daemon's lifeline: a pipe's read end the daemon
+#: inherits while its launcher keeps the write end. When the launcher dies without stopping
+#: it (a killed test run or benchmark), the kernel closes the write end, the daemon reads
+#: end of file and stops as at SIGTERM: no orphan keeps its ports and sockets.
+LIFELINE_ENV = "KVD_LIFELINE_FD"
+
 #: The cluster secret of daemons started by this process (tests, demo, benchmarks): one
 #: random secret per launching process, handed to children through the environment.
 LAUNCH_SECRET = os.environ.get("KVD_CLUSTER_SECRET") or secrets.token_hex(24)
@@ -83,7 +95,8 @@ def start_daemon(role: str, workdir: str | Path | None = None, timeout: float = 
     :class:`KvdError` if the daemon exits or is not ready in ``timeout`` s (the message
     carries the tail of its log). ``prefix`` wraps the command (e.g. ``ip netns exec NS``);
     ``pass_fds`` are descriptors the child inherits (e.g. a socket to pass the way systemd
-    socket activation does). The engine socket defaults to ``<workdir>/<role>-<8 hex
+    socket activation does). The daemon stops by itself if this process dies first
+    (:data:`LIFELINE_ENV`). The engine socket defaults to ``<workdir>/<role>-<8 hex
     digits>.sock``: short, because a Unix socket path is at most 107 bytes and test
     runners' temp dirs are deep (pytest-xdist's ``popen-gwN``).
     """
@@ -98,13 +111,26 @@ def start_daemon(role: str, workdir: str | Path | None = None, timeout: float = 
     if not settings.get("insecure"):
         child_env.setdefault("KVD_CLUSTER_SECRET", LAUNCH_SECRET)
     child_env.update(env or {})
-    with log.open("wb") as errf:
-        proc = subprocess.Popen([*(prefix or []), sys.executable, "-m", "kvd.cli.main", "serve",
-                                 "--config", str(cfg)], stdout=subprocess.PIPE, stderr=errf,
-                                env=child_env, pass_fds=pass_fds)
-    ready = _wait_ready(proc, log, timeout)
+    line_r, line_w = os.pipe()  # both ends close-on-exec: only this daemon gets line_r
+    child_env[LIFELINE_ENV] = str(line_r)
+    try:
+        with log.open("wb") as errf:
+            proc = subprocess.Popen(
+                [*(prefix or []), sys.executable, "-m", "kvd.cli.main", "serve",
+                 "--config", str(cfg)], stdout=subprocess.PIPE, stderr=errf,
+                env=child_env, pass_fds=(*pass_fds, line_r))
+    except BaseException:
+        os.close(line_w)
+        raise
+    finally:
+        os.close(line_r)
+    try:
+        ready = _wait_ready(proc, log, timeout)
+    except BaseException:
+        os.close(line_w)
+        raise
     return DaemonProcess(proc, ready, cfg, log,
-                         {"http_host": settings.get("http_host", "127.0.0.1")})
+                         {"http_host": settings.get("http_host", "127.0.0.1")}, line_w)
 
 
 def _wait_ready(proc: subprocess.Popen[bytes], log: Path, timeout: float) -> dict[str, Any]:

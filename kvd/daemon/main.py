@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import signal
+import stat
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,7 @@ from kvd.engine_rpc.channel import TableWriter
 from kvd.engine_rpc.ring import RingChannel
 from kvd.engine_rpc.server import LATER, Connection, EngineRpcServer
 from kvd.errors import ConfigError, KvdError, ProtocolError, RegistrationError, RoomError, RpcError
+from kvd.launch import LIFELINE_ENV
 from kvd.memory import Importer
 from kvd.protocol import control, rpc
 from kvd.protocol.release import ReleaseAnswer, ReleaseRequest
@@ -120,6 +122,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_event.set)
+        self._watch_lifeline(loop)
         try:
             await self.stop_event.wait()
             notify.notify("STOPPING=1")
@@ -127,6 +130,39 @@ class Daemon:
         finally:
             await self.shutdown()
         return 0
+
+    def _watch_lifeline(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop as at SIGTERM once the launcher's lifeline reads end of file (its launcher
+        died without stopping this daemon: :data:`kvd.launch.LIFELINE_ENV`). The variable
+        is taken out of the environment, so nothing this daemon starts inherits it. A
+        value that names no pipe is logged and ignored: the daemon runs as without one."""
+        value = os.environ.pop(LIFELINE_ENV, "")
+        if not value:
+            return
+        try:
+            fd = int(value)
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                raise OSError(f"descriptor {fd} is no pipe")
+        except (ValueError, OSError) as exc:
+            log.warning("%s=%r ignored: %s", LIFELINE_ENV, value, exc)
+            return
+
+        def readable() -> None:
+            try:
+                data = os.read(fd, 4096)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:  # every write end closed: the launcher is gone
+                loop.remove_reader(fd)
+                os.close(fd)
+                log.warning("the process that launched this daemon is gone (its lifeline "
+                            "closed): stopping")
+                self.stop_event.set()
+
+        os.set_blocking(fd, False)
+        loop.add_reader(fd, readable)
 
     async def startup(self, listen: bool = True) -> None:
         """Open every listener; raises ConfigError/TransportError if one cannot start."""

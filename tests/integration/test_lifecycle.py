@@ -219,3 +219,50 @@ def test_polls_read_the_status_table_without_a_round_trip(tmp_path: Path) -> Non
         assert d.pages_equal(p, [1, 2], [3, 4])
     finally:
         stop_pair(pair)
+
+
+_LAUNCHER = """
+import json, sys, time
+from kvd.launch import start_daemon
+d = start_daemon("decode", sys.argv[1], log_level="WARNING")
+print(json.dumps({"pid": d.proc.pid, "socket": d.socket}), flush=True)
+time.sleep(3600)  # killed by the test, never stopping its daemon
+"""
+
+
+def test_a_daemon_whose_launcher_dies_stops_by_itself(tmp_path: Path) -> None:
+    """A test run or benchmark killed mid-way leaves no daemon holding ports: the
+    daemon's lifeline (kvd.launch.LIFELINE_ENV) reads end of file and it stops as at
+    SIGTERM, unlinking its socket."""
+    import os
+    import subprocess
+    import sys
+
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path)],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout is not None
+        started = json.loads(launcher.stdout.readline())
+        pid, sock = started["pid"], started["socket"]
+        assert Path(sock).exists()
+        os.kill(pid, 0)  # alive while its launcher lives
+        launcher.kill()
+        launcher.wait(30)
+
+        def alive() -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            # a zombie of a reaped-by-init parent is gone; /proc says which
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+            return state != "Z"
+
+        deadline = time.monotonic() + 60
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(), "the daemon outlived its launcher"
+        assert not Path(sock).exists()  # it shut down, not crashed
+    finally:
+        launcher.kill()
+        launcher.wait()
