@@ -15,7 +15,15 @@ it (the record's ``after``): kvd runs it only if the create was not refused, so 
 create's calls never act on another incarnation of the room. Refusals of a handle's keyed
 calls are kept by key (:attr:`failed`), not by room, so another handle on the same room
 (the live incarnation a duplicate create was refused for) never reads them. Not
-thread-safe: :class:`~kvd.client.rpc.KvdClient` calls it under its lock.
+thread-safe: :class:`~kvd.client.rpc.KvdClient` calls it under its ring lock (not the
+socket's: a record never waits for another thread's socket call).
+
+Unread completions plus unrun records never exceed ``capacity``: a record is published
+only after the completions kvd wrote were read and while the records kvd had not run
+then left a free slot (:meth:`EngineRing.submit`); a record kvd runs writes at most one
+completion. So kvd's catch-up before a socket call (which cannot wait for the engine to
+read a completion) never meets a full completion ring, whichever thread is in the socket
+call and whatever another thread publishes meanwhile.
 """
 
 from __future__ import annotations
@@ -124,10 +132,14 @@ class EngineRing:
         key, a later call of that handle (it depends on the create while the create has
         not run). Raises the create's refusal (a KvdError, nothing published) when kvd
         refused the handle's create; RingClosed,
-        DaemonGone, TimeoutError, ProtocolError (a corrupt ring)."""
+        DaemonGone, TimeoutError, ProtocolError (a corrupt ring). Publishes only if a slot
+        was free BEFORE the completions were read: unread completions plus unrun records
+        then stay within ``capacity`` (the module's rule; a slot freed only after the
+        read waits for the next turn of the loop)."""
         self._check_open()
         while True:
             after = 0
+            free = self.out.free()  # before the completions: the unrun records then
             if key is not None and key >= 0:
                 create_ran = self.sub.tail > key  # read before the completions
                 self.collect_new()
@@ -136,7 +148,7 @@ class EngineRing:
                 after = 0 if create_ran else self.out.head - key  # in the ring: <= capacity
             else:
                 self.collect_new()
-            seq = self.out.push(data, after)
+            seq = self.out.push(data, after) if free else None
             if seq is not None:
                 break
             self._wait(lambda: self.out.free() > 0, timeout)

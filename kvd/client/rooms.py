@@ -181,11 +181,11 @@ class _Room:
         return obj
 
     def _gone(self) -> bool:
-        """Whether the room is lost: kvd was unreachable, or the client registered since
-        with another kvd instance (kvd restarted, K27), which never knew the room."""
+        """Whether the room is lost: kvd was unreachable, the client registered since
+        with another kvd instance (kvd restarted, K27), which never knew the room, or the
+        engine closed the client (:meth:`KvdClient.close`: kvd failed the room)."""
         if not self.lost and self.epoch != self.client.epoch:
-            self.lost = (f"kvd restarted (now instance {self.client.instance or '?'}): it "
-                         f"does not know room {self.room}, which the previous kvd held")
+            self.lost = f"room {self.room} is gone: {self.client.epoch_end(self.epoch)}"
         return bool(self.lost)
 
     def _call(self, call: rpc.Call) -> Any:

@@ -55,7 +55,22 @@ WAIT_SHARE = 0.5
 class KvdClient:
     """A connection to the local kvd's engine socket.
 
-    Thread-safe (one call at a time). ``timeout`` bounds each call in seconds (the
+    Thread-safe: one socket call at a time (:attr:`_lock`), and the ring's producer side
+    under a lock of its own (:attr:`_ring_lock`), so a room call through the ring -- a
+    record and a ``head`` bump -- never waits for another thread's socket call (a
+    ``Wait`` blocks for up to ``timeout * WAIT_SHARE``). The ordering rule, whichever
+    threads make the calls: the ring's records are published in the order their calls
+    took the ring lock, and kvd runs them in that order; a socket call runs after every
+    record published before kvd read it (kvd's ``catch_up``), so after every ring call
+    that returned before the socket call began, in any thread (a ring call made while
+    another thread's socket call is in flight runs before or after it). kvd cannot wait
+    for completions to be read during that catch-up; every record is published after
+    the completions kvd wrote before it were read, and only while the unrun records
+    then left a free slot (:meth:`~kvd.client.ring.EngineRing.submit`), so unread
+    completions plus unrun records never exceed the ring's capacity and catch-up never
+    meets a full completion ring, whichever thread is in a socket call. Lock order:
+    ``_lock`` before ``_ring_lock``; a thread holding only ``_ring_lock`` never waits
+    for ``_lock`` (it lets go first). ``timeout`` bounds each call in seconds (the
     socket's kernel timeouts: a signal handler in the engine that fires more often than
     ``timeout`` restarts the wait each time, so a stalled kvd is then noticed late).
     ``fd`` memory handles (:class:`~kvd.protocol.memory.FdHandle`, e.g. from
@@ -111,7 +126,12 @@ class KvdClient:
         self.timeout = timeout
         self.engine_id = secrets.token_hex(8)
         self._sock: socket.socket | None = None
+        #: the socket's lock: one socket call at a time (connection, registration)
         self._lock = threading.Lock()
+        #: the ring's lock: its producer and completion reader, the kept refusals, and the
+        #: ring's replacement (taken after ``_lock`` when both are held; re-entrant: a
+        #: socket fallback under both locks drops the connection under it)
+        self._ring_lock = threading.RLock()
         self._next_id = 0
         self._registration: rpc.RegisterKV | None = None
         self._replay = False
@@ -130,13 +150,19 @@ class KvdClient:
         self._ring_sizes = rpc.OpenRing(capacity=ring_capacity,
                                         record_bytes=ring_record_bytes)
         self.ring: EngineRing | None = None
-        #: the kvd instance that answered the last registration, and how many times a
-        #: registration found another one (a restarted kvd: rooms of an earlier epoch are
-        #: gone, and read Failed through their room objects)
+        #: the kvd instance that answered the last registration, and how many times the
+        #: engine's rooms in kvd were lost: a registration found another instance (a
+        #: restarted kvd), or :meth:`close` said goodbye (kvd failed them). Rooms of an
+        #: earlier epoch are gone, and read Failed through their room objects
         self.instance = ""
         self.epoch = 0
         #: refusals :meth:`ring_refusal` handed out, by room, until the room is cleared
         self._refusal_taken: dict[int, KvdError] = {}
+        #: epoch -> why its rooms are gone (:meth:`epoch_end`)
+        self._epoch_ends: dict[int, str] = {}
+        #: set by :meth:`close` until a call reopens the client: reads of room statuses
+        #: raise instead of registering the engine again (:meth:`_check_open`)
+        self.closed = ""
 
     def _served_by(self, result: rpc.RegisterResult) -> None:
         """A registration answered: a kvd instance other than the one that served the
@@ -144,9 +170,39 @@ class KvdClient:
         the rooms made before (K27)."""
         instance = result.instance_id
         if instance and self.instance and instance != self.instance:
-            self.epoch += 1
-            self._refusal_taken.clear()  # the new kvd never knew those rooms
+            self._end_epoch(f"kvd restarted (now instance {instance}): it does not know "
+                            f"the rooms the previous kvd held")
+            with self._ring_lock:
+                self._refusal_taken.clear()  # the new kvd never knew those rooms
         self.instance = instance or self.instance
+
+    def _end_epoch(self, why: str) -> None:
+        """The rooms of the current :attr:`epoch` are gone in kvd (``why``: it restarted,
+        or :meth:`close` said goodbye): a new epoch starts, and room objects of the old
+        one read Failed naming ``why`` (:meth:`epoch_end`)."""
+        self._epoch_ends[self.epoch] = why
+        self.epoch += 1
+
+    def epoch_end(self, epoch: int) -> str:
+        """Why the rooms of ``epoch`` are gone ("" while it is the current one): the first
+        end after it (a restarted kvd, K27; the engine's :meth:`close`)."""
+        return "" if epoch >= self.epoch else self._epoch_ends.get(epoch, "kvd restarted")
+
+    def _check_open(self, call: rpc.Call) -> None:
+        """Before a socket call (under the socket's lock). After :meth:`close`, a read of
+        room statuses (``Poll``, ``Wait``, a ``Many`` of polls only) raises
+        :class:`KvdUnreachable` naming the close, so the poll helpers read Failed: it
+        would register the engine again only to read the rooms kvd failed and forgot at
+        the goodbye as ``UNKNOWN_ROOM``. Any other call reopens the client (a reconnect
+        registers again)."""
+        if not self.closed:
+            return
+        if isinstance(call, rpc.Poll | rpc.Wait) or (
+                isinstance(call, rpc.Many) and all(isinstance(c, rpc.Poll) for c in call.calls)):
+            raise KvdUnreachable(f"kvd client closed: {self.closed} (a poll does not "
+                                 f"reopen it; a registration or a room call does)",
+                                 "KvdUnreachable")
+        self.closed = ""
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -187,12 +243,16 @@ class KvdClient:
             call = msgspec.structs.replace(call, engine_id=self.engine_id)
         kind = RESULT_TYPES.get(type(call))
         with self._lock:
-            result = self._exchange(call, kind)
+            self._check_open(call)
             if isinstance(call, rpc.RegisterKV):
-                self._served_by(result)
-                self._registration, self._replay = call, False
-                self._open_table()
-                self._open_ring()
+                with self._ring_lock:  # no record goes into a ring this one replaces
+                    result = self._exchange(call, kind)
+                    self._served_by(result)
+                    self._registration, self._replay = call, False
+                    self._open_table()
+                    self._open_ring()
+            else:
+                result = self._exchange(call, kind)
         if isinstance(call, rpc.Clear | rpc.Many):
             self._forget_refusals(_cleared(call))
         return result
@@ -233,7 +293,22 @@ class KvdClient:
                 handle: Handle | int | None) -> Handle | None:
         key = handle.key if isinstance(handle, Handle) else handle
         rpc.check_bounds(call)  # nothing sent: a record kvd cannot decode fails the ring
-        with self._lock:
+        broken: _Broken | None = None
+        with self._ring_lock:  # the ring alone: no wait for another thread's socket call
+            ring = self._usable_ring()
+            data = ring.encode(call) if ring is not None else None
+            if ring is not None and data is not None and (
+                    not isinstance(handle, Handle) or ring is handle.ring):
+                try:
+                    return self._submit_record(ring, call, data, wait, key)
+                except RingClosed:
+                    pass  # kvd closed the ring, nothing published: the way below
+                except _Broken as exc:
+                    broken = exc
+        if broken is not None:
+            self._ring_broken_unlocked(broken)
+        with self._lock, self._ring_lock:  # the socket way (or the ring, as it now is)
+            self._check_open(call)
             ring = self._usable_ring()
             data = ring.encode(call) if ring is not None else None
             if isinstance(handle, Handle) and (ring is not handle.ring or data is None):
@@ -265,6 +340,33 @@ class KvdClient:
                                     f"(room {call.room})") from exc
             except (DaemonGone, TimeoutError, ProtocolError) as exc:
                 self._ring_broken(exc)
+        if refusal is not None:
+            raise refusal
+        return None
+
+    def _submit_record(self, ring: EngineRing, call: rpc.RingCall, data: bytes, wait: bool,
+                       key: int | None) -> Handle | None:
+        """:meth:`_submit` through ``ring`` (under the ring's lock only). Raises RingClosed
+        when kvd closed the ring before the record was published (nothing sent: the caller
+        goes the socket way), :class:`_Broken` for a ring that no longer serves (the caller
+        drops the connection once it let go of the ring's lock), and the call's refusal."""
+        try:
+            seq = ring.submit(data, call.room, self.timeout, key)
+        except (DaemonGone, TimeoutError, ProtocolError) as exc:
+            raise _Broken(ring, exc, self._broken_why(exc)) from exc
+        if not wait:
+            if isinstance(call, rpc.Clear):  # its room's kept refusals go once it ran
+                ring.clearing[seq] = call.room
+            return Handle(ring, seq) if key == NEW else None
+        try:
+            ring.wait_done(seq, self.timeout)
+            refusal = ring.result_of(seq)
+        except RingClosed as exc:  # published: never sent again over the socket
+            self._close_ring()
+            raise ProtocolError(f"kvd closed the engine ring before it ran call {seq} "
+                                f"(room {call.room})") from exc
+        except (DaemonGone, TimeoutError, ProtocolError) as exc:
+            raise _Broken(ring, exc, self._broken_why(exc)) from exc
         if refusal is not None:
             raise refusal
         return None
@@ -304,7 +406,7 @@ class KvdClient:
         room's status says the rest); ``refusal``: the first refusal of the handle's
         calls. With ``wait``, block until kvd ran every call of it first (raises as
         :meth:`submit` with ``wait``)."""
-        with self._lock:
+        with self._ring_lock:
             ring = handle.ring
             if ring is not self.ring:
                 return True, None
@@ -316,21 +418,25 @@ class KvdClient:
                 self._close_ring()
                 return True, None
             except (DaemonGone, TimeoutError, ProtocolError) as exc:
-                self._ring_broken(exc)
+                broken = _Broken(ring, exc, self._broken_why(exc))
+        self._ring_broken_unlocked(broken)
 
     def wait_created(self, handle: Handle) -> None:
         """Block until kvd ran ``handle``'s create (at once if it did, or if its ring is
         gone); raises as :meth:`submit` with ``wait``."""
-        with self._lock:
+        with self._ring_lock:
             ring = handle.ring
             if ring is not self.ring or ring.done(handle.key):
                 return
             try:
                 ring.wait_done(handle.key, self.timeout)
+                return
             except RingClosed:
                 self._close_ring()
+                return
             except (DaemonGone, TimeoutError, ProtocolError) as exc:
-                self._ring_broken(exc)
+                broken = _Broken(ring, exc, self._broken_why(exc))
+        self._ring_broken_unlocked(broken)
 
     def unborn(self, handle: Handle) -> bool:
         """Whether kvd refused ``handle``'s create itself (known once it ran)."""
@@ -338,7 +444,7 @@ class KvdClient:
 
     def forget_handle(self, handle: Handle) -> None:
         """Drop what the ring keeps for ``handle`` (its room was cleared)."""
-        with self._lock:
+        with self._ring_lock:
             handle.ring.forget(handle.key)
 
     def submit_all(self, calls: list[rpc.RingCall],
@@ -375,14 +481,33 @@ class KvdClient:
             return {}
         for call in calls:  # nothing sent: a record kvd cannot decode fails the ring
             rpc.check_bounds(call)
-        with self._lock:
+        broken: _Broken | None = None
+        with self._ring_lock:  # the ring alone while every call fits a record
             ring = self._usable_ring()
-            if ring is not None and not wait:  # a call past a record goes by the socket
-                calls = calls[self._submit_nowait(ring, calls):]
-                if not calls:
-                    return {}
-            elif ring is not None and all(ring.encode(c) is not None for c in calls):
-                return self._submit_ring(ring, calls)
+            try:
+                if ring is not None and not wait:
+                    calls = calls[self._submit_nowait(ring, calls, held=False):]
+                    if not calls:
+                        return {}  # else: a call past a record, or kvd closed the ring
+                elif ring is not None and all(_fits(ring, c) for c in calls):
+                    return self._submit_ring(ring, calls, held=False)
+            except _Broken as exc:
+                broken = exc
+        if broken is not None:
+            self._ring_broken_unlocked(broken)
+        with self._lock, self._ring_lock:  # a call past a record goes by the socket, in order
+            ring = self._usable_ring()
+            try:
+                if ring is not None and not wait:
+                    calls = calls[self._submit_nowait(ring, calls, held=True):]
+                    if not calls:
+                        return {}
+                elif ring is not None and all(ring.encode(c) is not None for c in calls):
+                    return self._submit_ring(ring, calls, held=True)
+            except _Broken as exc:
+                broken = exc
+        if broken is not None:
+            self._ring_broken_unlocked(broken)
         refused: dict[int, KvdError] = {}
         for at in range(0, len(calls), rpc.MAX_MANY):
             chunk = calls[at:at + rpc.MAX_MANY]
@@ -391,17 +516,21 @@ class KvdClient:
                     refused.setdefault(call.room, out)
         return refused
 
-    def _submit_nowait(self, ring: EngineRing, calls: list[rpc.RingCall]) -> int:
-        """:meth:`submit_all` without a wait (under the lock): each call a ring record
-        (one that has grown past a record since the check goes over the socket, in
-        order, its refusal kept for its room); a Clear is noted so that its room's kept
-        refusals go once kvd ran it unrefused. How many calls it took: fewer than all
-        when kvd closed the ring (the rest are the caller's to send over the socket)."""
+    def _submit_nowait(self, ring: EngineRing, calls: list[rpc.RingCall], held: bool) -> int:
+        """:meth:`submit_all` without a wait (under the ring's lock; ``held``: the
+        socket's too): each call a ring record (one larger than a record goes over the
+        socket, in order, its refusal kept for its room -- with ``held``; without, this
+        stops there); a Clear is noted so that its room's kept refusals go once kvd ran it
+        unrefused. How many calls it took: fewer than all when kvd closed the ring (the
+        rest are the caller's to send over the socket) or, without ``held``, at the first
+        call past a record. Raises :class:`_Broken` for a ring that no longer serves."""
         done = 0
         try:
-            for done, call in enumerate(calls):  # noqa: B007 (read after the loop)
+            for done, call in enumerate(calls):  # done: read after the loop
                 data = ring.encode(call)
                 if data is None:
+                    if not held:
+                        return done
                     try:
                         self._exchange(call, None)  # kvd drains the ring before it
                     except KvdUnreachable:
@@ -416,19 +545,25 @@ class KvdClient:
             self._close_ring()  # kvd aborted the rooms the ring carried
             return done
         except (DaemonGone, TimeoutError, ProtocolError) as exc:
-            self._ring_broken(exc)
+            raise _Broken(ring, exc, self._broken_why(exc)) from exc
         return len(calls)
 
-    def _submit_ring(self, ring: EngineRing, calls: list[rpc.RingCall]) -> dict[int, KvdError]:
-        """:meth:`submit_all` through ``ring`` (under the lock). Each record is encoded
-        as it is submitted (its call id is the ring's head then); one that has grown past
-        a record since the check (a longer id) goes over the socket, in order."""
+    def _submit_ring(self, ring: EngineRing, calls: list[rpc.RingCall],
+                     held: bool) -> dict[int, KvdError]:
+        """:meth:`submit_all` through ``ring`` (under the ring's lock; ``held``: the
+        socket's too). Each record is encoded as it is submitted (its call id is the
+        ring's head then); one that has grown past a record since the check (a longer id)
+        goes over the socket, in order -- only with ``held``: without, every call fits a
+        record whatever its id (:func:`_fits`). Raises :class:`_Broken` for a ring that
+        no longer serves."""
         refused: dict[int, KvdError] = {}
         try:
             seq = -1
             for call in calls:
                 data = ring.encode(call)
                 if data is None:
+                    if not held:
+                        raise AssertionError("a call checked to fit a record did not")
                     try:
                         self._exchange(call, None)  # kvd drains the ring before it
                     except KvdUnreachable:
@@ -445,7 +580,7 @@ class KvdClient:
             raise ProtocolError(f"kvd closed the engine ring before it ran a batch of "
                                 f"{len(calls)} calls") from exc
         except (DaemonGone, TimeoutError, ProtocolError) as exc:
-            self._ring_broken(exc)
+            raise _Broken(ring, exc, self._broken_why(exc)) from exc
         for c in calls:
             if c.room in ring.refused:
                 refused.setdefault(c.room, ring.refused.pop(c.room))
@@ -503,7 +638,7 @@ class KvdClient:
             return None
         if ring.comp.head != ring.inbox.tail or (  # a completion waits: read them all
                 ring.clearing and (ring.refused or self._refusal_taken)):
-            with self._lock:
+            with self._ring_lock:
                 if self.ring is not ring:
                     return None
                 try:
@@ -511,7 +646,7 @@ class KvdClient:
                 except (ProtocolError, OSError):
                     return None
         if ring.cleared:
-            with self._lock:
+            with self._ring_lock:
                 for room in ring.cleared:
                     self._refusal_taken.pop(room, None)
                 ring.cleared.clear()
@@ -538,12 +673,33 @@ class KvdClient:
 
     def _ring_broken(self, exc: Exception) -> typing.NoReturn:
         """kvd's socket end closed, it ran nothing within ``timeout``, or its ring is
-        corrupt: drop the connection (the next call reconnects and registers again)."""
+        corrupt: drop the connection (the next call reconnects and registers again).
+        Under the socket's lock; :meth:`_ring_broken_unlocked` without it."""
+        why = self._broken_why(exc)
         self._drop()
+        raise KvdUnreachable(why, "KvdUnreachable") from exc
+
+    def _ring_broken_unlocked(self, broken: _Broken) -> typing.NoReturn:
+        """:meth:`_ring_broken` for a ring call that held only the ring's lock (and let go
+        of it): drop the connection unless another thread did already (it then runs on
+        a fresh one, with another ring)."""
+        with self._lock, self._ring_lock:
+            if self.ring is broken.ring:
+                self._drop()
+        raise KvdUnreachable(broken.why, "KvdUnreachable") from broken.exc
+
+    def _broken_why(self, exc: Exception) -> str:
+        """The message of a ring wait that ended with ``exc``: :meth:`interrupt` shut the
+        socket down (the ring's wait sees the socket end close, as at kvd's death), no
+        answer within ``timeout``, or what ``exc`` says."""
+        interrupted = self._interrupted
+        if isinstance(exc, DaemonGone) and interrupted is not None and \
+                interrupted is self._sock:
+            return (f"interrupted: KvdClient.interrupt() ended this call's wait on the "
+                    f"engine ring ({self.path}); the next call reconnects")
         why = (f"no answer within {self.timeout:g}s" if isinstance(exc, TimeoutError)
                else str(exc))
-        raise KvdUnreachable(f"kvd unreachable at {self.path}: {why}",
-                             "KvdUnreachable") from exc
+        return f"kvd unreachable at {self.path}: {why}"
 
     def _open_ring(self) -> None:
         """Open this connection's rings (after a registration; under the lock). A kvd
@@ -554,8 +710,10 @@ class KvdClient:
         fds: list[int] = []
         try:
             result: rpc.RingResult = self._roundtrip(self._ring_sizes, rpc.RingResult, fds)
-            self.ring = EngineRing(result, fds, self._sock.fileno())
+            ring = EngineRing(result, fds, self._sock.fileno())
             fds = []  # the ring owns them
+            with self._ring_lock:
+                self.ring = ring
         except (KvdError, OSError, ValueError):
             self._close_ring(keep=True)  # an older or channel-less kvd: the socket carries calls
         finally:
@@ -569,17 +727,19 @@ class KvdClient:
         refusal (:attr:`_refusal_taken`) -- kvd keeps the rooms of an engine that comes
         back within the grace (K27), and a call it refused must still read Failed then;
         a new kvd instance forgets them (:meth:`_served_by`). Without ``keep`` (kvd closed
-        the ring: it aborted the rooms it carried) the kept refusals go."""
-        ring, self.ring = self.ring, None
-        if not keep:
-            self._refusal_taken.clear()
-        elif ring is not None:
-            with contextlib.suppress(ProtocolError):
-                ring.collect()
-            for room, refusal in ring.refused.items():
-                self._refusal_taken.setdefault(room, refusal)
-        if ring is not None:
-            ring.close()
+        the ring: it aborted the rooms it carried) the kept refusals go. Takes the ring's
+        lock (a ring call in progress ends first)."""
+        with self._ring_lock:
+            ring, self.ring = self.ring, None
+            if not keep:
+                self._refusal_taken.clear()
+            elif ring is not None:
+                with contextlib.suppress(ProtocolError):
+                    ring.collect()
+                for room, refusal in ring.refused.items():
+                    self._refusal_taken.setdefault(room, refusal)
+            if ring is not None:
+                ring.close()
 
     def read_table(self, rooms: npt.NDArray[np.uint64]) -> tuple[
             npt.NDArray[np.int8], npt.NDArray[np.bool_], npt.NDArray[np.bool_]] | None:
@@ -691,9 +851,10 @@ class KvdClient:
         while True:
             remaining = deadline - time.monotonic()
             chunk = max(min(remaining, self.timeout * WAIT_SHARE), 0.0)
+            call = rpc.Wait(rooms=list(rooms), timeout=chunk, any_done=any_done)
             with self._lock:
-                result = self._exchange(rpc.Wait(rooms=list(rooms), timeout=chunk,
-                                                 any_done=any_done), rpc.PollResult)
+                self._check_open(call)
+                result = self._exchange(call, rpc.PollResult)
             pending = _pending(rooms, result)
             done = pending < len(rooms) if any_done else pending == 0
             if remaining <= chunk or done:
@@ -731,15 +892,23 @@ class KvdClient:
         cannot wait for this thread, blocked in the call, to read a completion: with the
         completion ring read empty here, its ``capacity`` slots hold a refusal for each
         call still in the submission ring (at most ``capacity``), so kvd never meets a
-        full one (it would fail the ring, aborting the rooms it carried). A corrupt
-        completion ring drops the connection (:meth:`_ring_broken`: the call is retried
-        on a fresh one)."""
+        full one (it would fail the ring, aborting the rooms it carried). Skipped while
+        another thread holds the ring's lock (a ring call in progress): that thread
+        reads the completions before each record it publishes, and publishes only while
+        unread completions plus unrun records leave a slot
+        (:meth:`~kvd.client.ring.EngineRing.submit`), so the bound holds without this
+        read. A corrupt completion ring drops the connection (:meth:`_ring_broken`: the
+        call is retried on a fresh one)."""
         ring = self.ring
-        if ring is not None and not ring.drained():
-            try:
+        if ring is None or ring.drained() or not self._ring_lock.acquire(blocking=False):
+            return
+        try:
+            if self.ring is ring:
                 ring.collect()
-            except ProtocolError as exc:
-                self._ring_broken(exc)
+        except ProtocolError as exc:
+            self._ring_broken(exc)
+        finally:
+            self._ring_lock.release()
 
     def _roundtrip(self, call: rpc.Call, kind: type | None,
                    fds_in: list[int] | None = None) -> Any:
@@ -782,13 +951,16 @@ class KvdClient:
         return result
 
     def _drop(self) -> None:
-        self._close_table()  # this daemon's table: a new connection may reach another
-        self._close_ring(keep=True)
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-        self._rbuf.clear()
-        self._replay = self._registration is not None
+        """Close the connection (under the socket's lock; takes the ring's: a ring call's
+        wait polls the socket, which is closed only once no ring call is in progress)."""
+        with self._ring_lock:
+            self._close_table()  # this daemon's table: a new connection may reach another
+            self._close_ring(keep=True)
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+            self._rbuf.clear()
+            self._replay = self._registration is not None
 
     def _read_frame(self, sock: socket.socket, fds_in: list[int] | None = None) -> bytes:
         """The next reply frame: usually ONE ``recv`` for header and body (``recvmsg``
@@ -823,14 +995,44 @@ class KvdClient:
     def close(self) -> None:
         """Say goodbye and close the connection: kvd fails this engine's rooms and releases
         its memory at once (a dropped connection instead keeps them for the reconnect
-        grace period). A later call reconnects and registers again."""
+        grace period). Room objects made before then read Failed, their ``failure()``
+        naming the close (a new :attr:`epoch`, as after a kvd restart: K27). Until a call
+        reopens the client, reads of room statuses by id raise :class:`KvdUnreachable`
+        naming the close (the poll helpers read Failed; :meth:`_check_open`); a
+        registration or a room call reopens it: it reconnects and registers again."""
         with self._lock:
             if self._sock is not None and self._registration is not None:
                 with contextlib.suppress(KvdError):
                     self._collect_first()
                     self._roundtrip(rpc.Release(), None)
             self._drop()
-            self._refusal_taken.clear()  # kvd fails and forgets the rooms at a goodbye
+            with self._ring_lock:
+                self._refusal_taken.clear()  # kvd fails and forgets the rooms at a goodbye
+            why = ("the engine closed its kvd client (KvdClient.close()): kvd failed its "
+                   "rooms at the goodbye")
+            self._end_epoch(why)
+            self.closed = why
+
+
+class _Broken(Exception):
+    """A ring call found the ring no longer serving (kvd's socket end closed, no answer,
+    a corrupt ring) while holding only the ring's lock: ``why`` is the KvdUnreachable's
+    message once the connection is dropped (:meth:`KvdClient._ring_broken_unlocked`)."""
+
+    def __init__(self, ring: EngineRing, exc: Exception, why: str) -> None:
+        super().__init__(why)
+        self.ring, self.exc, self.why = ring, exc, why
+
+
+#: How many bytes a record's call id may grow by from the one it was encoded with (a
+#: msgpack integer takes 1 to 9 bytes).
+_ID_GROWTH = 8
+
+
+def _fits(ring: EngineRing, call: rpc.RingCall) -> bool:
+    """Whether ``call`` fits a record of ``ring`` whatever call id it gets."""
+    data = ring.encode(call)
+    return data is not None and len(data) + _ID_GROWTH <= ring.max_payload
 
 
 def _cleared(call: rpc.Call) -> list[int]:

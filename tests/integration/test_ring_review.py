@@ -86,14 +86,6 @@ def test_a_room_call_past_its_wire_bounds_raises_value_error_and_sends_nothing(
     Sender.attach(p, 9100).clear()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "KvdClient takes one lock for the socket and the ring: a Wait in one thread holds it "
-    "for each server-side chunk (up to timeout * WAIT_SHARE, 15 s by default), so another "
-    "thread's room call through the ring -- a record and a head bump, no syscall -- waits "
-    "for the whole chunk (measured 3.7 s behind a 4 s Wait). The ring's state needs a lock "
-    "of its own, taken without the socket's, with the socket fallbacks (_exchange, "
-    "_collect_first, _close_ring) ordered against it; the adapters dodge it today by "
-    "waiting on a client of their own (vllm/idle.py)"))
 def test_a_ring_call_does_not_wait_for_another_threads_wait_on_the_socket(
         ring_pair: PdPair) -> None:
     """One client, two threads: thread A waits (one chunk) for a room that does not end;
