@@ -274,11 +274,14 @@ class EngineRing:
 
     def _wait(self, ready: Callable[[], bool], timeout: float) -> None:
         """Block until ``ready()`` (kvd writes ``wake_engine`` when it sees the completion
-        ring's ``sleeping`` set), kvd closes the ring, or kvd's socket end closes."""
+        ring's ``sleeping`` set), kvd closes the ring, or the socket's end closes (kvd's
+        side: DaemonGone; an ``interrupt()`` shutting it down reads the same)."""
         deadline = time.monotonic() + timeout
         poller = select.poll()
         poller.register(self.wake_engine, select.POLLIN)
-        poller.register(self.sock_fd, select.POLLIN)
+        # the socket's end closing, not its readability: another thread's socket call
+        # (KvdClient's socket and ring have locks of their own) reads replies meanwhile
+        poller.register(self.sock_fd, select.POLLRDHUP)
         while True:
             self._check_open()
             if ready():

@@ -162,6 +162,7 @@ class _Room:
         self.client = client
         self.room = room
         self.lost = ""  # set once kvd was unreachable: the room is Failed for good
+        self.lost_kind = ""  # the FailureKind value of ``lost`` ("": unreachable)
         self.epoch = client.epoch  # the kvd instance it lives in (KvdClient.epoch)
         #: kvd refused a call of this room sent through the ring without waiting (its
         #: create, an init, a send): the room reads Failed here, and its next send or init
@@ -185,7 +186,8 @@ class _Room:
         with another kvd instance (kvd restarted, K27), which never knew the room, or the
         engine closed the client (:meth:`KvdClient.close`: kvd failed the room)."""
         if not self.lost and self.epoch != self.client.epoch:
-            self.lost = f"room {self.room} is gone: {self.client.epoch_end(self.epoch)}"
+            self.lost_kind, why = self.client.epoch_end(self.epoch)
+            self.lost = f"room {self.room} is gone: {why}"
         return bool(self.lost)
 
     def _call(self, call: rpc.Call) -> Any:
@@ -331,7 +333,7 @@ class _Room:
             return rpc.error_kind(refusal), f"kvd refused a call of room {self.room}: {refusal}"
         result: rpc.PollResult | None = self._call(rpc.Poll(rooms=[self.room]))
         if result is None:
-            return "unreachable", self.lost
+            return self.lost_kind or "unreachable", self.lost
         return (result.kinds.get(self.room, ""),
                 result.reasons.get(self.room, "room is not failed"))
 

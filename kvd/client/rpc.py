@@ -158,8 +158,8 @@ class KvdClient:
         self.epoch = 0
         #: refusals :meth:`ring_refusal` handed out, by room, until the room is cleared
         self._refusal_taken: dict[int, KvdError] = {}
-        #: epoch -> why its rooms are gone (:meth:`epoch_end`)
-        self._epoch_ends: dict[int, str] = {}
+        #: epoch -> (kind, why) of its end: its rooms are gone (:meth:`epoch_end`)
+        self._epoch_ends: dict[int, tuple[str, str]] = {}
         #: set by :meth:`close` until a call reopens the client: reads of room statuses
         #: raise instead of registering the engine again (:meth:`_check_open`)
         self.closed = ""
@@ -170,23 +170,24 @@ class KvdClient:
         the rooms made before (K27)."""
         instance = result.instance_id
         if instance and self.instance and instance != self.instance:
-            self._end_epoch(f"kvd restarted (now instance {instance}): it does not know "
-                            f"the rooms the previous kvd held")
+            self._end_epoch("unreachable", f"kvd restarted (now instance {instance}): it "
+                            f"does not know the rooms the previous kvd held")
             with self._ring_lock:
                 self._refusal_taken.clear()  # the new kvd never knew those rooms
         self.instance = instance or self.instance
 
-    def _end_epoch(self, why: str) -> None:
+    def _end_epoch(self, kind: str, why: str) -> None:
         """The rooms of the current :attr:`epoch` are gone in kvd (``why``: it restarted,
-        or :meth:`close` said goodbye): a new epoch starts, and room objects of the old
-        one read Failed naming ``why`` (:meth:`epoch_end`)."""
-        self._epoch_ends[self.epoch] = why
+        or :meth:`close` said goodbye; ``kind`` a FailureKind value): a new epoch starts,
+        and room objects of the old one read Failed naming ``why`` (:meth:`epoch_end`)."""
+        self._epoch_ends[self.epoch] = (kind, why)
         self.epoch += 1
 
-    def epoch_end(self, epoch: int) -> str:
-        """Why the rooms of ``epoch`` are gone ("" while it is the current one): the first
-        end after it (a restarted kvd, K27; the engine's :meth:`close`)."""
-        return "" if epoch >= self.epoch else self._epoch_ends.get(epoch, "kvd restarted")
+    def epoch_end(self, epoch: int) -> tuple[str, str]:
+        """``(kind, why)`` of the end of ``epoch``: how its rooms went (``("", "")``
+        while it is the current one; a restarted kvd, K27, or the engine's
+        :meth:`close`)."""
+        return ("", "") if epoch >= self.epoch else self._epoch_ends[epoch]
 
     def _check_open(self, call: rpc.Call) -> None:
         """Before a socket call (under the socket's lock). After :meth:`close`, a read of
@@ -1010,7 +1011,7 @@ class KvdClient:
                 self._refusal_taken.clear()  # kvd fails and forgets the rooms at a goodbye
             why = ("the engine closed its kvd client (KvdClient.close()): kvd failed its "
                    "rooms at the goodbye")
-            self._end_epoch(why)
+            self._end_epoch("aborted", why)
             self.closed = why
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -13,11 +14,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
-from kvd.client import KvdClient, KVPoll, Receiver, Sender
-from kvd.errors import ProtocolError, RoomError
-from kvd.launch import start_daemon
+from kvd.client import KvdClient, KVPoll, Receiver, Sender, poll_array, poll_many, wait_many
+from kvd.errors import KvdUnreachable, ProtocolError, RoomError
+from kvd.launch import DaemonProcess, start_daemon
 from kvd.protocol import rpc
 from kvd.protocol.codec import pack_indices
 from kvd.refengine.standin import StandInPool
@@ -237,3 +239,176 @@ def test_a_duplicate_creates_call_while_kvd_is_silent_never_acts_on_the_live_roo
     assert a.poll() != KVPoll.Failed, a.failure()
     b.clear()
     a.clear()
+
+
+@pytest.fixture
+def own_kvd(tmp_path: Path) -> Iterator[tuple[DaemonProcess, StandInPool]]:
+    """A prefill daemon of the test's own (it may be stopped) and a pool to register."""
+    d = start_daemon("prefill", tmp_path, serve_bootstrap=True)
+    pool = StandInPool(seed=1)
+    try:
+        yield d, pool
+    finally:
+        pool.close()
+        d.stop()
+
+
+def _ring_client(d: DaemonProcess, pool: StandInPool, **opts: Any) -> KvdClient:
+    """A client on the ring whose status table never reads stale (``stale_ns``): ring
+    calls stay on the ring however busy the machine is."""
+    client = KvdClient(d.socket, use_ring=True, stale_ns=10**15, **opts)
+    client.call(pool.registration)
+    assert client.ring is not None
+    return client
+
+
+def test_ring_and_socket_calls_of_several_threads_keep_the_ordering_rule(
+        own_kvd: tuple[DaemonProcess, StandInPool]) -> None:
+    """One client of an 8-record ring, three threads at once: C makes rooms through the
+    ring without waiting and hands each id to B once its call returned; B polls each
+    over the socket -- it must find the room made (a socket call runs after every
+    ring call that returned before it began, in any thread: kvd's catch-up) -- and makes
+    and polls rooms of its own the same way; R floods the ring with calls kvd refuses
+    (a completion each). kvd's catch-up before each of B's socket calls cannot wait for a
+    completion to be read: the ring must survive (unread completions plus unrun records
+    stay within capacity), and every refusal reaches its room."""
+    d, pool = own_kvd
+    client = _ring_client(d, pool, ring_capacity=8)
+    ring = client.ring
+    made: queue.Queue[int | None] = queue.Queue()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def guarded(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+                made.put(None)
+        return run
+
+    def maker() -> None:  # C
+        for room in range(6000, 6100):
+            client.submit(rpc.SenderCreate(room=room))
+            made.put(room)
+        made.put(None)
+
+    refused_rooms = range(7000, 7016)
+
+    def refuser() -> None:  # R: an init of a room nobody made is refused
+        n = 0
+        while not stop.is_set():
+            client.submit(rpc.SenderInit(room=refused_rooms[n % 16], num_pages=1, aux_index=0))
+            n += 1
+
+    threads = [threading.Thread(target=guarded(maker)),
+               threading.Thread(target=guarded(refuser))]
+    for t in threads:
+        t.start()
+    seen: list[int] = []
+    try:
+        own = 8000
+        while (room := made.get(timeout=60)) is not None:
+            polled = client.call(rpc.Poll(rooms=[room]))
+            assert polled.statuses == [KVPoll.Bootstrapping], (room, polled)
+            seen.append(room)
+            client.submit(rpc.SenderCreate(room=own))  # B's own: ring, then socket
+            assert client.call(rpc.Poll(rooms=[own])).statuses == [KVPoll.Bootstrapping]
+            own += 1
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert not errors, errors
+    assert seen == list(range(6000, 6100))
+    assert client.ring is ring and not ring.sub.closed, "a catch-up met a full completion ring"
+    assert client.call(rpc.Info())["tables"]["rooms"] >= 200
+    client.submit_all([rpc.Clear(room=r) for r in [*range(6000, 6100), *range(8000, own)]])
+    refused = client.ring_refused(np.asarray(refused_rooms, dtype=np.uint64))
+    assert refused is not None and refused.all()  # every refusal reached its room
+    client.close()
+
+
+def test_interrupt_during_a_ring_wait_names_the_interrupt(
+        own_kvd: tuple[DaemonProcess, StandInPool]) -> None:
+    """A waited ring call while kvd is stopped (SIGSTOP): another thread's
+    ``interrupt()`` ends it. Before, the call raised "kvd closed the engine socket" (the
+    ring's wait sees the socket end close, as at kvd's death); now it names the
+    interrupt. The next call reconnects."""
+    d, pool = own_kvd
+    client = _ring_client(d, pool)
+    ring = client.ring
+    assert ring is not None
+    errors: list[KvdUnreachable] = []
+
+    def waited() -> None:
+        try:
+            client.submit(rpc.SenderCreate(room=41), wait=True)
+        except KvdUnreachable as exc:
+            errors.append(exc)
+
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=waited)
+        t.start()
+        deadline = time.monotonic() + 30
+        while not ring.comp.sleeping:  # the call waits on the ring for kvd
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.001)
+        client.interrupt()
+        t.join(30)
+        assert not t.is_alive() and len(errors) == 1
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    message = str(errors[0])
+    assert "interrupt" in message and "closed the engine socket" not in message, message
+    assert client.call(rpc.Poll(rooms=[41])).statuses[0] in (
+        KVPoll.Bootstrapping, -1)  # reconnected (kvd ran the published create, or not yet)
+    client.close()
+
+
+@pytest.mark.parametrize("use_ring", [False, True])
+def test_a_closed_clients_room_objects_read_failed_naming_the_close(
+        own_kvd: tuple[DaemonProcess, StandInPool], use_ring: bool) -> None:
+    """``close()`` says goodbye: kvd fails the engine's rooms and forgets them. Before, a
+    room object made before read UNKNOWN_ROOM (-1) and ``failure()`` said "room is not
+    failed" (over the socket and the ring alike). Now it reads Failed for good, naming
+    the close (a new epoch, as after a kvd restart, K27). Reads by raw id on the closed
+    client raise KvdUnreachable naming the close (``call``, ``wait``) or read Failed
+    (the poll helpers); a room call reopens the client, and a new room of the same id
+    lives in the new epoch while the old object stays Failed."""
+    d, pool = own_kvd
+    if use_ring:
+        client = _ring_client(d, pool)
+    else:
+        client = KvdClient(d.socket)
+        client.call(pool.registration)
+    s = Sender(client, 31)
+    s.wait_created()
+    s.init(1, 0)
+    assert s.poll() == KVPoll.Bootstrapping
+    probe = KvdClient(d.socket)
+    client.close()
+    assert probe.call(rpc.Poll(rooms=[31])).statuses[0] in (KVPoll.Failed, -1)  # kvd's side
+    assert s.poll() == KVPoll.Failed
+    kind, reason = s.failure()
+    assert kind == "aborted" and "room 31" in reason and "KvdClient.close()" in reason, reason
+    assert s.wait(1.0) == KVPoll.Failed and s.releasable()
+    with pytest.raises(KvdUnreachable, match=r"kvd client closed: .*KvdClient\.close\(\)"):
+        client.call(rpc.Poll(rooms=[31]))
+    with pytest.raises(KvdUnreachable, match="kvd client closed"):
+        client.wait([31], 1.0)
+    with pytest.raises(KvdUnreachable, match="kvd client closed"):
+        client.call_many([rpc.Poll(rooms=[31])])
+    assert poll_many(client, [31]) == [KVPoll.Failed]
+    assert poll_array(client, [31]).tolist() == [int(KVPoll.Failed)]
+    assert wait_many(client, [31], 1.0) == [KVPoll.Failed]
+    again = Sender(client, 31)  # a room call reopens the client: it registers again
+    again.wait_created()
+    assert again.poll() == KVPoll.Bootstrapping and s.poll() == KVPoll.Failed
+    assert client.call(rpc.Poll(rooms=[31])).statuses == [KVPoll.Bootstrapping]
+    assert (client.ring is not None) == use_ring
+    again.clear()
+    client.close()
+    probe.close()

@@ -169,3 +169,32 @@ def test_a_wait_ends_when_kvd_closes_its_end_of_the_socket() -> None:
         engine.close()
         channel.close()
         a.close()
+
+
+def test_a_record_goes_in_only_while_unread_completions_and_unrun_records_leave_a_slot(
+        pair: tuple[Kvd, RingChannel, EngineRing], monkeypatch: pytest.MonkeyPatch) -> None:
+    """kvd's catch-up before a socket call runs every published record and cannot wait
+    for a completion to be read. With the client's socket and ring under locks of their
+    own, a socket call of another thread can reach kvd at any point of a ring call: the
+    bound must hold at every publication. Here the ring is full of calls kvd refuses and
+    kvd runs one between the engine's read of the completions and its push. Before, the
+    record went into the slot that run freed: unread completions plus unrun records came
+    to capacity + 1, and the catch-up met a full completion ring and failed the channel
+    (aborting its rooms). Now the engine publishes only into a slot free before its read,
+    and every refusal comes back."""
+    _kvd, channel, engine = pair
+    for i in range(8):
+        submit(engine, rpc.SenderCreate(room=NO + i))
+    collect_new = engine.collect_new
+
+    def kvd_runs_one_after() -> None:
+        collect_new()
+        channel._run(1)
+
+    monkeypatch.setattr(engine, "collect_new", kvd_runs_one_after)
+    submit(engine, rpc.SenderCreate(room=NO + 8))
+    monkeypatch.undo()
+    channel.catch_up()
+    assert not channel.failed and engine.drained()
+    engine.collect()
+    assert sorted(engine.refused) == [NO + i for i in range(9)]
