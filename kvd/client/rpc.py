@@ -194,14 +194,15 @@ class KvdClient:
         room statuses (``Poll``, ``Wait``, a ``Many`` of polls only) raises
         :class:`KvdUnreachable` naming the close, so the poll helpers read Failed: it
         would register the engine again only to read the rooms kvd failed and forgot at
-        the goodbye as ``UNKNOWN_ROOM``. Any other call reopens the client (a reconnect
-        registers again)."""
+        the goodbye as ``UNKNOWN_ROOM``. Any other call (a registration, a room call,
+        ``Info``) reopens the client (a reconnect registers again)."""
         if not self.closed:
             return
         if isinstance(call, rpc.Poll | rpc.Wait) or (
                 isinstance(call, rpc.Many) and all(isinstance(c, rpc.Poll) for c in call.calls)):
             raise KvdUnreachable(f"kvd client closed: {self.closed} (a poll does not "
-                                 f"reopen it; a registration or a room call does)",
+                                 f"reopen it; any other call, a room call or a "
+                                 f"registration, does)",
                                  "KvdUnreachable")
         self.closed = ""
 
@@ -595,9 +596,10 @@ class KvdClient:
         ring = self._collected()
         if ring is None:
             return None
-        refusal = ring.refused.pop(room, None)
-        if refusal is not None:
-            self._refusal_taken[room] = refusal
+        with self._ring_lock:
+            refusal = ring.refused.pop(room, None)
+            if refusal is not None:
+                self._refusal_taken[room] = refusal
         return refusal
 
     def holds_refusals(self) -> bool:
@@ -999,8 +1001,9 @@ class KvdClient:
         grace period). Room objects made before then read Failed, their ``failure()``
         naming the close (a new :attr:`epoch`, as after a kvd restart: K27). Until a call
         reopens the client, reads of room statuses by id raise :class:`KvdUnreachable`
-        naming the close (the poll helpers read Failed; :meth:`_check_open`); a
-        registration or a room call reopens it: it reconnects and registers again."""
+        naming the close (the poll helpers read Failed; :meth:`_check_open`); any other
+        call (a registration, a room call) reopens it: it reconnects and registers
+        again."""
         with self._lock:
             if self._sock is not None and self._registration is not None:
                 with contextlib.suppress(KvdError):
