@@ -50,7 +50,6 @@ MAX_AUX_LAYOUT = 4096
 
 Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
-Ints = Annotated[list[int], msgspec.Meta(max_length=MAX_BUFFERS)]
 #: A kvd's instance id as a peer names itself: ``Settings.instance_id``'s alphabet and
 #: length (empty: unknown). Anything else is a malformed frame (S21: no text from a peer
 #: reaches a log or a report unchecked).
@@ -58,6 +57,34 @@ InstanceId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{0,64}$")]
 #: A ZMQ endpoint (``tcp://host:port``, ``tcp://[v6]:port``): printable ASCII, no space,
 #: at most MAX_NAME characters.
 Endpoint = Annotated[str, msgspec.Meta(pattern=r"^[!-~]{0,256}$")]
+
+#: Integer bounds on the wire (the control messages here and the engine RPC's room calls,
+#: :mod:`kvd.protocol.rpc`, share them). msgpack carries no integer outside
+#: ``[-2**63, 2**64)``; within it, a value outside its field's bound does not decode
+#: (ProtocolError naming the field, e.g. ``Expected `int` >= 0 - at `$.room```): before,
+#: a peer's ``RoomPages(room=-1)`` reached the room machines and the status table, and an
+#: index of ``2**63`` the numpy arrays, and failed there (OverflowError, "internal error").
+I64_MAX = (1 << 63) - 1
+#: A room id: a 64-bit unsigned integer (the status table and every numpy view of room
+#: ids hold them as ``uint64``; msgspec takes no bound past int64, so only ``ge`` is
+#: written).
+RoomId = Annotated[int, msgspec.Meta(ge=0)]
+#: An address in the owning daemon's address space (u64).
+Address = Annotated[int, msgspec.Meta(ge=0)]
+#: A signed 64-bit integer (what the room machines' numpy arrays hold): an index that may
+#: carry a sentinel (``state_index`` -1: none), as the engine may name it.
+I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=I64_MAX)]
+#: A page index, count, size (bytes), layer, head or incarnation: ``[0, 2**63)``.
+Count = Annotated[int, msgspec.Meta(ge=0, le=I64_MAX)]
+#: A parallel rank (``[0, size)``, checked against the size where the pair is planned)
+#: and a parallel size (at least 1); the engine's ranks have no bound of their own
+#: (``Settings.attn_tp_size``), so int64 is the ceiling.
+Rank = Count
+Size = Annotated[int, msgspec.Meta(ge=1, le=I64_MAX)]
+#: A room status a prefill reports: a :class:`~kvd.rooms.state.KVPoll` value (0..4).
+StatusCode = Annotated[int, msgspec.Meta(ge=0, le=4)]
+Ints = Annotated[list[Count], msgspec.Meta(max_length=MAX_BUFFERS)]
+Addresses = Annotated[list[Address], msgspec.Meta(max_length=MAX_BUFFERS)]
 
 
 class Compat(msgspec.Struct, frozen=True):
@@ -81,8 +108,8 @@ class Compat(msgspec.Struct, frozen=True):
     scale_layout: Name = ""
     layer_types: Annotated[str, msgspec.Meta(max_length=4096)] = ""
     spec_config: Name = ""
-    wire_version: int = 0
-    page_size: int = 0
+    wire_version: Count = 0
+    page_size: Count = 0
     aux_layout: Annotated[str, msgspec.Meta(max_length=MAX_AUX_LAYOUT)] = ""
 
 
@@ -96,9 +123,9 @@ class AuxField(msgspec.Struct, frozen=True):
 
     name: Annotated[str, msgspec.Meta(max_length=32)]
     dtype: Annotated[str, msgspec.Meta(max_length=32)]
-    offset: int
-    nbytes: int
-    buffer: int = 0
+    offset: Count
+    nbytes: Count
+    buffer: Count = 0
 #: Most state buffers (per-request state slots) a rank registers, and most layers a model
 #: names in ``StateSpec.layer_types``.
 MAX_STATE_BUFFERS = 1024
@@ -121,12 +148,12 @@ class StateBufSpec(msgspec.Struct, frozen=True):
     ``dtype`` (element type name, compared only), ``heads`` held by this rank and
     ``total_heads`` of the model (split over attention TP like KV heads)."""
 
-    layer: int
+    layer: Count
     kind: ShortName
-    slot_bytes: int
+    slot_bytes: Count
     dtype: ShortName
-    heads: int
-    total_heads: int
+    heads: Count
+    total_heads: Count
 
 
 class WindowSpec(msgspec.Struct, frozen=True):
@@ -134,13 +161,13 @@ class WindowSpec(msgspec.Struct, frozen=True):
     V), ``item_lens`` bytes per page of each, layers numbered in the window layers' own
     index space from ``layer_start``; page size is the rank's ``page_size``."""
 
-    item_lens: Annotated[list[int], msgspec.Meta(max_length=MAX_WINDOW_BUFFERS)]
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype_size: int
-    layer_start: int = 0
-    total_kv_heads: int = 0
+    item_lens: Annotated[list[Count], msgspec.Meta(max_length=MAX_WINDOW_BUFFERS)]
+    num_layers: Count
+    num_kv_heads: Count
+    head_dim: Count
+    dtype_size: Count
+    layer_start: Count = 0
+    total_kv_heads: Count = 0
     layout: Name = "NHD"
 
 
@@ -156,9 +183,9 @@ class StateSpec(msgspec.Struct, frozen=True):
     layer_types: Annotated[list[LayerType], msgspec.Meta(max_length=MAX_LAYERS)]
     buffers: Annotated[list[StateBufSpec], msgspec.Meta(max_length=MAX_STATE_BUFFERS)]
     window: WindowSpec | None = None
-    window_tokens: int = 0
-    stage_start: int = 0        # this PP stage's model layers [stage_start, stage_end)
-    stage_end: int = -1         # -1: to the model's last layer
+    window_tokens: Count = 0
+    stage_start: Count = 0        # this PP stage's model layers [stage_start, stage_end)
+    stage_end: I64 = -1         # -1: to the model's last layer
 
 
 class StateWire(msgspec.Struct, frozen=True):
@@ -166,8 +193,8 @@ class StateWire(msgspec.Struct, frozen=True):
     addresses and byte lengths) of the state buffers, then of the window buffers."""
 
     spec: StateSpec
-    ptrs: Annotated[list[int], msgspec.Meta(max_length=MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS)]
-    lens: Annotated[list[int], msgspec.Meta(max_length=MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS)]
+    ptrs: Annotated[list[Address], msgspec.Meta(max_length=MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS)]
+    lens: Annotated[list[Count], msgspec.Meta(max_length=MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS)]
 
 
 #: Most extra paged cache groups a rank registers, and most buffers of one group.
@@ -187,13 +214,13 @@ class GroupSpec(msgspec.Struct, frozen=True):
     ``num_kv_heads`` of ``total_kv_heads`` split over attention TP like the main KV."""
 
     name: Annotated[str, msgspec.Meta(max_length=32)]
-    item_lens: Annotated[list[int], msgspec.Meta(max_length=MAX_GROUP_BUFFERS)]
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype_size: int
-    layer_start: int = 0
-    total_kv_heads: int = 0
+    item_lens: Annotated[list[Count], msgspec.Meta(max_length=MAX_GROUP_BUFFERS)]
+    num_layers: Count
+    num_kv_heads: Count
+    head_dim: Count
+    dtype_size: Count
+    layer_start: Count = 0
+    total_kv_heads: Count = 0
     replicated: bool = False
     fused_kv: bool = False
     layout: Name = "NHD"
@@ -204,8 +231,8 @@ class GroupWire(msgspec.Struct, frozen=True):
     addresses and byte lengths), one per buffer of the group."""
 
     spec: GroupSpec
-    ptrs: Annotated[list[int], msgspec.Meta(max_length=MAX_GROUP_BUFFERS)]
-    lens: Annotated[list[int], msgspec.Meta(max_length=MAX_GROUP_BUFFERS)]
+    ptrs: Annotated[list[Address], msgspec.Meta(max_length=MAX_GROUP_BUFFERS)]
+    lens: Annotated[list[Count], msgspec.Meta(max_length=MAX_GROUP_BUFFERS)]
 
 
 class KVArgsWire(msgspec.Struct, frozen=True):
@@ -220,21 +247,21 @@ class KVArgsWire(msgspec.Struct, frozen=True):
     """
 
     session_id: Name
-    kv_data_ptrs: Ints
+    kv_data_ptrs: Addresses
     kv_data_lens: Ints
     kv_item_lens: Ints
-    aux_data_ptrs: Ints
+    aux_data_ptrs: Addresses
     aux_data_lens: Ints
     aux_item_lens: Ints
-    page_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype_size: int
-    num_layers: int
-    layer_start: int = 0
+    page_size: Count
+    num_kv_heads: Count
+    head_dim: Count
+    dtype_size: Count
+    num_layers: Count
+    layer_start: Count = 0
     is_mla: bool = False
     layout: Name = "NHD"
-    total_kv_heads: int = 0     # KV heads of the model; 0: num_kv_heads * attn_tp_size
+    total_kv_heads: Count = 0     # KV heads of the model; 0: num_kv_heads * attn_tp_size
     fused_kv: bool = False      # MHA, one buffer per layer: a head's K and V side by side
     compat: Compat | None = None  # the fingerprint (None: a peer that sends none)
     state: StateWire | None = None  # hybrid models: state slots and window pool
@@ -247,8 +274,8 @@ class RegisterRank(msgspec.Struct, tag="register_rank", frozen=True):
 
     instance_id: InstanceId
     endpoint: Endpoint            # decode kvd's ZMQ endpoint, where RoomStatus goes
-    attn_tp_rank: int
-    attn_tp_size: int
+    attn_tp_rank: Rank
+    attn_tp_size: Size
     kv_args: KVArgsWire
     pool: ExportedPool | None = None  # for a same-host prefill's ``local`` backend
 
@@ -269,17 +296,17 @@ class RoomPages(msgspec.Struct, tag="room_pages", frozen=True):
     only room pages ``[first_page, first_page + len(dst_pages))``.
     """
 
-    room: int
-    inc: int
+    room: RoomId
+    inc: Count
     endpoint: Endpoint
     instance_id: InstanceId
     dst_pages: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_ROOM_PAGES)]
-    aux_index: int
+    aux_index: I64
     write_within: float
-    required_dst_info_num: int = 1
+    required_dst_info_num: Count = 1
     is_dummy: bool = False
-    first_page: int = 0
-    state_index: int = -1       # the room's state slot on this decode rank (-1: none)
+    first_page: Count = 0
+    state_index: I64 = -1       # the room's state slot on this decode rank (-1: none)
     window_pages: Annotated[bytes, msgspec.Meta(max_length=4 * MAX_WINDOW_PAGES)] = b""
 
 
@@ -294,9 +321,9 @@ class RoomStatus(msgspec.Struct, tag="room_status", frozen=True):
     :class:`~kvd.rooms.state.FailureKind` value (Failed only).
     """
 
-    room: int
-    inc: int
-    status: int
+    room: RoomId
+    inc: Count
+    status: StatusCode
     kind: Name
     reason: Text
     endpoint: Endpoint            # the reporting prefill kvd's ZMQ endpoint
@@ -317,8 +344,8 @@ class RoomAbort(msgspec.Struct, tag="room_abort", frozen=True):
     :class:`RoomStatus`, and remembers an abort for a room it has not created yet.
     """
 
-    room: int
-    inc: int
+    room: RoomId
+    inc: Count
     kind: Name
     reason: Text
     endpoint: Endpoint
@@ -416,20 +443,21 @@ def max_frame() -> int:
     each message type encoded with every field at its bound. The control socket's ``MAXMSGSIZE`` is
     this plus the seal, and a Batch is split below it (S19). Computed once (~20 ms)."""
     name, text = "n" * MAX_NAME, "t" * MAX_TEXT
-    ints = [2**64 - 1] * MAX_BUFFERS
+    # addresses at the u64 bound, lengths at int64's: 9 bytes of msgpack either way
+    ptrs, ints = [2**64 - 1] * MAX_BUFFERS, [I64_MAX] * MAX_BUFFERS
     big, short = 2**31, "s" * 32
-    st_ints = [2**64 - 1] * (MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS)
+    n_st = MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS
     state = StateWire(StateSpec(["window"] * MAX_LAYERS,
                                 [StateBufSpec(big, short, big, short, big, big)] *
                                 MAX_STATE_BUFFERS,
                                 WindowSpec(ints[:MAX_WINDOW_BUFFERS], big, big, big, big, big,
                                            big, name), big, big, big),
-                      st_ints, st_ints)
+                      [2**64 - 1] * n_st, [I64_MAX] * n_st)
     compat = Compat(name, name, name, "A" * MAX_LAYERS, name, big, big, "a" * MAX_AUX_LAYOUT)
-    g_ints = ints[:MAX_GROUP_BUFFERS]
-    groups = [GroupWire(GroupSpec(short, g_ints, big, big, big, big, big, big, True, True, name),
-                        g_ints, g_ints)] * MAX_GROUPS
-    args = KVArgsWire(name, ints, ints, ints, ints, ints, ints, big, big, big, big,
+    groups = [GroupWire(GroupSpec(short, ints[:MAX_GROUP_BUFFERS], big, big, big, big, big, big,
+                                  True, True, name),
+                        ptrs[:MAX_GROUP_BUFFERS], ints[:MAX_GROUP_BUFFERS])] * MAX_GROUPS
+    args = KVArgsWire(name, ptrs, ints, ints, ptrs, ints, ints, big, big, big, big,
                       big, big, True, name, big, True, compat=compat, state=state,
                       groups=groups)
     handle = CudaIpcHandle(b"h" * CUDA_IPC_HANDLE_BYTES, 2**64 - 1, 2**64 - 1, name, 2**31)
@@ -438,11 +466,11 @@ def max_frame() -> int:
         + MAX_GROUPS * MAX_GROUP_BUFFERS))
     worst: list[ControlMessage] = [
         RegisterRank(name, name, 2**31, 2**31, args, pool),
-        RoomPages(2**63, 2**64 - 1, name, name, b"\xff" * (4 * MAX_ROOM_PAGES), 2**31, 1e300,
+        RoomPages(2**64 - 1, I64_MAX, name, name, b"\xff" * (4 * MAX_ROOM_PAGES), 2**31, 1e300,
                   2**31, True, 2**31, 2**31, b"\xff" * (4 * MAX_WINDOW_PAGES)),
-        RoomStatus(2**63, 2**64 - 1, 4, name, text, name, name, True,
+        RoomStatus(2**64 - 1, I64_MAX, 4, name, text, name, name, True,
                    [b"a" * MAX_AUX_ITEM] * MAX_AUX_BUFFERS),
-        RoomAbort(2**63, 2**64 - 1, name, text, name, name),
+        RoomAbort(2**64 - 1, I64_MAX, name, text, name, name),
         Refused("clock_skew", name, name, 1e300, 1e300)]
     return max(len(codec.encode(m)) for m in worst)
 

@@ -18,34 +18,33 @@ from kvd import errors
 from kvd.errors import ProtocolError
 from kvd.protocol import codec
 from kvd.protocol.control import (
+    I64,
     MAX_AUX_FIELDS,
     MAX_GROUPS,
     AuxField,
     Compat,
     GroupSpec,
+    RoomId,
     StateSpec,
 )
 from kvd.protocol.memory import CudaIpcHandle, FdHandle, MemoryHandle, ShmHandle
 from kvd.protocol.ring import ring_bytes
 from kvd.text import clean
 
-__all__ = ["CudaIpcHandle", "FdHandle", "MemoryHandle", "ShmHandle"]  # re-exported
+__all__ = ["I64", "CudaIpcHandle", "FdHandle", "MemoryHandle", "RoomId",  # re-exported
+           "ShmHandle"]
 
 LENGTH = struct.Struct(">I")
 #: Most descriptors one request may carry with ``SCM_RIGHTS`` (more close the connection).
 MAX_FDS = 64
 
 
-#: A room id on the wire: a 64-bit unsigned integer (the status table and every
-#: numpy view of room ids hold them as ``uint64``; msgpack carries none larger, and
-#: msgspec takes no bound past int64, so only ``ge`` is written). A call naming another
-#: does not decode (ProtocolError): before, ``SenderCreate(room=-1)`` made a room kvd
-#: could not publish and answered "internal error".
-RoomId = Annotated[int, msgspec.Meta(ge=0)]
-#: Any other integer of a room call (pages, slots, ranks): a signed 64-bit integer, what
-#: the room machines' numpy arrays hold (a larger one failed inside them as an internal
-#: error, e.g. ``ReceiverInit(state_index=2**63)``).
-I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+# A room call's integers carry the control plane's wire bounds (one definition,
+# :mod:`kvd.protocol.control`): :data:`RoomId` (uint64) for room ids, :data:`I64` for the
+# other integers (pages, slots, ranks). A call naming another does not decode
+# (ProtocolError): before, ``SenderCreate(room=-1)`` made a room kvd could not publish and
+# answered "internal error", and ``ReceiverInit(state_index=2**63)`` failed inside the
+# room machine's numpy arrays.
 
 
 class EngineRanks(msgspec.Struct, frozen=True):

@@ -14,24 +14,30 @@ from kvd.protocol import codec, control
 
 U64 = st.integers(min_value=0, max_value=2**64 - 1)
 I64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
+#: a count, size, index or incarnation (control.Count), a parallel size (control.Size), a
+#: room status (control.StatusCode): what decodes (tests/unit/protocol/test_control_bounds.py)
+COUNT = st.integers(min_value=0, max_value=2**63 - 1)
+SIZE = st.integers(min_value=1, max_value=2**63 - 1)
+STATUS = st.integers(min_value=0, max_value=4)
 TEXT = st.text(max_size=40)
-INT_LISTS = st.lists(U64, max_size=8)
+INT_LISTS = st.lists(COUNT, max_size=8)
+PTR_LISTS = st.lists(U64, max_size=8)
 
 kv_args_wire = st.builds(
     control.KVArgsWire,
     session_id=TEXT,
-    kv_data_ptrs=INT_LISTS,
+    kv_data_ptrs=PTR_LISTS,
     kv_data_lens=INT_LISTS,
     kv_item_lens=INT_LISTS,
-    aux_data_ptrs=INT_LISTS,
+    aux_data_ptrs=PTR_LISTS,
     aux_data_lens=INT_LISTS,
     aux_item_lens=INT_LISTS,
-    page_size=I64,
-    num_kv_heads=I64,
-    head_dim=I64,
-    dtype_size=I64,
-    num_layers=I64,
-    layer_start=I64,
+    page_size=COUNT,
+    num_kv_heads=COUNT,
+    head_dim=COUNT,
+    dtype_size=COUNT,
+    num_layers=COUNT,
+    layer_start=COUNT,
     is_mla=st.booleans(),
     layout=TEXT,
 )
@@ -40,14 +46,14 @@ kv_args_wire = st.builds(
 IID = st.from_regex(r"[A-Za-z0-9._-]{0,64}", fullmatch=True)
 ENDPOINT = st.from_regex(r"[!-~]{0,300}", fullmatch=True)
 register_rank = st.builds(control.RegisterRank, instance_id=IID, endpoint=ENDPOINT,
-                          attn_tp_rank=I64, attn_tp_size=I64, kv_args=kv_args_wire)
+                          attn_tp_rank=COUNT, attn_tp_size=SIZE, kv_args=kv_args_wire)
 FLOATS = st.floats(allow_nan=False)
-room_pages = st.builds(control.RoomPages, room=I64, inc=I64, endpoint=ENDPOINT, instance_id=IID,
+room_pages = st.builds(control.RoomPages, room=U64, inc=COUNT, endpoint=ENDPOINT, instance_id=IID,
                        dst_pages=st.binary(max_size=64), aux_index=I64, write_within=FLOATS,
-                       required_dst_info_num=I64, is_dummy=st.booleans())
-room_status = st.builds(control.RoomStatus, room=I64, inc=I64, status=I64, kind=TEXT,
+                       required_dst_info_num=COUNT, is_dummy=st.booleans())
+room_status = st.builds(control.RoomStatus, room=U64, inc=COUNT, status=STATUS, kind=TEXT,
                         reason=TEXT, endpoint=ENDPOINT, instance_id=IID, quiesced=st.booleans())
-room_abort = st.builds(control.RoomAbort, room=I64, inc=I64, kind=TEXT, reason=TEXT,
+room_abort = st.builds(control.RoomAbort, room=U64, inc=COUNT, kind=TEXT, reason=TEXT,
                        endpoint=ENDPOINT, instance_id=IID)
 refused = st.builds(control.Refused, why=st.sampled_from(["instance", "clock_skew"]),
                     endpoint=ENDPOINT, instance_id=IID, offset_s=FLOATS, window_s=FLOATS)
@@ -202,7 +208,7 @@ def test_s19_max_frame_holds_the_largest_real_message_and_not_much_more() -> Non
     MAX_WINDOW_PAGES window pages) fits, and so does a RegisterRank of a hybrid rank with
     every buffer list at its bound; the cap is within a few KiB of the larger (not the
     64 MiB frames S19 was flooded with)."""
-    biggest = control.RoomPages(room=2**63 - 1, inc=2**64 - 1, endpoint="e" * control.MAX_NAME,
+    biggest = control.RoomPages(room=2**64 - 1, inc=2**63 - 1, endpoint="e" * control.MAX_NAME,
                                 instance_id="i" * 64,  # an instance id's longest (S21)
                                 dst_pages=b"\xff" * (4 * control.MAX_ROOM_PAGES),
                                 aux_index=2**31, write_within=1e9, state_index=2**31,
@@ -226,24 +232,25 @@ def hybrid_registration() -> control.RegisterRank:
         ExportedBuffer,
         ExportedPool,
     )
-    name, top, big = "n" * control.MAX_NAME, 2**64 - 1, 2**31
-    ints = [top] * control.MAX_BUFFERS
+    # addresses at the u64 bound, lengths and counts at int64's (both 9 bytes of msgpack)
+    name, top, big, most = "n" * control.MAX_NAME, 2**64 - 1, 2**31, control.I64_MAX
+    ptrs, ints = [top] * control.MAX_BUFFERS, [most] * control.MAX_BUFFERS
     n_state, n_win = control.MAX_STATE_BUFFERS, control.MAX_WINDOW_BUFFERS
     n_group = control.MAX_GROUP_BUFFERS
     spec = control.StateSpec(["state"] * control.MAX_LAYERS,
                              [control.StateBufSpec(big, "k" * 32, big, "d" * 32, big, big)] *
-                             n_state, control.WindowSpec([top] * n_win, big, big, big, big, big,
+                             n_state, control.WindowSpec([most] * n_win, big, big, big, big, big,
                                                          big, name), big, big, big)
-    args = control.KVArgsWire(name, ints, ints, ints, ints, ints, ints, big, big, big, big, big,
+    args = control.KVArgsWire(name, ptrs, ints, ints, ptrs, ints, ints, big, big, big, big, big,
                               big, True, name, big, True,
                               compat=control.Compat(name, name, name, "A" * control.MAX_LAYERS,
                                                     name, big, big,
                                                     "a" * control.MAX_AUX_LAYOUT),
                               state=control.StateWire(spec, [top] * (n_state + n_win),
-                                                      [top] * (n_state + n_win)),
+                                                      [most] * (n_state + n_win)),
                               groups=[control.GroupWire(control.GroupSpec(
-                                  "g" * 32, [top] * n_group, big, big, big, big, big, big, True,
-                                  True, name), [top] * n_group, [top] * n_group)] *
+                                  "g" * 32, [most] * n_group, big, big, big, big, big, big, True,
+                                  True, name), [top] * n_group, [most] * n_group)] *
                               control.MAX_GROUPS)
     handle = CudaIpcHandle(b"h" * CUDA_IPC_HANDLE_BYTES, top, top, name, big)
     pool = ExportedPool(name, [ExportedBuffer(top, top, handle)] * (
