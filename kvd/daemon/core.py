@@ -82,21 +82,26 @@ class Counters:
     releases_unknown: int = 0
 
 
-#: Control frames at least this long (bytes) are decoded once before they leave: only a
-#: bulk field (page lists, buffers, aux payloads) can break one of the protocol's field
-#: bounds (S19), and any such break makes the frame this long.
+#: Control frames at least this long (bytes) are decoded once before they leave: in a room
+#: message only a bulk field (page lists, aux payloads) can break one of the protocol's
+#: field bounds (S19) -- its integers come bounded from the engine RPC (``rpc.RoomId``,
+#: ``rpc.I64``, the same types) or from this daemon's own counters -- and any such break
+#: makes the frame this long. A registration is decoded whatever its length (``whole``):
+#: its integers are the engine's ``RegisterKV`` ones, which the RPC does not bound.
 CHECK_FRAMES_FROM = 64 << 10
 
 
-def undeliverable(frame: bytes, cap: int) -> str | None:
+def undeliverable(frame: bytes, cap: int, whole: bool = False) -> str | None:
     """Why no peer would act on control ``frame`` (None: it would). Every peer drops a
     frame longer than ``cap`` bytes unread (ZMQ ``MAXMSGSIZE``) and refuses one with a
-    field past its bound as malformed (case S19), without answering either: a room whose
-    message it is would wait for its deadline (K16), so the sender checks first."""
+    field past its bound as malformed (case S19; an integer outside its wire bound too),
+    without answering either: a room whose message it is would wait for its deadline
+    (K16), so the sender checks first. ``whole``: decode the frame whatever its length
+    (else only from :data:`CHECK_FRAMES_FROM` bytes)."""
     if len(frame) > cap:
         return (f"the {len(frame)}-byte control frame exceeds the {cap}-byte frame every "
                 f"peer accepts (the protocol's largest real message, S19)")
-    if len(frame) >= CHECK_FRAMES_FROM:
+    if whole or len(frame) >= CHECK_FRAMES_FROM:
         try:
             control.decode_many(frame, cap)
         except ProtocolError as exc:
@@ -186,7 +191,7 @@ class Core:
         instance is unknown. Raises :class:`ProtocolError` naming why, sending nothing, for
         a message no peer would act on (:func:`undeliverable`, K16)."""
         frame = control.encode(msg)
-        why = undeliverable(frame, self.frame_cap())
+        why = undeliverable(frame, self.frame_cap(), whole=True)  # rare: a registration
         if why is not None:
             raise ProtocolError(f"{type(msg).__name__} to {endpoint} not sent: {why}")
         try:

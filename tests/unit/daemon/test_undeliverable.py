@@ -4,6 +4,8 @@ before it leaves (kvd.daemon.core.undeliverable), so its room fails at once."""
 
 from __future__ import annotations
 
+import msgspec
+
 from kvd.daemon.core import CHECK_FRAMES_FROM, undeliverable
 from kvd.protocol import control
 
@@ -33,7 +35,7 @@ def test_k16_a_field_past_its_bound_is_named_even_under_the_cap() -> None:
 
 
 def test_k16_the_largest_real_messages_are_deliverable() -> None:
-    pages = control.RoomPages(room=2**63, inc=2**64 - 1, endpoint="e" * 64, instance_id="i",
+    pages = control.RoomPages(room=2**64 - 1, inc=2**63 - 1, endpoint="e" * 64, instance_id="i",
                               dst_pages=b"\xff" * (4 * control.MAX_ROOM_PAGES),
                               aux_index=0, write_within=1.0)
     assert undeliverable(control.encode(pages), control.max_frame()) is None
@@ -41,3 +43,19 @@ def test_k16_the_largest_real_messages_are_deliverable() -> None:
                              dst_pages=b"\x01" * (4 * control.MAX_ROOM_PAGES + 4),
                              aux_index=0, write_within=1.0)
     assert undeliverable(control.encode(over), control.max_frame()) is not None
+
+
+def test_a_small_registration_with_an_integer_past_its_bound_is_named_when_checked_whole() -> None:
+    """A registration's integers are the engine's (``RegisterKV`` does not bound them): a
+    short one with ``layer_start=-1`` is under CHECK_FRAMES_FROM, yet a peer refuses it
+    as malformed, so Core.send checks a registration whole and names the field."""
+    args = control.KVArgsWire("s", [1], [64], [64], [], [], [], 16, 1, 64, 2, 1,
+                              layer_start=-1)
+    frame = control.encode(control.RegisterRank("d-a", "tcp://d:1", 0, 1, args))
+    assert len(frame) < CHECK_FRAMES_FROM
+    assert undeliverable(frame, control.max_frame()) is None  # not decoded: too short
+    why = undeliverable(frame, control.max_frame(), whole=True)
+    assert why is not None and "malformed" in why and "`$.kv_args.layer_start`" in why
+    ok = control.encode(control.RegisterRank("d-a", "tcp://d:1", 0, 1,
+                                             msgspec.structs.replace(args, layer_start=0)))
+    assert undeliverable(ok, control.max_frame(), whole=True) is None
