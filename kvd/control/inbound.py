@@ -33,7 +33,10 @@ Case S19: frames are capped at the largest real message (the socket's ``MAXMSGSI
 :func:`kvd.protocol.control.max_frame`), read without a copy (the seal is checked on
 ZMQ's buffer), and the batch budget is checked after every frame, in seconds and bytes.
 
-Every drop is counted in :class:`InboundStats` and logged at most once per kind.
+Every drop is counted in :class:`InboundStats` and logged at most once per kind; an
+authentic frame that does not decode (a field past its bound: an integer outside its wire
+bound, a list or text too long) is logged naming the field, at most once a second per
+connection after a burst.
 ZMQ itself fair-queues between connections, so a flooding connection gets no more
 than its share of each batch and a healthy peer's frames are not stuck behind it.
 """
@@ -305,6 +308,8 @@ class Admission:
         self.skew_gate = skew_gate if skew_gate is not None else Buckets(1.0, 2, 32.0)
         self.stats = InboundStats()
         self._logged: set[str] = set()
+        #: how often a malformed authenticated frame is logged (per connection, and in all)
+        self.malformed_log = Buckets(1.0, 8, 8.0, max_keys=256)
 
     def admit(self, source: bytes, frame: Buffer, single: bool = True) -> list[Received]:
         """The messages in ``frame`` from connection ``source`` (one, or a
@@ -328,14 +333,14 @@ class Admission:
                 return []
             self.stats.misaddressed += 1
             return self._decode(exc.frame, exc.sent_at, "instance",
-                                exc.sent_at - self.auth.clock(), len(frame))
+                                exc.sent_at - self.auth.clock(), len(frame), source)
         except Skewed as exc:
             self._refused(source, exc)
             return self._skewed(source, frame, exc)
         except AuthError as exc:
             self._refused(source, exc)
             return []
-        return self._decode(opened.frame, opened.sent_at)
+        return self._decode(opened.frame, opened.sent_at, source=source)
 
     def _skewed(self, source: bytes, frame: Buffer, exc: Skewed) -> list[Received]:
         """An authentic frame sealed outside the window: decoded (to learn whom to tell)
@@ -348,15 +353,25 @@ class Admission:
             self._refused(source, exc2)
             return []
         self.stats.skewed += 1
-        return self._decode(body, exc.sent_at, "clock_skew", exc.offset_s, len(frame))
+        return self._decode(body, exc.sent_at, "clock_skew", exc.offset_s, len(frame), source)
 
     def _decode(self, frame: Buffer, sent_at: float, refused: str = "",
-                offset_s: float = 0.0, size: int = 0) -> list[Received]:
+                offset_s: float = 0.0, size: int = 0, source: bytes = b"") -> list[Received]:
+        """The messages of an authentic ``frame``, or none if it does not decode: a field
+        past its bound (an integer outside its wire bound, a list or text too long, S19),
+        an unknown tag, a frame of another wire version. Such a frame is refused whole --
+        nothing in it reaches a room machine, and nothing else of its sender is touched:
+        its other frames, and its rooms, go on (an authentic sender takes no strike) --
+        counted in ``protocol_errors`` and logged naming the field (msgspec's path, e.g.
+        ``$.messages[1].room``), at most :attr:`malformed_log` allows per connection."""
         try:
             msgs = control.decode_many(frame, self.max_frame)  # type: ignore[arg-type]
         except ProtocolError as exc:
             self.stats.protocol_errors += 1
-            log.warning("dropped control frame: %s", exc)
+            if self.malformed_log.take(source):
+                log.warning("refused an authentic control frame from %s: %s (nothing in it "
+                            "was acted on; further ones from it are counted, logged at most "
+                            "once a second)", self._peer_address(), exc)
             return []
         if not refused:
             self.stats.accepted += 1

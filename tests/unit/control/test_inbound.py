@@ -368,3 +368,28 @@ async def test_s19_the_batch_budget_is_checked_after_every_frame() -> None:
                 await asyncio.sleep(0.01)
         assert sum(reads) == 8 and max(reads) <= 3  # 3 MiB a read, then the loop's turn
         sock.close()
+
+
+def test_an_authentic_frame_with_an_integer_out_of_bounds_is_refused_logged_and_no_strike(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A holder of the secret sends RoomAborts naming room -1 (no uint64): each frame is
+    refused at decode (protocol_errors), the log names the field -- at most the log
+    bucket's burst of lines however many frames come -- and the sender takes no strike:
+    its next good frame, from the same connection, is admitted."""
+    import logging
+
+    adm = Admission(Authenticator(SECRET, "me"), 1 << 20,
+                    SourceLimiter(burst=2, refill_per_s=0.0, clock=Clock()))
+    peer = Authenticator(SECRET, "peer")
+    bad = control.RoomAbort(room=-1, inc=0, kind="aborted", reason="r", endpoint="tcp://p:1",
+                            instance_id="p")
+    with caplog.at_level(logging.WARNING, logger="kvd.control.inbound"):
+        for _ in range(50):
+            assert adm.admit(b"peer", peer.seal(control.encode(bad), "me")) == []
+    assert adm.stats.protocol_errors == 50 and adm.stats.auth_failures == 0
+    lines = [r.getMessage() for r in caplog.records]
+    assert 1 <= len(lines) <= adm.malformed_log.burst + 1
+    assert all("refused an authentic control frame" in m and "`$.room`" in m for m in lines)
+    assert not adm.limiter.blocked(b"peer")
+    (got,) = adm.admit(b"peer", peer.seal(abort(7), "me"))
+    assert got.message.room == 7  # type: ignore[attr-defined]

@@ -107,7 +107,7 @@ def test_the_templates_decode() -> None:
         assert type(control.decode(_frame(doc))) is cls
 
 
-@settings(max_examples=400)  # about 70 integer fields, each at and around its bounds
+@settings(max_examples=400)  # about 60 integer fields, each at and around its bounds
 @given(st.sampled_from(FIELDS), INTS, st.booleans())
 def test_an_integer_outside_its_bound_is_refused_naming_it_and_one_inside_round_trips(
         field: tuple[type, Path, Any, type], value: int, batched: bool) -> None:
