@@ -363,13 +363,12 @@ class _Room:
         sent (kvd's answer to the create is waited for if it has not run it yet).
 
         Without ``wait`` the Clear goes through the ring and this returns at once
-        (:meth:`KvdClient.submit` not waited for; without a ring over the socket,
-        raising its refusal): kvd
-        runs it after the room's earlier calls and before any later call, a create of
-        the same id included; a refusal (the pages not releasable yet, K06) is kept for
-        the room, which then reads Failed until it is cleared again. So clear a room
-        this way once it was read ended and releasable (both stay true: kvd cannot refuse
-        it)."""
+        (:meth:`KvdClient.submit` not waited for; without a ring over the socket, raising
+        its refusal): kvd runs it after the room's earlier calls and before any later
+        call, a create of the same id included; a refusal (the pages not releasable yet,
+        K06) is kept for the room, which then reads Failed until it is cleared again. So
+        clear a room this way once it was read ended and releasable (both stay true: kvd
+        cannot refuse it)."""
         handle = self._handle
         if handle is not None and not self.lost:  # wait for the create (clear waits anyway)
             try:

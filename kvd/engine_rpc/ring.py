@@ -184,11 +184,10 @@ class RingChannel:
     @contextlib.contextmanager
     def _running(self, wake: bool) -> typing.Iterator[None]:
         """One run of records (:meth:`drain`, :meth:`catch_up`, :meth:`orphan`,
-        :meth:`finish_some`): marks
-        the channel draining (re-entrant calls do nothing); a ProtocolError fails the
-        channel with its message, and any other exception (a bug here) is logged and
-        fails it too, so the engine is never left waiting; with ``wake``, the engine is
-        woken at the end if it waits."""
+        :meth:`finish_some`): marks the channel draining (re-entrant calls do nothing); a
+        ProtocolError fails the channel with its message, and any other exception (a bug
+        here) is logged and fails it too, so the engine is never left waiting; with
+        ``wake``, the engine is woken at the end if it waits."""
         self._draining = True
         try:
             yield
