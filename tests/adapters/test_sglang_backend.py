@@ -310,7 +310,8 @@ def test_a_clear_of_an_ended_room_is_one_ring_record_not_waited_for(sgl: Any, pd
     room is a ring record the scheduler thread does not wait for: four rooms cleared on
     both sides make not one socket call and not one wait on the ring (counted, not
     timed). kvd runs each clear before the calls made after it: a room of the same id
-    created at once moves byte for byte, and the others read unknown once kvd ran them."""
+    created at once moves byte for byte, and the others read unknown once kvd ran them.
+    A room not read ended (aborted and cleared before a poll) is cleared waited for."""
     rooms = [next(_rooms) for _ in range(4)]
     pairs = [_transfer(sgl, pd, r, np.array([30 + i]), np.array([40 + i]), aux=i)
              for i, r in enumerate(rooms)]
@@ -337,6 +338,17 @@ def test_a_clear_of_an_ended_room_is_one_ring_record_not_waited_for(sgl: Any, pd
             [UNKNOWN_ROOM] * 3
     again[1].clear()
     again[0].clear()
+    # a room not read ended (aborted, then cleared before a poll) is cleared waited for
+    sender, receiver = _start_pair(sgl, pd, next(_rooms), np.array([60]), aux=6)
+    receiver.abort()
+    sender.abort()
+    asked: list[bool] = []
+    for side in (receiver.receiver, sender.sender):
+        clear = side.clear
+        side.clear = lambda *a, _c=clear, **kw: asked.append(kw["wait"]) or _c(*a, **kw)
+    receiver.clear()
+    sender.clear()
+    assert asked == [True, True]
 
 
 def test_a_send_kvd_refuses_through_the_ring_fails_the_room_at_its_next_poll(
