@@ -432,8 +432,7 @@ class Daemon:
         The engine's calls run after the records of its connections that dropped
         (:class:`~kvd.engine_rpc.ring.Backlog`), then after its connection's ring."""
         assert self.core is not None and self.side is not None
-        if not isinstance(call, rpc.Info):
-            await self.backlog.settled()
+        await self._in_order(call, conn)
         self._ring_first(conn)
         match call:
             case rpc.RegisterKV():
@@ -447,14 +446,34 @@ class Daemon:
                 return None
         return self.run_now(call, conn)
 
+    async def _in_order(self, call: rpc.Call, conn: Connection) -> None:
+        """Return once ``call`` may run (and then run it without awaiting first): no
+        dropped connection's ring holds records (:class:`~kvd.engine_rpc.ring.Backlog`;
+        ``Info`` excepted), and at most BATCH records of its own connection's ring are
+        left, which :meth:`run_now` runs first (the rest ran a batch a loop turn, K41)."""
+        while True:
+            if not isinstance(call, rpc.Info):
+                await self.backlog.settled()
+            ring = self.rings.get(conn.id)
+            if ring is not None and ring.behind():
+                await ring.caught_up()
+                continue
+            if isinstance(call, rpc.Info) or not self.backlog.rings:
+                return
+
     def dispatch_now(self, call: rpc.Call, conn: Connection) -> Any:
         """The calls answered without awaiting (the RPC server's fast path); returns
-        :data:`~kvd.engine_rpc.server.LATER` for the others (:meth:`dispatch`), and for
+        :data:`~kvd.engine_rpc.server.LATER` for the others (:meth:`dispatch`), for
         every engine call while records of a dropped connection's ring wait
-        (:meth:`~kvd.engine_rpc.ring.Backlog.holds`: :meth:`dispatch` runs it after
-        them)."""
+        (:meth:`~kvd.engine_rpc.ring.Backlog.holds`), and for any call of a connection
+        whose ring holds more than a batch of records (:meth:`dispatch` runs it after
+        them, :meth:`_in_order`)."""
         if self.backlog.rings and self.backlog.holds(call):
             return LATER
+        if self.rings:
+            ring = self.rings.get(conn.id)
+            if ring is not None and ring.behind():
+                return LATER  # its records first, a batch a loop turn (K41)
         return self.run_now(call, conn)
 
     def run_now(self, call: rpc.Call, conn: Connection) -> Any:

@@ -9,8 +9,10 @@ bump ``head``, and write ``wake_kvd`` only if kvd said it sleeps".
 kvd drains the submission ring on its loop: when ``wake_kvd`` is readable, and again on
 the next loop turn while records remain (at most :data:`BATCH` per turn: a flooding
 engine cannot starve the loop); before any socket call of the same connection, every
-record published by then, whatever their number (:meth:`RingChannel.catch_up`: calls
-run in the order the engine made them, whichever way each went); and when the
+record published by then, whatever their number (calls run in the order the engine made
+them, whichever way each went): up to :data:`BATCH` with the call
+(:meth:`RingChannel.catch_up`), more a batch a loop turn before it, the call answered
+later (:meth:`RingChannel.caught_up`); and when the
 connection drops, every record published by then (:meth:`RingChannel.orphan`: the
 engine counts them as made), :data:`BATCH` a loop turn too, ordered before every
 later engine call by the daemon's :class:`Backlog` (K41). Before it waits it
@@ -201,9 +203,40 @@ class RingChannel:
             if wake:
                 self._wake_engine()
 
+    def behind(self) -> bool:
+        """Whether more than :data:`BATCH` published records wait: a socket call of this
+        connection is then answered later, after :meth:`caught_up` (K41)."""
+        return not (self.failed or self.closed or self.orphaned) and \
+            self.sub.head - self.inbox.tail > BATCH
+
+    async def caught_up(self) -> None:
+        """Before a socket call of this connection answered later (the daemon's
+        ``dispatch``): return once at most :data:`BATCH` of the records published now are
+        left unrun (:meth:`catch_up` runs those with the call, in its turn). The wake-up
+        path runs them, :data:`BATCH` a loop turn (K41), so the loop's other work goes on
+        between slices while the engine waits in its call. A completion ring full with
+        nothing run in a turn cannot be waited out (the engine reads no completion while
+        it waits in the call): the channel fails, naming why, as in :meth:`catch_up`."""
+        if not self.behind():
+            return
+        with self._running(wake=False):
+            target = self.inbox.tail + self.inbox.pending()
+        while not (self.failed or self.closed or self.orphaned) and \
+                target - self.inbox.tail > BATCH:
+            before = self.inbox.tail
+            if not self._again:
+                self.drain()
+            await asyncio.sleep(0)  # the next turn's slice (drain reschedules itself)
+            if not (self.failed or self.closed or self.orphaned) and \
+                    self.inbox.tail == before and self.outbox.free() == 0:
+                self.fail("the engine made a socket call while its completion ring was "
+                          "full: the records before the call cannot run in order")
+
     def catch_up(self) -> None:
         """Before a socket call of the same connection: run EVERY record published now
-        (up to the ``head`` read here, no :data:`BATCH` limit), so the socket call runs
+        (up to the ``head`` read here: at most :data:`BATCH` once the daemon awaited
+        :meth:`caught_up`, unless records keep coming from another thread), so the
+        socket call runs
         after every call the engine made before it, whichever way each went. A
         completion ring that fills first cannot be waited out (the engine is blocked in
         its socket call and reads no completion; :class:`~kvd.client.rpc.KvdClient`

@@ -160,3 +160,30 @@ def test_k41_calls_after_a_reconnect_never_overtake_the_dropped_rings_records(
     reconnect before or after it notices the drop: the new calls get the outcomes, and
     the rooms the statuses, that the same calls made in order over the socket get."""
     asyncio.run(_drop_then_reconnect(role, data.draw))
+
+
+async def test_k41_a_socket_call_behind_a_full_completion_ring_fails_the_channel_not_the_call(
+        cluster: Cluster) -> None:
+    """The completion ring holds 16 refusals the engine never read, then 10 records (more
+    than a batch of 4) are published and the engine makes a socket call: the records
+    cannot run in order before it (kvd has nowhere to write their refusals and the
+    engine, in its call, reads none), so the channel fails naming why, its rooms
+    aborted, and the call is answered after -- never a wait without end."""
+    p = await cluster.node("prefill")
+    pe = await p.engine(seed=1, engine_id="e1")
+    ring = await RingEngine.open(pe, capacity=16, record_bytes=rpc.MIN_RING_RECORD)
+    try:
+        with mock.patch.object(ring_module, "BATCH", 4):
+            for _ in range(16):  # refused (no such room): a completion each, never read
+                ring.push(rpc.SenderInit(room=99, num_pages=1, aux_index=0))
+            await ring.drained()
+            assert ring.comp.head == 16
+            for r in range(200, 210):
+                assert ring.out.push(ring_record(ring, rpc.SenderCreate(room=r))) is not None
+            channel = p.daemon.rings[pe.conn.id]
+            assert channel.behind()
+            polled = await asyncio.wait_for(pe.call(rpc.Poll(rooms=[200])), 20.0)
+        assert channel.failed and "completion ring was full" in channel.failed
+        assert polled.statuses == [UNKNOWN_ROOM]  # none of the 10 ran
+    finally:
+        ring.close()
