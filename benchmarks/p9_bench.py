@@ -13,9 +13,9 @@ decode (outside the timed calls).
 Systems, each a prefill and a decode engine process (benchmarks/sides.py builds them):
 
 - ``kvd``: ``KvdClient(use_ring=True)`` and the status table, one ``Sender`` /
-  ``Receiver`` per room as kvd's SGLang backend makes them (create waits for kvd; init
-  and send are ring records not waited for; the step's poll is one ``poll_array`` of the
-  round's rooms; ``clear`` waits);
+  ``Receiver`` per room as kvd's SGLang backend makes them (create, init and send are
+  ring records not waited for; the step's poll is one ``poll_array`` of the round's
+  rooms; the clear of a room read ended is a ring record not waited for either);
 - ``kvd_step``: the same clients, a step's calls submitted together and not waited for
   (``submit_all(calls, wait=False)``: every call a ring record, no wait; a refusal reads
   Failed at the room's next poll);
@@ -161,8 +161,8 @@ class _KvdEngine:
             if refused:
                 raise next(iter(refused.values()))
             return
-        for room in rooms:
-            self.objs.pop(room).clear()
+        for room in rooms:  # ended (polled): as kvd's SGLang backend, not waited for
+            self.objs.pop(room).clear(wait=False)
 
     def kv(self) -> list[np.ndarray]:
         return self.side.kv()

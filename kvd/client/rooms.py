@@ -355,12 +355,20 @@ class _Room:
                                bootstrap_addr=getattr(self, "bootstrap_addr", None),
                                dp_rank=getattr(self, "dp_rank", None)))
 
-    def clear(self, timeout: float = 30.0) -> None:
+    def clear(self, timeout: float = 30.0, wait: bool = True) -> None:
         """Forget the room (an unfinished one is aborted). On decode, if a prefill write may
         still be in flight, this waits up to ``timeout`` s for the pages to become
         releasable (``timeout`` 0: not at all); raises RoomError if they still are not. A
         room whose create kvd refused (ring path) was never this handle's: nothing is
-        sent."""
+        sent (kvd's answer to the create is waited for if it has not run it yet).
+
+        Without ``wait`` the Clear goes through the ring and this returns at once
+        (:meth:`KvdClient.submit` not waited for; without a ring over the socket, raising
+        its refusal): kvd runs it after the room's earlier calls and before any later
+        call, a create of the same id included; a refusal (the pages not releasable yet,
+        K06) is kept for the room, which then reads Failed until it is cleared again. So
+        clear a room this way once it was read ended and releasable (both stay true: kvd
+        cannot refuse it)."""
         handle = self._handle
         if handle is not None and not self.lost:  # wait for the create (clear waits anyway)
             try:
@@ -374,6 +382,10 @@ class _Room:
             if unborn:  # kvd refused the create: the room (if any) is another handle's
                 self.refused = None
                 return
+        if not wait:
+            self._submit(rpc.Clear(room=self.room))
+            self.refused = None  # the client drops the room's kept refusals once kvd ran it
+            return
         try:
             self._submit(rpc.Clear(room=self.room), wait=True)
         except RoomError:

@@ -36,7 +36,7 @@ from kvd.daemon.core import Core, http_client
 from kvd.daemon.side import Side, make_side
 from kvd.daemon.status import DaemonOps
 from kvd.engine_rpc.channel import TableWriter
-from kvd.engine_rpc.ring import RingChannel
+from kvd.engine_rpc.ring import Backlog, RingChannel
 from kvd.engine_rpc.server import LATER, Connection, EngineRpcServer
 from kvd.errors import ConfigError, KvdError, ProtocolError, RegistrationError, RoomError, RpcError
 from kvd.launch import LIFELINE_ENV
@@ -108,6 +108,8 @@ class Daemon:
         self._memory_checked = 0.0
         self.status_table: TableWriter | None = None  # the engine channel's (issue 21)
         self.rings: dict[int, RingChannel] = {}  # engine connection id -> its rings
+        #: rings of the engine's connections that dropped, run before its later calls
+        self.backlog = Backlog()
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -363,6 +365,7 @@ class Daemon:
         for ring in list(self.rings.values()):
             ring.close()
         self.rings.clear()
+        self.backlog.close()
         if self.status_table is not None:
             self.status_table.close()
             self.status_table = None
@@ -425,8 +428,11 @@ class Daemon:
     # ---- engine RPC ---------------------------------------------------------------------
 
     async def dispatch(self, call: rpc.Call, conn: Connection) -> Any:
-        """Run one engine call; kvd errors propagate to the RPC server as error replies."""
+        """Run one engine call; kvd errors propagate to the RPC server as error replies.
+        The engine's calls run after the records of its connections that dropped
+        (:class:`~kvd.engine_rpc.ring.Backlog`), then after its connection's ring."""
         assert self.core is not None and self.side is not None
+        await self._in_order(call, conn)
         self._ring_first(conn)
         match call:
             case rpc.RegisterKV():
@@ -438,14 +444,43 @@ class Daemon:
                     self.engine_conn = None
                     await self._release_now()
                 return None
-        return self.dispatch_now(call, conn)
+        return self.run_now(call, conn)
+
+    async def _in_order(self, call: rpc.Call, conn: Connection) -> None:
+        """Return once ``call`` may run (and then run it without awaiting first): no
+        dropped connection's ring holds records (:class:`~kvd.engine_rpc.ring.Backlog`;
+        ``Info`` excepted), and at most BATCH records of its own connection's ring are
+        left, which :meth:`run_now` runs first (the rest ran a batch a loop turn, K41)."""
+        while True:
+            if not isinstance(call, rpc.Info):
+                await self.backlog.settled()
+            ring = self.rings.get(conn.id)
+            if ring is not None and ring.behind():
+                await ring.caught_up()
+                continue
+            if isinstance(call, rpc.Info) or not self.backlog.rings:
+                return
 
     def dispatch_now(self, call: rpc.Call, conn: Connection) -> Any:
         """The calls answered without awaiting (the RPC server's fast path); returns
-        :data:`~kvd.engine_rpc.server.LATER` for the others (:meth:`dispatch`). The
-        connection's submission ring is drained first: the engine's calls run in the order
-        it made them, over the ring or the socket. The ring's records run through here
-        too (one handler for both paths)."""
+        :data:`~kvd.engine_rpc.server.LATER` for the others (:meth:`dispatch`), for
+        every engine call while records of a dropped connection's ring wait
+        (:meth:`~kvd.engine_rpc.ring.Backlog.holds`), and for any call of a connection
+        whose ring holds more than a batch of records (:meth:`dispatch` runs it after
+        them, :meth:`_in_order`)."""
+        if self.backlog.rings and self.backlog.holds(call):
+            return LATER
+        if self.rings:
+            ring = self.rings.get(conn.id)
+            if ring is not None and ring.behind():
+                return LATER  # its records first, a batch a loop turn (K41)
+        return self.run_now(call, conn)
+
+    def run_now(self, call: rpc.Call, conn: Connection) -> Any:
+        """:meth:`dispatch_now` past the backlog. The connection's submission ring is
+        drained first: the engine's calls run in the order it made them, over the ring or
+        the socket. The ring's records run through here too (one handler for both
+        paths)."""
         assert self.core is not None and self.side is not None
         self._ring_first(conn)
         side = self.side
@@ -519,7 +554,7 @@ class Daemon:
         side = self.side
         assert side is not None
         ring = RingChannel(call.capacity, call.record_bytes,
-                           lambda c: self.dispatch_now(c, conn), self._ring_failed,
+                           lambda c: self.run_now(c, conn), self._ring_failed,
                            lambda room: side.view(room) is not None)
         self.rings[conn.id] = ring
         conn.on_close.append(lambda: self._drop_ring(conn.id))
@@ -529,11 +564,11 @@ class Daemon:
 
     def _drop_ring(self, conn_id: int) -> None:
         """The connection dropped or registered again: its ring's published records run
-        (their refusals fail their rooms), then the ring closes
-        (:meth:`~kvd.engine_rpc.ring.RingChannel.finish`)."""
+        in slices, before any later call of the engine (their refusals fail their rooms),
+        then the ring closes (:class:`~kvd.engine_rpc.ring.Backlog`)."""
         ring = self.rings.pop(conn_id, None)
         if ring is not None:
-            ring.finish()
+            self.backlog.add(ring)
 
     def _ring_failed(self, rooms: set[int], reason: str) -> None:
         """A connection's ring failed (corrupt or hostile): abort the rooms it carried, so
@@ -561,7 +596,7 @@ class Daemon:
         for call in many.calls:
             try:
                 with logs.log_context(**logs.message_context(call)):
-                    outcomes.append(rpc.Outcome(ok=True, result=self.dispatch_now(call, conn)))
+                    outcomes.append(rpc.Outcome(ok=True, result=self.run_now(call, conn)))
             except Exception as exc:
                 if not isinstance(exc, KvdError):
                     log.exception("engine call %s failed", type(call).__name__)
@@ -591,6 +626,7 @@ class Daemon:
             self.engine_id, self._registered_call = call.engine_id, call
             self._attach(conn)
             side.engine_registered(args)
+        await self.backlog.settled()  # rings _attach dropped: the engine's calls before
         local = core.local
         assert local is not None
         return rpc.RegisterResult(num_pages=local.num_pages, num_aux_slots=local.num_aux_slots,
@@ -619,8 +655,8 @@ class Daemon:
         self.engine_conn = conn.id
         # a ring serves one registration: the engine asks anew. A registration's ring on
         # another connection (a reconnect read before kvd noticed the old connection end,
-        # K27) runs what it holds now, before any call of the new connection: the engine
-        # made those calls first
+        # K27) runs what it holds before this registration answers and before any later
+        # call of the engine (the backlog): the engine made those calls first
         for conn_id in list(self.rings):
             self._drop_ring(conn_id)
         conn.on_close.append(lambda: self._engine_disconnected(conn.id))
@@ -679,6 +715,7 @@ class Daemon:
 
     async def _release_engine(self, core: Core, side: Side,
                               failure: RoomFailure | None = None) -> None:
+        await self.backlog.settled()  # what the engine handed over before it went runs first
         if failure is None:
             log.warning("engine disconnected: failing %d rooms and unregistering its memory",
                         len(side.unfinished()))

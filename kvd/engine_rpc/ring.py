@@ -9,17 +9,20 @@ bump ``head``, and write ``wake_kvd`` only if kvd said it sleeps".
 kvd drains the submission ring on its loop: when ``wake_kvd`` is readable, and again on
 the next loop turn while records remain (at most :data:`BATCH` per turn: a flooding
 engine cannot starve the loop); before any socket call of the same connection, every
-record published by then, whatever their number (:meth:`RingChannel.catch_up`: calls
-run in the order the engine made them, whichever way each went); and when the
-connection drops, every record published by then (:meth:`RingChannel.finish`: the
-engine counts them as made). Before it waits it
+record published by then, whatever their number (calls run in the order the engine made
+them, whichever way each went): up to :data:`BATCH` with the call
+(:meth:`RingChannel.catch_up`), more a batch a loop turn before it, the call answered
+later (:meth:`RingChannel.caught_up`); and when the
+connection drops, every record published by then (:meth:`RingChannel.orphan`: the
+engine counts them as made), :data:`BATCH` a loop turn too, ordered before every
+later engine call by the daemon's :class:`Backlog` (K41). Before it waits it
 sets the ring's ``sleeping`` word and looks at ``head`` once more (a full barrier
 between, :func:`~kvd.protocol.ring.fence`), so a record published in between is never
 left waiting for a wake-up that will not come; the daemon's sweep drains every ring
 too, a bound on any wake-up lost all the same.
 
 Each record is decoded with the socket path's codec (:func:`kvd.protocol.rpc.decode_request`)
-and run by the socket path's handler (``handle``: ``Daemon.dispatch_now``); a refusal
+and run by the socket path's handler (``handle``: ``Daemon.run_now``); a refusal
 goes to the completion ring as a :class:`~kvd.protocol.rpc.Reply` with the call's id,
 and only then is the record consumed (``tail`` published). A record that depends on an
 earlier one (:meth:`~kvd.protocol.ring.Ring.depends`: the engine's calls of a room whose
@@ -123,12 +126,15 @@ class RingChannel:
         self.closed = False
         self._draining = False
         self._again = False
-        #: the connection dropped: refusals reach nobody (:meth:`finish`)
+        #: the connection dropped: refusals reach nobody (:meth:`orphan`), and the records
+        #: up to ``_target`` run in slices (:meth:`finish_some`, :class:`Backlog`)
         self.orphaned = False
+        self._target = 0
+        self._unread_failed = False
         #: one entry per completion written, the last ``capacity``: ``[room, call, error,
         #: standing]`` for a refused call of its own room (not a create, not refused for
         #: the call it depended on), else None; ``standing`` until a later record names
-        #: the room (:meth:`finish` fails the room of a standing one the engine never read)
+        #: the room (:meth:`finish_some` fails the room of a standing one the engine never read)
         self.written: collections.deque[list[Any] | None] = collections.deque(
             maxlen=capacity)
         self.standing: dict[int, list[Any]] = {}  # room -> its standing entry
@@ -162,7 +168,7 @@ class RingChannel:
         (a flooding engine cannot starve the loop), then sleep. Re-entrant calls (a
         record's handler asking again) and calls after the channel failed or closed do
         nothing."""
-        if self._draining or self.failed or self.closed:
+        if self._draining or self.failed or self.closed or self.orphaned:
             return
         if self.sub.sleeping and self.sub.head == self.inbox.tail:
             return  # nothing published, nothing to change
@@ -179,11 +185,11 @@ class RingChannel:
 
     @contextlib.contextmanager
     def _running(self, wake: bool) -> typing.Iterator[None]:
-        """One run of records (:meth:`drain`, :meth:`catch_up`, :meth:`finish`): marks
-        the channel draining (re-entrant calls do nothing); a ProtocolError fails the
-        channel with its message, and any other exception (a bug here) is logged and
-        fails it too, so the engine is never left waiting; with ``wake``, the engine is
-        woken at the end if it waits."""
+        """One run of records (:meth:`drain`, :meth:`catch_up`, :meth:`orphan`,
+        :meth:`finish_some`): marks the channel draining (re-entrant calls do nothing); a
+        ProtocolError fails the channel with its message, and any other exception (a bug
+        here) is logged and fails it too, so the engine is never left waiting; with
+        ``wake``, the engine is woken at the end if it waits."""
         self._draining = True
         try:
             yield
@@ -197,9 +203,40 @@ class RingChannel:
             if wake:
                 self._wake_engine()
 
+    def behind(self) -> bool:
+        """Whether more than :data:`BATCH` published records wait: a socket call of this
+        connection is then answered later, after :meth:`caught_up` (K41)."""
+        return not (self.failed or self.closed or self.orphaned) and \
+            self.sub.head - self.inbox.tail > BATCH
+
+    async def caught_up(self) -> None:
+        """Before a socket call of this connection answered later (the daemon's
+        ``dispatch``): return once at most :data:`BATCH` of the records published now are
+        left unrun (:meth:`catch_up` runs those with the call, in its turn). The wake-up
+        path runs them, :data:`BATCH` a loop turn (K41), so the loop's other work goes on
+        between slices while the engine waits in its call. A completion ring full with
+        nothing run in a turn cannot be waited out (the engine reads no completion while
+        it waits in the call): the channel fails, naming why, as in :meth:`catch_up`."""
+        if not self.behind():
+            return
+        with self._running(wake=False):
+            target = self.inbox.tail + self.inbox.pending()
+        while not (self.failed or self.closed or self.orphaned) and \
+                target - self.inbox.tail > BATCH:
+            before = self.inbox.tail
+            if not self._again:
+                self.drain()
+            await asyncio.sleep(0)  # the next turn's slice (drain reschedules itself)
+            if not (self.failed or self.closed or self.orphaned) and \
+                    self.inbox.tail == before and self.outbox.free() == 0:
+                self.fail("the engine made a socket call while its completion ring was "
+                          "full: the records before the call cannot run in order")
+
     def catch_up(self) -> None:
         """Before a socket call of the same connection: run EVERY record published now
-        (up to the ``head`` read here, no :data:`BATCH` limit), so the socket call runs
+        (up to the ``head`` read here: at most :data:`BATCH` once the daemon awaited
+        :meth:`caught_up`, unless records keep coming from another thread), so the
+        socket call runs
         after every call the engine made before it, whichever way each went. A
         completion ring that fills first cannot be waited out (the engine is blocked in
         its socket call and reads no completion; :class:`~kvd.client.rpc.KvdClient`
@@ -207,7 +244,7 @@ class RingChannel:
         channel fails, naming why (its rooms aborted, :meth:`fail`), and the socket call
         runs after it. Does nothing re-entrantly, with nothing published, or after the
         channel failed or closed."""
-        if self._draining or self.failed or self.closed or \
+        if self._draining or self.failed or self.closed or self.orphaned or \
                 self.sub.head == self.inbox.tail:
             return
         with self._running(wake=True):
@@ -326,7 +363,7 @@ class RingChannel:
     def _complete(self, reply: rpc.Reply) -> None:
         """Put ``reply`` in the completion ring (its error text cut to fit a record)."""
         if self.orphaned:
-            return  # nobody reads it: the room fails instead (:meth:`finish`)
+            return  # nobody reads it: the room fails instead (:meth:`orphan`)
         data = codec.encode(reply)
         over = len(data) - self.comp.max_payload
         if over > 0:
@@ -368,28 +405,49 @@ class RingChannel:
             with contextlib.suppress(Exception):
                 self.loop.remove_reader(self.wake_kvd)
 
-    def finish(self) -> None:
-        """The connection dropped (or registered again): run every record the engine
-        published before (up to the ``head`` read here; the engine's
+    def orphan(self) -> None:
+        """The connection dropped (or registered again): from now on the records the
+        engine published before (up to the ``head`` read here; the engine's
         :meth:`~kvd.client.rpc.KvdClient.submit` returned for them, so it counts them as
-        made; a record it died half way through was never published and does not run),
-        then :meth:`close`. Their refusals reach nobody (the engine's client drops its
-        ring with the connection): none is written, and the room of each refused call
-        fails instead, at once (:meth:`_fail_room`), so nothing the engine handed over
-        is lost silently and a reconnecting engine (K27) reads the room Failed. A
-        refused create (and the calls that depended on it) fails no room: the id's
-        live room, if any, is another incarnation. A record kvd cannot trust fails the
-        channel as when live (:meth:`fail`). At most ``capacity`` records run, on the
-        loop, at once."""
-        if self.closed:
+        made; a record it died half way through was never published and does not run)
+        run only through :meth:`finish_some`, in slices, as the engine's :class:`Backlog`
+        orders them; none is read on a wake-up any more. Their refusals reach nobody
+        (the engine's client drops its ring with the connection): none is written, and
+        the room of each refused call fails instead, at once (:meth:`_fail_room`), so
+        nothing the engine handed over is lost silently and a reconnecting engine (K27)
+        reads the room Failed. A refused create (and the calls that depended on it)
+        fails no room: the id's live room, if any, is another incarnation. A ``head``
+        out of bounds fails the channel as when live (:meth:`fail`), and the rings
+        close."""
+        if self.closed or self.orphaned:
             return
+        self._stop_reading()
+        self.orphaned = True
         if not self.failed and not self._draining:
-            self._stop_reading()
-            self.orphaned = True
             with self._running(wake=False):
+                self._target = self.inbox.tail + self.inbox.pending()
+        if self.failed or self._draining:
+            self.close()
+
+    def finish_some(self, limit: int) -> int:
+        """Run up to ``limit`` (>= 1) of the records :meth:`orphan` left; how many ran. The
+        first slice first fails the rooms of refusals the engine never read
+        (:meth:`_fail_unread`). Closes the rings once the last one ran, or when one
+        cannot be trusted (the channel fails first, :meth:`fail`): every call makes
+        progress or closes the rings."""
+        if self.closed:
+            return 0
+        ran = 0
+        with self._running(wake=False):
+            if not self._unread_failed:
+                self._unread_failed = True
                 self._fail_unread()
-                self._run_to(self.inbox.tail + self.inbox.pending(), full="")
-        self.close()
+            ran = self._run(min(limit, self._target - self.inbox.tail))
+            if not ran and self.inbox.tail < self._target:
+                raise ProtocolError(f"ring head moved back below {self._target}")
+        if self.failed or self.inbox.tail >= self._target:
+            self.close()
+        return ran
 
     def _fail_unread(self) -> None:
         """At the drop, before the records still published run: the refusals kvd wrote
@@ -439,3 +497,84 @@ class RingChannel:
                 with contextlib.suppress(OSError):
                     os.close(fd)
         self.fd = self.wake_kvd = self.wake_engine = -1
+
+
+class Backlog:
+    """The engine's work across its connections: the rings of its connections that
+    dropped (:meth:`RingChannel.orphan`), in the order they dropped, and the rule that
+    orders everything else of the engine's after them.
+
+    kvd serves one engine at a time and a ring is opened only by the connection that
+    registered it, so every ring is that engine's. Its records run :data:`BATCH` a loop
+    turn (K41: the loop's other work -- other connections' ``Info``, the control plane,
+    transfers, sweeps -- goes on between slices; a full ring of
+    :data:`~kvd.protocol.rpc.MAX_RING_CAPACITY` records takes 16 turns). Until the last
+    one ran, no call of the engine's may run (:meth:`holds`): a reconnecting engine's
+    registration and every later call, on the socket or a new ring, run after every
+    record it handed over before its connection dropped, as if that connection had
+    stayed (which connection is the engine's again is known only once it registered, so
+    every engine call waits, from any connection). The daemon asks :meth:`holds` before
+    it answers a call at once and awaits :meth:`settled` before it runs one later; a
+    ring is opened only then, so no live ring runs beside an orphaned one."""
+
+    def __init__(self) -> None:
+        self.rings: collections.deque[RingChannel] = collections.deque()
+        self._waiters: list[asyncio.Future[None]] = []
+        self._scheduled = False
+
+    def holds(self, call: rpc.Call) -> bool:
+        """Whether ``call`` must wait: an orphaned ring has records left and ``call`` is
+        the engine's (anything but ``Info``, which reads no room and no registration)."""
+        return bool(self.rings) and not isinstance(call, rpc.Info)
+
+    def add(self, ring: RingChannel) -> None:
+        """``ring``'s connection dropped (or registered again): its published records run
+        after those of rings that dropped before it, a slice a loop turn (the first in
+        this turn when no other ring waits)."""
+        ring.orphan()
+        if ring.closed:
+            return
+        self.rings.append(ring)
+        if len(self.rings) == 1 and not self._scheduled:
+            self._slice()  # the drop's own turn takes the first slice
+        else:
+            self._schedule()
+
+    async def settled(self) -> None:
+        """Return once no orphaned ring has records left (at once if none has)."""
+        while self.rings:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
+
+    def close(self) -> None:
+        """kvd stops: the orphaned rings close with their records unrun (as live rings
+        do), and whoever waits goes on."""
+        while self.rings:
+            self.rings.popleft().close()
+        self._wake()
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._slice)
+
+    def _slice(self) -> None:
+        """One loop turn's share: at most :data:`BATCH` records, oldest ring first."""
+        self._scheduled = False
+        budget = BATCH
+        while self.rings and budget > 0:
+            ring = self.rings[0]
+            budget -= ring.finish_some(budget)
+            if ring.closed:
+                self.rings.popleft()
+        if self.rings:
+            self._schedule()
+        else:
+            self._wake()
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)

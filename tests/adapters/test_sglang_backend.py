@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvd.client import ShmPool
+from kvd.client import ShmPool, poll_array
 from kvd.launch import LAUNCH_SECRET, DaemonProcess, start_daemon
+from kvd.rooms import UNKNOWN_ROOM
 from tests.adapters import sglang_env
 
 pytestmark = [
@@ -268,6 +269,86 @@ def test_many_rooms_poll_in_one_rpc_per_round(sgl: Any, pd: Pd) -> None:
         assert wait_for(r.poll, (polls.Success, polls.Failed)) == polls.Success
         r.clear()
         s.clear()
+
+
+def _transfer(sgl: Any, pd: Pd, room: int, src: np.ndarray, dst: np.ndarray,
+              aux: int) -> tuple[Any, Any]:
+    """One room moved as SGLang's schedulers move it, polled until both sides read
+    Success; its pages compared byte for byte."""
+    polls = sgl.base.KVPoll
+    sender, receiver = _start_pair(sgl, pd, room, dst, aux)
+    assert wait_for(sender.poll, (polls.WaitingForInput, polls.Failed)) == \
+        polls.WaitingForInput
+    sender.init(len(src), aux)
+    sender.send(src.astype(np.int32))
+    assert wait_for(sender.poll, (polls.Success, polls.Failed)) == polls.Success
+    assert wait_for(receiver.poll, (polls.Success, polls.Failed)) == polls.Success
+    for mine, theirs in zip(pd.d.kv, pd.p.kv, strict=True):
+        assert np.array_equal(mine[dst], theirs[src])
+    return sender, receiver
+
+
+def _count_waits(client: Any, log: list[str]) -> None:
+    """Log each socket call of ``client`` and each time it blocks on its ring (a wait
+    whose condition does not hold yet); undone by deleting the instance attributes."""
+    exchange, wait = client._exchange, client.ring._wait
+
+    def counting_exchange(call: Any, kind: Any) -> Any:
+        log.append(f"socket {type(call).__name__}")
+        return exchange(call, kind)
+
+    def counting_wait(ready: Any, timeout: float) -> None:
+        if not ready():
+            log.append("ring wait")
+        wait(ready, timeout)
+
+    client._exchange, client.ring._wait = counting_exchange, counting_wait
+
+
+def test_a_clear_of_an_ended_room_is_one_ring_record_not_waited_for(sgl: Any, pd: Pd) -> None:
+    """Issue 21: SGLang clears a room once it read it ended. The backend's clear of such a
+    room is a ring record the scheduler thread does not wait for: four rooms cleared on
+    both sides make not one socket call and not one wait on the ring (counted, not
+    timed). kvd runs each clear before the calls made after it: a room of the same id
+    created at once moves byte for byte, and the others read unknown once kvd ran them.
+    A room not read ended (aborted and cleared before a poll) is cleared waited for."""
+    rooms = [next(_rooms) for _ in range(4)]
+    pairs = [_transfer(sgl, pd, r, np.array([30 + i]), np.array([40 + i]), aux=i)
+             for i, r in enumerate(rooms)]
+    clients = [pd.mgr_p.client, pd.mgr_d.client]
+    made: list[str] = []
+    for client in clients:
+        assert client.ring is not None
+        _count_waits(client, made)
+    try:
+        for s, r in pairs:
+            r.clear()
+            s.clear()
+    finally:
+        for client in clients:
+            del client._exchange  # type: ignore[attr-defined]
+            del client.ring._wait  # type: ignore[union-attr]
+    assert made == []
+    again = _transfer(sgl, pd, rooms[0], np.array([50, 51]), np.array([52, 53]), aux=5)
+    for client in clients:
+        ring = client.ring
+        assert ring is not None
+        assert wait_for(ring.drained, (True,)) is True
+        assert poll_array(client, np.array(rooms[1:], dtype=np.uint64)).tolist() == \
+            [UNKNOWN_ROOM] * 3
+    again[1].clear()
+    again[0].clear()
+    # a room not read ended (aborted, then cleared before a poll) is cleared waited for
+    sender, receiver = _start_pair(sgl, pd, next(_rooms), np.array([60]), aux=6)
+    receiver.abort()
+    sender.abort()
+    asked: list[bool] = []
+    for side in (receiver.receiver, sender.sender):
+        clear = side.clear
+        side.clear = lambda *a, _c=clear, **kw: asked.append(kw["wait"]) or _c(*a, **kw)
+    receiver.clear()
+    sender.clear()
+    assert asked == [True, True]
 
 
 def test_a_send_kvd_refuses_through_the_ring_fails_the_room_at_its_next_poll(

@@ -112,13 +112,6 @@ async def test_a_completion_tail_the_engine_could_not_have_published_fails_only_
         ring.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "RingChannel.catch_up runs every record published before a socket call of the same "
-    "connection (up to MAX_RING_CAPACITY = 4096) inside that call's dispatch, ONE loop "
-    "turn, where the wake-up path drains BATCH (256) a turn (K41: loop work is sliced; "
-    "the drop's finish has the same gap, test_break5_ring.py). Slicing it means answering "
-    "the socket call later (dispatch's LATER path) once the ring caught up in BATCH slices "
-    "-- the engine is blocked in that call, so the order rule still holds"))
 async def test_k41_a_socket_call_behind_a_full_ring_runs_it_in_slices_of_one_batch_a_turn(
         cluster: Cluster) -> None:
     """4 096 creates published without a wake-up, then a socket Poll on the connection:

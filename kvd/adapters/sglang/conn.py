@@ -35,7 +35,10 @@ table in one gather (no syscall), plus one ``Poll`` RPC only for rooms the table
 answer or that just ended (their reason and stats), so a step with N rooms costs at most
 one round trip, not N. Room calls go through kvd's submission ring (issue 21): a create
 waits for kvd (its refusal fails the request at once, as before); an init or send
-returns once written, and kvd's refusal of it fails the room at its next ``poll()``.
+returns once written, and kvd's refusal of it fails the room at its next ``poll()``; a
+clear of a room read ended and releasable returns once written too (kvd cannot refuse
+it; it runs before any later call, a room of the same id included), so the scheduler
+thread pays no round trip per room.
 Failures raise SGLang's own ``KVTransferError`` (from ``failure_exception``) with kvd's reason.
 
 Deferred release: kvd releases a failed or aborted room's decode pages only once no
@@ -193,6 +196,12 @@ class _Board:
             table.pop(room, None)
         self.releasable.discard(room)
         self.detailed.discard(room)
+
+    def settled(self, room: int) -> bool:
+        """Whether ``room`` was last read ended (Success or Failed) with its pages
+        releasable: both stay true (kvd frees a room's pages only once it ended, K06), so
+        kvd cannot refuse its Clear and the clear need not be waited for."""
+        return self.status.get(room) in _TERMINAL and room in self.releasable
 
     def get(self, room: int) -> int:
         if room not in self.status or time.monotonic() - self.refreshed > self.max_age:
@@ -403,9 +412,12 @@ class KvdKVSender(BaseKVSender):
         return KVTransferMetric(transfer_latency_s=seconds, transfer_total_bytes=nbytes)
 
     def clear(self) -> None:
+        """Forget the room in kvd: through the ring, not waited for, once the room was read
+        ended (kvd runs it before any later call, a room of the same id included); waited
+        for otherwise (an abort before the room was polled)."""
         if self.sender is not None:
             with contextlib.suppress(KvdError):
-                self.sender.clear()
+                self.sender.clear(wait=not self.kv_mgr.board.settled(self.bootstrap_room))
         self.kv_mgr.board.drop(self.bootstrap_room)
 
     def abort(self) -> None:
@@ -499,10 +511,14 @@ class KvdKVReceiver(BaseKVReceiver):
 
     def clear(self) -> None:
         """Forget the room in kvd. Call once its pages are releasable (SGLang does: after
-        Success, or after the deferred release); kvd refuses earlier, which is logged."""
+        Success, or after the deferred release); kvd refuses earlier, which is logged.
+        A room read ended and releasable is cleared through the ring, not waited for (kvd
+        cannot refuse it, and runs it before any later call, a room of the same id
+        included); any other is waited for, its refusal logged, as nothing keeps it."""
         if self.receiver is not None:  # (nothing is sent if kvd refused its create)
             try:
-                self.receiver.clear(timeout=0)
+                self.receiver.clear(timeout=0,
+                                    wait=not self.kv_mgr.board.settled(self.bootstrap_room))
             except KvdError as exc:
                 log.warning("kvd: room %d not cleared: %s", self.bootstrap_room, exc)
         self.kv_mgr.board.drop(self.bootstrap_room)
