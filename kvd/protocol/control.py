@@ -26,6 +26,7 @@ import msgspec
 
 from kvd.errors import ProtocolError
 from kvd.protocol import codec
+from kvd.protocol.bounds import I64, I64_MAX, Address, Count, RoomId, Size
 from kvd.protocol.memory import CUDA_IPC_HANDLE_BYTES, CudaIpcHandle, ExportedBuffer, ExportedPool
 from kvd.text import MAX_REASON_BYTES, bound, clean
 
@@ -58,29 +59,15 @@ InstanceId = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9._-]{0,64}$")]
 #: at most MAX_NAME characters.
 Endpoint = Annotated[str, msgspec.Meta(pattern=r"^[!-~]{0,256}$")]
 
-#: Integer bounds on the wire (the control messages here and the engine RPC's room calls,
-#: :mod:`kvd.protocol.rpc`, share them). msgpack carries no integer outside
-#: ``[-2**63, 2**64)``; within it, a value outside its field's bound does not decode
-#: (ProtocolError naming the field, e.g. ``Expected `int` >= 0 - at `$.room```): before,
-#: a peer's ``RoomPages(room=-1)`` reached the room machines and the status table, and an
-#: index of ``2**63`` the numpy arrays, and failed there (OverflowError, "internal error").
-I64_MAX = (1 << 63) - 1
-#: A room id: a 64-bit unsigned integer (the status table and every numpy view of room
-#: ids hold them as ``uint64``; msgspec takes no bound past int64, so only ``ge`` is
-#: written).
-RoomId = Annotated[int, msgspec.Meta(ge=0)]
-#: An address in the owning daemon's address space (u64).
-Address = Annotated[int, msgspec.Meta(ge=0)]
-#: A signed 64-bit integer (what the room machines' numpy arrays hold): an index that may
-#: carry a sentinel (``state_index`` -1: none), as the engine may name it.
-I64 = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=I64_MAX)]
-#: A page index, count, size (bytes), layer, head or incarnation: ``[0, 2**63)``.
-Count = Annotated[int, msgspec.Meta(ge=0, le=I64_MAX)]
+#: Integer bounds on the wire: one definition, :mod:`kvd.protocol.bounds` (re-exported here,
+#: where the engine RPC and older code import them). Before, a peer's
+#: ``RoomPages(room=-1)`` reached the room machines and the status table, and an index of
+#: ``2**63`` the numpy arrays, and failed there (OverflowError, "internal error").
+
 #: A parallel rank (``[0, size)``, checked against the size where the pair is planned)
 #: and a parallel size (at least 1); the engine's ranks have no bound of their own
 #: (``Settings.attn_tp_size``), so int64 is the ceiling.
 Rank = Count
-Size = Annotated[int, msgspec.Meta(ge=1, le=I64_MAX)]
 #: A room status a prefill reports: a :class:`~kvd.rooms.state.KVPoll` value (0..4).
 StatusCode = Annotated[int, msgspec.Meta(ge=0, le=4)]
 Ints = Annotated[list[Count], msgspec.Meta(max_length=MAX_BUFFERS)]
@@ -460,8 +447,8 @@ def max_frame() -> int:
     args = KVArgsWire(name, ptrs, ints, ints, ptrs, ints, ints, big, big, big, big,
                       big, big, True, name, big, True, compat=compat, state=state,
                       groups=groups)
-    handle = CudaIpcHandle(b"h" * CUDA_IPC_HANDLE_BYTES, 2**64 - 1, 2**64 - 1, name, 2**31)
-    pool = ExportedPool(name, [ExportedBuffer(2**64 - 1, 2**64 - 1, handle)] * (
+    handle = CudaIpcHandle(b"h" * CUDA_IPC_HANDLE_BYTES, I64_MAX, I64_MAX, name, 2**31)
+    pool = ExportedPool(name, [ExportedBuffer(2**64 - 1, I64_MAX, handle)] * (
         2 * MAX_BUFFERS + MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS
         + MAX_GROUPS * MAX_GROUP_BUFFERS))
     worst: list[ControlMessage] = [

@@ -25,18 +25,31 @@ passes over its authenticated peer channel: never a path, pid or descriptor numb
 to open, case S18) or :class:`CudaIpcHandle`. It rides in the control plane's
 ``RegisterRank`` message.
 
-This module imports nothing from kvd: it is a leaf, so every layer can read
-these types without an import cycle.
+Bounds (case S19): every integer has a wire bound (:mod:`kvd.protocol.bounds`): offsets,
+lengths, descriptor positions, device ordinals and pids are :data:`Count` (``[0, 2**63)``),
+addresses :data:`Address` (u64); a pool lists at most :data:`MAX_EXPORTED_BUFFERS`
+buffers. A handle or pool outside them does not decode (ProtocolError naming the field),
+at the engine socket (``RegisterKV``) and on the control plane (``RegisterRank.pool``).
+
+This module imports only :mod:`kvd.protocol.bounds`, itself a leaf, so every layer can
+read these types without an import cycle.
 """
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import Annotated, TypeAlias
 
 import msgspec
 
+from kvd.protocol.bounds import Address, Count
+
 #: Bytes of a CUDA IPC memory handle (``cudaIpcMemHandle_t``, CUDA runtime API).
 CUDA_IPC_HANDLE_BYTES = 64
+#: Most buffers an :class:`ExportedPool` lists: generous but finite, above every buffer one
+#: rank may register (2 x ``MAX_BUFFERS`` KV and aux, ``MAX_STATE_BUFFERS`` +
+#: ``MAX_WINDOW_BUFFERS`` state and window, ``MAX_GROUPS`` x ``MAX_GROUP_BUFFERS`` groups of
+#: :mod:`kvd.protocol.control`: 14336 today; a unit test keeps it above their sum).
+MAX_EXPORTED_BUFFERS = 1 << 14
 
 
 class ShmHandle(msgspec.Struct, tag="shm", tag_field="kind", frozen=True):
@@ -44,8 +57,8 @@ class ShmHandle(msgspec.Struct, tag="shm", tag_field="kind", frozen=True):
     (absolute, no ``..``), ``offset`` and ``length`` in bytes."""
 
     path: str
-    offset: int
-    length: int
+    offset: Count
+    length: Count
 
 
 class FdHandle(msgspec.Struct, tag="fd", tag_field="kind", frozen=True):
@@ -57,9 +70,9 @@ class FdHandle(msgspec.Struct, tag="fd", tag_field="kind", frozen=True):
     ``offset``/``length`` in bytes.
     """
 
-    fd: int
-    offset: int
-    length: int
+    fd: Count
+    offset: Count
+    length: Count
 
 
 class CudaIpcHandle(msgspec.Struct, tag="cuda_ipc", tag_field="kind", frozen=True):
@@ -72,10 +85,10 @@ class CudaIpcHandle(msgspec.Struct, tag="cuda_ipc", tag_field="kind", frozen=Tru
     """
 
     handle: bytes
-    offset: int
-    length: int
+    offset: Count
+    length: Count
     device_uuid: str
-    device: int = 0
+    device: Count = 0
 
 
 class PassedFdHandle(msgspec.Struct, tag="passed_fd", frozen=True, tag_field="kind"):
@@ -84,9 +97,9 @@ class PassedFdHandle(msgspec.Struct, tag="passed_fd", frozen=True, tag_field="ki
     :mod:`kvd.transfer.backends.peerchannel`). It names no path, pid or descriptor
     number: only a position in what the authenticated channel hands over."""
 
-    file: int
-    offset: int
-    length: int
+    file: Count
+    offset: Count
+    length: Count
 
 
 #: What an engine may register (RegisterKV).
@@ -101,8 +114,8 @@ class ExportedBuffer(msgspec.Struct, frozen=True):
     address in the EXPORTING daemon (the ``kv_data_ptrs``/``aux_data_ptrs`` entry peers
     plan with), ``length`` bytes, ``handle`` how to map the same memory."""
 
-    address: int
-    length: int
+    address: Address
+    length: Count
     handle: PeerHandle
 
 
@@ -117,6 +130,6 @@ class ExportedPool(msgspec.Struct, frozen=True):
     """
 
     host_id: str
-    buffers: list[ExportedBuffer]
+    buffers: Annotated[list[ExportedBuffer], msgspec.Meta(max_length=MAX_EXPORTED_BUFFERS)]
     channel: str = ""
-    pid: int = 0
+    pid: Count = 0

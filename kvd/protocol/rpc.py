@@ -17,14 +17,19 @@ import msgspec.inspect
 from kvd import errors
 from kvd.errors import ProtocolError
 from kvd.protocol import codec
+from kvd.protocol.bounds import I64, Count, RoomId, Size
 from kvd.protocol.control import (
-    I64,
     MAX_AUX_FIELDS,
+    MAX_BUFFERS,
+    MAX_GROUP_BUFFERS,
     MAX_GROUPS,
+    MAX_STATE_BUFFERS,
+    MAX_WINDOW_BUFFERS,
     AuxField,
     Compat,
     GroupSpec,
-    RoomId,
+    Ints,
+    Name,
     StateSpec,
 )
 from kvd.protocol.memory import CudaIpcHandle, FdHandle, MemoryHandle, ShmHandle
@@ -39,12 +44,23 @@ LENGTH = struct.Struct(">I")
 MAX_FDS = 64
 
 
-# A room call's integers carry the control plane's wire bounds (one definition,
-# :mod:`kvd.protocol.control`): :data:`RoomId` (uint64) for room ids, :data:`I64` for the
-# other integers (pages, slots, ranks). A call naming another does not decode
-# (ProtocolError): before, ``SenderCreate(room=-1)`` made a room kvd could not publish and
-# answered "internal error", and ``ReceiverInit(state_index=2**63)`` failed inside the
-# room machine's numpy arrays.
+# Every integer of a call carries a wire bound (one definition, :mod:`kvd.protocol.bounds`):
+# :data:`RoomId` (uint64) for room ids, :data:`I64` for a room call's other integers
+# (pages, slots, ranks), and a registration's the bounds its peers decode it with
+# (:class:`~kvd.protocol.control.KVArgsWire`: :data:`Count` layers, heads, sizes and item
+# lengths, list lengths capped alike). A call naming another does not decode: the engine
+# gets a ProtocolError naming the field (``... at `$.call.layer_start```) and nothing
+# runs. Before, ``SenderCreate(room=-1)`` made a room kvd could not publish and answered
+# "internal error", ``ReceiverInit(state_index=2**63)`` failed inside the room machine's
+# numpy arrays, and ``RegisterKV(layer_start=-1)`` registered, failing only when the daemon
+# registered with a peer (a RegisterRank no peer would decode).
+
+#: Handles a registration lists: as many as its peers take (``KVArgsWire``'s bounds).
+KVHandles = Annotated[list[MemoryHandle], msgspec.Meta(max_length=MAX_BUFFERS)]
+StateHandles = Annotated[list[MemoryHandle],
+                         msgspec.Meta(max_length=MAX_STATE_BUFFERS + MAX_WINDOW_BUFFERS)]
+GroupHandles = Annotated[list[MemoryHandle],
+                         msgspec.Meta(max_length=MAX_GROUPS * MAX_GROUP_BUFFERS)]
 
 
 class EngineRanks(msgspec.Struct, frozen=True):
@@ -52,12 +68,12 @@ class EngineRanks(msgspec.Struct, frozen=True):
     attention TP/DP and PP rank and size (ranks in ``[0, size)``). kvd checks them against
     its settings and takes unset ones from here (:func:`kvd.ranks.resolve`)."""
 
-    attn_tp_rank: int
-    attn_tp_size: int
-    attn_dp_rank: int = 0
-    attn_dp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
+    attn_tp_rank: Count
+    attn_tp_size: Size
+    attn_dp_rank: Count = 0
+    attn_dp_size: Size = 1
+    pp_rank: Count = 0
+    pp_size: Size = 1
 
 
 class RegisterKV(msgspec.Struct, tag="register_kv", frozen=True):
@@ -67,29 +83,29 @@ class RegisterKV(msgspec.Struct, tag="register_kv", frozen=True):
     name descriptors sent with the request (:func:`number_fds`). ``ranks``: the engine's
     parallel position (None: take kvd's settings). ``fused_kv``: see ``KVArgsWire``."""
 
-    kv_buffers: list[MemoryHandle]
-    kv_item_lens: list[int]
-    aux_buffers: list[MemoryHandle]
-    aux_item_lens: list[int]
-    page_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype_size: int
-    num_layers: int
-    layer_start: int = 0
+    kv_buffers: KVHandles
+    kv_item_lens: Ints
+    aux_buffers: KVHandles
+    aux_item_lens: Ints
+    page_size: Count
+    num_kv_heads: Count
+    head_dim: Count
+    dtype_size: Count
+    num_layers: Count
+    layer_start: Count = 0
     is_mla: bool = False
-    layout: str = "NHD"
-    total_kv_heads: int = 0
+    layout: Name = "NHD"
+    total_kv_heads: Count = 0
     engine_id: str = ""         # the same engine after a reconnect keeps its rooms
     ranks: EngineRanks | None = None
     fused_kv: bool = False
     compat: Compat | None = None  # the engine's fingerprint fields (wire_version: kvd's)
     state: StateSpec | None = None  # hybrid models: what state_buffers hold
-    state_buffers: list[MemoryHandle] = []  # state slots, then the window pool's buffers
+    state_buffers: StateHandles = []  # state slots, then the window pool's buffers
     # extra paged caches (draft KV, indexer K): their shapes, then every group's buffers in
     # group order; named fields of the aux slot (typed aux). Wire version 7.
     groups: Annotated[list[GroupSpec], msgspec.Meta(max_length=MAX_GROUPS)] = []
-    group_buffers: list[MemoryHandle] = []
+    group_buffers: GroupHandles = []
     aux_fields: Annotated[list[AuxField], msgspec.Meta(max_length=MAX_AUX_FIELDS)] = []
 
 

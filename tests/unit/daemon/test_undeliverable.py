@@ -46,9 +46,11 @@ def test_k16_the_largest_real_messages_are_deliverable() -> None:
 
 
 def test_a_small_registration_with_an_integer_past_its_bound_is_named_when_checked_whole() -> None:
-    """A registration's integers are the engine's (``RegisterKV`` does not bound them): a
-    short one with ``layer_start=-1`` is under CHECK_FRAMES_FROM, yet a peer refuses it
-    as malformed, so Core.send checks a registration whole and names the field."""
+    """A short registration with ``layer_start=-1`` is under CHECK_FRAMES_FROM, yet a peer
+    refuses it as malformed, so Core.send checks a registration whole and names the field.
+    The engine socket refuses such a ``RegisterKV`` first (its integers carry the same
+    bounds, tests/inproc/test_register_bounds.py); this check stays for what the daemon
+    itself builds."""
     args = control.KVArgsWire("s", [1], [64], [64], [], [], [], 16, 1, 64, 2, 1,
                               layer_start=-1)
     frame = control.encode(control.RegisterRank("d-a", "tcp://d:1", 0, 1, args))

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvd.errors import ProtocolError
-from kvd.protocol import codec, control, rpc
+from kvd.protocol import bounds, codec, control, memory, rpc
 from kvd.rooms.state import KVPoll
 
 #: integers around every bound that matters: int64, uint64, the sentinels, and past them
@@ -87,18 +87,17 @@ def _frame(doc: Any) -> bytes:
 
 
 def test_every_control_integer_is_bounded_and_every_message_has_one() -> None:
-    """No integer of a control structure is a bare ``int``: each carries a lower bound
-    (and an upper one, unless it is a u64). The exported pool's integers
-    (:mod:`kvd.protocol.memory`, shared with the engine RPC) are the exception, bounded
-    only by msgpack."""
-    unbounded = {(cls.__name__, _where(p)) for cls, p, it, owner in FIELDS
-                 if owner.__module__ == control.__name__ and it.ge is None}
+    """No integer of a control structure is a bare ``int``, the exported pool's
+    (:mod:`kvd.protocol.memory`, ``RegisterRank.pool``) included: each carries a lower
+    bound (and an upper one, unless it is a u64)."""
+    assert {owner.__module__ for *_, owner in FIELDS} == {control.__name__, memory.__name__}
+    unbounded = {(cls.__name__, _where(p)) for cls, p, it, owner in FIELDS if it.ge is None}
     assert not unbounded
     assert {cls for cls, *_ in FIELDS} == set(MESSAGES) - {control.Refused}
-    u64 = {_where(p) for cls, p, it, owner in FIELDS
-           if owner.__module__ == control.__name__ and it.le is None}
+    u64 = {_where(p) for cls, p, it, owner in FIELDS if it.le is None}
     assert u64 == {"$.room", "$.kv_args.kv_data_ptrs[0]", "$.kv_args.aux_data_ptrs[0]",
-                   "$.kv_args.state.ptrs[0]", "$.kv_args.groups[0].ptrs[0]"}
+                   "$.kv_args.state.ptrs[0]", "$.kv_args.groups[0].ptrs[0]",
+                   "$.pool.buffers[0].address"}
 
 
 def test_the_templates_decode() -> None:
@@ -163,6 +162,8 @@ def test_the_largest_room_id_and_incarnation_decode() -> None:
 def test_one_definition_of_the_shared_bounds() -> None:
     """The engine RPC's room calls use the control plane's types; a room status is a
     KVPoll value."""
-    assert rpc.RoomId is control.RoomId and rpc.I64 is control.I64
+    for name in ("RoomId", "I64", "Count", "Address", "Size", "I64_MAX"):
+        assert getattr(control, name) is getattr(bounds, name), name
+    assert rpc.RoomId is bounds.RoomId and rpc.I64 is bounds.I64
     status = mi.type_info(control.StatusCode)
     assert (status.ge, status.le) == (min(KVPoll), max(KVPoll))

@@ -252,8 +252,8 @@ def hybrid_registration() -> control.RegisterRank:
                                   "g" * 32, [most] * n_group, big, big, big, big, big, big, True,
                                   True, name), [top] * n_group, [most] * n_group)] *
                               control.MAX_GROUPS)
-    handle = CudaIpcHandle(b"h" * CUDA_IPC_HANDLE_BYTES, top, top, name, big)
-    pool = ExportedPool(name, [ExportedBuffer(top, top, handle)] * (
+    handle = CudaIpcHandle(b"h" * CUDA_IPC_HANDLE_BYTES, most, most, name, big)
+    pool = ExportedPool(name, [ExportedBuffer(top, most, handle)] * (
         2 * control.MAX_BUFFERS + n_state + n_win + control.MAX_GROUPS * n_group))
     return control.RegisterRank("i" * 64, "e" * 256, big, big, args, pool)
 

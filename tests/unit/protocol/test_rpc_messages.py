@@ -14,20 +14,23 @@ from kvd.protocol import codec, rpc
 
 U64 = st.integers(min_value=0, max_value=2**64 - 1)
 I64 = st.integers(min_value=-(2**63), max_value=2**63 - 1)
-# room ids are 64-bit unsigned on the wire (rpc.RoomId); a call's other integers int64
+COUNT = st.integers(min_value=0, max_value=2**63 - 1)
+# room ids are 64-bit unsigned on the wire (rpc.RoomId); a room call's other integers int64;
+# a registration's counts, sizes, offsets and lengths [0, 2**63) (kvd.protocol.bounds)
 TEXT = st.text(max_size=40)
-INT_LISTS = st.lists(U64, max_size=8)
+INT_LISTS = st.lists(COUNT, max_size=8)
 
-shm_handles = (st.builds(rpc.ShmHandle, path=TEXT, offset=U64, length=U64)
-               | st.builds(rpc.FdHandle, fd=I64, offset=U64, length=U64)
+shm_handles = (st.builds(rpc.ShmHandle, path=TEXT, offset=COUNT, length=COUNT)
+               | st.builds(rpc.FdHandle, fd=COUNT, offset=COUNT, length=COUNT)
                | st.builds(rpc.CudaIpcHandle, handle=st.binary(min_size=64, max_size=64),
-                           offset=U64, length=U64, device_uuid=TEXT, device=I64))
+                           offset=COUNT, length=COUNT, device_uuid=TEXT, device=COUNT))
 
 CALLS = {
     "RegisterKV": st.builds(
         rpc.RegisterKV, kv_buffers=st.lists(shm_handles, max_size=4), kv_item_lens=INT_LISTS,
-        aux_buffers=st.lists(shm_handles, max_size=3), aux_item_lens=INT_LISTS, page_size=I64,
-        num_kv_heads=I64, head_dim=I64, dtype_size=I64, num_layers=I64, layer_start=I64,
+        aux_buffers=st.lists(shm_handles, max_size=3), aux_item_lens=INT_LISTS, page_size=COUNT,
+        num_kv_heads=COUNT, head_dim=COUNT, dtype_size=COUNT, num_layers=COUNT,
+        layer_start=COUNT,
         is_mla=st.booleans(), layout=TEXT, engine_id=TEXT),
     "SenderCreate": st.builds(rpc.SenderCreate, room=U64),
     "SenderInit": st.builds(rpc.SenderInit, room=U64, num_pages=I64, aux_index=I64),
