@@ -1,19 +1,26 @@
 """In-process tier: a ``RegisterKV`` with an integer outside its wire bound (a negative
-layer, item length or handle offset, a count past int64) is refused at the engine socket
--- a ProtocolError reply naming the field, nothing registered -- and a good registration
-on the same connection afterwards works and moves bytes. Before, ``layer_start=-1`` or a
-negative ``kv_item_lens`` entry was taken, and only failed later, when the daemon
-registered with a peer (a control frame no peer would decode)."""
+layer, item length or handle offset, a count past int64, a parallel size of 0) is refused
+at the engine socket -- a ProtocolError reply naming the field, nothing registered -- and
+a good registration on the same connection afterwards works and moves bytes. Before,
+``layer_start=-1`` registered (the daemon failed only when it registered with a peer: a
+RegisterRank no peer would decode), and the others were refused by later checks in words
+that named no field ("item lengths must be positive", "buffer [-8, +32768) is outside
+...", "4 KV buffers for 9223372036854775808 layers")."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 
+from kvd.client import KvdClient
 from kvd.engine_rpc.server import Connection, EngineRpcServer
+from kvd.errors import ProtocolError
 from kvd.protocol import codec, rpc
+from kvd.refengine.standin import StandInPool
 from tests.inproc.harness import SUCCESS, Cluster, Engine, same_pages, settle
 
 
@@ -42,12 +49,11 @@ async def _answer(server: EngineRpcServer, call: rpc.Call, conn: Connection) -> 
 
 
 async def test_a_registration_with_an_out_of_range_integer_is_refused_naming_it(
-        cluster: Cluster, tmp_path: Any) -> None:
+        cluster: Cluster, tmp_path: Path) -> None:
     p = await cluster.node("prefill")
     d = await cluster.node("decode")
     de = await d.engine(seed=2)
     server = EngineRpcServer(tmp_path / "kvd.sock", p.daemon.dispatch, 1 << 24)
-    from kvd.refengine.standin import StandInPool
     pool = StandInPool(seed=1, shm_dir=str(cluster.shm_dir), num_layers=2, num_pages=32,
                        item_len=1024, aux_slots=64, aux_item_len=16, page_size=4, head_dim=64)
     cluster.pools.append(pool)
@@ -69,6 +75,7 @@ async def test_a_registration_with_an_out_of_range_integer_is_refused_naming_it(
     await settle(cluster)
     assert await de.status(60) == SUCCESS and await pe.status(60) == SUCCESS
     assert same_pages(de, pe, [10, 11], [3, 4])
+    assert (de.pool.aux[1] == pe.pool.aux[2]).all()
 
 
 @pytest.mark.parametrize("value", [-1, 2**63])
@@ -77,5 +84,31 @@ def test_the_registration_calls_integers_are_bounded_in_the_codec(value: int) ->
     reg = rpc.RegisterKV(kv_buffers=[], kv_item_lens=[], aux_buffers=[], aux_item_lens=[],
                          page_size=1, num_kv_heads=1, head_dim=1, dtype_size=1, num_layers=1,
                          layer_start=value)
-    with pytest.raises(Exception, match="layer_start"):
+    with pytest.raises(ProtocolError, match=r"`\$\.call\.layer_start`"):
         rpc.decode_request(codec.encode(rpc.Request(id=1, call=reg)))
+
+
+async def test_over_the_engine_socket_the_client_gets_the_refusal_and_registers_after(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """The same through a real Unix socket and :class:`~kvd.client.KvdClient`: the refusal
+    arrives as a ProtocolError naming the field, the connection stays usable, and the
+    good registration on it succeeds."""
+    p = await cluster.node("prefill")
+    path = tmp_path / "e.sock"
+    server = EngineRpcServer(path, p.daemon.dispatch, 1 << 24, None, p.daemon.dispatch_now)
+    await server.start()
+    pool = StandInPool(seed=1, shm_dir=str(cluster.shm_dir), num_layers=2, num_pages=32,
+                       item_len=1024, aux_slots=64, aux_item_len=16, page_size=4, head_dim=64)
+    cluster.pools.append(pool)
+    client = KvdClient(str(path), timeout=60.0, use_table=False)
+    try:
+        bad = msgspec.structs.replace(pool.registration, layer_start=-1)
+        with pytest.raises(ProtocolError, match=r"`\$\.call\.layer_start`"):
+            await asyncio.to_thread(client.call, bad)
+        assert p.daemon.core.local is None
+        result = await asyncio.to_thread(client.call, pool.registration)
+        assert isinstance(result, rpc.RegisterResult) and result.num_pages == 32
+        assert p.daemon.core.local is not None
+    finally:
+        await asyncio.to_thread(client.close)
+        await server.stop()
