@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from kvd.client import KvdClient, poll_array, poll_many
 from kvd.client.ring import EngineRing
-from kvd.protocol import rpc
-from kvd.protocol.ring import Consumer, Ring, ring_bytes
+from kvd.protocol import codec, rpc
+from kvd.protocol.ring import Consumer, Producer, Ring, ring_bytes
 from kvd.protocol.table import SlotMap, StatusTable, table_bytes
 from kvd.rooms import UNKNOWN_ROOM
 
@@ -45,7 +45,7 @@ class Model:
         self.map = mmap.mmap(fd, 2 * half)
         view = memoryview(self.map)
         self.sub = Ring.create(view[:half], CAPACITY, RECORD)
-        Ring.create(view[half:], CAPACITY, RECORD)
+        self.outbox = Producer(Ring.create(view[half:], CAPACITY, RECORD))
         del view
         self.inbox = Consumer(self.sub)
         self.sock, self.peer = socket.socketpair()
@@ -67,7 +67,7 @@ class Model:
     def close(self) -> None:
         assert self.client.ring is not None
         self.client.ring.close()
-        self.sub = self.inbox = None  # type: ignore[assignment]
+        self.sub = self.inbox = self.outbox = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):  # a view alive: the GC unmaps
             self.map.close()
         self.sock.close()
@@ -199,3 +199,23 @@ def test_another_thread_in_a_ring_call_sends_the_read_to_the_socket(model: Model
     statuses, misses = model.client.read_statuses(np.array([5, 6], dtype=np.uint64)) or \
         (None, None)
     assert statuses is not None and list(misses or []) == [1]  # room 6's record unrun
+
+
+def test_a_refusal_read_before_tail_passed_its_record_still_leaves_its_room_out(
+        model: Model) -> None:
+    """kvd writes a refused call's completion before ``tail`` passes the record, and a
+    refused call may have changed its room too (kvd publishes it all the same): the
+    client reading the completion early still counts the record unrun until ``tail``
+    passes it, so the room is asked of the socket meanwhile, not read from the table."""
+    model.call(7, 2)
+    model.run(1)
+    model.call(7, 3)
+    ring = model.client.ring
+    assert ring is not None
+    seq = model.inbox.tail
+    model.outbox.push(codec.encode(rpc.Reply(id=seq, ok=False, error="no", kind="bad_call")))
+    ring.collect()  # the refusal is read; tail has not passed the record yet
+    assert 7 in ring.refused and ring.unrun_rooms() == {7}
+    assert model.client.read_table_one(7) is None
+    model.run(1)
+    assert ring.unrun_rooms() == set() and model.client.read_table_one(7) == (3, False)
