@@ -92,7 +92,9 @@ class EngineRing:
             raise ProtocolError(f"kvd's rings: {exc}") from exc
         self.out, self.inbox = Producer(self.sub), Consumer(self.comp)
         self.max_payload = self.sub.max_payload
-        #: call id -> room of calls not yet known done (their refusal may still come)
+        #: call id -> room of calls not yet known run, in call-id order (their refusal may
+        #: still come); a call leaves once ``tail`` passed it, so every record kvd has not
+        #: run is here (:meth:`unrun_rooms`)
         self.inflight: dict[int, int] = {}
         #: refusals of calls nobody waited for: room -> the first one
         self.refused: dict[int, KvdError] = {}
@@ -191,6 +193,24 @@ class EngineRing:
         (it closed the ring)."""
         return self.sub.tail >= self.out.head or self.sub.closed
 
+    def unrun_rooms(self) -> set[int]:
+        """The rooms named by a record kvd has not run yet (a create, init, send, abort or
+        clear): the status table does not reflect those calls yet, so it answers only the
+        other rooms. Empty once kvd ran every record, or closed the ring (it runs none
+        any more). ``tail`` is read first: a record it passed ran, and kvd published its
+        room into the table before (:mod:`kvd.engine_rpc.channel`). O(records not run):
+        :attr:`inflight` is read from its newest call back to ``tail``."""
+        tail = self.sub.tail
+        if tail >= self.out.head or self.sub.closed:
+            return set()
+        rooms: set[int] = set()
+        inflight = self.inflight
+        for seq in reversed(inflight):
+            if seq < tail:
+                break
+            rooms.add(inflight[seq])
+        return rooms
+
     def wait_done(self, seq: int, timeout: float) -> None:
         """Block until kvd ran call ``seq`` (RingClosed, DaemonGone, TimeoutError)."""
         self._wait(lambda: self.done(seq), timeout)
@@ -223,7 +243,7 @@ class EngineRing:
             if self.clearing:
                 self._settle_clears(reply.id)
                 self.clearing.pop(reply.id, None)  # a refused Clear: the room reads Failed
-            room = self.inflight.pop(reply.id, None)
+            room = self.inflight.get(reply.id)  # it leaves once tail passed it, below
             key = self.owner.pop(reply.id, None)
             if reply.ok or room is None:
                 continue  # nothing to tell (kvd writes refusals of calls made here only)

@@ -23,7 +23,7 @@ from kvd.client.ring import NEW, DaemonGone, EngineRing, Handle, RingClosed
 from kvd.engine_rpc.socket_path import default_engine_socket
 from kvd.errors import KvdError, KvdUnreachable, ProtocolError
 from kvd.protocol import rpc
-from kvd.protocol.table import DEFAULT_STALE_NS, Misses, StatusTable
+from kvd.protocol.table import DEFAULT_STALE_NS, FEW, Misses, StatusTable
 
 
 def _error_from_reply(reply: rpc.Reply | rpc.RawReply) -> Exception:
@@ -748,36 +748,64 @@ class KvdClient:
             npt.NDArray[np.int8], npt.NDArray[np.bool_], npt.NDArray[np.bool_]] | None:
         """``(statuses, releasable, hit)`` of ``rooms`` (uint64, 1-D) from kvd's status
         table, no syscall (:meth:`StatusTable.read`); None when there is no fresh table
-        (none mapped, closed, or its writer silent for ``stale_ns``), or while kvd has not
-        run every call submitted through the ring yet: ask the socket."""
-        table = self._readable_table()
-        return None if table is None else table.read(rooms)
+        (none mapped, closed, or its writer silent for ``stale_ns``), or while another
+        thread is in a ring call: ask the socket. A room named by a ring record kvd has
+        not run yet reads ``hit`` False (the table does not reflect that call yet; the
+        socket's ``Poll`` runs it first): the table answers the others."""
+        read = self._readable_table()
+        if read is None:
+            return None
+        table, unrun = read
+        statuses, releasable, hit = table.read(rooms)
+        if unrun:
+            hit = hit & ~np.isin(rooms, _ids(unrun))
+        return statuses, releasable, hit
 
     def read_statuses(self, rooms: npt.NDArray[np.uint64]) -> tuple[
             npt.NDArray[np.int8], Misses] | None:
         """``(statuses, misses)`` of ``rooms`` from the status table: a poll's read
         (:meth:`StatusTable.read_statuses`: no ``releasable``, and the positions of the
-        rooms it does not answer); None where :meth:`read_table` answers None."""
-        table = self._readable_table()
-        return None if table is None else table.read_statuses(rooms)
+        rooms it does not answer, those a ring record kvd has not run yet names among
+        them); None where :meth:`read_table` answers None."""
+        read = self._readable_table()
+        if read is None:
+            return None
+        table, unrun = read
+        statuses, misses = table.read_statuses(rooms)
+        return statuses, (_unrun_missed(rooms, misses, unrun) if unrun else misses)
 
     def read_table_one(self, room: int) -> tuple[int, bool] | None:
         """``(status, releasable)`` of one room from the status table, or None: ask the
-        socket (no fresh table, the table does not answer this room, or the ring holds
-        calls kvd has not run yet)."""
-        table = self._readable_table()
-        return None if table is None else table.read_one(room)
+        socket (no fresh table, the table does not answer this room, a ring record kvd
+        has not run yet names it, or another thread is in a ring call)."""
+        read = self._readable_table()
+        if read is None or room in read[1]:
+            return None
+        return read[0].read_one(room)
 
-    def _readable_table(self) -> StatusTable | None:
-        """The status table if a read of it answers now: mapped, fresh, and no ring call
-        kvd has not run yet (the socket's ``Poll`` runs the ring's calls first)."""
+    def _readable_table(self) -> tuple[StatusTable, set[int]] | None:
+        """The status table if a read of it answers now (mapped and fresh), and the rooms
+        it cannot answer yet: those a ring record kvd has not run names (issue 21, P9: a
+        poll right after a call not waited for answers every other room from the table;
+        the socket's ``Poll`` runs the records first). The rooms are read before the
+        table, so a room not named was published by kvd before the read. None while
+        another thread holds the ring's lock with records unrun (a ring call in
+        progress: the records are read under that lock; the socket answers instead of
+        waiting for it)."""
         table = self.table
         if table is None or not table.fresh(time.monotonic_ns(), self.stale_ns):
             return None
         ring = self.ring
-        if ring is not None and not ring.drained():
+        if ring is None or ring.drained():
+            return table, _NO_ROOMS
+        if not self._ring_lock.acquire(blocking=False):
             return None
-        return table
+        try:
+            if self.ring is not ring:
+                return None  # replaced meanwhile (a reconnect): the socket
+            return table, ring.unrun_rooms()
+        finally:
+            self._ring_lock.release()
 
     def _open_table(self) -> None:
         """Map kvd's status table (after a registration; under the lock). A kvd without
@@ -1031,6 +1059,27 @@ class _Broken(Exception):
 #: How many bytes a record's call id may grow by from the one it was encoded with (a
 #: msgpack integer takes 1 to 9 bytes).
 _ID_GROWTH = 8
+
+
+#: :meth:`KvdClient._readable_table`'s rooms when no ring record waits (never changed)
+_NO_ROOMS: set[int] = set()
+
+
+def _ids(rooms: set[int]) -> npt.NDArray[np.uint64]:
+    return np.fromiter(rooms, dtype=np.uint64, count=len(rooms))
+
+
+def _unrun_missed(rooms: npt.NDArray[np.uint64], misses: Misses,
+                  unrun: set[int]) -> Misses:
+    """``misses`` (positions in ``rooms`` the table does not answer) with the positions
+    of the rooms in ``unrun`` added, in order (up to :data:`~kvd.protocol.table.FEW`
+    rooms in plain Python, as the table reads them)."""
+    if len(rooms) <= FEW:
+        missed = set(misses)
+        return [i for i, room in enumerate(rooms.tolist()) if room in unrun or i in missed]
+    stale = np.isin(rooms, _ids(unrun))
+    stale[misses] = True
+    return np.flatnonzero(stale) if stale.any() else []
 
 
 def _fits(ring: EngineRing, call: rpc.RingCall) -> bool:
