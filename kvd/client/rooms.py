@@ -63,16 +63,14 @@ def poll_array(client: KvdClient, rooms: npt.ArrayLike) -> npt.NDArray[np.int8]:
     and in ONE ``Poll`` RPC for the rest (every room when there is no table).
 
     What :func:`poll_many` answers, as an array; the same failure rules. ValueError for
-    an id that is no 64-bit unsigned integer (a negative one, say).
+    an id that is no 64-bit unsigned integer (a negative one, say), whatever carries it:
+    a list, or an array of another dtype (numpy's cast would wrap a negative int64 to
+    another room's id and truncate a float to one; case S19).
     """
     if type(rooms) is np.ndarray and rooms.dtype is _U64 and rooms.ndim == 1:
         ids = rooms  # the adapters' case: no conversion
     else:
-        try:
-            ids = np.asarray(rooms, dtype=np.uint64).reshape(-1)
-        except (OverflowError, TypeError, ValueError) as exc:
-            raise ValueError(f"poll_array: room ids are integers in [0, 2**64): {exc}") \
-                from exc
+        ids = _uint64_ids(rooms)
     read = client.read_statuses(ids)
     if read is None:
         statuses = np.asarray(_poll_socket(client, ids.tolist()), dtype=np.int8)
@@ -81,6 +79,32 @@ def poll_array(client: KvdClient, rooms: npt.ArrayLike) -> npt.NDArray[np.int8]:
         if len(misses):
             statuses[misses] = _poll_socket(client, ids[misses].tolist())
     return _refused_failed(client, ids, statuses)
+
+
+def _uint64_ids(rooms: npt.ArrayLike) -> npt.NDArray[np.uint64]:
+    """``rooms`` as a 1-D uint64 array, exactly: ValueError for an id that is no integer
+    in ``[0, 2**64)`` (an array of unsigned or signed integers is checked, never cast
+    blindly; anything else goes id by id through :mod:`array`'s ``Q``, which refuses a
+    negative, too large or non-integer one)."""
+    why = ""
+    if isinstance(rooms, np.ndarray) and rooms.dtype.kind == "O":
+        rooms = rooms.reshape(-1).tolist()  # Python ints (or not): id by id below
+    if isinstance(rooms, np.ndarray):
+        kind = rooms.dtype.kind
+        if kind == "u" or rooms.size == 0:
+            return rooms.astype(np.uint64).reshape(-1)
+        if kind == "i":
+            if int(rooms.min()) >= 0:
+                return rooms.astype(np.uint64).reshape(-1)
+            why = f"{int(rooms.min())} is negative"
+        else:
+            why = f"an array of {rooms.dtype}"
+    else:
+        try:
+            return np.frombuffer(array.array("Q", rooms), dtype=np.uint64)  # type: ignore[arg-type,type-var]
+        except (OverflowError, TypeError, ValueError) as exc:
+            why = str(exc)
+    raise ValueError(f"room ids are integers in [0, 2**64): {why}")
 
 
 def _refused_failed(client: KvdClient, ids: npt.NDArray[np.uint64],
@@ -119,7 +143,7 @@ def poll_many(client: KvdClient, rooms: list[int]) -> list[KVPoll | int]:
         return [KVPoll.Failed] * len(rooms)
     statuses = _statuses(result.statuses)
     if client.holds_refusals():  # kept across a dropped connection (K27)
-        ids = np.asarray(rooms, dtype=np.uint64).reshape(-1)
+        ids = _uint64_ids(rooms)
         return _statuses_of(_refused_failed(client, ids, np.array(statuses, dtype=np.int8)))
     return statuses
 
@@ -140,7 +164,7 @@ def wait_many(client: KvdClient, rooms: list[int], timeout: float) -> list[KVPol
     A room holding a ring refusal reads Failed at once and is not waited for."""
     refused = None
     if rooms:
-        refused = client.ring_refused(np.asarray(rooms, dtype=np.uint64).reshape(-1))
+        refused = client.ring_refused(_uint64_ids(rooms))
     waited = list(rooms) if refused is None else \
         [r for r, bad in zip(rooms, refused.tolist(), strict=True) if not bad]
     out: list[KVPoll | int] = [KVPoll.Failed] * len(rooms)

@@ -597,6 +597,9 @@ class KvdClient:
         if ring is None:
             return None
         with self._ring_lock:
+            # the Clears another thread's read found ran go first: a refusal taken now
+            # came after them, and stays (:meth:`_drop_cleared`)
+            self._drop_cleared(ring)
             refusal = ring.refused.pop(room, None)
             if refusal is not None:
                 self._refusal_taken[room] = refusal
@@ -650,10 +653,18 @@ class KvdClient:
                     return None
         if ring.cleared:
             with self._ring_lock:
-                for room in ring.cleared:
-                    self._refusal_taken.pop(room, None)
-                ring.cleared.clear()
+                self._drop_cleared(ring)
         return ring
+
+    def _drop_cleared(self, ring: EngineRing) -> None:
+        """Drop the taken refusals of the rooms whose unwaited Clear ``ring`` found ran
+        (under the ring's lock). Done before any refusal is taken: a refusal the same read
+        found after the Clear is still in ``ring.refused`` then, and a refusal taken
+        earlier came before the Clear. (Taken first, a later call's refusal was dropped
+        as the Clear's: the room read unknown though its call never ran.)"""
+        for room in ring.cleared:
+            self._refusal_taken.pop(room, None)
+        ring.cleared.clear()
 
     def _forget_refusals(self, rooms: list[int]) -> None:
         """``rooms`` were cleared: their kept refusals go with them (after every completion
@@ -739,8 +750,16 @@ class KvdClient:
             elif ring is not None:
                 with contextlib.suppress(ProtocolError):
                     ring.collect()
+                self._drop_cleared(ring)
+                # an unwaited Clear kvd has not run yet runs after the drop (the engine's
+                # records run in order before its reconnect, K41), and one it refuses then
+                # fails the room in kvd: the refusals kept from before it go as if it ran
+                clearing = set(ring.clearing.values())
+                for room in clearing:
+                    self._refusal_taken.pop(room, None)
                 for room, refusal in ring.refused.items():
-                    self._refusal_taken.setdefault(room, refusal)
+                    if room not in clearing:
+                        self._refusal_taken.setdefault(room, refusal)
             if ring is not None:
                 ring.close()
 

@@ -44,20 +44,25 @@ class Claims:
     """``(region kind, index) -> (room, incarnation)`` for one registered pool.
 
     ``sizes``: regions of each kind the pool holds (pages, aux slots, state slots, window
-    pages); a kind absent or of size 0 is not claimed. Memory: two int64 per region.
+    pages); a kind absent or of size 0 is not claimed. Memory per region: the room (uint64:
+    a room id is any 64-bit unsigned integer, ``2**64 - 1`` included, case S19), the
+    incarnation (int64) and whether it is claimed (bool; no room id is free to be a
+    sentinel).
     """
 
     def __init__(self, sizes: Mapping[str, int] | None = None) -> None:
         self.sizes: dict[str, int] = {}
         self._room: dict[str, np.ndarray] = {}
         self._inc: dict[str, np.ndarray] = {}
+        self._held: dict[str, np.ndarray] = {}
         self.reset(sizes or {})
 
     def reset(self, sizes: Mapping[str, int]) -> None:
         """A new pool (or none: ``{}``): every claim is dropped."""
         self.sizes = {k: int(n) for k, n in sizes.items() if n > 0}
-        self._room = {k: np.full(n, -1, dtype=np.int64) for k, n in self.sizes.items()}
+        self._room = {k: np.zeros(n, dtype=np.uint64) for k, n in self.sizes.items()}
         self._inc = {k: np.zeros(n, dtype=np.int64) for k, n in self.sizes.items()}
+        self._held = {k: np.zeros(n, dtype=bool) for k, n in self.sizes.items()}
 
     def check(self, room: int, regions: Mapping[str, Pages],
               live: Callable[[int, int], bool]) -> None:
@@ -92,6 +97,7 @@ class Claims:
             if kind in self.sizes and idx.size:
                 self._room[kind][idx] = owner[0]
                 self._inc[kind][idx] = owner[1]
+                self._held[kind][idx] = True
 
     def free(self, owner: Owner, regions: Mapping[str, Pages]) -> None:
         """Drop ``owner``'s claims on ``regions`` (those another room claimed since stay)."""
@@ -99,16 +105,17 @@ class Claims:
             n = self.sizes.get(kind)
             if n is None or idx.size == 0:
                 continue
-            rooms, incs = self._room[kind], self._inc[kind]
+            rooms, incs, held = self._room[kind], self._inc[kind], self._held[kind]
             if idx.size <= SMALL:
                 for i in idx.tolist():
-                    if 0 <= i < n and rooms[i] == owner[0] and incs[i] == owner[1]:
-                        rooms[i] = -1
+                    if 0 <= i < n and held[i] and int(rooms[i]) == owner[0] and \
+                            incs[i] == owner[1]:
+                        held[i] = False
                 continue
             if int(idx.max()) >= n:  # named in a pool registered before this one
                 continue
-            mine = (rooms[idx] == owner[0]) & (incs[idx] == owner[1])
-            rooms[idx[mine]] = -1
+            mine = held[idx] & (rooms[idx] == np.uint64(owner[0])) & (incs[idx] == owner[1])
+            held[idx[mine]] = False
 
     def _check_small(self, room: int, kind: str, idx: list[int], n: int,
                      live: Callable[[int, int], bool]) -> None:
@@ -122,27 +129,28 @@ class Claims:
                 raise RoomError(f"{what} {i} is named twice (positions {seen[i]} and {k}): a "
                                 f"room's regions must be distinct")
             seen[i] = k
-        rooms, incs = self._room[kind], self._inc[kind]
+        rooms, incs, claimed = self._room[kind], self._inc[kind], self._held[kind]
         for k, i in enumerate(idx):
-            other = int(rooms[i])
-            if other >= 0 and live(other, int(incs[i])):
+            if claimed[i] and live(other := int(rooms[i]), int(incs[i])):
                 raise RoomError(_held(room, kind, i, k, other))
 
     def holders(self, kind: str) -> dict[int, Owner]:
         """``index -> owner`` of every claimed region of ``kind`` (tests, diagnostics)."""
         if kind not in self.sizes:
             return {}
-        held = np.flatnonzero(self._room[kind] >= 0)
+        held = np.flatnonzero(self._held[kind])
         return {int(i): (int(self._room[kind][i]), int(self._inc[kind][i])) for i in held}
 
     def _check_holders(self, room: int, kind: str, idx: Pages,
                        live: Callable[[int, int], bool]) -> None:
         owners, incs = self._room[kind][idx], self._inc[kind][idx]
-        named = np.flatnonzero(owners >= 0)
+        named = np.flatnonzero(self._held[kind][idx])
         if not named.size:
             return
-        pairs = np.unique(np.stack([owners[named], incs[named]], axis=1), axis=0)
-        held = [(int(o), int(i)) for o, i in pairs.tolist() if live(int(o), int(i))]
+        # the distinct owners as Python ints (a uint64 and an int64 column stacked would
+        # be float64: room ids past 2**53 would merge)
+        pairs = sorted(set(zip(owners[named].tolist(), incs[named].tolist(), strict=True)))
+        held = [(o, i) for o, i in pairs if live(o, i)]
         if not held:
             return
         mask = np.zeros(named.size, dtype=bool)

@@ -412,3 +412,96 @@ def test_a_closed_clients_room_objects_read_failed_naming_the_close(
     again.clear()
     client.close()
     probe.close()
+
+
+def test_a_refusal_taken_while_another_thread_reads_a_clear_before_it_stays_kept(
+        own_kvd: tuple[DaemonProcess, StandInPool], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room 9100: a Clear, then an init kvd refuses (no such room), both through the ring
+    without waiting. Thread A takes the room's refusal (``ring_refusal``) just as thread B
+    reads the completions (here B's read is placed, deterministically, between A's look
+    at the ring and A's taking of the lock). Before, A kept the init's refusal and the
+    next read of the room dropped it as belonging to the Clear before it: the room read
+    unknown, not Failed, though its init never ran. Now the room reads Failed until it is
+    cleared again."""
+    d, pool = own_kvd
+    client = _ring_client(d, pool)
+    ring = client.ring
+    assert ring is not None
+    room = 9100
+    real = client._collected
+    raced: list[bool] = []
+
+    def collected_then_raced() -> Any:
+        got = real()
+        if not raced:  # thread B, in the window: kvd runs the records, B reads them
+            raced.append(True)
+            d.proc.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 60
+            while ring.comp.head == ring.inbox.tail:
+                assert time.monotonic() < deadline, "kvd never answered the init"
+                time.sleep(0.001)
+            with client._ring_lock:
+                ring.collect()
+        return got
+
+    d.proc.send_signal(signal.SIGSTOP)  # the records wait unrun: A looks before kvd ran them
+    try:
+        client.submit(rpc.Clear(room=room))
+        client.submit(rpc.SenderInit(room=room, num_pages=1, aux_index=0))
+        monkeypatch.setattr(client, "_collected", collected_then_raced)
+        taken = client.ring_refusal(room)
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    monkeypatch.setattr(client, "_collected", real)
+    assert raced and isinstance(taken, RoomError), taken
+    assert client.room_refusal(room) is taken  # kept until the room is cleared again
+    assert poll_array(client, [room]).tolist() == [int(KVPoll.Failed)]
+    client.call(rpc.Clear(room=room))
+    assert client.room_refusal(room) is None
+    client.close()
+
+
+@pytest.mark.parametrize("ran", [True, False])
+def test_a_room_cleared_unwaited_before_a_drop_starts_clean_after_the_reconnect(
+        own_kvd: tuple[DaemonProcess, StandInPool], ran: bool) -> None:
+    """Room 9200 reads Failed by a refusal nobody waited for; a Clear of it goes through
+    the ring, not waited for, and the connection drops (``ran``: after kvd ran the Clear,
+    its completions unread; or before, kvd stopped: the Clear runs after the drop, K41).
+    The engine reconnects within the grace and makes room 9200 again. Before, the client
+    kept the old refusal across the drop (the ring that knew the Clear was gone) and the
+    new room read Failed; now it reads as kvd says."""
+    d, pool = own_kvd
+    client = _ring_client(d, pool)
+    ring = client.ring
+    assert ring is not None
+    room = 9200
+    client.submit(rpc.SenderInit(room=room, num_pages=1, aux_index=0))  # no such room
+    _until(ring.drained)
+    assert poll_array(client, [room]).tolist() == [int(KVPoll.Failed)]
+    assert isinstance(client.ring_refusal(room), RoomError)  # taken (a room's failure())
+    if not ran:
+        d.proc.send_signal(signal.SIGSTOP)
+    try:
+        client.submit(rpc.Clear(room=room))  # not waited for
+        if ran:
+            _until(ring.drained)
+        client.interrupt()  # the connection drops: the call in progress (this Info)
+        with pytest.raises(KvdUnreachable):  # fails, the next
+            client.call(rpc.Info())  # call reconnects
+    finally:
+        if not ran:
+            d.proc.send_signal(signal.SIGCONT)
+    again = Sender(client, room)  # reconnects and registers again (same engine: K27)
+    again.wait_created()
+    assert client.room_refusal(room) is None
+    assert poll_array(client, [room]).tolist() == [int(KVPoll.Bootstrapping)]
+    assert again.poll() == KVPoll.Bootstrapping, again.failure()
+    again.clear()
+    client.close()
+
+
+def _until(predicate: Callable[[], object], bound: float = 60.0) -> None:
+    deadline = time.monotonic() + bound
+    while not predicate():
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.001)

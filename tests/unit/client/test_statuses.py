@@ -82,10 +82,15 @@ def test_an_answer_with_fewer_statuses_than_rooms_is_a_protocol_error(tmp_path: 
         KvdClient(str(tmp_path / "many.sock"), timeout=10.0).call_many([rpc.Poll(rooms=[1, 2])])
 
 
-@pytest.mark.parametrize("bad", [[-1], [2**64], ["seven"]])
-def test_poll_array_refuses_an_id_that_is_no_uint64_by_name(bad: list[Any]) -> None:
+@pytest.mark.parametrize("bad", [[-1], [2**64], ["seven"], [np.int64(-3)], [1.5],
+                                 np.array([5, -1], dtype=np.int64), np.array([1.7]),
+                                 np.array([-(2**63)], dtype=np.int64), np.array([True]),
+                                 np.array([2**64], dtype=object)])
+def test_poll_array_refuses_an_id_that_is_no_uint64_by_name(bad: Any) -> None:
     """A negative, too large or non-integer room id is a ValueError naming the rule (it
-    escaped as numpy's OverflowError), and nothing is asked."""
+    escaped as numpy's OverflowError), and nothing is asked -- whatever carries it: an
+    int64 array's -1 was cast to room 2**64 - 1 and a float 1.7 read as room 1 (another
+    room's status answered, S19)."""
     with pytest.raises(ValueError, match=r"room ids are integers in \[0, 2\*\*64\)"):
         poll_array(_Answers([]), bad)  # type: ignore[arg-type]
 
@@ -152,3 +157,22 @@ def test_poll_array_asks_the_socket_for_every_room_the_racing_table_does_not_ans
     assert len(client.asked) == len(set(client.asked))
     if race.quiet:
         assert set(client.asked) == {r for r in rooms if r not in race.seen}
+
+
+@pytest.mark.parametrize("good", [[0, 2**64 - 1], np.array([0, 2**63 - 1], dtype=np.int64),
+                                  np.array([7, 2**32], dtype=np.uint64),
+                                  np.array([3], dtype=np.uint8), np.array([0, 2**64 - 1],
+                                                                         dtype=object),
+                                  (4, 5), np.zeros(0)])
+def test_poll_array_takes_every_uint64_whatever_carries_it(good: Any) -> None:
+    """Ids at their bounds (0, 2**63 - 1, 2**64 - 1) in a list, a tuple, an array of any
+    integer dtype or of Python ints, are asked exactly."""
+    asked = []
+
+    class Asking(_Answers):
+        def call(self, call: rpc.Poll) -> rpc.PollResult:
+            asked.extend(call.rooms)
+            return rpc.PollResult(statuses=[UNKNOWN_ROOM] * len(call.rooms))
+
+    assert poll_array(Asking([]), good).tolist() == [UNKNOWN_ROOM] * len(good)
+    assert asked == [int(x) for x in good]

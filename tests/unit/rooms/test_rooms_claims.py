@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from roomkit import BOOT, P0, TIMEOUTS, live_regions, receiver, room_status, targets
@@ -89,3 +90,28 @@ def test_k42_no_two_live_rooms_of_a_decode_rank_share_any_region(steps: list[Ste
     for s in steps:
         now = run(d, s, now)
         live_regions(d, now)
+
+
+def test_s19_room_ids_past_int64_claim_and_refuse_like_any_other() -> None:
+    """A room id is a 64-bit unsigned integer on the wire (``RoomId``): ``2**63`` up to
+    ``2**64 - 1`` are ids an engine may send and every bound accepts. Before, the claim
+    table held rooms as int64 with -1 for free: ``init`` of such a room raised
+    OverflowError (the engine got an internal error, not a refusal naming a cause, and
+    the room could never be initialised), and the numpy path stacked rooms with
+    incarnations as float64, merging ids past 2**53."""
+    top, below = 2**64 - 1, 2**64 - 2
+    for n in (2, 20):  # the Python path (<= SMALL regions) and the numpy path
+        d = receiver()
+        d.engine_registered(64, 4, (), 0, 0)
+        d.create(top, BOOT, None, 0.0)
+        d.init(top, pack_indices(list(range(n))), 0, 0.0)  # claims pages [0, n), aux 0
+        assert d.claims.holders(PAGE) == {i: (top, d.rooms[top].inc) for i in range(n)}
+        d.create(below, BOOT, None, 0.0)
+        with pytest.raises(RoomError, match=f"held by room {top},"):
+            d.init(below, pack_indices([*range(n, 2 * n), n - 1]), 1, 0.0)
+        d.init(below, pack_indices(list(range(n, 2 * n))), 1, 0.0)
+        assert d.claims.holders(PAGE)[n] == (below, d.rooms[below].inc)
+        d.abort(top, "engine", 0.0)  # nothing sent: its regions free at once
+        d.create(2**63, BOOT, None, 0.0)
+        d.init(2**63, pack_indices(list(range(n))), 0, 0.0)
+        assert d.claims.holders(PAGE)[0] == (2**63, d.rooms[2**63].inc)
