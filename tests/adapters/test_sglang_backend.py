@@ -454,3 +454,36 @@ def test_kv_pool_outside_shared_memory_is_refused(sgl: Any, pd: Pd) -> None:
             cls(args, sgl.utils.DisaggregationMode.PREFILL, None, False)
     finally:
         rank.close()
+
+
+def test_a_room_read_failed_only_because_kvd_was_unreachable_is_cleared_waited(
+        sgl: Any) -> None:
+    """The board reads every live room Failed (and releasable) when kvd cannot be reached,
+    but kvd never said those rooms ended (a timeout is no death): their clear must be
+    waited for, so a refusal is heard, never kept silently under an id SGLang will not
+    clear again. Once kvd answers again, the room is settled as kvd says."""
+    from kvd.adapters.sglang.conn import _Board
+    from kvd.errors import KvdUnreachable
+    from kvd.protocol import rpc
+    from kvd.rooms import KVPoll
+
+    class Client:
+        reachable = False
+
+        def read_table(self, rooms: Any) -> None:
+            return None
+
+        def call(self, msg: Any) -> Any:
+            if not self.reachable:
+                raise KvdUnreachable("kvd did not answer in time")
+            return rpc.PollResult(statuses=[int(KVPoll.Success)] * len(msg.rooms),
+                                  releasable=list(msg.rooms))
+
+    client = Client()
+    board = _Board(client, max_age=0.0)  # type: ignore[arg-type]
+    board.add(7)
+    assert board.get(7) == int(KVPoll.Failed)
+    assert not board.settled(7)  # read Failed by the fallback: its clear waits
+    client.reachable = True
+    assert board.get(7) == int(KVPoll.Success)
+    assert board.settled(7)  # kvd said it ended and is releasable

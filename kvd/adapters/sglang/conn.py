@@ -185,6 +185,9 @@ class _Board:
         self.stats: dict[int, tuple[int, float]] = {}
         self.releasable: set[int] = set()
         self.detailed: set[int] = set()  # ended rooms whose reason and stats are in
+        #: rooms read Failed because kvd could not be reached, not because kvd said so:
+        #: kvd may still hold them (a timeout, not a death), so their clear is waited for
+        self.unheard: set[int] = set()
         self.refreshed = 0.0
 
     def add(self, room: int) -> None:
@@ -196,12 +199,16 @@ class _Board:
             table.pop(room, None)
         self.releasable.discard(room)
         self.detailed.discard(room)
+        self.unheard.discard(room)
 
     def settled(self, room: int) -> bool:
         """Whether ``room`` was last read ended (Success or Failed) with its pages
         releasable: both stay true (kvd frees a room's pages only once it ended, K06), so
-        kvd cannot refuse its Clear and the clear need not be waited for."""
-        return self.status.get(room) in _TERMINAL and room in self.releasable
+        kvd cannot refuse its Clear and the clear need not be waited for. A room read
+        Failed only because kvd could not be reached is not settled: kvd never said it
+        ended, so its Clear may be refused, and a refusal must be heard (logged)."""
+        return (self.status.get(room) in _TERMINAL and room in self.releasable
+                and room not in self.unheard)
 
     def get(self, room: int) -> int:
         if room not in self.status or time.monotonic() - self.refreshed > self.max_age:
@@ -219,7 +226,9 @@ class _Board:
             for room in rooms:
                 self.status[room], self.reasons[room] = int(KVPoll.Failed), str(exc)
             self.releasable.update(rooms)
+            self.unheard.update(rooms)
             return
+        self.unheard.difference_update(rooms)
         self.status.update(zip(rooms, (int(s) for s in res.statuses), strict=True))
         self.reasons.update(res.reasons)
         self.stats.update(res.stats)
@@ -246,6 +255,7 @@ class _Board:
                 ask.append(room)
                 continue
             self.status[room] = s
+            self.unheard.discard(room)
             (self.releasable.add if f else self.releasable.discard)(room)
         return ask
 
