@@ -35,7 +35,7 @@ import select
 import time
 from collections.abc import Callable
 
-from kvd.errors import KvdError, ProtocolError
+from kvd.errors import KvdError, KvdUnreachable, ProtocolError
 from kvd.protocol import codec, rpc
 from kvd.protocol.ring import Consumer, Producer, Ring, fence
 
@@ -210,6 +210,37 @@ class EngineRing:
                 break
             rooms.add(inflight[seq])
         return rooms
+
+    def refuse_unrun(self) -> dict[int, KvdError]:
+        """Once this ring's ``tail`` is final -- kvd closed the ring, or answered the
+        engine's registration on a later connection (kvd answers it only after the
+        dropped ring's published records ran, :class:`kvd.engine_rpc.ring.Backlog`) --
+        every record past ``tail`` never ran and never will: a record published after
+        kvd read the dropped ring's ``head`` (K41). Each such record's room keeps a
+        refusal (KvdUnreachable kind; in :attr:`refused`, and the handle's in
+        :attr:`failed`), so the room reads Failed rather than never being created or
+        aborted without anyone knowing; an unwaited Clear among them did not run (its
+        room keeps what it had). Reads every completion first. Returns the refusals it
+        added, by room (a room that already held one keeps its first)."""
+        with contextlib.suppress(ProtocolError):
+            self.collect()
+        tail = self.sub.tail
+        added: dict[int, KvdError] = {}
+        for seq, room in self.inflight.items():
+            if seq < tail:
+                continue
+            exc = KvdUnreachable(f"kvd closed the engine ring before running call {seq} "
+                                 f"on room {room} (published after kvd read the dropped "
+                                 f"connection's ring, K41): it never ran", "KvdUnreachable")
+            key = self.owner.get(seq)
+            if key is not None and key in self.last:
+                self.failed.setdefault(key, exc)
+            if room not in self.refused:
+                self.refused[room] = added[room] = exc
+            self.clearing.pop(seq, None)
+        self.inflight.clear()
+        self.owner.clear()
+        return added
 
     def wait_done(self, seq: int, timeout: float) -> None:
         """Block until kvd ran call ``seq`` (RingClosed, DaemonGone, TimeoutError)."""

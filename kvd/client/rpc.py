@@ -138,6 +138,10 @@ class KvdClient:
         self._rbuf = bytearray()
         self.reconnects = 0
         self._interrupted: socket.socket | None = None
+        #: rings of dropped connections kvd had not closed when the drop was noticed:
+        #: their ``tail`` is final once kvd answers the next registration (its Backlog
+        #: ran them first), and the records past it never ran (:meth:`_settle_dropped`)
+        self._dropped_rings: list[EngineRing] = []
         self.use_table, self.stale_ns = use_table, stale_ns
         self.table: StatusTable | None = None
         self._table_map: mmap.mmap | None = None
@@ -169,12 +173,29 @@ class KvdClient:
         previous registration (it restarted) starts a new :attr:`epoch` -- it never knew
         the rooms made before (K27)."""
         instance = result.instance_id
-        if instance and self.instance and instance != self.instance:
+        restarted = bool(instance and self.instance and instance != self.instance)
+        if restarted:
             self._end_epoch("unreachable", f"kvd restarted (now instance {instance}): it "
                             f"does not know the rooms the previous kvd held")
             with self._ring_lock:
                 self._refusal_taken.clear()  # the new kvd never knew those rooms
+        self._settle_dropped(keep=not restarted)
         self.instance = instance or self.instance
+
+    def _settle_dropped(self, keep: bool) -> None:
+        """kvd answered a registration: the rings of dropped connections it ran first
+        (:class:`~kvd.engine_rpc.ring.Backlog`) have a final ``tail``, and every record
+        past it -- published after kvd read the ring at the drop, K41 -- never ran. With
+        ``keep`` (the same kvd instance) each such record's room keeps a refusal
+        (:meth:`EngineRing.refuse_unrun`) with the ring's other kept refusals; without
+        (a restarted kvd, or a goodbye) the rooms are gone anyway. The rings close."""
+        with self._ring_lock:
+            rings, self._dropped_rings = self._dropped_rings, []
+            for ring in rings:
+                if keep:
+                    ring.refuse_unrun()
+                    self._keep_refusals(ring)
+                ring.close()
 
     def _end_epoch(self, kind: str, why: str) -> None:
         """The rooms of the current :attr:`epoch` are gone in kvd (``why``: it restarted,
@@ -717,8 +738,11 @@ class KvdClient:
 
     def _open_ring(self) -> None:
         """Open this connection's rings (after a registration; under the lock). A kvd
-        without them leaves room calls on the socket."""
+        without them leaves room calls on the socket. A ring this registration replaced
+        ran its records before kvd answered (its ``tail`` is final: the Backlog's rule,
+        :meth:`_settle_dropped`)."""
         self._close_ring(keep=True)
+        self._settle_dropped(keep=True)
         if not self.use_ring or self.table is None or self._sock is None:
             return
         fds: list[int] = []
@@ -745,23 +769,42 @@ class KvdClient:
         lock (a ring call in progress ends first)."""
         with self._ring_lock:
             ring, self.ring = self.ring, None
+            if ring is None:
+                return
             if not keep:
                 self._refusal_taken.clear()
-            elif ring is not None:
-                with contextlib.suppress(ProtocolError):
-                    ring.collect()
-                self._drop_cleared(ring)
-                # an unwaited Clear kvd has not run yet runs after the drop (the engine's
-                # records run in order before its reconnect, K41), and one it refuses then
-                # fails the room in kvd: the refusals kept from before it go as if it ran
-                clearing = set(ring.clearing.values())
-                for room in clearing:
-                    self._refusal_taken.pop(room, None)
-                for room, refusal in ring.refused.items():
-                    if room not in clearing:
-                        self._refusal_taken.setdefault(room, refusal)
-            if ring is not None:
+                # kvd closed the ring: its tail is final, and a record past it never ran
+                # (its room was never carried, so kvd aborted nothing of it)
+                self._refusal_taken.update(
+                    (room, exc) for room, exc in ring.refuse_unrun().items()
+                    if room not in self._refusal_taken)
                 ring.close()
+                return
+            with contextlib.suppress(ProtocolError):
+                ring.collect()
+            self._keep_refusals(ring)
+            if ring.drained():  # kvd closed the ring (tail final), or every record ran
+                ring.refuse_unrun()
+                self._keep_refusals(ring)
+                ring.close()
+            else:  # kvd runs its records before it answers the next registration
+                self._dropped_rings.append(ring)
+
+    def _keep_refusals(self, ring: EngineRing) -> None:
+        """Keep ``ring``'s refusals by room (:attr:`_refusal_taken`), its completions
+        read (under the ring's lock): the connection dropped or the ring is replaced."""
+        self._drop_cleared(ring)
+        # an unwaited Clear kvd has not run yet runs after the drop (the engine's
+        # records run in order before its reconnect, K41), and one it refuses then
+        # fails the room in kvd: the refusals kept from before it go as if it ran (one
+        # past the ring's final tail never ran: EngineRing.refuse_unrun)
+        clearing = set(ring.clearing.values())
+        for room in clearing:
+            self._refusal_taken.pop(room, None)
+        for room, refusal in ring.refused.items():
+            if room not in clearing:
+                self._refusal_taken.setdefault(room, refusal)
+        ring.refused.clear()
 
     def read_table(self, rooms: npt.NDArray[np.uint64]) -> tuple[
             npt.NDArray[np.int8], npt.NDArray[np.bool_], npt.NDArray[np.bool_]] | None:
@@ -1058,6 +1101,7 @@ class KvdClient:
                     self._roundtrip(rpc.Release(), None)
             self._drop()
             with self._ring_lock:
+                self._settle_dropped(keep=False)
                 self._refusal_taken.clear()  # kvd fails and forgets the rooms at a goodbye
             why = ("the engine closed its kvd client (KvdClient.close()): kvd failed its "
                    "rooms at the goodbye")

@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import tempfile
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvd.client import KvdClient
+from kvd.client.ring import EngineRing
 from kvd.engine_rpc import ring as ring_module
 from kvd.engine_rpc.ring import BATCH
 from kvd.engine_rpc.server import LATER, Connection
+from kvd.errors import KvdUnreachable
 from kvd.protocol import rpc
 from kvd.rooms import UNKNOWN_ROOM
 from tests.inproc.harness import Cluster, Engine, settle
@@ -189,30 +195,48 @@ async def test_k41_a_socket_call_behind_a_full_completion_ring_fails_the_channel
         ring.close()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a record the engine publishes after kvd read the dropped ring's head (RingChannel."
-    "orphan fixes its target then) neither runs nor fails its room nor is answered: the "
-    "ring closes after the target with head past tail. A real client publishes an "
-    "unwaited call there until it sees the ring closed (another thread's interrupt(), a "
-    "drop it has not noticed): the call returned and is lost. The fix needs a rule: run "
-    "what was published by the close (bounded by the ring's capacity) or fail each such "
-    "record's room (decoded, as _fail_room does)"))
 async def test_k41_a_record_published_after_the_drop_runs_or_fails_its_room(
         cluster: Cluster) -> None:
+    """kvd reads the dropped ring's ``head`` (600 creates) when it notices the drop and
+    runs that far; the engine, not having noticed, publishes an Abort of room 5 after it.
+    kvd publishes ``tail`` as the Backlog runs and answers the engine's registration only
+    once the ring ran and closed: its ``tail`` (600) is final, and the engine's client
+    keeps a refusal for room 5 -- the Abort never ran -- while the creates before it
+    hold none (they ran in kvd)."""
     p = await cluster.node("prefill")
     pe = await p.engine(seed=1, engine_id="e1")
     await pe.call(rpc.SenderCreate(room=5))
-    ring = await RingEngine.open(pe, capacity=1024, record_bytes=rpc.MIN_RING_RECORD)
+    result = await pe.call(rpc.OpenRing(capacity=1024, record_bytes=rpc.MIN_RING_RECORD))
+    fds = [os.dup(fd) for fd in pe.conn.reply_fds]  # as SCM_RIGHTS would
+    pe.conn.reply_fds = []
+    a, b = socket.socketpair()
+    ring = EngineRing(result, fds, a.fileno())
+    client = KvdClient("/nonexistent/kvd.sock", use_ring=True)
+    client.ring = ring
     try:
         for r in range(1000, 1600):
-            assert ring.out.push(ring_record(ring, rpc.SenderCreate(room=r))) is not None
+            data = ring.encode(rpc.SenderCreate(room=r))
+            assert data is not None
+            ring.submit(data, r, 1.0)  # kvd woken, but the loop has not turned
         pe.disconnect()  # kvd reads head (600) and runs the first slice
         assert 0 < ring.sub.tail < 600 and not ring.sub.closed
         # the engine has not noticed: its scheduler thread aborts room 5, not waited for
-        assert ring.out.push(ring_record(ring, rpc.Abort(room=5, reason="late"))) is not None
-        await settle(cluster)
-        assert ring.sub.closed
-        # the abort ran (room 5 failed), or room 5 failed naming the lost call
-        assert p.side.poll([5]).statuses == [0], p.side.poll([5])
+        late = ring.encode(rpc.Abort(room=5, reason="late"))
+        assert late is not None
+        assert ring.submit(late, 5, 1.0) == 600
+        client._close_ring(keep=True)  # the engine notices the drop; kvd is not done
+        assert client.room_refusal(5) is None and client._dropped_rings == [ring]
+        pe.conn = Connection(next(cluster._conns))
+        answer = await pe.call(pe.pool.registration)  # after the Backlog ran
+        assert ring.sub.closed and ring.sub.tail == 600
+        client._served_by(answer)
+        refusal = client.room_refusal(5)
+        assert isinstance(refusal, KvdUnreachable) and "never ran" in str(refusal)
+        hit = client.ring_refused(np.array([5, 1000, 1599], dtype=np.uint64))
+        assert hit is not None and hit.tolist() == [True, False, False]
+        assert UNKNOWN_ROOM not in p.side.poll([1000, 1599]).statuses  # they ran
     finally:
+        client._settle_dropped(keep=False)
         ring.close()
+        a.close()
+        b.close()
