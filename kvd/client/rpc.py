@@ -700,8 +700,9 @@ class KvdClient:
     def _usable_ring(self) -> EngineRing | None:
         """The ring, if kvd is known alive (a fresh status table) and no reconnect waits."""
         ring, table = self.ring, self.table
-        if ring is None or table is None or self._replay or self._sock is None:
-            return None
+        if ring is None or table is None or self._replay or self._sock is None or \
+                self._sock is self._interrupted:  # an interrupt no call consumed: the
+            return None  # socket reconnects first (:meth:`interrupt`)
         if not table.fresh(time.monotonic_ns(), self.stale_ns):
             return None  # kvd silent: the socket tells whether it is gone
         return ring
@@ -961,6 +962,8 @@ class KvdClient:
         run the call: it would run twice, and the caller would wait twice its timeout) nor
         one :meth:`interrupt` ended (the caller wants the call over)."""
         for attempt in (0, 1):
+            if self._sock is not None and self._sock is self._interrupted:
+                self._drop()  # an interrupt that ended no call: consumed by a reconnect
             sock = self._sock
             try:
                 if self._replay and self._registration is not None and \
@@ -1078,12 +1081,24 @@ class KvdClient:
     def interrupt(self) -> None:
         """From another thread: end the call in progress on this connection now (it raises
         :class:`KvdUnreachable`; the next call reconnects). For a long ``Wait`` that is no
-        longer needed. The call is not sent again on a fresh connection."""
+        longer needed. The call is not sent again on a fresh connection. With no call in
+        flight (neither the socket's lock nor the ring's held) it ends nothing; one that
+        races a call's end leaves the socket shut with no call to fail, and the next call
+        drops it and reconnects (:meth:`_exchange`, :meth:`_usable_ring`) instead of
+        failing as interrupted."""
         sock = self._sock
-        if sock is not None:
-            self._interrupted = sock  # the call on it fails: not retried on a fresh one
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        if sock is None:
+            return
+        if self._lock.acquire(blocking=False):  # no socket call in progress
+            try:
+                if self._ring_lock.acquire(blocking=False):  # nor a ring call
+                    self._ring_lock.release()
+                    return
+            finally:
+                self._lock.release()
+        self._interrupted = sock  # the call on it fails: not retried on a fresh one
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         """Say goodbye and close the connection: kvd fails this engine's rooms and releases

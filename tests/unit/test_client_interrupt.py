@@ -153,3 +153,29 @@ def test_call_many_refuses_polls_naming_too_many_rooms_before_sending(tmp_path: 
     client = KvdClient(str(tmp_path / "none.sock"))
     with pytest.raises(ValueError, match="at most"):
         client.call_many([rpc.Poll(rooms=[1] * rpc.MAX_MANY_POLLED), rpc.Poll(rooms=[1])])
+
+
+def test_an_interrupt_with_no_call_in_flight_ends_nothing(tmp_path: Path) -> None:
+    """``interrupt()`` ends the call in progress; with none in flight it ends nothing: the
+    next call runs on the same connection (no broken pipe, no "interrupted"), and an
+    interrupt that came too late for a call that just finished is consumed by the next
+    call, which reconnects instead of failing."""
+    from kvd.protocol import rpc
+
+    server = FakeKvd(str(tmp_path / "kvd.sock"))
+    client = KvdClient(str(tmp_path / "kvd.sock"), timeout=5.0)
+    try:
+        client.call(rpc.Poll(rooms=[]))
+        client.interrupt()  # nothing in flight
+        client.call(rpc.Poll(rooms=[]))
+        assert server.seen == [(1, "Poll"), (1, "Poll")]  # the same connection
+        # an interrupt that raced a call's end: the socket is shut, nobody consumed it
+        sock = client._sock
+        assert sock is not None
+        client._interrupted = sock
+        sock.shutdown(socket.SHUT_RDWR)
+        client.call(rpc.Poll(rooms=[]))  # reconnects, not "interrupted"
+        assert server.seen[-1] == (2, "Poll")
+    finally:
+        client.close()
+        server.close()
