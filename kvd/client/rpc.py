@@ -341,31 +341,16 @@ class KvdClient:
                 self._exchange(call, None)
                 return None
             try:
-                seq = ring.submit(data, call.room, self.timeout, key)
-            except RingClosed:
+                return self._submit_record(ring, call, data, wait, key)
+            except RingClosed:  # kvd closed the ring, nothing published: the socket
                 if isinstance(handle, Handle):
                     self._settle_create(handle, call.room)
                 self._close_ring()
                 self._exchange(call, None)
                 return None
-            except (DaemonGone, TimeoutError, ProtocolError) as exc:
-                self._ring_broken(exc)
-            if not wait:
-                if isinstance(call, rpc.Clear):  # its room's kept refusals go once it ran
-                    ring.clearing[seq] = call.room
-                return Handle(ring, seq) if key == NEW else None
-            try:
-                ring.wait_done(seq, self.timeout)
-                refusal = ring.result_of(seq)
-            except RingClosed as exc:
-                self._close_ring()
-                raise ProtocolError(f"kvd closed the engine ring before it ran call {seq} "
-                                    f"(room {call.room})") from exc
-            except (DaemonGone, TimeoutError, ProtocolError) as exc:
-                self._ring_broken(exc)
-        if refusal is not None:
-            raise refusal
-        return None
+            except _Broken as exc:  # both locks held: drop the connection at once
+                self._drop()
+                raise KvdUnreachable(exc.why, "KvdUnreachable") from exc.exc
 
     def _submit_record(self, ring: EngineRing, call: rpc.RingCall, data: bytes, wait: bool,
                        key: int | None) -> Handle | None:
